@@ -1,0 +1,26 @@
+"""Alembic environment: migrates the database named by the caller (never one built at import)."""
+
+from __future__ import annotations
+
+from sqlalchemy import create_engine, pool
+
+from alembic import context
+from controlplane.db import sqlalchemy_url
+from controlplane.schema import metadata
+
+config = context.config
+
+
+def run_migrations_online() -> None:
+    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise RuntimeError("no database URL given to the migration (use `controlplane migrate`)")
+    engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=metadata, compare_type=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+run_migrations_online()

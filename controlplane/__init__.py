@@ -1,0 +1,1 @@
+"""The control plane: lifecycles, persistence, job queue, API, billing and CLI."""

@@ -1,0 +1,43 @@
+"""The `controlplane` command: one parser, with sub-commands registered by the modules beside it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from controlplane.cli import common, server, sre
+from controlplane.settings import SettingsError
+
+COMMAND_MODULES = (server, sre)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="controlplane",
+        description="Control plane for a managed PostgreSQL service.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMAND_MODULES:
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+    except (common.CommandError, SettingsError) as exc:
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""What the CLI's commands share: errors, settings flags with their environment variables, output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from controlplane import settings as settings_module
+from controlplane.settings import Settings
+
+
+class CommandError(Exception):
+    """A failure to report as one line on stderr with exit code 1."""
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """Add --flag for each named setting; each defaults to its CONTROLPLANE_* variable."""
+    by_name = {f.name: f for f in fields(Settings)}
+    for name in names:
+        field = by_name[name]
+        kind = str(field.type).replace(" | None", "")
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=f"setting_{name}",
+            type={"int": int, "float": float, "Path": Path}.get(kind, str),
+            default=None,
+            help=f"(env {settings_module.env_name(name)}, default {field.default!r})",
+        )
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    overrides = {
+        key.removeprefix("setting_"): value
+        for key, value in vars(args).items()
+        if key.startswith("setting_") and value is not None
+    }
+    return settings_module.load(**overrides)
+
+
+def print_json(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,84 @@
+"""The embedded database: the control plane's own PostgreSQL, in a data directory it owns."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from controlplane.postgres import PostgresServer, free_port, make_owned_dir, server_user, url
+
+SUPERUSER = "controlplane"
+DBNAME = "controlplane"
+
+# Durable by default: the control plane's own state must survive a crash.
+SERVER_SETTINGS = {
+    "max_connections": "200",
+    "shared_buffers": "128MB",
+    "log_min_messages": "warning",
+    "log_line_prefix": "%m [%p] ",
+}
+
+# Throwaway clusters (tests, benchmarks of the product's logic) may trade durability for speed.
+FAST_SETTINGS = {**SERVER_SETTINGS, "fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+@dataclass
+class EmbeddedDatabase:
+    """The control plane's own server: data in `root/pg`, its port and password in `root/embedded.json`."""
+
+    root: Path
+    server: PostgresServer
+    password: str
+
+    @property
+    def admin_url(self) -> str:
+        return url(SUPERUSER, self.password, self.server.host, self.server.port, "postgres")
+
+    def database_url(self, dbname: str = DBNAME) -> str:
+        return url(SUPERUSER, self.password, self.server.host, self.server.port, dbname)
+
+    def create_database(self, dbname: str = DBNAME, template: str | None = None) -> str:
+        """Create `dbname` unless it exists; return its URL."""
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone()
+            if not exists:
+                ident = psycopg.sql.Identifier(dbname)
+                if template:
+                    conn.execute(
+                        psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY").format(
+                            ident, psycopg.sql.Identifier(template)
+                        )
+                    )
+                else:
+                    conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(ident))
+        return self.database_url(dbname)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def open_embedded(root: Path, settings: dict[str, str] | None = None) -> EmbeddedDatabase:
+    """Initialise (first time) and start the server under `root`; reuse it on later calls."""
+    root = root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    run_as = server_user()
+    if run_as.is_switch:
+        os.chmod(root, 0o711)  # noqa: S103 (the server user must traverse it)
+    state_file = root / "embedded.json"
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+    else:
+        state = {"port": free_port(), "password": secrets.token_urlsafe(32)}
+        state_file.write_text(json.dumps(state))
+        os.chmod(state_file, 0o600)
+    server = PostgresServer(datadir=root / "pg", port=int(state["port"]), run_as=run_as)
+    if not server.initialised:
+        make_owned_dir(root / "pg", run_as)
+        server.initdb(SUPERUSER, state["password"], settings or SERVER_SETTINGS)
+    server.start()
+    return EmbeddedDatabase(root=root, server=server, password=state["password"])

@@ -1,0 +1,50 @@
+"""Instance records: creation in the initial state with its audit row, and look-ups."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from psycopg.rows import DictRow
+
+from controlplane import sql
+from controlplane.db import AsyncConn
+from controlplane.transitions import Actor
+
+
+async def create_instance(
+    conn: AsyncConn,
+    org_id: uuid.UUID,
+    name: str,
+    spec: Mapping[str, Any],
+    actor: Actor,
+    *,
+    deadline_s: float,
+    deletion_protection: bool = False,
+    request_id: str | None = None,
+) -> DictRow:
+    """Insert an instance in `pending` with its creation event, in the caller's transaction."""
+    cursor = await conn.execute(
+        sql.CREATE_INSTANCE,
+        {
+            "org_id": org_id,
+            "name": name,
+            "spec": json.dumps(dict(spec)),
+            "deletion_protection": deletion_protection,
+            "deadline_s": deadline_s,
+            "actor_kind": actor.kind,
+            "actor_id": actor.id,
+            "request_id": request_id,
+        },
+        prepare=True,
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    return row
+
+
+async def get_instance(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow | None:
+    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (instance_id,))
+    return await cursor.fetchone()

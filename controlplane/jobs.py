@@ -1,0 +1,93 @@
+"""Job records: enqueue (single and bulk, inside the caller's transaction) and look-ups."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg.rows import DictRow
+
+from controlplane import sql
+from controlplane.db import AsyncConn
+from controlplane.transitions import Actor
+
+
+@dataclass(frozen=True)
+class NewJob:
+    kind: str
+    instance_id: uuid.UUID | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    priority: int = 100
+    max_attempts: int = 5
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """The outcome of one enqueue: the new job, or the live one that already does this work."""
+
+    job: DictRow
+    created: bool
+
+
+async def enqueue_many(
+    conn: AsyncConn, jobs: Sequence[NewJob], actor: Actor, *, request_id: str | None = None
+) -> list[Enqueued]:
+    """Insert jobs in the caller's transaction; a duplicate live (instance, kind) is not created."""
+    if not jobs:
+        return []
+    cursor = await conn.execute(
+        sql.ENQUEUE_JOBS,
+        {
+            "kinds": [j.kind for j in jobs],
+            "instance_ids": [j.instance_id for j in jobs],
+            "payloads": [json.dumps(dict(j.payload)) for j in jobs],
+            "priorities": [j.priority for j in jobs],
+            "max_attempts": [j.max_attempts for j in jobs],
+            "delays": [j.delay_s for j in jobs],
+            "actor_kind": actor.kind,
+            "actor_id": actor.id,
+            "request_id": request_id,
+        },
+        prepare=True,
+    )
+    created = await cursor.fetchall()
+    by_key = {(row["instance_id"], row["kind"]): row for row in created if row["instance_id"]}
+    unkeyed = iter(row for row in created if row["instance_id"] is None)
+    missing = [j for j in jobs if j.instance_id is not None and (j.instance_id, j.kind) not in by_key]
+    existing: dict[tuple[Any, str], DictRow] = {}
+    if missing:
+        cursor = await conn.execute(
+            sql.LIVE_JOBS_FOR,
+            {"instance_ids": [j.instance_id for j in missing], "kinds": [j.kind for j in missing]},
+        )
+        existing = {(row["instance_id"], row["kind"]): row for row in await cursor.fetchall()}
+    results: list[Enqueued] = []
+    claimed_keys: set[tuple[Any, str]] = set()
+    for job in jobs:
+        if job.instance_id is None:
+            results.append(Enqueued(next(unkeyed), True))
+            continue
+        key = (job.instance_id, job.kind)
+        if key in by_key and key not in claimed_keys:
+            claimed_keys.add(key)
+            results.append(Enqueued(by_key[key], True))
+        else:
+            live = by_key.get(key) or existing.get(key)
+            if live is None:
+                raise RuntimeError(f"enqueue of {job.kind} for {job.instance_id} neither created nor found")
+            results.append(Enqueued(live, False))
+    return results
+
+
+async def enqueue(conn: AsyncConn, job: NewJob, actor: Actor, *, request_id: str | None = None) -> Enqueued:
+    (result,) = await enqueue_many(conn, [job], actor, request_id=request_id)
+    return result
+
+
+async def get_job(conn: AsyncConn, job_id: uuid.UUID) -> DictRow | None:
+    cursor = await conn.execute("SELECT * FROM jobs WHERE id = %s", (job_id,))
+    return await cursor.fetchone()

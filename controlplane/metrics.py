@@ -1,0 +1,74 @@
+"""Prometheus metrics of the control plane, registered once in the default registry."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TRANSITIONS = Counter(
+    "controlplane_transitions_total",
+    "State transitions applied, by entity, from, to and event.",
+    ["entity", "from_state", "to_state", "event"],
+)
+ILLEGAL_TRANSITIONS = Counter(
+    "controlplane_illegal_transitions_total",
+    "Transitions refused because the lifecycle table does not allow them.",
+    ["entity", "state", "event"],
+)
+CONFLICTS = Counter(
+    "controlplane_transition_conflicts_total",
+    "Transitions that lost an optimistic-lock race.",
+    ["entity", "event"],
+)
+INVARIANT_VIOLATIONS = Counter(
+    "controlplane_invariant_violations_total",
+    "Rows found in a state the transition path never wrote (same version, other state).",
+    ["entity"],
+)
+ENTITIES_BY_STATE = Gauge(
+    "controlplane_entities",
+    "Instances and jobs by state, as of the last reconciler pass.",
+    ["entity", "state"],
+)
+OVER_DEADLINE = Gauge(
+    "controlplane_instances_over_deadline",
+    "Instances past their state deadline, as of the last reconciler pass.",
+)
+TIME_IN_STATE = Histogram(
+    "controlplane_time_in_state_seconds",
+    "Time an entity spent in a state before leaving it.",
+    ["entity", "state"],
+    buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+)
+PROVISIONING_DURATION = Histogram(
+    "controlplane_provisioning_duration_seconds",
+    "Time from instance creation to ready.",
+    buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+)
+RECONCILE_PASS_DURATION = Histogram(
+    "controlplane_reconciler_pass_seconds",
+    "Duration of one reconciler pass.",
+    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+RECONCILE_LAST_SUCCESS = Gauge(
+    "controlplane_reconciler_last_success_timestamp_seconds",
+    "Unix time of the last reconciler pass that completed.",
+)
+RECONCILE_ACTIONS = Counter(
+    "controlplane_reconciler_actions_total",
+    "Corrective actions taken by the reconciler, by kind.",
+    ["action"],
+)
+ORPHANS_REMOVED = Counter(
+    "controlplane_orphans_removed_total",
+    "Provisioner resources removed because no live instance owns them.",
+)
+WEBHOOKS = Counter(
+    "controlplane_webhooks_total",
+    "Stripe webhook deliveries, by outcome.",
+    ["outcome"],
+)
+JOBS_FINISHED = Counter(
+    "controlplane_jobs_finished_total",
+    "Jobs finished by a worker, by kind and outcome.",
+    ["kind", "outcome"],
+)

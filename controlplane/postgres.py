@@ -1,0 +1,296 @@
+"""A PostgreSQL server on this machine: finds binaries, initdb, start, stop, as a non-root user."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVER_USER_CANDIDATES = ("postgres", "controlplane")
+
+
+class PostgresError(RuntimeError):
+    """The PostgreSQL server could not be found, initialised, started or stopped."""
+
+
+def find_bindir() -> Path:
+    """System server binaries when present, otherwise those of the `pgserver` PyPI package."""
+    override = os.environ.get("CONTROLPLANE_PG_BINDIR")
+    candidates: list[Path] = [Path(override)] if override else []
+    on_path = shutil.which("postgres")
+    if on_path:
+        candidates.append(Path(on_path).resolve().parent)
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    try:
+        import pgserver
+
+        candidates.append(Path(pgserver.__file__).parent / "pginstall" / "bin")
+    except ImportError:
+        pass
+    for bindir in candidates:
+        if (bindir / "postgres").exists() and (bindir / "initdb").exists():
+            return bindir
+    raise PostgresError(
+        "no PostgreSQL server binaries found: install PostgreSQL (initdb, postgres, pg_ctl) "
+        "or the 'pgserver' package (pip install 'controlplane[embedded-fallback]')"
+    )
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """The OS user server processes run as (None: the current user)."""
+
+    uid: int | None = None
+    gid: int | None = None
+    name: str | None = None
+
+    @property
+    def is_switch(self) -> bool:
+        return self.uid is not None
+
+
+def server_user() -> RunAs:
+    """PostgreSQL refuses to run as root: pick (or create) a non-root user when we are root."""
+    if os.geteuid() != 0:
+        return RunAs()
+    for name in SERVER_USER_CANDIDATES:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return RunAs(entry.pw_uid, entry.pw_gid, name)
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "controlplane"],
+        check=True,
+        capture_output=True,
+    )
+    entry = pwd.getpwnam("controlplane")
+    return RunAs(entry.pw_uid, entry.pw_gid, "controlplane")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((host, port)) == 0
+
+
+def make_owned_dir(path: Path, run_as: RunAs, mode: int = 0o700) -> None:
+    """Create `path` for the server user, checking the user can reach it."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    if run_as.is_switch:
+        assert run_as.uid is not None and run_as.gid is not None
+        os.chown(path, run_as.uid, run_as.gid)
+        for parent in path.resolve().parents:
+            if not os.stat(parent).st_mode & 0o001:
+                raise PostgresError(
+                    f"{parent} is not searchable by the server user {run_as.name!r}; "
+                    f"choose a data directory outside it (CONTROLPLANE_DATA_DIR) or chmod o+x it"
+                )
+
+
+@dataclass
+class PostgresServer:
+    """One PostgreSQL cluster in its own data directory, listening on one port."""
+
+    datadir: Path
+    port: int
+    host: str = "127.0.0.1"
+    run_as: RunAs = RunAs()
+    bindir: Path | None = None
+
+    @property
+    def logfile(self) -> Path:
+        return self.datadir.parent / f"{self.datadir.name}.log"
+
+    def bin(self, name: str) -> str:
+        if self.bindir is None:
+            self.bindir = find_bindir()
+        return str(self.bindir / name)
+
+    def _run(self, args: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, LC_ALL="C", LANG="C")
+        env.pop("PGDATA", None)
+        return subprocess.run(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd="/",
+            check=False,
+            user=self.run_as.uid,
+            group=self.run_as.gid,
+            extra_groups=[] if self.run_as.is_switch else None,
+        )
+
+    @property
+    def initialised(self) -> bool:
+        return (self.datadir / "PG_VERSION").exists()
+
+    def initdb(self, superuser: str, password: str, settings: Mapping[str, str]) -> None:
+        """Create the cluster with SCRAM authentication; idempotent when it already exists."""
+        if self.initialised:
+            return
+        make_owned_dir(self.datadir, self.run_as)
+        pwfile = self.datadir.parent / f".{self.datadir.name}.pw"
+        pwfile.write_text(password)
+        if self.run_as.is_switch:
+            assert self.run_as.uid is not None and self.run_as.gid is not None
+            os.chown(pwfile, self.run_as.uid, self.run_as.gid)
+        os.chmod(pwfile, 0o600)
+        try:
+            result = self._run(
+                [
+                    self.bin("initdb"),
+                    "-D",
+                    str(self.datadir),
+                    "-U",
+                    superuser,
+                    f"--pwfile={pwfile}",
+                    "--auth=scram-sha-256",
+                    "--encoding=UTF8",
+                    "--no-instructions",
+                ]
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
+        if result.returncode != 0:
+            raise PostgresError(f"initdb failed in {self.datadir}: {result.stdout.strip()}")
+        self.write_settings(settings)
+
+    def write_settings(self, settings: Mapping[str, str]) -> None:
+        """Write the cluster's managed settings (postgresql.auto.conf is left to ALTER SYSTEM)."""
+        managed = self.datadir / "controlplane.conf"
+        lines = [f"{key} = '{value}'" for key, value in sorted(settings.items())]
+        managed.write_text("\n".join(lines) + "\n")
+        conf = self.datadir / "postgresql.conf"
+        include = "include_if_exists = 'controlplane.conf'\n"
+        if include not in conf.read_text():
+            with conf.open("a") as handle:
+                handle.write(include)
+        if self.run_as.is_switch:
+            assert self.run_as.uid is not None and self.run_as.gid is not None
+            os.chown(managed, self.run_as.uid, self.run_as.gid)
+
+    def pid(self) -> int | None:
+        """The postmaster's pid when it is alive, from postmaster.pid."""
+        try:
+            first = (self.datadir / "postmaster.pid").read_text().splitlines()[0]
+            pid = int(first)
+        except (OSError, ValueError, IndexError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+    def is_running(self) -> bool:
+        return self.pid() is not None
+
+    def start(self, timeout: float = 60) -> None:
+        """Start the server (idempotent) and wait until it accepts connections."""
+        if not self.initialised:
+            raise PostgresError(f"{self.datadir} holds no PostgreSQL cluster")
+        if self.is_running():
+            return
+        options = f"-p {self.port} -c listen_addresses={self.host} -k {self.socket_dir()}"
+        result = self._run(
+            [
+                self.bin("pg_ctl"),
+                "-D",
+                str(self.datadir),
+                "-l",
+                str(self.logfile_for_server()),
+                "-o",
+                options,
+                "-w",
+                "-t",
+                str(int(timeout)),
+                "start",
+            ],
+            timeout=timeout + 10,
+        )
+        if result.returncode != 0:
+            tail = self.log_tail()
+            raise PostgresError(
+                f"PostgreSQL in {self.datadir} did not start on port {self.port}: "
+                f"{result.stdout.strip()} {tail}"
+            )
+
+    def socket_dir(self) -> Path:
+        return self.datadir
+
+    def logfile_for_server(self) -> Path:
+        log = self.logfile
+        if not log.exists():
+            log.touch()
+        if self.run_as.is_switch:
+            assert self.run_as.uid is not None and self.run_as.gid is not None
+            os.chown(log, self.run_as.uid, self.run_as.gid)
+        return log
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.logfile.read_text().strip().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, mode: str = "fast", timeout: float = 60) -> None:
+        if not self.is_running():
+            return
+        result = self._run(
+            [self.bin("pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "-t", str(int(timeout)), "stop"],
+            timeout=timeout + 10,
+        )
+        if result.returncode != 0 and self.is_running():
+            raise PostgresError(f"PostgreSQL in {self.datadir} did not stop: {result.stdout.strip()}")
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def reload(self) -> None:
+        self._run([self.bin("pg_ctl"), "-D", str(self.datadir), "reload"])
+
+    def run_tool(self, name: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """Run a client tool (pg_dump, psql) from the same installation, as the server user."""
+        return self._run([self.bin(name), *args], timeout=timeout)
+
+    def wait_until_down(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def url(user: str, password: str, host: str, port: int, dbname: str) -> str:
+    from urllib.parse import quote
+
+    return f"postgresql://{quote(user)}:{quote(password, safe='')}@{host}:{port}/{quote(dbname)}"
+
+
+@contextlib.contextmanager
+def running(server: PostgresServer) -> Iterator[PostgresServer]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,229 @@
+"""The database schema as SQLAlchemy 2 metadata: the single description Alembic migrations follow."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Sequence,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+    }
+)
+
+TZ = TIMESTAMP(timezone=True)
+NOW = text("now()")
+NEW_UUID = text("gen_random_uuid()")
+
+INSTANCE_LIVE = "state NOT IN ('deleted', 'failed')"
+JOB_LIVE = "state NOT IN ('completed', 'abandoned')"
+
+job_fence_seq = Sequence("job_fence_seq", metadata=metadata)
+
+lifecycle_transitions = Table(
+    "lifecycle_transitions",
+    metadata,
+    Column("entity", Text, nullable=False),
+    Column("from_state", Text, nullable=False),
+    Column("event", Text, nullable=False),
+    Column("to_state", Text, nullable=False),
+    PrimaryKeyConstraint("entity", "from_state", "event"),
+)
+
+organisations = Table(
+    "organisations",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("name", Text, nullable=False, unique=True),
+    Column("stripe_customer_id", Text, unique=True),
+    Column("billing_hold", Boolean, nullable=False, server_default=text("false")),
+    Column("billing_status", Text),
+    # Stripe `created` (unix seconds) of the newest event applied: older ones are ignored.
+    Column("billing_event_created", BigInteger),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id")),
+    Column("is_admin", Boolean, nullable=False, server_default=text("false")),
+    Column("prefix", Text, nullable=False, unique=True),
+    Column("key_hash", LargeBinary, nullable=False),
+    Column("name", Text, nullable=False, server_default=text("''")),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("revoked_at", TZ),
+)
+
+instances = Table(
+    "instances",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id"), nullable=False),
+    Column("name", Text, nullable=False),
+    Column("spec", JSONB, nullable=False),
+    Column("spec_generation", BigInteger, nullable=False, server_default=text("1")),
+    Column("observed_generation", BigInteger, nullable=False, server_default=text("0")),
+    Column("state", Text, nullable=False),
+    Column("state_version", BigInteger, nullable=False, server_default=text("0")),
+    Column("state_entered_at", TZ, nullable=False, server_default=NOW),
+    Column("deadline_at", TZ),
+    Column("failure_reason", Text),
+    Column("progress", Text),
+    Column("deletion_protection", Boolean, nullable=False, server_default=text("false")),
+    Column("deletion_requested_at", TZ),
+    Column("skip_final_backup", Boolean, nullable=False, server_default=text("false")),
+    Column("suspended_by_billing", Boolean, nullable=False, server_default=text("false")),
+    # Host, port, database and user; the password is stored encrypted in `secret`.
+    Column("connection", JSONB),
+    Column("secret", LargeBinary),
+    Column("deadline_retries", Integer, nullable=False, server_default=text("0")),
+    Column("last_reconciled_at", TZ),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("updated_at", TZ, nullable=False, server_default=NOW),
+    Index("ix_instances_live_state", "state", postgresql_where=text(INSTANCE_LIVE)),
+    Index(
+        "ux_instances_live_name",
+        "org_id",
+        "name",
+        unique=True,
+        postgresql_where=text(INSTANCE_LIVE),
+    ),
+    Index("ix_instances_org_created", "org_id", "created_at", "id"),
+)
+
+instance_events = Table(
+    "instance_events",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), nullable=False),
+    Column("from_state", Text),
+    Column("to_state", Text, nullable=False),
+    Column("event", Text, nullable=False),
+    Column("actor_kind", Text, nullable=False),
+    Column("actor_id", Text, nullable=False),
+    Column("reason", Text),
+    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("request_id", Text),
+    Column("state_version", BigInteger, nullable=False),
+    Column("at", TZ, nullable=False, server_default=NOW),
+    Index("ix_instance_events_instance_id_id", "instance_id", "id"),
+    Index("ix_instance_events_at", "at"),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("kind", Text, nullable=False),
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id")),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("state", Text, nullable=False),
+    Column("state_version", BigInteger, nullable=False, server_default=text("0")),
+    Column("state_entered_at", TZ, nullable=False, server_default=NOW),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("max_attempts", Integer, nullable=False, server_default=text("5")),
+    Column("run_at", TZ, nullable=False, server_default=NOW),
+    Column("priority", Integer, nullable=False, server_default=text("100")),
+    Column("claimed_by", Text),
+    Column("claimed_at", TZ),
+    Column("heartbeat_at", TZ),
+    Column("fence", BigInteger),
+    Column("last_error", Text),
+    # 'temporary' or 'permanent': how the last error asked to be treated.
+    Column("error_kind", Text),
+    Column("verdict", JSONB),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("updated_at", TZ, nullable=False, server_default=NOW),
+    Index(
+        "ix_jobs_live_heartbeat",
+        "heartbeat_at",
+        postgresql_where=text("state IN ('claimed', 'running')"),
+    ),
+    Index("ix_jobs_queued_order", "priority", "run_at", postgresql_where=text("state = 'queued'")),
+    Index("ix_jobs_failed_run_at", "run_at", postgresql_where=text("state = 'failed'")),
+    Index(
+        "ux_jobs_live_instance_kind",
+        "instance_id",
+        "kind",
+        unique=True,
+        postgresql_where=text(JOB_LIVE),
+    ),
+    Index("ix_jobs_live_state", "state", "kind", postgresql_where=text(JOB_LIVE)),
+)
+
+job_events = Table(
+    "job_events",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("job_id", UUID(as_uuid=True), ForeignKey("jobs.id"), nullable=False),
+    Column("from_state", Text),
+    Column("to_state", Text, nullable=False),
+    Column("event", Text, nullable=False),
+    Column("actor_kind", Text, nullable=False),
+    Column("actor_id", Text, nullable=False),
+    Column("reason", Text),
+    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("request_id", Text),
+    Column("state_version", BigInteger, nullable=False),
+    Column("at", TZ, nullable=False, server_default=NOW),
+    Index("ix_job_events_job_id_id", "job_id", "id"),
+)
+
+stripe_events = Table(
+    "stripe_events",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("type", Text, nullable=False),
+    Column("customer_id", Text),
+    Column("created", BigInteger, nullable=False),
+    Column("outcome", Text, nullable=False),
+    Column("received_at", TZ, nullable=False, server_default=NOW),
+)
+
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id"), nullable=False),
+    Column("key", Text, nullable=False),
+    Column("request_hash", Text, nullable=False),
+    Column("status_code", Integer, nullable=False),
+    Column("response", JSONB, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    PrimaryKeyConstraint("org_id", "key"),
+    Index("ix_idempotency_keys_created_at", "created_at"),
+)
+
+__all__ = [
+    "api_keys",
+    "idempotency_keys",
+    "instance_events",
+    "instances",
+    "job_events",
+    "job_fence_seq",
+    "jobs",
+    "lifecycle_transitions",
+    "metadata",
+    "organisations",
+    "stripe_events",
+]

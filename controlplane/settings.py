@@ -1,0 +1,132 @@
+"""Settings: built once at the entry point from CONTROLPLANE_* variables and flags, then passed down."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Where the control plane's own database lives; empty means the embedded server.
+    database_url: str | None = None
+    # Everything the control plane keeps on disk: embedded database, instances, backups.
+    data_dir: Path = Path(".controlplane")
+    api_host: str = "127.0.0.1"
+    api_port: int = 8700
+    # Public URL of the API, printed for users; defaults to http://api_host:api_port.
+    public_url: str | None = None
+    max_body_bytes: int = 65536
+    worker_id: str | None = None
+    worker_concurrency: int = 8
+    heartbeat_interval_s: float = 2.0
+    reclaim_after_intervals: int = 5
+    poll_interval_s: float = 1.0
+    shutdown_grace_s: float = 10.0
+    job_max_attempts: int = 5
+    retry_base_delay_s: float = 1.0
+    retry_max_delay_s: float = 300.0
+    reconcile_interval_s: float = 5.0
+    reconcile_batch_size: int = 100
+    reconcile_concurrency: int = 4
+    deadline_pending_s: float = 300.0
+    deadline_provisioning_s: float = 600.0
+    deadline_updating_s: float = 600.0
+    deadline_deprovisioning_s: float = 600.0
+    deadline_max_retries: int = 2
+    provisioner: str = "local"
+    local_port_min: int = 15432
+    local_port_max: int = 15931
+    local_listen_host: str = "127.0.0.1"
+    kubernetes_namespace: str = "controlplane-instances"
+    stripe_webhook_secret: str | None = None
+    # Key that encrypts instance passwords at rest; generated into data_dir when unset.
+    secret_key: str | None = None
+    log_level: str = "INFO"
+    log_format: str = "json"
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def reclaim_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.reclaim_after_intervals
+
+    @property
+    def api_url(self) -> str:
+        return self.public_url or f"http://{self.api_host}:{self.api_port}"
+
+    def deadline_s(self, state: str) -> float | None:
+        """Seconds an instance may stay in a transitional state before the reconciler acts."""
+        return {
+            "pending": self.deadline_pending_s,
+            "provisioning": self.deadline_provisioning_s,
+            "updating": self.deadline_updating_s,
+            "deprovisioning": self.deadline_deprovisioning_s,
+        }.get(state)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+ENV_PREFIX = "CONTROLPLANE_"
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _convert(name: str, kind: object, raw: str) -> object:
+    text = raw.strip()
+    try:
+        if kind in ("int", int):
+            return int(text)
+        if kind in ("float", float):
+            return float(text)
+        if kind in ("Path", Path):
+            return Path(text).expanduser()
+        if kind in ("bool", bool):
+            if text.lower() in {"1", "true", "yes", "on"}:
+                return True
+            if text.lower() in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(text)
+    except ValueError:
+        raise SettingsError(f"{env_name(name)}={raw!r} is not a valid {kind}") from None
+    return text or None
+
+
+def load(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Settings from the environment, with explicit overrides (CLI flags) winning."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        if f.name == "extra":
+            continue
+        raw = env.get(env_name(f.name))
+        if raw is not None and raw != "":
+            kind = str(f.type).replace(" | None", "")
+            values[f.name] = _convert(f.name, kind, raw)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    settings = Settings(**values)
+    validate(settings)
+    return settings
+
+
+def validate(settings: Settings) -> None:
+    if settings.local_port_min > settings.local_port_max:
+        raise SettingsError("CONTROLPLANE_LOCAL_PORT_MIN is above CONTROLPLANE_LOCAL_PORT_MAX")
+    if settings.worker_concurrency < 1:
+        raise SettingsError("CONTROLPLANE_WORKER_CONCURRENCY must be at least 1")
+    if settings.heartbeat_interval_s <= 0:
+        raise SettingsError("CONTROLPLANE_HEARTBEAT_INTERVAL_S must be positive")
+    if settings.provisioner not in {"local", "kubernetes", "noop"}:
+        raise SettingsError(
+            f"CONTROLPLANE_PROVISIONER={settings.provisioner!r}: expected local, kubernetes or noop"
+        )

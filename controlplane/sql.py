@@ -1,0 +1,210 @@
+"""Hot-path SQL: every statement that moves state, heartbeats or scans, each named for what it does.
+
+The transition statements are built from one template so that instances and jobs share one path:
+guarded UPDATE (id + state_version + state), version bump, event row, pg_notify, in one statement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The per-row input of every transition: which row, from where, by which event, with what patch.
+_MOVES_INPUT = """
+    SELECT * FROM unnest(
+        %(ids)s::uuid[], %(versions)s::bigint[], %(from_states)s::text[], %(to_states)s::text[],
+        %(events)s::text[], %(reasons)s::text[], %(details)s::jsonb[], %(patches)s::jsonb[]
+    ) AS m(id, expected_version, from_state, to_state, event, reason, detail, patch)
+"""
+
+
+def _keep_unless(column: str, expression: str) -> str:
+    """Set `column` from the patch when the patch names it, else keep it."""
+    return f"{column} = CASE WHEN m.patch ? '{column}' THEN {expression} ELSE t.{column} END"
+
+
+@dataclass(frozen=True)
+class EntityTable:
+    entity: str
+    table: str
+    events_table: str
+    fk: str
+    # Column assignments applied on every transition of this entity, beyond state and version.
+    sets: tuple[str, ...]
+
+
+INSTANCE_TABLE = EntityTable(
+    entity="instance",
+    table="instances",
+    events_table="instance_events",
+    fk="instance_id",
+    sets=(
+        "updated_at = now()",
+        "progress = m.patch->>'progress'",
+        "deadline_at = now() + make_interval(secs => (m.patch->>'deadline_s')::float8)",
+        "deadline_retries = COALESCE((m.patch->>'deadline_retries')::int, 0)",
+        _keep_unless("failure_reason", "m.patch->>'failure_reason'"),
+        _keep_unless("observed_generation", "(m.patch->>'observed_generation')::bigint"),
+        _keep_unless("connection", "m.patch->'connection'"),
+        _keep_unless("secret", "decode(m.patch->>'secret', 'base64')"),
+        _keep_unless("suspended_by_billing", "(m.patch->>'suspended_by_billing')::boolean"),
+    ),
+)
+
+JOB_TABLE = EntityTable(
+    entity="job",
+    table="jobs",
+    events_table="job_events",
+    fk="job_id",
+    sets=(
+        "updated_at = now()",
+        "heartbeat_at = CASE WHEN m.to_state IN ('claimed', 'running') THEN now() END",
+        "claimed_by = CASE WHEN m.to_state = 'queued' THEN NULL ELSE t.claimed_by END",
+        "run_at = CASE WHEN m.patch ? 'delay_s'"
+        " THEN now() + make_interval(secs => (m.patch->>'delay_s')::float8) ELSE t.run_at END",
+        _keep_unless("attempt", "(m.patch->>'attempt')::int"),
+        _keep_unless("last_error", "m.patch->>'last_error'"),
+        _keep_unless("error_kind", "m.patch->>'error_kind'"),
+        _keep_unless("verdict", "m.patch->'verdict'"),
+    ),
+)
+
+ENTITY_TABLES = {"instance": INSTANCE_TABLE, "job": JOB_TABLE}
+
+
+def _audit_tail(spec: EntityTable) -> str:
+    """Event rows and notifications for the rows in `moved`, then the moved rows themselves."""
+    return f"""
+, audit AS (
+    INSERT INTO {spec.events_table}
+        ({spec.fk}, from_state, to_state, event, actor_kind, actor_id, reason, detail,
+         request_id, state_version)
+    SELECT id, _from_state, state, _event, %(actor_kind)s, %(actor_id)s, _reason,
+           COALESCE(_detail, '{{}}'::jsonb), %(request_id)s, state_version
+    FROM moved
+    RETURNING 1
+), notified AS (
+    SELECT pg_notify('cp_{spec.entity}_' || state, id::text || ':' || state_version) FROM moved
+)
+SELECT moved.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _notified
+FROM moved
+"""
+
+
+def _transition(spec: EntityTable) -> str:
+    sets = ",\n        ".join(spec.sets)
+    return f"""
+WITH m AS ({_MOVES_INPUT}), moved AS (
+    UPDATE {spec.table} AS t
+    SET state = m.to_state,
+        state_version = t.state_version + 1,
+        state_entered_at = now(),
+        {sets}
+    FROM m
+    WHERE t.id = m.id AND t.state_version = m.expected_version AND t.state = m.from_state
+    RETURNING t.*, m.from_state AS _from_state, m.event AS _event, m.reason AS _reason,
+              m.detail AS _detail
+){_audit_tail(spec)}
+"""
+
+
+# Move rows along their lifecycle (one or many): the one transition path.
+TRANSITION = {entity: _transition(spec) for entity, spec in ENTITY_TABLES.items()}
+
+# After a transition matched nothing: where the rows really are.
+CURRENT_STATES = {
+    entity: f"SELECT id, state, state_version FROM {spec.table} WHERE id = ANY(%(ids)s::uuid[])"
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
+CLAIM_JOBS = f"""
+WITH picked AS (
+    SELECT id, state_version FROM jobs
+    WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
+    ORDER BY priority, run_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE jobs AS t
+    SET state = 'claimed',
+        state_version = t.state_version + 1,
+        state_entered_at = now(),
+        updated_at = now(),
+        claimed_by = %(worker)s,
+        claimed_at = now(),
+        heartbeat_at = now(),
+        attempt = t.attempt + 1,
+        fence = nextval('job_fence_seq')
+    FROM picked
+    WHERE t.id = picked.id AND t.state_version = picked.state_version AND t.state = 'queued'
+    RETURNING t.*, 'queued'::text AS _from_state, 'claim'::text AS _event, NULL::text AS _reason,
+              jsonb_build_object('worker', %(worker)s::text, 'fence', t.fence) AS _detail
+){_audit_tail(JOB_TABLE)}
+"""
+
+# Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.
+HEARTBEAT_JOBS = """
+UPDATE jobs SET heartbeat_at = now()
+WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN ('claimed', 'running')
+  AND fence = ANY(%(fences)s::bigint[])
+RETURNING id, fence
+"""
+
+# Enqueue jobs (one or many) with their creation events; a second live job of the same
+# (instance, kind) is not created: the partial unique index turns it into a no-op.
+ENQUEUE_JOBS = """
+WITH input AS (
+    SELECT * FROM unnest(
+        %(kinds)s::text[], %(instance_ids)s::uuid[], %(payloads)s::jsonb[], %(priorities)s::int[],
+        %(max_attempts)s::int[], %(delays)s::float8[]
+    ) AS i(kind, instance_id, payload, priority, max_attempts, delay_s)
+), created AS (
+    INSERT INTO jobs (kind, instance_id, payload, state, priority, max_attempts, run_at)
+    SELECT kind, instance_id, payload, 'queued', priority, max_attempts,
+           now() + make_interval(secs => delay_s)
+    FROM input
+    ON CONFLICT (instance_id, kind) WHERE state NOT IN ('completed', 'abandoned') DO NOTHING
+    RETURNING *
+), audit AS (
+    INSERT INTO job_events
+        (job_id, from_state, to_state, event, actor_kind, actor_id, reason, detail, request_id,
+         state_version)
+    SELECT id, NULL, 'queued', 'enqueue', %(actor_kind)s, %(actor_id)s, NULL,
+           jsonb_build_object('kind', kind), %(request_id)s, 0
+    FROM created
+    RETURNING 1
+), notified AS (
+    SELECT pg_notify('cp_job_queued', id::text || ':0') FROM created
+)
+SELECT created.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
+FROM created
+"""
+
+# The live job of each (instance, kind) pair: what a de-duplicated enqueue found instead.
+LIVE_JOBS_FOR = """
+SELECT * FROM jobs
+WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(kinds)s::text[]))
+  AND state NOT IN ('completed', 'abandoned')
+"""
+
+# Create an instance in its initial state with its creation event.
+CREATE_INSTANCE = """
+WITH created AS (
+    INSERT INTO instances (org_id, name, spec, state, deletion_protection, deadline_at)
+    VALUES (%(org_id)s, %(name)s, %(spec)s, 'pending', %(deletion_protection)s,
+            now() + make_interval(secs => %(deadline_s)s::float8))
+    RETURNING *
+), audit AS (
+    INSERT INTO instance_events
+        (instance_id, from_state, to_state, event, actor_kind, actor_id, reason, detail,
+         request_id, state_version)
+    SELECT id, NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL,
+           jsonb_build_object('spec', spec), %(request_id)s, 0
+    FROM created
+    RETURNING 1
+), notified AS (
+    SELECT pg_notify('cp_instance_pending', id::text || ':0') FROM created
+)
+SELECT created.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
+FROM created
+"""

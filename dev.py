@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Bootstrap: creates the virtualenv, installs the project, then runs it, its tests or its benchmarks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+USAGE = """usage: python3 dev.py up|test|bench|check|shell [args...]
+
+  up     start the whole control plane (embedded PostgreSQL, API, worker, reconciler)
+  test   run the test suite, then ruff and mypy
+  bench  run the benchmarks (own environment; writes bench/results/)
+  check  ruff and mypy only
+  shell  run a command inside the virtual environment, e.g. dev.py shell controlplane --help
+"""
+
+
+def venv_bin(name: str) -> str:
+    return str(VENV / "bin" / name)
+
+
+def has_system_postgres() -> bool:
+    if shutil.which("postgres") and shutil.which("initdb"):
+        return True
+    return any(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+
+
+def ensure_venv() -> None:
+    """Create .venv and install the project with its dev extra, once per pyproject change."""
+    if not (VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    extras = "dev" if has_system_postgres() else "dev,embedded-fallback"
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    stamp = VENV / ".installed"
+    if stamp.exists() and stamp.read_text() == digest:
+        return
+    pip = [venv_bin("python"), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
+    stamp.write_text(digest)
+
+
+def run(argv: list[str]) -> int:
+    env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+
+
+def checks() -> int:
+    code = run([venv_bin("ruff"), "check", "."])
+    return code or run([venv_bin("mypy")])
+
+
+def main() -> int:
+    if sys.version_info < (3, 11):  # noqa: UP036 (this script may be started by an older Python)
+        print("controlplane needs Python 3.11 or newer", file=sys.stderr)
+        return 2
+    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test", "bench", "check", "shell"}:
+        print(USAGE, file=sys.stderr)
+        return 2
+    command, rest = sys.argv[1], sys.argv[2:]
+    ensure_venv()
+    if command == "up":
+        return run([venv_bin("controlplane"), "up", *rest])
+    if command == "test":
+        code = run([venv_bin("python"), "-m", "pytest", *rest])
+        return code or checks()
+    if command == "check":
+        return checks()
+    if command == "bench":
+        return run([venv_bin("python"), "-m", "bench", *rest])
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Provisioners: the interface, the local one, the kubernetes one and fault injection."""

@@ -1,0 +1,121 @@
+"""Test harness: one real PostgreSQL server per run, a migrated template, a fresh database per test."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+from controlplane import db
+from controlplane.db import AsyncConn
+from controlplane.embedded import FAST_SETTINGS, EmbeddedDatabase, open_embedded
+from controlplane.settings import Settings
+
+TEMPLATE = "cp_template"
+_counter = itertools.count()
+
+
+class TestServer:
+    """Where test databases are created: the embedded mechanism, or CONTROLPLANE_TEST_ADMIN_URL."""
+
+    def __init__(self, admin_url: str, embedded: EmbeddedDatabase | None) -> None:
+        self.admin_url = admin_url
+        self.embedded = embedded
+
+    def url_for(self, dbname: str) -> str:
+        parts = urlsplit(self.admin_url)
+        return urlunsplit(parts._replace(path="/" + dbname))
+
+    def execute(self, statement: psycopg.sql.Composed) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(statement)
+
+    def create_database(self, name: str, template: str | None = None) -> str:
+        ident = psycopg.sql.Identifier(name)
+        if template:
+            self.execute(
+                psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY").format(
+                    ident, psycopg.sql.Identifier(template)
+                )
+            )
+        else:
+            self.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(ident))
+        return self.url_for(name)
+
+    def drop_database(self, name: str) -> None:
+        self.execute(
+            psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name))
+        )
+
+
+@pytest.fixture(scope="session")
+def pg_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="cp-test-"))
+    os.chmod(root, 0o755)
+    yield root
+
+
+@pytest.fixture(scope="session")
+def test_server(pg_root: Path) -> Iterator[TestServer]:
+    external = os.environ.get("CONTROLPLANE_TEST_ADMIN_URL")
+    if external:
+        yield TestServer(external, None)
+        return
+    embedded = open_embedded(pg_root / "db", FAST_SETTINGS)
+    try:
+        yield TestServer(embedded.admin_url, embedded)
+    finally:
+        embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def template_url(test_server: TestServer) -> str:
+    name = f"{TEMPLATE}_{os.getpid()}"
+    test_server.drop_database(name)
+    url = test_server.create_database(name)
+    db.migrate(url)
+    return url
+
+
+@pytest.fixture
+def fresh_database(test_server: TestServer, template_url: str) -> Iterator[str]:
+    """A database cloned from the migrated template, dropped after the test."""
+    template = urlsplit(template_url).path.lstrip("/")
+    name = f"cp_test_{os.getpid()}_{next(_counter)}"
+    url = test_server.create_database(name, template=str(template))
+    try:
+        yield url
+    finally:
+        test_server.drop_database(name)
+
+
+@pytest.fixture
+def empty_database(test_server: TestServer) -> Iterator[str]:
+    """A database with no schema at all (for migration tests)."""
+    name = f"cp_empty_{os.getpid()}_{next(_counter)}"
+    url = test_server.create_database(name)
+    try:
+        yield url
+    finally:
+        test_server.drop_database(name)
+
+
+@pytest.fixture
+def settings(fresh_database: str, tmp_path: Path) -> Settings:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    os.chmod(tmp_path, 0o755)
+    return Settings(database_url=fresh_database, data_dir=data_dir, heartbeat_interval_s=0.2)
+
+
+@pytest.fixture
+async def conn(fresh_database: str) -> AsyncIterator[AsyncConn]:
+    connection = await db.connect(fresh_database)
+    async with connection:
+        yield connection
