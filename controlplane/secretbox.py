@@ -1,0 +1,37 @@
+"""Encryption at rest for instance credentials (Fernet), with the key from settings or the data dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cryptography.fernet import Fernet, InvalidToken
+
+from controlplane.settings import Settings
+
+
+class SecretBox:
+    def __init__(self, key: str | bytes) -> None:
+        self._fernet = Fernet(key)
+
+    def encrypt(self, plaintext: str) -> bytes:
+        return self._fernet.encrypt(plaintext.encode())
+
+    def decrypt(self, token: bytes) -> str:
+        try:
+            return self._fernet.decrypt(bytes(token)).decode()
+        except InvalidToken:
+            raise ValueError("credential cannot be decrypted with the configured secret key") from None
+
+
+def load_box(settings: Settings) -> SecretBox:
+    """The configured key (CONTROLPLANE_SECRET_KEY), else one generated once into data_dir."""
+    if settings.secret_key:
+        return SecretBox(settings.secret_key)
+    path = Path(settings.data_dir) / "secret.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(Fernet.generate_key())
+    return SecretBox(path.read_bytes().strip())
