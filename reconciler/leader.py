@@ -1,0 +1,66 @@
+"""Leader election by a PostgreSQL session advisory lock held on a dedicated connection."""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+
+from controlplane import db
+
+log = logging.getLogger(__name__)
+
+# One lock key for the whole cluster of reconcilers (an arbitrary constant: "cprecon" in hex-ish).
+RECONCILER_LOCK_KEY = 0x63707265636F6E
+
+
+class LeaderElection:
+    """Holds the lock while its connection lives; a dead connection means leadership is lost."""
+
+    def __init__(self, url: str, key: int = RECONCILER_LOCK_KEY) -> None:
+        self.url = url
+        self.key = key
+        self._conn: db.AsyncConn | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    async def ensure(self) -> bool:
+        """Check we still lead (the connection answers), else try to take the lock. Never blocks."""
+        if self._conn is not None:
+            try:
+                await self._conn.execute("SELECT 1")
+                return True
+            except psycopg.Error:
+                log.warning("reconciler lost its leader connection; standing down")
+                await self._drop()
+        try:
+            conn = await db.connect(self.url)
+        except psycopg.OperationalError as exc:
+            log.warning("reconciler cannot reach the database: %s", exc)
+            return False
+        cursor = await conn.execute("SELECT pg_try_advisory_lock(%s) AS locked", (self.key,))
+        row = await cursor.fetchone()
+        if row is not None and row["locked"]:
+            self._conn = conn
+            log.info("reconciler became leader")
+            return True
+        await conn.close()
+        return False
+
+    async def _drop(self) -> None:
+        if self._conn is not None:
+            try:
+                await self._conn.close()
+            except psycopg.Error:
+                log.debug("closing a broken leader connection failed", exc_info=True)
+            self._conn = None
+
+    async def release(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            try:
+                await self._conn.execute("SELECT pg_advisory_unlock(%s)", (self.key,))
+            except psycopg.Error:
+                log.debug("advisory unlock failed; closing the connection releases it", exc_info=True)
+        await self._drop()

@@ -1,0 +1,132 @@
+"""Reconciler planning (pure): what to do about one instance, given its row, its jobs and what is observed."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+
+from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+
+# The operation that drives each transitional state forward, re-enqueued when it stalls.
+DRIVING_JOB = {
+    "pending": PROVISION,
+    "provisioning": PROVISION,
+    "updating": UPDATE,
+    "deprovisioning": DEPROVISION,
+}
+OBSERVED_STATES = frozenset({"ready", "degraded", "suspended"})
+DEPROVISIONABLE = frozenset({"ready", "degraded", "suspended"})
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the provisioner shows of one instance."""
+
+    exists: bool
+    running: bool
+    healthy: bool
+    read_only: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """What the database declares about one instance, as the reconciler reads it."""
+
+    state: str
+    spec_generation: int
+    observed_generation: int
+    deadline_at: datetime | None
+    deadline_retries: int
+    deletion_requested: bool
+    billing_hold: bool
+    suspended_by_billing: bool
+    live_jobs: Collection[str]
+    observed: Observed | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    event: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ExtendDeadline:
+    """Re-enqueue after a missed deadline: count the retry and give the state a new deadline."""
+
+    reason: str
+
+
+Action = Transition | Enqueue | ExtendDeadline
+
+
+def timeout_reason(state: str, deadline_retries: int) -> str:
+    return f"timeout: {state} exceeded its deadline after {deadline_retries} re-enqueue(s)"
+
+
+def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
+    """Past its deadline with no live job: re-enqueue (bounded), then fail (degrade for updating)."""
+    job = DRIVING_JOB.get(view.state)
+    if job is None or view.deadline_at is None or now < view.deadline_at:
+        return []
+    if view.live_jobs:
+        # A live job heartbeats and is supervised: never fail an instance for time alone.
+        return []
+    if view.deadline_retries < max_retries:
+        return [ExtendDeadline(f"{view.state} past its deadline"), Enqueue(job, "deadline re-enqueue")]
+    event = "degrade" if view.state == "updating" else "fail"
+    return [Transition(event, timeout_reason(view.state, view.deadline_retries))]
+
+
+def plan_observed(view: InstanceView) -> list[Action]:
+    """Health and drift of a ready, degraded or suspended instance from the provisioner's view."""
+    seen = view.observed
+    if seen is None or view.state not in OBSERVED_STATES:
+        return []
+    broken = not seen.exists or not seen.running or not seen.healthy
+    why = seen.detail or (
+        "missing" if not seen.exists else "not running" if not seen.running else "unhealthy"
+    )
+    if view.state == "ready" and broken:
+        return [Transition("degrade", f"observed {why}"), Enqueue(HEAL, f"heal: {why}")]
+    if view.state == "degraded":
+        if broken:
+            return [] if HEAL in view.live_jobs else [Enqueue(HEAL, f"heal: {why}")]
+        if not view.live_jobs:
+            return [Transition("recover", "observed healthy again")]
+        return []
+    if view.state == "suspended" and not broken and not seen.read_only and SUSPEND not in view.live_jobs:
+        return [Enqueue(SUSPEND, "suspended but writable: enforce read-only")]
+    if view.state == "ready" and seen.read_only and not view.billing_hold and not view.live_jobs:
+        return [Enqueue(RESUME, "ready but read-only without a hold: resume")]
+    return []
+
+
+def plan_intents(view: InstanceView) -> list[Action]:
+    """Deferred intents: deletion, billing hold and release, spec changes."""
+    busy = bool(view.live_jobs)
+    if view.deletion_requested:
+        if view.state in DEPROVISIONABLE and DEPROVISION not in view.live_jobs:
+            return [Enqueue(DEPROVISION, "deletion requested")]
+        return []
+    if view.state == "ready" and not busy:
+        if view.billing_hold:
+            return [Enqueue(SUSPEND, "billing hold")]
+        if view.spec_generation > view.observed_generation:
+            return [Enqueue(UPDATE, f"spec generation {view.spec_generation} not applied")]
+    if view.state == "suspended" and view.suspended_by_billing and not view.billing_hold and not busy:
+        return [Enqueue(RESUME, "billing hold released")]
+    return []
+
+
+def plan(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
+    """Everything to do about one instance this pass, most urgent first; at most one kind of move."""
+    return plan_deadline(view, now, max_retries) or plan_observed(view) or plan_intents(view)

@@ -1,0 +1,97 @@
+"""The reconciler's pure planning: deadlines, health and drift, intents."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+from reconciler.planning import Enqueue, ExtendDeadline, InstanceView, Observed, Transition, plan
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+HEALTHY = Observed(exists=True, running=True, healthy=True, read_only=False)
+
+
+def view(state: str, **changes: object) -> InstanceView:
+    base = InstanceView(
+        state=state,
+        spec_generation=1,
+        observed_generation=1,
+        deadline_at=None,
+        deadline_retries=0,
+        deletion_requested=False,
+        billing_hold=False,
+        suspended_by_billing=False,
+        live_jobs=(),
+        observed=HEALTHY if state in {"ready", "degraded", "suspended"} else None,
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_past_deadline_without_job_is_re_enqueued_then_failed() -> None:
+    late = view("provisioning", deadline_at=NOW - timedelta(seconds=1))
+    assert plan(late, NOW, max_retries=2) == [
+        ExtendDeadline("provisioning past its deadline"),
+        Enqueue("provision", "deadline re-enqueue"),
+    ]
+    exhausted = replace(late, deadline_retries=2)
+    (action,) = plan(exhausted, NOW, max_retries=2)
+    assert isinstance(action, Transition) and action.event == "fail"
+    assert action.reason.startswith("timeout: provisioning")
+
+
+def test_updating_past_deadline_degrades_instead_of_failing() -> None:
+    late = view("updating", deadline_at=NOW - timedelta(seconds=1), deadline_retries=5)
+    (action,) = plan(late, NOW, max_retries=2)
+    assert action == Transition("degrade", "timeout: updating exceeded its deadline after 5 re-enqueue(s)")
+
+
+def test_live_job_protects_an_instance_from_deadline_failure() -> None:
+    late = view(
+        "provisioning", deadline_at=NOW - timedelta(hours=1), deadline_retries=9, live_jobs=("provision",)
+    )
+    assert plan(late, NOW, max_retries=2) == []
+
+
+def test_before_deadline_nothing_happens() -> None:
+    assert plan(view("pending", deadline_at=NOW + timedelta(seconds=5)), NOW, 2) == []
+
+
+def test_ready_but_down_is_degraded_and_healed() -> None:
+    down = view("ready", observed=Observed(True, False, False, False, "server not running"))
+    assert plan(down, NOW, 2) == [
+        Transition("degrade", "observed server not running"),
+        Enqueue("heal", "heal: server not running"),
+    ]
+    missing = view("ready", observed=Observed(False, False, False, False))
+    assert plan(missing, NOW, 2)[0] == Transition("degrade", "observed missing")
+
+
+def test_degraded_heals_or_recovers() -> None:
+    broken = Observed(True, False, False, False, "down")
+    assert plan(view("degraded", observed=broken), NOW, 2) == [Enqueue("heal", "heal: down")]
+    assert plan(view("degraded", observed=broken, live_jobs=("heal",)), NOW, 2) == []
+    assert plan(view("degraded"), NOW, 2) == [Transition("recover", "observed healthy again")]
+    assert plan(view("degraded", live_jobs=("heal",)), NOW, 2) == []
+
+
+def test_read_only_drift_both_ways() -> None:
+    writable = view("suspended")
+    assert plan(writable, NOW, 2) == [Enqueue("suspend", "suspended but writable: enforce read-only")]
+    stuck_read_only = view("ready", observed=replace(HEALTHY, read_only=True))
+    assert plan(stuck_read_only, NOW, 2) == [Enqueue("resume", "ready but read-only without a hold: resume")]
+    held = replace(stuck_read_only, billing_hold=True)
+    assert plan(held, NOW, 2) == [Enqueue("suspend", "billing hold")]
+
+
+def test_intents() -> None:
+    assert plan(view("ready", deletion_requested=True), NOW, 2) == [
+        Enqueue("deprovision", "deletion requested")
+    ]
+    assert plan(view("provisioning", deletion_requested=True), NOW, 2) == []
+    assert plan(view("ready", spec_generation=3, observed_generation=2), NOW, 2) == [
+        Enqueue("update", "spec generation 3 not applied")
+    ]
+    assert plan(view("ready", spec_generation=3, observed_generation=2, live_jobs=("update",)), NOW, 2) == []
+    suspended = view("suspended", suspended_by_billing=True, observed=replace(HEALTHY, read_only=True))
+    assert plan(suspended, NOW, 2) == [Enqueue("resume", "billing hold released")]
+    assert plan(replace(suspended, billing_hold=True), NOW, 2) == []
