@@ -1,0 +1,275 @@
+"""Customer commands: `controlplane instances ...` talking to the REST API with an API key."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from controlplane.cli.common import CommandError, print_json, print_table
+
+TERMINAL = ("deleted", "failed")
+LIST_COLUMNS = ("id", "name", "plan", "state", "state_version", "created_at")
+
+
+def register(commands: Any) -> None:
+    instances = commands.add_parser("instances", help="create, inspect, resize and delete databases")
+    actions = instances.add_subparsers(dest="instances_command", metavar="ACTION", required=True)
+
+    create = _action(actions, "create", "create a database", cmd_create)
+    create.add_argument("name")
+    create.add_argument("--plan", required=True)
+    create.add_argument("--region")
+    create.add_argument("--deletion-protection", action="store_true")
+    create.add_argument("--wait", action="store_true", help="follow progress until ready")
+
+    listing = _action(actions, "list", "list databases", cmd_list)
+    listing.add_argument("--state")
+
+    show = _action(actions, "show", "show one database", cmd_show)
+    show.add_argument("id")
+
+    resize = _action(actions, "resize", "change a database's plan", cmd_resize)
+    resize.add_argument("id")
+    resize.add_argument("--plan", required=True)
+    resize.add_argument("--wait", action="store_true")
+
+    delete = _action(actions, "delete", "delete a database", cmd_delete)
+    delete.add_argument("id")
+    delete.add_argument("--skip-final-backup", action="store_true")
+    delete.add_argument("--wait", action="store_true")
+
+    events = _action(actions, "events", "a database's audit log", cmd_events)
+    events.add_argument("id")
+
+    watch = _action(actions, "watch", "follow a database's state changes", cmd_watch)
+    watch.add_argument("id")
+
+
+def _action(actions: Any, name: str, help_text: str, handler: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = actions.add_parser(name, help=help_text)
+    parser.add_argument("--url", default=None, help="API URL (env CONTROLPLANE_URL)")
+    parser.add_argument("--api-key", default=None, help="API key (env CONTROLPLANE_API_KEY)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+class Api:
+    """A thin client of the REST API that turns problem+json errors into one-line CommandErrors."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        url = args.url or os.environ.get("CONTROLPLANE_URL") or "http://127.0.0.1:8700"
+        key = args.api_key or os.environ.get("CONTROLPLANE_API_KEY")
+        if not key:
+            raise CommandError("no API key: set CONTROLPLANE_API_KEY or pass --api-key")
+        self.client = httpx.Client(
+            base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CommandError(f"cannot reach the API at {self.client.base_url}: {exc}") from None
+        if response.status_code >= 400:
+            raise CommandError(problem_line(response))
+        return response.json() if response.content else None
+
+    def stream_events(self, instance_id: str) -> Iterator[dict[str, Any]]:
+        """The instance's transitions as they happen (Server-Sent Events)."""
+        try:
+            with self.client.stream("GET", f"/v1/instances/{instance_id}/watch", timeout=None) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise CommandError(problem_line(response))
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        yield json.loads(line[5:].strip())
+        except httpx.HTTPError as exc:
+            raise CommandError(f"lost the watch stream: {exc}") from None
+
+
+def problem_line(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text.strip()[:200]}"
+    detail = body.get("detail") or body.get("title") or response.reason_phrase
+    extra = ""
+    if body.get("current_state"):
+        allowed = ", ".join(body.get("allowed_actions", [])) or "none"
+        extra = f" (state {body['current_state']}; allowed: {allowed})"
+    return f"HTTP {response.status_code}: {detail}{extra}"
+
+
+def show_instance(instance: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(instance)
+        return
+    rows = [(key, instance.get(key)) for key in instance if key != "connection"]
+    connection = instance.get("connection")
+    if connection:
+        rows.append(("uri", connection.get("uri")))
+    print_table(rows, ("field", "value"))
+
+
+def follow(api: Api, instance_id: str, until: tuple[str, ...], as_json: bool) -> dict[str, Any]:
+    """Print each state change until the instance reaches one of `until` (or a terminal state)."""
+    started = time.monotonic()
+    instance: dict[str, Any] = api.request("GET", f"/v1/instances/{instance_id}")
+    last = None
+
+    def report(current: dict[str, Any]) -> None:
+        nonlocal last
+        step = current.get("progress") or ""
+        key = (current["state"], step)
+        if key != last and not as_json:
+            elapsed = time.monotonic() - started
+            print(f"[{elapsed:6.1f}s] {current['state']}" + (f" ({step})" if step else ""), flush=True)
+        last = key
+
+    report(instance)
+    if instance["state"] in until or instance["state"] in TERMINAL:
+        return instance
+    for _event in api.stream_events(instance_id):
+        instance = api.request("GET", f"/v1/instances/{instance_id}")
+        report(instance)
+        if instance["state"] in until or instance["state"] in TERMINAL:
+            break
+    return instance
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    api = Api(args)
+    body: dict[str, Any] = {"name": args.name, "plan": args.plan}
+    if args.region:
+        body["region"] = args.region
+    if args.deletion_protection:
+        body["deletion_protection"] = True
+    instance = api.request("POST", "/v1/instances", json=body)
+    if not args.wait:
+        show_instance(instance, args.json)
+        return 0
+    final = follow(api, instance["id"], ("ready",), args.json)
+    if args.json:
+        print_json(final)
+    elif final["state"] == "ready" and final.get("connection"):
+        print(final["connection"]["uri"])
+    if final["state"] != "ready":
+        raise CommandError(f"instance ended {final['state']}: {final.get('failure_reason') or 'no reason'}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    api = Api(args)
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        params = {"limit": 100, **({"state": args.state} if args.state else {})}
+        if cursor:
+            params["cursor"] = cursor
+        page = api.request("GET", "/v1/instances", params=params)
+        items += page["items"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            break
+    if args.json:
+        print_json(items)
+    else:
+        print_table([[item.get(c) for c in LIST_COLUMNS] for item in items], LIST_COLUMNS)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    show_instance(Api(args).request("GET", f"/v1/instances/{args.id}"), args.json)
+    return 0
+
+
+def cmd_resize(args: argparse.Namespace) -> int:
+    api = Api(args)
+    instance = api.request("PATCH", f"/v1/instances/{args.id}", json={"plan": args.plan})
+    if args.wait:
+        instance = wait_for_generation(api, args.id, int(instance["spec_generation"]), args.json)
+    show_instance(instance, args.json)
+    return 0
+
+
+def wait_for_generation(api: Api, instance_id: str, generation: int, as_json: bool) -> dict[str, Any]:
+    instance: dict[str, Any] = api.request("GET", f"/v1/instances/{instance_id}")
+    if instance["observed_generation"] >= generation and instance["state"] == "ready":
+        return instance
+    for _event in api.stream_events(instance_id):
+        instance = api.request("GET", f"/v1/instances/{instance_id}")
+        if not as_json:
+            print(
+                f"{instance['state']}"
+                + (f" ({instance.get('progress')})" if instance.get("progress") else "")
+            )
+        done = instance["observed_generation"] >= generation and instance["state"] == "ready"
+        if done or instance["state"] in (*TERMINAL, "degraded"):
+            break
+    return instance
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    api = Api(args)
+    params = {"skip_final_backup": "true"} if args.skip_final_backup else None
+    instance = api.request("DELETE", f"/v1/instances/{args.id}", params=params)
+    if args.wait:
+        instance = follow(api, args.id, ("deleted",), args.json)
+        if instance["state"] != "deleted":
+            raise CommandError(f"instance ended {instance['state']}: {instance.get('failure_reason')}")
+    if args.json:
+        print_json(instance)
+    else:
+        print(f"{args.id}: {instance['state']}" + (" (deletion requested)" if not args.wait else ""))
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    api = Api(args)
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = api.request(
+            "GET", f"/v1/instances/{args.id}/events", params={"cursor": cursor} if cursor else None
+        )
+        items += page["items"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            break
+    if args.json:
+        print_json(items)
+        return 0
+    rows = [
+        (e["at"], e.get("from_state") or "", e["to_state"], e["event"], _actor(e), e.get("reason") or "")
+        for e in items
+    ]
+    print_table(rows, ("at", "from", "to", "event", "actor", "reason"))
+    return 0
+
+
+def _actor(event: dict[str, Any]) -> str:
+    actor = event.get("actor")
+    if isinstance(actor, dict):
+        return f"{actor.get('kind')}:{actor.get('id')}"
+    return str(actor)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    api = Api(args)
+    if not args.json:
+        follow(api, args.id, (), as_json=False)
+        return 0
+    for event in api.stream_events(args.id):
+        json.dump(event, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
