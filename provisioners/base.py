@@ -1,0 +1,209 @@
+"""The provisioner interface: idempotent, fenced steps that create, change, observe and remove an instance."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controlplane import plans
+from controlplane.fencing import FileFences
+from controlplane.handlers import PermanentError
+
+# The attempt of the job whose handler is calling the provisioner (set by the operations);
+# fault injection uses it to fire on a chosen attempt only.
+JOB_ATTEMPT: ContextVar[int] = ContextVar("job_attempt", default=1)
+
+STEPS = (
+    "allocate_storage",
+    "configure_network",
+    "initialize_database",
+    "apply_plan",
+    "suspend",
+    "resume",
+    "deprovision",
+)
+PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_database")
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What the provisioner is asked to build: the instance's declared spec at one generation."""
+
+    plan: str = "dev"
+    generation: int = 1
+    version: str | None = None
+    storage_gb: int = 1
+    region: str | None = None
+
+    @classmethod
+    def from_row(cls, spec: Mapping[str, Any], generation: int = 1) -> InstanceSpec:
+        """From the instance's `spec` column; an unknown plan can never be provisioned."""
+        plan = str(spec.get("plan", "dev"))
+        if not plans.is_plan(plan):
+            raise PermanentError(f"unknown plan {plan!r}; plans are {', '.join(plans.plan_names())}")
+        storage = spec.get("storage_gb", spec.get("storage", 1))
+        return cls(
+            plan=plan,
+            generation=generation,
+            version=None if spec.get("version") is None else str(spec["version"]),
+            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else 1,
+            region=None if spec.get("region") is None else str(spec["region"]),
+        )
+
+    def server_settings(self) -> dict[str, str]:
+        """The PostgreSQL settings the plan fixes, as configuration-file values."""
+        return {key: str(value) for key, value in plans.get_plan(self.plan).items()}
+
+
+@dataclass(frozen=True)
+class ConnectionInfo:
+    """Where and as whom a customer connects. The password never leaves in `public()`."""
+
+    host: str
+    port: int
+    dbname: str
+    user: str
+    password: str = field(repr=False)
+
+    def public(self) -> dict[str, Any]:
+        """The connection details that may be stored in the clear and shown (no password)."""
+        return {"host": self.host, "port": self.port, "dbname": self.dbname, "user": self.user}
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the provisioner sees of an instance right now."""
+
+    exists: bool
+    running: bool = False
+    healthy: bool = False
+    read_only: bool | None = None
+    endpoint: tuple[str, int] | None = None
+    plan_applied: str | None = None
+    generation: int | None = None
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "exists": self.exists,
+            "running": self.running,
+            "healthy": self.healthy,
+            "read_only": self.read_only,
+            "endpoint": None if self.endpoint is None else f"{self.endpoint[0]}:{self.endpoint[1]}",
+            "plan_applied": self.plan_applied,
+            "generation": self.generation,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One managed resource and the instance id it carries (None when it carries none)."""
+
+    kind: str
+    name: str
+    instance_id: uuid.UUID | None
+
+
+@dataclass(frozen=True)
+class DeprovisionResult:
+    """What deprovision left behind: the final backup, unless skipped or nothing was there."""
+
+    backup: str | None = None
+    removed: bool = True
+
+
+class Provisioner(abc.ABC):
+    """Idempotent steps: each checks what exists before it acts, so a re-run adopts, never duplicates.
+
+    Every step takes the fence of the job that calls it and raises StaleFence when a higher fence
+    was already seen for that instance: a worker that lost its job cannot touch the instance.
+    Errors are translated at this edge into TemporaryError or PermanentError.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        """Create (or adopt) the instance's storage."""
+
+    @abc.abstractmethod
+    async def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        """Give the instance its endpoint (port, service) and access rules."""
+
+    @abc.abstractmethod
+    async def initialize_database(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
+    ) -> ConnectionInfo:
+        """Run the server, create the owner role and database; return the credentials.
+
+        `password` keeps existing credentials (heal); otherwise one already generated for this
+        instance is adopted, or a new one is generated with `secrets`.
+        """
+
+    @abc.abstractmethod
+    async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        """Make the running settings those of `spec.plan`; True when something changed."""
+
+    @abc.abstractmethod
+    async def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        """Hard read-only on, existing sessions ended; True when something changed."""
+
+    @abc.abstractmethod
+    async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        """Read-only off; True when something changed."""
+
+    @abc.abstractmethod
+    async def deprovision(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
+    ) -> DeprovisionResult:
+        """Final backup (unless skipped), then remove everything the instance had."""
+
+    @abc.abstractmethod
+    async def observe(self, instance_id: uuid.UUID) -> Observation:
+        """Read-only look at the instance (takes no fence: it changes nothing)."""
+
+    @abc.abstractmethod
+    async def inventory(self) -> list[Resource]:
+        """Every resource this provisioner manages, with the instance id it carries."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release clients and connections."""
+
+
+def fence_key(instance_id: uuid.UUID) -> str:
+    return f"instance-{instance_id}"
+
+
+@contextlib.asynccontextmanager
+async def fenced(fences: FileFences, instance_id: uuid.UUID, fence: int) -> AsyncIterator[int]:
+    """Admit `fence` for the instance and hold its lock while the step acts (StaleFence if lower).
+
+    The lock is taken in a thread; if the caller is cancelled while waiting, the lock is released
+    as soon as the thread gets it, so a cancelled step never leaves the instance locked.
+    """
+    holder = fences.hold(fence_key(instance_id), fence)
+    entering = asyncio.ensure_future(asyncio.to_thread(holder.__enter__))
+    try:
+        highest = await asyncio.shield(entering)
+    except asyncio.CancelledError:
+        entering.add_done_callback(
+            lambda done: holder.__exit__(None, None, None) if not done.exception() else None
+        )
+        raise
+    try:
+        yield highest
+    finally:
+        holder.__exit__(None, None, None)
+
+
+def fences_for(data_dir: Path) -> FileFences:
+    """Where a provisioner on this host keeps the highest fence seen per instance."""
+    return FileFences(Path(data_dir) / "fences")

@@ -1,0 +1,622 @@
+"""The local provisioner: each instance a real PostgreSQL server on this machine, own directory and port."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+
+from controlplane.handlers import PermanentError, TemporaryError
+from controlplane.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
+from controlplane.secretbox import SecretBox, load_box
+from controlplane.settings import Settings
+from provisioners.base import (
+    ConnectionInfo,
+    DeprovisionResult,
+    InstanceSpec,
+    Observation,
+    Provisioner,
+    Resource,
+    fenced,
+    fences_for,
+)
+
+log = logging.getLogger(__name__)
+
+ADMIN_USER = "cp_admin"
+DBNAME = "app"
+WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})  # noqa: S104 (recognised, not bound)
+
+# Settings every instance server gets, whatever its plan. Hot standby lets a suspended
+# (standby-mode) server serve reads; wal_level replica is what hot standby requires.
+BASE_SETTINGS = {
+    "hot_standby": "on",
+    "wal_level": "replica",
+    "password_encryption": "scram-sha-256",
+    "log_min_messages": "warning",
+    "log_line_prefix": "%m [%p] ",
+    "log_statement": "none",
+}
+
+# Password authentication everywhere; no replication connections at all.
+PG_HBA = """\
+# Managed by the control plane: SCRAM for every connection, no replication.
+local   all          all                 scram-sha-256
+host    replication  all   all           reject
+host    all          all   0.0.0.0/0     scram-sha-256
+host    all          all   ::/0          scram-sha-256
+"""
+
+T = TypeVar("T")
+
+
+def owner_role(instance_id: uuid.UUID) -> str:
+    """The generated login role that owns the instance's database."""
+    return f"app_{instance_id.hex[:12]}"
+
+
+class InstanceServer(PostgresServer):
+    """An instance's server: TCP only (an empty socket-directory list, quoted for pg_ctl's shell)."""
+
+    def socket_dir(self) -> Path:
+        return Path("''")
+
+
+class PortAllocator:
+    """Ports of the configured range, one per instance, recorded in a JSON file updated under flock."""
+
+    def __init__(self, path: Path, low: int, high: int, host: str) -> None:
+        self.path = path
+        self.low = low
+        self.high = high
+        self.host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, int]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            table = self._read()
+            before = dict(table)
+            yield table
+            if table != before:
+                _write_atomically(self.path, json.dumps(table, sort_keys=True, indent=1))
+        finally:
+            os.close(fd)
+
+    def _read(self) -> dict[str, int]:
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        return {str(key): int(value) for key, value in raw.items()}
+
+    def table(self) -> dict[str, int]:
+        """instance id -> port, as recorded."""
+        with self._locked() as table:
+            return dict(table)
+
+    def port_of(self, instance_id: uuid.UUID) -> int | None:
+        return self.table().get(str(instance_id))
+
+    def allocate(self, instance_id: uuid.UUID, *, avoid: int | None = None) -> int:
+        """The instance's port: the recorded one, else the lowest free one of the range."""
+        key = str(instance_id)
+        with self._locked() as table:
+            current = table.get(key)
+            if current is not None and current != avoid:
+                return current
+            taken = {port for owner, port in table.items() if owner != key}
+            for port in range(self.low, self.high + 1):
+                if port in taken or port == avoid or port_in_use(port, self.host):
+                    continue
+                table[key] = port
+                return port
+        raise TemporaryError(f"no free port in {self.low}-{self.high}", delay_s=30)
+
+    def release(self, instance_id: uuid.UUID) -> bool:
+        with self._locked() as table:
+            return table.pop(str(instance_id), None) is not None
+
+
+def _write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _postmaster_pids_for(datadir: Path) -> list[int]:
+    """Servers still running from `datadir` (found by command line), e.g. after it was deleted."""
+    wanted = str(datadir)
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"postgres") and wanted.encode() in args:
+            found.append(int(entry.name))
+    return found
+
+
+class LocalProvisioner(Provisioner):
+    """Instances as PostgreSQL servers under data_dir/instances/<id>/, on ports of the configured range."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        run_as: RunAs | None = None,
+        box: SecretBox | None = None,
+    ) -> None:
+        self.settings = settings
+        self.root = Path(settings.data_dir).resolve() / "instances"
+        self.backups = Path(settings.data_dir).resolve() / "backups"
+        self.listen_host = settings.local_listen_host
+        self.connect_host = "127.0.0.1" if self.listen_host in WILDCARD_HOSTS else self.listen_host
+        self.advertise_host = socket.gethostname() if self.listen_host in WILDCARD_HOSTS else self.listen_host
+        self._run_as = run_as
+        self._box = box
+        self.fences = fences_for(Path(settings.data_dir).resolve())
+        self.ports = PortAllocator(
+            self.root / "ports.json", settings.local_port_min, settings.local_port_max, self.listen_host
+        )
+
+    # ---- paths, state, helpers -------------------------------------------------------------
+
+    @property
+    def run_as(self) -> RunAs:
+        if self._run_as is None:
+            self._run_as = server_user()
+        return self._run_as
+
+    @property
+    def box(self) -> SecretBox:
+        if self._box is None:
+            self._box = load_box(self.settings)
+        return self._box
+
+    def instance_dir(self, instance_id: uuid.UUID) -> Path:
+        return self.root / str(instance_id)
+
+    def datadir(self, instance_id: uuid.UUID) -> Path:
+        return self.instance_dir(instance_id) / "pgdata"
+
+    def _state_path(self, instance_id: uuid.UUID) -> Path:
+        return self.instance_dir(instance_id) / "state.json"
+
+    def _load_state(self, instance_id: uuid.UUID) -> dict[str, Any]:
+        try:
+            state: dict[str, Any] = json.loads(self._state_path(instance_id).read_text())
+        except FileNotFoundError:
+            return {}
+        return state
+
+    def _save_state(self, instance_id: uuid.UUID, state: Mapping[str, Any]) -> None:
+        _write_atomically(self._state_path(instance_id), json.dumps(dict(state), sort_keys=True, indent=1))
+
+    def _seal(self, secret: str) -> str:
+        return base64.b64encode(self.box.encrypt(secret)).decode()
+
+    def _unseal(self, sealed: str) -> str:
+        return self.box.decrypt(base64.b64decode(sealed))
+
+    def _server(self, instance_id: uuid.UUID, port: int | None = None) -> InstanceServer:
+        if port is None:
+            port = self.ports.port_of(instance_id) or 0
+        return InstanceServer(
+            datadir=self.datadir(instance_id), port=port, host=self.listen_host, run_as=self.run_as
+        )
+
+    def _prepare_root(self) -> None:
+        for directory in (Path(self.settings.data_dir).resolve(), self.root):
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.run_as.is_switch:
+                mode = os.stat(directory).st_mode
+                os.chmod(directory, mode | 0o111)  # noqa: S103 (the server user must traverse it)
+
+    def _admin(self, instance_id: uuid.UUID, port: int, *, timeout: int = 10) -> psycopg.Connection[Any]:
+        state = self._load_state(instance_id)
+        return psycopg.connect(
+            host=self.connect_host,
+            port=port,
+            user=ADMIN_USER,
+            password=self._unseal(state["admin_password"]),
+            dbname="postgres",
+            connect_timeout=timeout,
+            autocommit=True,
+        )
+
+    def _require_storage(self, instance_id: uuid.UUID) -> InstanceServer:
+        server = self._server(instance_id)
+        if not server.initialised:
+            raise TemporaryError(f"instance {instance_id} has no storage (allocate_storage runs first)")
+        return server
+
+    def _require_port(self, instance_id: uuid.UUID) -> int:
+        port = self.ports.port_of(instance_id)
+        if port is None:
+            raise TemporaryError(f"instance {instance_id} has no port (configure_network runs first)")
+        return port
+
+    def _ensure_started(self, server: InstanceServer, attempts: int = 5) -> None:
+        """Start the server, waiting out the processes of a killed postmaster that still hold it."""
+        for attempt in range(attempts):
+            try:
+                server.start()
+                return
+            except PostgresError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+
+    async def _step(self, instance_id: uuid.UUID, fence: int, work: Callable[[], T]) -> T:
+        """Run `work` in a thread while holding the instance's fence; translate errors at this edge.
+
+        A cancelled step lets the thread finish before the fence lock is released, so a second
+        step never overlaps a half-done one.
+        """
+        async with fenced(self.fences, instance_id, fence):
+            task = asyncio.ensure_future(asyncio.to_thread(_translated, work))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                await asyncio.wait({task})
+                raise
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        await self._step(instance_id, fence, lambda: self._allocate_storage(instance_id, spec, fence))
+
+    def _allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        self._prepare_root()
+        directory = self.instance_dir(instance_id)
+        directory.mkdir(mode=0o711, exist_ok=True)
+        os.chmod(directory, 0o711)  # noqa: S103 (the server user traverses; state.json stays 0600)
+        state = self._load_state(instance_id)
+        if "admin_password" not in state:
+            state = {
+                "instance_id": str(instance_id),
+                "admin_password": self._seal(secrets.token_urlsafe(32)),
+                **state,
+            }
+            self._save_state(instance_id, state)
+        datadir = self.datadir(instance_id)
+        if (datadir / "PG_VERSION").exists():
+            return
+        for pid in _postmaster_pids_for(datadir):  # a server still running from a deleted directory
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGQUIT)
+        if datadir.exists():  # a directory without a cluster: nothing worth keeping
+            shutil.rmtree(datadir)
+        for partial in directory.glob("pgdata.partial-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        partial = directory / f"pgdata.partial-{fence}"
+        builder = InstanceServer(datadir=partial, port=0, host=self.listen_host, run_as=self.run_as)
+        builder.initdb(
+            ADMIN_USER, self._unseal(state["admin_password"]), {**BASE_SETTINGS, **spec.server_settings()}
+        )
+        os.replace(partial, datadir)
+
+    async def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        await self._step(instance_id, fence, lambda: self._configure_network(instance_id))
+
+    def _configure_network(self, instance_id: uuid.UUID) -> None:
+        server = self._require_storage(instance_id)
+        port = self.ports.allocate(instance_id)
+        if not server.is_running() and port_in_use(port, self.connect_host):
+            log.warning("port %s of instance %s is taken by another process; moving", port, instance_id)
+            port = self.ports.allocate(instance_id, avoid=port)
+        hba = server.datadir / "pg_hba.conf"
+        if hba.read_text() != PG_HBA:
+            hba.write_text(PG_HBA)
+            if server.is_running():
+                server.reload()
+
+    async def initialize_database(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
+    ) -> ConnectionInfo:
+        return await self._step(
+            instance_id, fence, lambda: self._initialize_database(instance_id, spec, password)
+        )
+
+    def _initialize_database(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, password: str | None
+    ) -> ConnectionInfo:
+        self._require_storage(instance_id)
+        port = self._require_port(instance_id)
+        server = self._server(instance_id, port)
+        self._ensure_started(server)
+        state = self._load_state(instance_id)
+        if password is None:
+            password = self._unseal(state["owner_password"]) if "owner_password" in state else None
+        if password is None:
+            password = secrets.token_urlsafe(24)
+        if state.get("owner_password") is None or self._unseal(state["owner_password"]) != password:
+            state["owner_password"] = self._seal(password)  # recorded before the role gets it
+            self._save_state(instance_id, state)
+        role = owner_role(instance_id)
+        with self._admin(instance_id, port) as admin:
+            in_recovery = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+            if in_recovery and in_recovery[0]:
+                raise TemporaryError(f"instance {instance_id} is read-only; resume runs first")
+            _ensure_owner(admin, role, password)
+        if "plan" not in state:
+            state.update(plan=spec.plan, generation=spec.generation)
+            self._save_state(instance_id, state)
+        return ConnectionInfo(self.advertise_host, port, DBNAME, role, password)
+
+    async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return await self._step(instance_id, fence, lambda: self._apply_plan(instance_id, spec))
+
+    def _apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec) -> bool:
+        server = self._require_storage(instance_id)
+        desired = {**BASE_SETTINGS, **spec.server_settings()}
+        managed = server.datadir / "controlplane.conf"
+        changed = False
+        if managed.read_text() != _settings_text(desired):
+            server.write_settings(desired)
+            changed = True
+        if server.is_running():
+            with self._admin(instance_id, server.port) as admin:
+                live = {key: _show(admin, key) for key in spec.server_settings()}
+            if live != spec.server_settings():
+                server.restart()
+                changed = True
+        state = self._load_state(instance_id)
+        if (state.get("plan"), state.get("generation")) != (spec.plan, spec.generation):
+            state.update(plan=spec.plan, generation=spec.generation)
+            self._save_state(instance_id, state)
+        return changed
+
+    async def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return await self._step(instance_id, fence, lambda: self._suspend(instance_id))
+
+    def _suspend(self, instance_id: uuid.UUID) -> bool:
+        """Restart the server in standby mode: read-only that no session can undo; sessions end."""
+        server = self._require_storage(instance_id)
+        signal_file = server.datadir / "standby.signal"
+        if server.is_running() and signal_file.exists() and self._in_recovery(instance_id, server.port):
+            return False
+        signal_file.touch()
+        if self.run_as.is_switch:
+            assert self.run_as.uid is not None and self.run_as.gid is not None
+            os.chown(signal_file, self.run_as.uid, self.run_as.gid)
+        if server.is_running():
+            server.restart("fast")  # fast shutdown terminates every session, as pg_terminate_backend does
+        else:
+            self._ensure_started(server)
+        if not self._in_recovery(instance_id, server.port):
+            raise TemporaryError(f"instance {instance_id} did not come back read-only")
+        return True
+
+    async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return await self._step(instance_id, fence, lambda: self._resume(instance_id))
+
+    def _resume(self, instance_id: uuid.UUID) -> bool:
+        """Leave standby mode: promote a running server, or start a stopped one without the signal."""
+        server = self._require_storage(instance_id)
+        signal_file = server.datadir / "standby.signal"
+        if not server.is_running():
+            was_suspended = signal_file.exists()
+            signal_file.unlink(missing_ok=True)
+            self._ensure_started(server)
+            return was_suspended
+        if not self._in_recovery(instance_id, server.port):
+            signal_file.unlink(missing_ok=True)
+            return False
+        with self._admin(instance_id, server.port) as admin:
+            promoted = admin.execute("SELECT pg_promote(true, 60)").fetchone()
+        if not (promoted and promoted[0]) or self._in_recovery(instance_id, server.port):
+            raise TemporaryError(f"instance {instance_id} could not leave read-only mode")
+        signal_file.unlink(missing_ok=True)
+        return True
+
+    def _in_recovery(self, instance_id: uuid.UUID, port: int) -> bool:
+        with self._admin(instance_id, port) as admin:
+            row = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+        return bool(row and row[0])
+
+    async def deprovision(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
+    ) -> DeprovisionResult:
+        return await self._step(instance_id, fence, lambda: self._deprovision(instance_id, skip_backup))
+
+    def _deprovision(self, instance_id: uuid.UUID, skip_backup: bool) -> DeprovisionResult:
+        directory = self.instance_dir(instance_id)
+        state = self._load_state(instance_id)
+        server = self._server(instance_id)
+        backup: str | None = state.get("final_backup")
+        existed = directory.exists() or self.ports.port_of(instance_id) is not None
+        if server.initialised and not skip_backup and not (backup and Path(backup).exists()):
+            backup = str(self._final_backup(instance_id, server))
+            state["final_backup"] = backup
+            self._save_state(instance_id, state)
+        if server.initialised:
+            server.stop("fast")
+        for pid in _postmaster_pids_for(server.datadir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGQUIT)
+        if directory.exists():
+            shutil.rmtree(directory)
+        self.ports.release(instance_id)
+        return DeprovisionResult(backup=None if skip_backup else backup, removed=existed)
+
+    def _final_backup(self, instance_id: uuid.UUID, server: InstanceServer) -> Path:
+        if server.port == 0:
+            server.port = self.ports.allocate(instance_id)
+        self._ensure_started(server)
+        self.backups.mkdir(parents=True, exist_ok=True, mode=0o700)
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        final = self.backups / f"{instance_id}-{stamp}.dump"
+        partial = final.with_name(final.name + ".partial")
+        env = dict(os.environ, PGPASSWORD=self._unseal(self._load_state(instance_id)["admin_password"]))
+        result = subprocess.run(
+            [
+                server.bin("pg_dump"),
+                "--format=custom",
+                f"--file={partial}",
+                f"--host={self.connect_host}",
+                f"--port={server.port}",
+                f"--username={ADMIN_USER}",
+                "--no-password",
+                DBNAME,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise TemporaryError(f"final backup of {instance_id} failed: {result.stderr.strip()[-500:]}")
+        os.replace(partial, final)
+        return final
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    async def observe(self, instance_id: uuid.UUID) -> Observation:
+        return await asyncio.to_thread(self._observe, instance_id)
+
+    def _observe(self, instance_id: uuid.UUID) -> Observation:
+        server = self._server(instance_id)
+        state = self._load_state(instance_id)
+        port = server.port or None
+        endpoint = None if port is None else (self.advertise_host, port)
+        plan, generation = state.get("plan"), state.get("generation")
+        if not server.initialised:
+            return Observation(False, endpoint=endpoint, detail="data directory missing")
+        if not server.is_running():
+            return Observation(
+                True, endpoint=endpoint, plan_applied=plan, generation=generation, detail="server not running"
+            )
+        try:
+            with self._admin(instance_id, server.port, timeout=3) as admin:
+                row = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+        except psycopg.Error as exc:
+            return Observation(
+                True,
+                running=True,
+                endpoint=endpoint,
+                plan_applied=plan,
+                generation=generation,
+                detail=f"not accepting connections: {str(exc).strip()[:200]}",
+            )
+        read_only = bool(row and row[0])
+        return Observation(
+            True,
+            running=True,
+            healthy=True,
+            read_only=read_only,
+            endpoint=endpoint,
+            plan_applied=plan,
+            generation=generation,
+            detail="read-only (standby mode)" if read_only else "accepting writes",
+        )
+
+    async def inventory(self) -> list[Resource]:
+        return await asyncio.to_thread(self._inventory)
+
+    def _inventory(self) -> list[Resource]:
+        found: list[Resource] = []
+        if self.root.exists():
+            for entry in sorted(self.root.iterdir()):
+                instance_id = _as_uuid(entry.name)
+                if instance_id is None or not entry.is_dir():
+                    continue
+                found.append(Resource("data_directory", str(entry), instance_id))
+                pid = self._server(instance_id, 0).pid()
+                if pid is not None:
+                    found.append(Resource("server", f"pid {pid}", instance_id))
+        for owner, port in sorted(self.ports.table().items(), key=lambda item: item[1]):
+            found.append(Resource("port", str(port), _as_uuid(owner)))
+        return found
+
+    def roles(self, instance_id: uuid.UUID) -> list[str]:
+        """Login roles of the instance's server other than the control plane's own (for checks)."""
+        port = self._require_port(instance_id)
+        with self._admin(instance_id, port) as admin:
+            rows = admin.execute(
+                "SELECT rolname FROM pg_roles WHERE rolcanlogin AND rolname <> %s ORDER BY 1", (ADMIN_USER,)
+            ).fetchall()
+        return [row[0] for row in rows]
+
+
+def _as_uuid(text: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        return None
+
+
+def _settings_text(settings: Mapping[str, str]) -> str:
+    return "\n".join(f"{key} = '{value}'" for key, value in sorted(settings.items())) + "\n"
+
+
+def _show(conn: psycopg.Connection[Any], name: str) -> str:
+    row = conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()
+    return "" if row is None else str(row[0])
+
+
+def _ensure_owner(admin: psycopg.Connection[Any], role: str, password: str) -> None:
+    """The owner role (never superuser) with `password`, and the database it owns."""
+    ident = sql.Identifier(role)
+    attributes = sql.SQL("LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS")
+    exists = admin.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+    verb = sql.SQL("ALTER ROLE") if exists else sql.SQL("CREATE ROLE")
+    admin.execute(sql.SQL("{} {} {}").format(verb, ident, attributes))
+    # The SCRAM verifier is computed here: the password itself never reaches the server or its logs.
+    verifier = admin.pgconn.encrypt_password(password.encode(), role.encode(), b"scram-sha-256")
+    admin.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(ident, sql.Literal(verifier.decode())))
+    if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DBNAME,)).fetchone():
+        admin.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(DBNAME), ident))
+    admin.execute(sql.SQL("REVOKE CONNECT ON DATABASE {} FROM PUBLIC").format(sql.Identifier(DBNAME)))
+    admin.execute(sql.SQL("REVOKE CONNECT ON DATABASE postgres FROM PUBLIC"))
+    admin.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(sql.Identifier(DBNAME), ident))
+
+
+def _translated(work: Callable[[], T]) -> T:
+    """Third-party failures become the engine's two kinds of error."""
+    try:
+        return work()
+    except (TemporaryError, PermanentError):
+        raise
+    except (PostgresError, psycopg.OperationalError, subprocess.TimeoutExpired, OSError) as exc:
+        raise TemporaryError(f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc
+    except psycopg.Error as exc:
+        raise TemporaryError(f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc
