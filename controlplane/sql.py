@@ -208,3 +208,25 @@ WITH created AS (
 SELECT created.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
 FROM created
 """
+
+# Supervisor: claimed or running jobs whose heartbeat is older than the threshold (as of `now`,
+# injected by the caller or the database's own), locked so two supervisors do not both act.
+# Served by the partial index ix_jobs_live_heartbeat.
+SCAN_STALE_JOBS = """
+SELECT * FROM jobs
+WHERE state IN ('claimed', 'running')
+  AND heartbeat_at < COALESCE(%(now)s::timestamptz, now()) - make_interval(secs => %(stale_after_s)s::float8)
+ORDER BY heartbeat_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+
+# Supervisor: failed jobs whose retry time (run_at, set by the error's backoff) has come.
+# Served by the partial index ix_jobs_failed_run_at.
+SCAN_DUE_FAILED_JOBS = """
+SELECT * FROM jobs
+WHERE state = 'failed' AND run_at <= COALESCE(%(now)s::timestamptz, now())
+ORDER BY run_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from controlplane.cli import common, server, sre
+from controlplane.cli import common, jobs, server, sre
 from controlplane.settings import SettingsError
 
-COMMAND_MODULES = (server, sre)
+COMMAND_MODULES = (server, sre, jobs)
 
 
 def build_parser() -> argparse.ArgumentParser:

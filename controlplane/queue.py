@@ -1,0 +1,327 @@
+"""The job queue's moves: claim, start, finish, error, reclaim, abandon, and the operator's actions."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg.rows import DictRow
+
+from controlplane import lifecycle, metrics, sql
+from controlplane.db import AsyncConn
+from controlplane.handlers import JobRegistry, Verdict
+from controlplane.jobs import get_job
+from controlplane.retry import Decision, ErrorKind
+from controlplane.transitions import (
+    Actor,
+    BatchResult,
+    Conflict,
+    InvariantViolation,
+    Move,
+    TransitionError,
+    transition_many,
+)
+
+log = logging.getLogger(__name__)
+
+# What an operator may do to a job; each is an event of the job lifecycle.
+OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
+# Longest error message kept on the job row (the full text is the handler's to log).
+MAX_ERROR_CHARS = 4000
+
+
+class JobNotFound(LookupError):
+    def __init__(self, job_id: uuid.UUID) -> None:
+        super().__init__(f"job {job_id} does not exist")
+        self.job_id = job_id
+
+
+class ActionRefused(Exception):
+    """An operator action the job's current state does not allow (or cannot be done safely)."""
+
+    def __init__(self, job_id: uuid.UUID, action: str, state: str, why: str | None = None) -> None:
+        allowed = [a for a in OPERATOR_ACTIONS if a in lifecycle.JOB.allowed_events(state)]
+        self.job_id = job_id
+        self.action = action
+        self.state = state
+        self.allowed = allowed
+        detail = why or f"allowed from {state!r}: {', '.join(allowed) or 'nothing (it is final)'}"
+        super().__init__(f"cannot {action} job {job_id}: it is {state!r}; {detail}")
+
+
+def _move(job: Mapping[str, Any], event: str, **kwargs: Any) -> Move:
+    return Move(job["id"], job["state"], job["state_version"], event, **kwargs)
+
+
+async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
+    """Claim up to `limit` due queued jobs of `kinds` in one statement; each gets a new fence."""
+    if limit <= 0 or not kinds:
+        return []
+    cursor = await conn.execute(
+        sql.CLAIM_JOBS,
+        {
+            "kinds": list(kinds),
+            "limit": limit,
+            "worker": worker_id,
+            "actor_kind": "worker",
+            "actor_id": worker_id,
+            "request_id": None,
+        },
+        prepare=True,
+    )
+    rows = await cursor.fetchall()
+    if rows:
+        metrics.TRANSITIONS.labels("job", "queued", "claimed", "claim").inc(len(rows))
+    return rows
+
+
+async def start_many(conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor) -> BatchResult:
+    """claimed -> running for all `jobs` in one statement."""
+    return await transition_many(conn, "job", [_move(job, "start") for job in jobs], actor)
+
+
+async def finish_many(
+    conn: AsyncConn, done: Sequence[tuple[Mapping[str, Any], Verdict]], actor: Actor
+) -> BatchResult:
+    """running -> completed, each with its verdict ("nothing to do" is a completion too)."""
+    moves = [_move(job, "finish", patch={"verdict": dict(verdict)}) for job, verdict in done]
+    return await transition_many(conn, "job", moves, actor)
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """One failed run: the job as the worker holds it, what went wrong, and what happens next."""
+
+    job: Mapping[str, Any]
+    message: str
+    kind: ErrorKind
+    decision: Decision
+    requested_delay_s: float | None = None
+
+    def move(self) -> Move:
+        attempt = int(self.job["attempt"])
+        message = self.message[:MAX_ERROR_CHARS]
+        return _move(
+            self.job,
+            "error",
+            reason=message[:500],
+            detail={
+                "error_kind": self.kind,
+                "attempt": attempt,
+                "next": self.decision.action,
+                "retry_in_s": self.decision.delay_s,
+                "requested_delay_s": self.requested_delay_s,
+                "why": self.decision.why,
+            },
+            # delay_s sets run_at: the moment the supervisor retries (or abandons) the job.
+            patch={
+                "attempt": attempt,
+                "last_error": message,
+                "error_kind": self.kind,
+                "delay_s": self.decision.delay_s,
+            },
+        )
+
+
+async def error_many(conn: AsyncConn, failures: Sequence[JobFailure], actor: Actor) -> BatchResult:
+    """running -> failed, with the message, the error kind, the attempt and the retry time."""
+    return await transition_many(conn, "job", [f.move() for f in failures], actor)
+
+
+async def error(conn: AsyncConn, failure: JobFailure, actor: Actor) -> DictRow:
+    """One running -> failed; raises Conflict when the job is no longer where the caller saw it."""
+    result = await error_many(conn, [failure], actor)
+    if result.failed:
+        raise result.failed[0]
+    return result.moved[0]
+
+
+async def reclaim_many(
+    conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor, reason: str
+) -> BatchResult:
+    """claimed/running -> queued: hand jobs back to the queue (dead worker, shutdown)."""
+    return await transition_many(conn, "job", [_move(job, "reclaim", reason=reason) for job in jobs], actor)
+
+
+async def retry_many(
+    conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor, reason: str
+) -> BatchResult:
+    """failed -> queued, due now (run_at = now())."""
+    moves = [_move(job, "retry", reason=reason, patch={"delay_s": 0}) for job in jobs]
+    return await transition_many(conn, "job", moves, actor)
+
+
+def attempts_allowed(job: Mapping[str, Any], registry: JobRegistry | None) -> int:
+    """The job's max_attempts, lowered by its kind's when the kind is registered."""
+    allowed = int(job["max_attempts"])
+    kind = registry.get(job["kind"]) if registry else None
+    return min(allowed, kind.max_attempts) if kind else allowed
+
+
+async def abandon_job(
+    conn: AsyncConn,
+    job: Mapping[str, Any],
+    actor: Actor,
+    reason: str,
+    registry: JobRegistry | None,
+    *,
+    detail: Mapping[str, Any] | None = None,
+) -> DictRow:
+    """failed/paused -> abandoned and the kind's on_abandoned hook, in one transaction.
+
+    Raises Conflict (nothing done) when the job moved meanwhile; a failing hook rolls the
+    abandonment back.
+    """
+    kind = registry.get(job["kind"]) if registry else None
+    async with conn.transaction():
+        result = await transition_many(
+            conn, "job", [_move(job, "abandon", reason=reason, detail=detail)], actor
+        )
+        if result.failed:
+            raise result.failed[0]
+        row = result.moved[0]
+        if kind is not None and kind.on_abandoned is not None:
+            await kind.on_abandoned(conn, row, actor)
+    return row
+
+
+async def applied_earlier(
+    conn: AsyncConn, failures: Iterable[TransitionError], fences: Mapping[uuid.UUID, int]
+) -> set[uuid.UUID]:
+    """Of these conflicts, the moves that had in fact been applied by this holder already.
+
+    After a write whose reply was lost (the connection dropped), retrying it conflicts with
+    itself: the row is at the target state, one version on, with the same fence.
+    """
+    conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
+    if not conflicts:
+        return set()
+    cursor = await conn.execute(
+        "SELECT id, state, state_version, fence FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
+        {"ids": [c.move.id for c in conflicts]},
+    )
+    rows = {row["id"]: row for row in await cursor.fetchall()}
+    applied = set()
+    for conflict in conflicts:
+        move, row = conflict.move, rows.get(conflict.move.id)
+        if (
+            row is not None
+            and row["state"] == lifecycle.JOB.apply(move.expected_state, move.event)
+            and row["state_version"] == move.expected_version + 1
+            and row["fence"] == fences[move.id]
+        ):
+            applied.add(move.id)
+    return applied
+
+
+def move_of(failure: TransitionError) -> Move:
+    """The move a failed transition was asked to make."""
+    assert isinstance(failure, Conflict | InvariantViolation)
+    return failure.move
+
+
+def _require_reason(reason: str | None) -> str:
+    text = (reason or "").strip()
+    if not text:
+        raise ValueError("an operator action needs a reason")
+    return text
+
+
+async def operator_action(
+    conn: AsyncConn,
+    job_id: uuid.UUID,
+    action: str,
+    operator: str,
+    reason: str,
+    *,
+    registry: JobRegistry | None = None,
+    force: bool = False,
+) -> DictRow:
+    """Pause, resume, retry or abandon a job as `operator`, with a required reason.
+
+    Refuses (ActionRefused, naming the current state) what the lifecycle does not allow. Abandon
+    runs the kind's on_abandoned hook in the same transaction; when the kind is not in `registry`
+    the hook cannot run and abandon is refused unless `force`.
+    """
+    if action not in OPERATOR_ACTIONS:
+        raise ValueError(f"unknown action {action!r}; expected one of {', '.join(OPERATOR_ACTIONS)}")
+    why = _require_reason(reason)
+    actor = Actor("operator", operator)
+    last_state = ""
+    for _ in range(5):
+        job = await get_job(conn, job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        last_state = job["state"]
+        try:
+            lifecycle.JOB.apply(job["state"], action, job_id)
+        except lifecycle.IllegalTransition as exc:
+            raise ActionRefused(job_id, action, job["state"]) from exc
+        try:
+            if action == "abandon":
+                if not force and (registry is None or registry.get(job["kind"]) is None):
+                    raise ActionRefused(
+                        job_id,
+                        action,
+                        job["state"],
+                        f"kind {job['kind']!r} is not registered here, so its abandonment hook "
+                        "cannot run (force to abandon without it)",
+                    )
+                return await abandon_job(conn, job, actor, why, registry)
+            patch = {"delay_s": 0} if action == "retry" else {}
+            result = await transition_many(conn, "job", [_move(job, action, reason=why, patch=patch)], actor)
+            if result.failed:
+                raise result.failed[0]
+            return result.moved[0]
+        except Conflict:
+            log.info("job %s moved while %s was applying %s; re-reading", job_id, operator, action)
+    raise ActionRefused(job_id, action, last_state, "the job keeps changing; try again")
+
+
+async def pause(conn: AsyncConn, job_id: uuid.UUID, operator: str, reason: str) -> DictRow:
+    return await operator_action(conn, job_id, "pause", operator, reason)
+
+
+async def resume(conn: AsyncConn, job_id: uuid.UUID, operator: str, reason: str) -> DictRow:
+    return await operator_action(conn, job_id, "resume", operator, reason)
+
+
+async def retry(conn: AsyncConn, job_id: uuid.UUID, operator: str, reason: str) -> DictRow:
+    return await operator_action(conn, job_id, "retry", operator, reason)
+
+
+async def abandon(
+    conn: AsyncConn,
+    job_id: uuid.UUID,
+    operator: str,
+    reason: str,
+    registry: JobRegistry | None,
+    *,
+    force: bool = False,
+) -> DictRow:
+    return await operator_action(conn, job_id, "abandon", operator, reason, registry=registry, force=force)
+
+
+async def list_jobs(
+    conn: AsyncConn, *, state: str | None = None, kind: str | None = None, limit: int = 100
+) -> list[DictRow]:
+    """Jobs newest first, optionally of one state and/or kind."""
+    if state is not None and state not in lifecycle.JOB.states:
+        raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(lifecycle.JOB.states)}")
+    cursor = await conn.execute(
+        """
+        SELECT id, kind, instance_id, state, state_version, attempt, max_attempts, priority, run_at,
+               claimed_by, fence, heartbeat_at, error_kind, last_error, verdict, created_at,
+               state_entered_at
+        FROM jobs
+        WHERE (%(state)s::text IS NULL OR state = %(state)s)
+          AND (%(kind)s::text IS NULL OR kind = %(kind)s)
+        ORDER BY created_at DESC, id
+        LIMIT %(limit)s
+        """,
+        {"state": state, "kind": kind, "limit": limit},
+    )
+    return await cursor.fetchall()

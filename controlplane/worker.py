@@ -1,0 +1,510 @@
+"""The worker runtime: claims jobs, runs their handlers concurrently, heartbeats, reports, shuts down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import psycopg
+from psycopg.rows import DictRow
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from controlplane import db, metrics, queue, transitions
+from controlplane.db import AsyncConn
+from controlplane.handlers import (
+    JobContext,
+    JobRegistry,
+    PermanentError,
+    StaleFence,
+    TemporaryError,
+    Verdict,
+)
+from controlplane.retry import ErrorKind, RetryPolicy
+from controlplane.settings import Settings
+from controlplane.transitions import Actor, BatchResult, Conflict
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Errors after which a database write is retried on a fresh connection.
+DATABASE_GONE = (psycopg.OperationalError, PoolTimeout)
+# How long to wait for a pooled connection before counting the database as unreachable.
+CONNECTION_TIMEOUT_S = 5.0
+WAKE_CHANNEL = "cp_job_queued"
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class Held:
+    """A job this worker holds: the row as last written, its handler task, and its fate."""
+
+    job: DictRow
+    task: asyncio.Task[None] | None = None
+    # The job is no longer ours (reclaimed, paused, abandoned, stale fence): report nothing.
+    lost: bool = False
+    # Cancelled by the worker's shutdown: to be handed back to the queue.
+    handing_back: bool = False
+    # A write of its outcome is in flight: the write's result, not a heartbeat, decides its fate.
+    writing: bool = False
+
+    @property
+    def id(self) -> uuid.UUID:
+        value: uuid.UUID = self.job["id"]
+        return value
+
+    @property
+    def fence(self) -> int:
+        return int(self.job["fence"])
+
+
+@dataclass
+class Outcome:
+    held: Held
+    kind: Literal["finish", "error"]
+    verdict: Verdict | None = None
+    failure: queue.JobFailure | None = None
+
+
+class Worker:
+    """Runs up to `settings.worker_concurrency` jobs at once, of the kinds in `registry`.
+
+    Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), starts the claimed
+    batch in one statement, heartbeats all held jobs in one statement on its own connection,
+    and writes completions and errors in batches. `request_stop()` begins a graceful shutdown.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        settings: Settings,
+        pool: AsyncConnectionPool[AsyncConn],
+        registry: JobRegistry,
+        *,
+        services: Mapping[str, Any] | None = None,
+        policy: RetryPolicy | None = None,
+    ) -> None:
+        if not registry.names():
+            raise ValueError("a worker needs at least one registered job kind")
+        self.worker_id = worker_id
+        self.settings = settings
+        self.pool = pool
+        self.registry = registry
+        self.services = services or {}
+        self.policy = policy or RetryPolicy(settings.retry_base_delay_s, settings.retry_max_delay_s)
+        self.actor = Actor("worker", worker_id)
+        # Dedicated connections (heartbeat, LISTEN) go to the pool's database.
+        self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
+        self.kinds = registry.names()
+        self.concurrency = settings.worker_concurrency
+        # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
+        self.counts: Counter[str] = Counter()
+        self._held: dict[uuid.UUID, Held] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._outcomes: list[Outcome] = []
+        self._stop = asyncio.Event()
+        self._kick = asyncio.Event()
+        self._outcome_ready = asyncio.Event()
+        self._writer_closing = False
+        # Monotonic time after which writes stop retrying (set when stopping): the supervisor's turn.
+        self._give_up_at: float | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def request_stop(self) -> None:
+        """Stop claiming; running handlers get shutdown_grace_s, the rest is handed back."""
+        if not self._stop.is_set():
+            log.info("worker %s stopping", self.worker_id)
+            self._give_up_at = (
+                time.monotonic() + self.settings.shutdown_grace_s + self.settings.reclaim_after_s
+            )
+        self._stop.set()
+        self._kick.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def held_ids(self) -> set[uuid.UUID]:
+        return set(self._held)
+
+    async def run(self) -> None:
+        """Work until request_stop(), then shut down gracefully; returns when all is handed back."""
+        log.info("worker %s starts: kinds %s, concurrency %d", self.worker_id, self.kinds, self.concurrency)
+        listener = asyncio.create_task(self._listen(), name=f"{self.worker_id}-listen")
+        beater = asyncio.create_task(self._heartbeat_loop(), name=f"{self.worker_id}-heartbeat")
+        writer = asyncio.create_task(self._write_loop(), name=f"{self.worker_id}-write")
+        try:
+            await self._claim_loop()
+        finally:
+            listener.cancel()
+            await self._shutdown(writer)
+            beater.cancel()
+            await asyncio.gather(listener, beater, return_exceptions=True)
+            log.info("worker %s stopped: %s", self.worker_id, dict(self.counts))
+
+    async def _shutdown(self, writer: asyncio.Task[None]) -> None:
+        tasks = set(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self._writer_closing = True
+        self._outcome_ready.set()
+        await asyncio.gather(writer, return_exceptions=True)
+        back = [h for h in self._held.values() if not h.lost]
+        if back:
+            await self._hand_back(back)
+
+    async def _hand_back(self, back: list[Held]) -> None:
+        """reclaim (actor: this worker) every job it still holds, started or not."""
+
+        async def reclaim(conn: AsyncConn) -> BatchResult:
+            result = await queue.reclaim_many(conn, [h.job for h in back], self.actor, "worker shutting down")
+            return await self._settle(conn, result, {h.id: h.fence for h in back})
+
+        result = await self._with_retry("hand back", reclaim)
+        if result is None:
+            log.warning(
+                "worker %s could not hand back %d job(s): left to the supervisor", self.worker_id, len(back)
+            )
+        else:
+            self.counts["handed_back"] += len(result.moved)
+            self.counts["conflicts"] += len(result.failed)
+        for held in back:
+            self._forget(held)
+
+    # ----------------------------------------------------------------- claiming
+
+    async def _claim_loop(self) -> None:
+        while not self._stop.is_set():
+            free = self.concurrency - len(self._tasks)
+            if free <= 0:
+                self._kick.clear()
+                await self._kick.wait()
+                continue
+            self._kick.clear()
+            await self._claim_and_start(free)
+            if self._stop.is_set():
+                break
+            if self.concurrency - len(self._tasks) <= 0:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=self.settings.poll_interval_s)
+
+    async def _claim_and_start(self, free: int) -> None:
+        claimed: list[DictRow] = []
+
+        async def claim_and_start(conn: AsyncConn) -> BatchResult:
+            claimed[:] = await queue.claim(conn, self.worker_id, self.kinds, free)
+            for row in claimed:
+                self._held[row["id"]] = Held(row)
+            if not claimed:
+                return BatchResult([], [])
+            return await self._start(conn, claimed)
+
+        try:
+            async with self.pool.connection(timeout=CONNECTION_TIMEOUT_S) as conn:
+                started = await claim_and_start(conn)
+        except DATABASE_GONE as exc:
+            # A claim whose reply was lost is unknown here: its jobs go stale and are reclaimed.
+            log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
+            if not claimed:
+                await self._pause_after_failure()
+                return
+            result = await self._with_retry("start", lambda conn: self._start(conn, claimed))
+            if result is None:
+                for row in claimed:
+                    held = self._held.get(row["id"])
+                    if held is not None:
+                        self._forget(held)
+                return
+            started = result
+        self.counts["claimed"] += len(claimed)
+        for row in started.moved:
+            held = self._held.get(row["id"])
+            if held is None or held.lost:
+                continue
+            held.job = row
+            self._launch(held)
+        for failure in started.failed:
+            held = self._held.get(queue.move_of(failure).id) if isinstance(failure, Conflict) else None
+            if held is not None:
+                log.info("worker %s: job %s was taken before it started", self.worker_id, held.id)
+                self._forget(held)
+
+    async def _start(self, conn: AsyncConn, claimed: list[DictRow]) -> BatchResult:
+        """claimed -> running for the batch, counting our own earlier (reply-lost) start as done."""
+        pending = [self._held[r["id"]].job for r in claimed if r["id"] in self._held]
+        result = await queue.start_many(conn, pending, self.actor)
+        if not result.failed:
+            return result
+        applied = await queue.applied_earlier(
+            conn, result.failed, {j["id"]: int(j["fence"]) for j in pending}
+        )
+        if applied:
+            cursor = await conn.execute(
+                "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])", {"ids": list(applied)}
+            )
+            again = await cursor.fetchall()
+            failed = [f for f in result.failed if queue.move_of(f).id not in applied]
+            return BatchResult(result.moved + again, failed)
+        return result
+
+    async def _pause_after_failure(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, self.settings.poll_interval_s))
+
+    def _launch(self, held: Held) -> None:
+        task = asyncio.create_task(self._run_handler(held), name=f"job-{held.id}")
+        held.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._slot_freed)
+
+    def _slot_freed(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._kick.set()
+
+    # ----------------------------------------------------------------- running handlers
+
+    async def _run_handler(self, held: Held) -> None:
+        kind = self.registry.get(held.job["kind"])
+        assert kind is not None, "claimed a job of a kind this worker does not run"
+        context = JobContext(
+            job=held.job,
+            worker_id=self.worker_id,
+            pool=self.pool,
+            settings=self.settings,
+            services=self.services,
+        )
+        try:
+            verdict = await kind.handler(context)
+        except asyncio.CancelledError:
+            if not held.lost:
+                held.handing_back = True
+            return
+        except StaleFence as exc:
+            log.warning("worker %s: job %s: %s; reporting nothing", self.worker_id, held.id, exc)
+            self.counts["stale_fence"] += 1
+            self._lose(held)
+            return
+        except TemporaryError as exc:
+            self._fail(held, str(exc) or type(exc).__name__, "temporary", exc.delay_s)
+        except PermanentError as exc:
+            self._fail(held, str(exc) or type(exc).__name__, "permanent", None)
+        except Exception as exc:
+            log.exception("worker %s: job %s (%s) raised", self.worker_id, held.id, held.job["kind"])
+            self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
+        else:
+            self._report(Outcome(held, "finish", verdict=verdict if verdict is not None else {}))
+
+    def _fail(self, held: Held, message: str, kind: ErrorKind, delay_s: float | None) -> None:
+        decision = self.policy.decide(
+            attempt=int(held.job["attempt"]),
+            max_attempts=queue.attempts_allowed(held.job, self.registry),
+            error_kind=kind,
+            requested_delay_s=delay_s,
+        )
+        failure = queue.JobFailure(held.job, message, kind, decision, delay_s)
+        self._report(Outcome(held, "error", failure=failure))
+
+    def _report(self, outcome: Outcome) -> None:
+        if outcome.held.lost:
+            return
+        self._outcomes.append(outcome)
+        self._outcome_ready.set()
+
+    def _lose(self, held: Held) -> None:
+        """The job is no longer ours: stop its handler, report nothing, stop heartbeating it."""
+        if held.lost:
+            return
+        held.lost = True
+        self.counts["lost"] += 1
+        if held.task is not None and not held.task.done():
+            held.task.cancel()
+        self._forget(held)
+
+    def _forget(self, held: Held) -> None:
+        if self._held.get(held.id) is held:
+            del self._held[held.id]
+
+    # ----------------------------------------------------------------- reporting
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._outcome_ready.wait()
+            self._outcome_ready.clear()
+            batch = [o for o in self._outcomes if not o.held.lost]
+            self._outcomes = []
+            if batch:
+                await self._write(batch)
+            if self._writer_closing and not self._outcomes:
+                return
+
+    async def _write(self, batch: list[Outcome]) -> None:
+        for outcome in batch:
+            outcome.held.writing = True
+        finishes = [o for o in batch if o.kind == "finish"]
+        errors = [o for o in batch if o.kind == "error"]
+        fences = {o.held.id: o.held.fence for o in batch}
+
+        async def write(conn: AsyncConn) -> tuple[BatchResult, BatchResult]:
+            done = await queue.finish_many(
+                conn, [(o.held.job, o.verdict or {}) for o in finishes], self.actor
+            )
+            failed = await queue.error_many(conn, [o.failure for o in errors if o.failure], self.actor)
+            return await self._settle(conn, done, fences), await self._settle(conn, failed, fences)
+
+        written = await self._with_retry("report", write)
+        for outcome in batch:
+            outcome.held.writing = False
+            self._forget(outcome.held)
+        if written is None:
+            log.warning(
+                "worker %s: %d outcome(s) not written: left to the supervisor", self.worker_id, len(batch)
+            )
+            return
+        done, failed = written
+        by_id = {o.held.id: o for o in batch}
+        for row in done.moved:
+            metrics.JOBS_FINISHED.labels(row["kind"], "completed").inc()
+        for row in failed.moved:
+            metrics.JOBS_FINISHED.labels(row["kind"], f"failed_{row['error_kind']}").inc()
+        self.counts["completed"] += len(done.moved)
+        self.counts["failed"] += len(failed.moved)
+        for failure in done.failed + failed.failed:
+            held = by_id[queue.move_of(failure).id].held
+            held.lost = True
+            self.counts["conflicts"] += 1
+            log.info("worker %s: outcome of job %s refused: %s", self.worker_id, held.id, failure)
+
+    async def _settle(
+        self, conn: AsyncConn, result: BatchResult, fences: Mapping[uuid.UUID, int]
+    ) -> BatchResult:
+        """Count conflicts that are our own earlier write (its reply lost with the connection) as done."""
+        if not result.failed:
+            return result
+        applied = await queue.applied_earlier(conn, result.failed, fences)
+        if not applied:
+            return result
+        cursor = await conn.execute(
+            "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])", {"ids": list(applied)}
+        )
+        rows = await cursor.fetchall()
+        return BatchResult(
+            result.moved + rows, [f for f in result.failed if queue.move_of(f).id not in applied]
+        )
+
+    async def _with_retry(self, what: str, operation: Callable[[AsyncConn], Awaitable[T]]) -> T | None:
+        """Run `operation` on a pooled connection until it succeeds; None once the worker gives up."""
+        delay = 0.05
+        while True:
+            try:
+                async with self.pool.connection(timeout=CONNECTION_TIMEOUT_S) as conn:
+                    return await operation(conn)
+            except DATABASE_GONE as exc:
+                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                    return None
+                log.warning("worker %s: %s failed (%s); retrying", self.worker_id, what, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # ----------------------------------------------------------------- heartbeats and wake-ups
+
+    async def _heartbeat_loop(self) -> None:
+        conn: AsyncConn | None = None
+        try:
+            while True:
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
+                holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
+                if not holdings:
+                    continue
+                try:
+                    if conn is None or conn.closed:
+                        conn = await db.connect(self._url)
+                    still = await transitions.heartbeat(conn, self.worker_id, holdings)
+                except DATABASE_GONE as exc:
+                    log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc)
+                    if conn is not None:
+                        await conn.close()
+                    conn = None
+                    continue
+                self.counts["heartbeats"] += 1
+                for job_id in holdings.keys() - still:
+                    held = self._held.get(job_id)
+                    if held is not None and not held.writing:
+                        log.warning(
+                            "worker %s: job %s is no longer held; cancelling it", self.worker_id, job_id
+                        )
+                        self._lose(held)
+        finally:
+            if conn is not None:
+                await conn.close()
+
+    async def _listen(self) -> None:
+        """LISTEN cp_job_queued on a dedicated connection; reconnect whenever it is lost."""
+        delay = 0.1
+        while True:
+            try:
+                conn = await db.connect(self._url)
+                async with conn:
+                    await conn.execute(f"LISTEN {WAKE_CHANNEL}")
+                    delay = 0.1
+                    self._kick.set()  # jobs may have been queued while we were not listening
+                    async for _ in conn.notifies():
+                        self._kick.set()
+            except DATABASE_GONE as exc:
+                log.warning("worker %s: listener lost (%s); reconnecting", self.worker_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+def load_registry(spec: str) -> JobRegistry:
+    """A registry named "module:attribute": a JobRegistry, or a function returning one."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"job registry {spec!r}: expected 'module:attribute'")
+    value = getattr(importlib.import_module(module_name), attribute)
+    registry = value() if callable(value) and not isinstance(value, JobRegistry) else value
+    if not isinstance(registry, JobRegistry):
+        raise TypeError(f"job registry {spec!r} is a {type(registry).__name__}, not a JobRegistry")
+    return registry
+
+
+async def run_worker(
+    settings: Settings,
+    registry: JobRegistry,
+    *,
+    services: Mapping[str, Any] | None = None,
+    policy: RetryPolicy | None = None,
+) -> int:
+    """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
+    url = db.resolve_database_url(settings)
+    worker_id = settings.worker_id or default_worker_id()
+    pool = db.pool(url, min_size=2, max_size=settings.worker_concurrency + 3, name=f"worker-{worker_id}")
+    await pool.open(wait=True, timeout=30)
+    worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, worker.request_stop)
+    try:
+        await worker.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await pool.close()
+    return 0
