@@ -1,0 +1,64 @@
+"""Shared helpers of the provisioner and operations tests: settings for real instance servers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from controlplane.settings import Settings
+from provisioners.base import ConnectionInfo
+
+
+def instance_settings(pg_root: Path, database_url: str | None = None, **overrides: Any) -> Settings:
+    """Settings whose data_dir the server user can traverse, with a port window of its own."""
+    data_dir = Path(tempfile.mkdtemp(prefix="inst-", dir=pg_root))
+    os.chmod(data_dir, 0o755)
+    low = random.randrange(30000, 32000)
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "data_dir": data_dir,
+        "local_port_min": low,
+        "local_port_max": low + 40,
+        "heartbeat_interval_s": 0.2,
+        **overrides,
+    }
+    return Settings(**values)
+
+
+def connect(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:
+    return psycopg.connect(
+        host=info.host,
+        port=info.port,
+        user=info.user,
+        password=info.password,
+        dbname=info.dbname,
+        autocommit=True,
+        connect_timeout=5,
+        **kwargs,
+    )
+
+
+def stop_all_servers(data_dir: Path) -> None:
+    """Stop every instance server a test left running under `data_dir` (teardown)."""
+    from controlplane.postgres import server_user
+    from provisioners.local import InstanceServer, _postmaster_pids_for
+
+    instances = Path(data_dir).resolve() / "instances"
+    if not instances.exists():
+        return
+    for entry in instances.iterdir():
+        datadir = entry / "pgdata"
+        if datadir.exists():
+            server = InstanceServer(datadir=datadir, port=0, run_as=server_user())
+            if server.is_running():
+                server.stop("immediate")
+        for pid in _postmaster_pids_for(datadir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGQUIT)
