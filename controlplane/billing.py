@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 # Subscription statuses that put the organisation on hold (its instances are suspended).
@@ -23,7 +23,7 @@ SUBSCRIPTION_EVENT_TYPES = frozenset(
 )
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     HOLD = "hold"
     RELEASE = "release"
     NO_CHANGE = "no_change"
@@ -54,17 +54,20 @@ class SubscriptionEvent:
 
 def parse_event(event: Mapping[str, Any]) -> SubscriptionEvent:
     """Extract id, type, created, customer and subscription status from a Stripe event object."""
-    obj = event.get("data", {}).get("object", {}) or {}
-    customer = obj.get("customer") if isinstance(obj, Mapping) else None
+    data = event.get("data")
+    obj = data.get("object") if isinstance(data, Mapping) else None
+    obj = obj if isinstance(obj, Mapping) else {}
+    customer = obj.get("customer")
     if isinstance(customer, Mapping):
         customer = customer.get("id")
-    status = obj.get("status") if isinstance(obj, Mapping) else None
+    status = obj.get("status")
+    created = event.get("created")
     return SubscriptionEvent(
         id=str(event["id"]),
         type=str(event.get("type", "")),
-        created=int(event.get("created") or 0),
-        customer_id=str(customer) if customer else None,
-        status=str(status) if status else None,
+        created=created if isinstance(created, int) and not isinstance(created, bool) else 0,
+        customer_id=customer if isinstance(customer, str) and customer else None,
+        status=status if isinstance(status, str) and status else None,
     )
 
 
@@ -79,7 +82,9 @@ def decide(status: str | None, event_created: int, last_applied_created: int | N
     `past_due` event never hides an older decisive one that arrives after it.
     """
     if last_applied_created is not None and event_created < last_applied_created:
-        return Decision(Action.STALE, f"event created at {event_created} is older than {last_applied_created}")
+        return Decision(
+            Action.STALE, f"event of {event_created} is older than the last applied ({last_applied_created})"
+        )
     if status in HOLD_STATUSES:
         return Decision(Action.HOLD, f"subscription {status}")
     if status in RELEASE_STATUSES:

@@ -1,0 +1,88 @@
+"""The application factory: routes, error handling and middleware from settings; run by uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from controlplane import db
+from controlplane.api import errors, routes_admin, routes_instances, routes_orgs, routes_public, webhooks
+from controlplane.api.errors import Problem
+from controlplane.api.state import AppState
+from controlplane.secretbox import load_box
+from controlplane.settings import Settings
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "1"
+
+
+def create_app(settings: Settings, *, database_url: str | None = None) -> FastAPI:
+    """A new application; its database pool opens and closes with the lifespan.
+
+    `database_url` overrides the settings' (e.g. the embedded server's URL resolved by the caller).
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = database_url or db.resolve_database_url(settings)
+        pool = db.pool(url, name="controlplane-api")
+        await pool.open()
+        app.state.controlplane = AppState(
+            settings=settings, database_url=url, pool=pool, box=load_box(settings)
+        )
+        try:
+            yield
+        finally:
+            await pool.close()
+            app.state.controlplane = None
+
+    app = FastAPI(
+        title="Managed PostgreSQL control plane",
+        version=API_VERSION,
+        description="Create, resize and delete PostgreSQL databases; SRE views of their lifecycle.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    for router in (
+        routes_instances.router,
+        routes_orgs.router,
+        routes_admin.router,
+        webhooks.router,
+        routes_public.router,
+    ):
+        app.include_router(router)
+    app.add_middleware(errors.BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(errors.CatchAll)
+    app.add_middleware(errors.RequestId)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The generated schema, with the Problem document that every error response refers to."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def serve(settings: Settings, *, database_url: str | None = None) -> None:
+    """Run the API with uvicorn on settings.api_host:api_port until interrupted."""
+    import uvicorn
+
+    app = create_app(settings, database_url=database_url)
+    log.info("API listening on %s", settings.api_url)
+    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True)

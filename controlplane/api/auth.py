@@ -1,0 +1,74 @@
+"""Who is calling: Bearer API keys resolved to an organisation or an admin, denied by default."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from controlplane import tenants
+from controlplane.api.errors import ProblemError
+from controlplane.api.state import app_state
+from controlplane.tenants import Principal
+from controlplane.transitions import Actor
+
+bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer cpk_...`")
+
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="controlplane"'}
+
+
+@dataclass(frozen=True)
+class Customer:
+    """A caller holding an organisation's key: every query it makes is scoped to `org_id`."""
+
+    org_id: uuid.UUID
+    key_id: uuid.UUID
+    request_id: str | None
+
+    @property
+    def actor(self) -> Actor:
+        return Actor("customer", str(self.key_id))
+
+
+@dataclass(frozen=True)
+class Admin:
+    key_id: uuid.UUID
+    request_id: str | None
+
+    @property
+    def actor(self) -> Actor:
+        return Actor("admin", str(self.key_id))
+
+
+def request_id(request: Request) -> str | None:
+    value = getattr(request.state, "request_id", None)
+    return value if isinstance(value, str) else None
+
+
+async def principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Principal:
+    if credentials is None or not credentials.credentials:
+        raise ProblemError(
+            "unauthorized", "an API key is required (Authorization: Bearer ...)", headers=_CHALLENGE
+        )
+    async with app_state(request).pool.connection() as conn:
+        found = await tenants.authenticate(conn, credentials.credentials)
+    if found is None:
+        raise ProblemError("unauthorized", "the API key is not valid or has been revoked", headers=_CHALLENGE)
+    return found
+
+
+async def customer(request: Request, who: Annotated[Principal, Depends(principal)]) -> Customer:
+    if who.org_id is None:
+        raise ProblemError("forbidden", "this route needs an organisation's key, not an admin key")
+    return Customer(who.org_id, who.key_id, request_id(request))
+
+
+async def admin(request: Request, who: Annotated[Principal, Depends(principal)]) -> Admin:
+    if not who.is_admin:
+        raise ProblemError("forbidden", "this route needs an admin key")
+    return Admin(who.key_id, request_id(request))

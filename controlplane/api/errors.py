@@ -1,0 +1,318 @@
+"""RFC 9457 problem responses: the error kinds, their handlers, and the request body size limit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+TYPE_PREFIX = "urn:controlplane:problem:"
+
+# Every kind of error the API answers with: (HTTP status, title). The `type` is TYPE_PREFIX + kind.
+KINDS: dict[str, tuple[int, str]] = {
+    "bad-request": (400, "Bad request"),
+    "bad-signature": (400, "Webhook signature is not valid"),
+    "unauthorized": (401, "Authentication required"),
+    "forbidden": (403, "Not allowed for this key"),
+    "not-found": (404, "Not found"),
+    "method-not-allowed": (405, "Method not allowed"),
+    "not-acceptable": (406, "Not acceptable"),
+    "invalid-state": (409, "Not allowed in the current state"),
+    "deletion-protected": (409, "Deletion protection is on"),
+    "name-taken": (409, "Name already in use"),
+    "conflict": (409, "Conflict"),
+    "idempotency-in-flight": (409, "A request with this Idempotency-Key is in progress"),
+    "precondition-failed": (412, "Precondition failed"),
+    "payload-too-large": (413, "Request body too large"),
+    "unsupported-media-type": (415, "Unsupported media type"),
+    "validation": (422, "Request is not valid"),
+    "idempotency-mismatch": (422, "Idempotency-Key reused with a different request"),
+    "internal": (500, "Internal server error"),
+    "unavailable": (503, "Service unavailable"),
+}
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document, with the extension members this API uses."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    request_id: str | None = None
+    current_state: str | None = None
+    allowed_actions: list[str] | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+class ProblemError(Exception):
+    """Raise to answer with a problem of `kind`; extensions become extra members of the body."""
+
+    def __init__(
+        self, kind: str, detail: str | None = None, *, headers: dict[str, str] | None = None, **ext: Any
+    ):
+        if kind not in KINDS:
+            raise ValueError(f"unknown problem kind {kind!r}")
+        super().__init__(detail or kind)
+        self.kind = kind
+        self.status, self.title = KINDS[kind]
+        self.detail = detail
+        self.headers = headers or {}
+        self.ext = ext
+
+
+def problem_body(kind: str, detail: str | None, instance: str | None, **ext: Any) -> dict[str, Any]:
+    status, title = KINDS[kind]
+    body: dict[str, Any] = {
+        "type": TYPE_PREFIX + kind,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "instance": instance,
+    }
+    body.update({k: v for k, v in ext.items() if v is not None})
+    return body
+
+
+def problem_response(
+    kind: str,
+    detail: str | None = None,
+    *,
+    instance: str | None = None,
+    headers: dict[str, str] | None = None,
+    **ext: Any,
+) -> JSONResponse:
+    body = problem_body(kind, detail, instance, **ext)
+    return JSONResponse(body, status_code=body["status"], headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+
+
+def _request_id(request: Request) -> str | None:
+    value = getattr(request.state, "request_id", None)
+    return value if isinstance(value, str) else None
+
+
+def _for_request(request: Request, kind: str, detail: str | None, **ext: Any) -> JSONResponse:
+    headers = ext.pop("headers", None)
+    return problem_response(
+        kind,
+        detail,
+        instance=request.url.path,
+        headers=headers,
+        request_id=_request_id(request),
+        **ext,
+    )
+
+
+def _field(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in {"body", "query", "path", "header"}:
+        where, rest = parts[0], parts[1:]
+        return f"{where}.{'.'.join(rest)}" if rest else where
+    return ".".join(parts)
+
+
+def validation_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    out = []
+    for error in errors:
+        message = str(error.get("msg", "invalid"))
+        if error.get("type") == "extra_forbidden":
+            message = "unknown field"
+        out.append({"field": _field(error.get("loc", ())), "message": message})
+    return out
+
+
+async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ProblemError)
+    return _for_request(request, exc.kind, exc.detail, headers=exc.headers or None, **exc.ext)
+
+
+async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = validation_errors(exc.errors())
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors) or "request is not valid"
+    return _for_request(request, "validation", detail, errors=errors)
+
+
+_HTTP_KINDS = {
+    400: "bad-request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not-found",
+    405: "method-not-allowed",
+    406: "not-acceptable",
+    409: "conflict",
+    412: "precondition-failed",
+    413: "payload-too-large",
+    415: "unsupported-media-type",
+    422: "validation",
+    503: "unavailable",
+}
+
+
+async def _on_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = _HTTP_KINDS.get(exc.status_code, "internal" if exc.status_code >= 500 else "bad-request")
+    detail = exc.detail if isinstance(exc.detail, str) else None
+    response = _for_request(request, kind, detail, headers=dict(exc.headers or {}) or None)
+    if response.status_code != exc.status_code:
+        body = json.loads(bytes(response.body))
+        body["status"] = exc.status_code
+        response = JSONResponse(
+            body, status_code=exc.status_code, headers=exc.headers, media_type=PROBLEM_MEDIA_TYPE
+        )
+    return response
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ProblemError, _on_problem)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI response entries documenting problem bodies for `statuses`."""
+    schema = {"$ref": "#/components/schemas/Problem"}
+    return {
+        status: {
+            "description": _describe(status),
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}},
+        }
+        for status in statuses
+    }
+
+
+def _describe(status: int) -> str:
+    titles = sorted({title for s, title in KINDS.values() if s == status})
+    return "; ".join(titles) or "Problem"
+
+
+class BodySizeLimit:
+    """Refuse a request body over `max_bytes` with 413 before any route reads it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(body)
+            more = bool(message.get("more_body", False))
+        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = problem_response(
+            "payload-too-large",
+            f"the request body is larger than {self.max_bytes} bytes",
+            instance=scope.get("path"),
+        )
+        await response(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
+
+
+class CatchAll:
+    """Log any unhandled exception and answer a 500 problem that carries no trace of it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            request_id = scope.get("state", {}).get("request_id")
+            log.exception(
+                "unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id
+            )
+            if started:
+                return
+            response = problem_response(
+                "internal",
+                "an internal error occurred; it has been logged",
+                instance=scope.get("path"),
+                request_id=request_id,
+            )
+            await response(scope, receive, send)
+
+
+class RequestId:
+    """Accept a well-formed X-Request-ID or make one; expose it in scope state and the response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -1,0 +1,100 @@
+"""Idempotency-Key for creating requests: per-organisation keys, stored responses, lazy expiry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.api.errors import ProblemError
+from controlplane.db import AsyncConn
+
+# Keys are kept at least this long; older ones are purged lazily by later requests.
+RETENTION_S = 24 * 3600
+PURGE_BATCH = 100
+MAX_KEY_LENGTH = 255
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    status_code: int
+    body: Any
+    headers: dict[str, str]
+
+
+def request_hash(method: str, path: str, body: Mapping[str, Any]) -> str:
+    canonical = json.dumps([method, path, body], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_key(key: str) -> str:
+    if not (1 <= len(key) <= MAX_KEY_LENGTH) or not key.isprintable() or not key.isascii():
+        raise ProblemError(
+            "validation",
+            f"header.idempotency-key: must be 1 to {MAX_KEY_LENGTH} printable ASCII characters",
+            errors=[{"field": "header.idempotency-key", "message": "must be printable ASCII, 1-255 chars"}],
+        )
+    return key
+
+
+async def begin(conn: AsyncConn, org_id: uuid.UUID, key: str, digest: str) -> StoredResponse | None:
+    """In the caller's transaction: claim the key, or return the response stored for it.
+
+    A concurrent request holding the same key is refused (409); the same key with another
+    request is refused (422). The claim is a transaction-scoped advisory lock, so it ends with
+    the transaction whether it commits (and stores the response) or rolls back (and stores nothing).
+    """
+    cursor = await conn.execute(
+        "SELECT pg_try_advisory_xact_lock(hashtextextended(%s, 0)) AS locked",
+        (f"idempotency:{org_id}:{key}",),
+    )
+    row = await cursor.fetchone()
+    if row is None or not row["locked"]:
+        raise ProblemError(
+            "idempotency-in-flight", "a request with this Idempotency-Key is still being processed"
+        )
+    await _purge(conn)
+    cursor = await conn.execute(
+        "SELECT request_hash, status_code, response, headers FROM idempotency_keys"
+        " WHERE org_id = %s AND key = %s AND created_at >= now() - make_interval(secs => %s)",
+        (org_id, key, RETENTION_S),
+    )
+    stored = await cursor.fetchone()
+    if stored is None:
+        return None
+    if stored["request_hash"] != digest:
+        raise ProblemError(
+            "idempotency-mismatch", "this Idempotency-Key was used with a different request body"
+        )
+    return StoredResponse(stored["status_code"], stored["response"], dict(stored["headers"]))
+
+
+async def save(conn: AsyncConn, org_id: uuid.UUID, key: str, digest: str, response: StoredResponse) -> None:
+    await conn.execute(
+        "INSERT INTO idempotency_keys (org_id, key, request_hash, status_code, response, headers)"
+        " VALUES (%s, %s, %s, %s, %s, %s)"
+        " ON CONFLICT (org_id, key) DO UPDATE SET request_hash = EXCLUDED.request_hash,"
+        " status_code = EXCLUDED.status_code, response = EXCLUDED.response,"
+        " headers = EXCLUDED.headers, created_at = now()",
+        (
+            org_id,
+            key,
+            digest,
+            response.status_code,
+            json.dumps(response.body, default=str),
+            json.dumps(response.headers),
+        ),
+    )
+
+
+async def _purge(conn: AsyncConn) -> None:
+    """Delete a bounded batch of expired keys (skipping rows another purge holds)."""
+    await conn.execute(
+        "DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY("
+        " SELECT ctid FROM idempotency_keys WHERE created_at < now() - make_interval(secs => %s)"
+        " LIMIT %s FOR UPDATE SKIP LOCKED))",
+        (RETENTION_S, PURGE_BATCH),
+    )

@@ -1,0 +1,251 @@
+"""Request and response bodies of the API (pydantic), as published in the OpenAPI schema."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from controlplane import lifecycle, plans
+
+DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+REGION = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"
+DEFAULT_REGION = "local"
+
+InstanceState = Literal[
+    "pending",
+    "provisioning",
+    "ready",
+    "updating",
+    "degraded",
+    "suspended",
+    "deprovisioning",
+    "deleted",
+    "failed",
+]
+JobState = Literal["queued", "claimed", "running", "paused", "completed", "failed", "abandoned"]
+assert set(InstanceState.__args__) == set(lifecycle.INSTANCE.states)  # type: ignore[attr-defined]
+assert set(JobState.__args__) == set(lifecycle.JOB.states)  # type: ignore[attr-defined]
+
+
+class Strict(BaseModel):
+    """Request bodies refuse unknown fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _known_plan(value: str | None) -> str | None:
+    if value is not None and not plans.is_plan(value):
+        raise ValueError(f"unknown plan {value!r}; plans are {', '.join(plans.plan_names())}")
+    return value
+
+
+class InstanceCreate(Strict):
+    name: str = Field(
+        min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
+    )
+    plan: str = Field(description="one of the plans listed by GET /v1/plans", examples=["dev"])
+    region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
+    deletion_protection: bool = False
+
+    _plan = field_validator("plan")(_known_plan)
+
+
+class InstanceUpdate(Strict):
+    plan: str | None = Field(None, examples=["small"])
+    deletion_protection: bool | None = None
+
+    _plan = field_validator("plan")(_known_plan)
+
+
+class Connection(BaseModel):
+    host: str
+    port: int
+    dbname: str
+    user: str
+    password: str | None = Field(description="shown by GET /v1/instances/{id} only")
+    uri: str
+
+
+class Instance(BaseModel):
+    id: uuid.UUID
+    name: str
+    plan: str
+    region: str
+    state: InstanceState
+    state_version: int
+    progress: str | None
+    allowed_actions: list[str]
+    spec_generation: int
+    observed_generation: int
+    state_entered_at: datetime
+    time_in_state_s: float
+    deadline_at: datetime | None
+    failure_reason: str | None
+    deletion_protection: bool
+    billing_hold: bool
+    deletion_requested: bool
+    connection: Connection | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class InstancePage(BaseModel):
+    items: list[Instance]
+    next_cursor: str | None
+
+
+class Actor(BaseModel):
+    kind: str
+    id: str
+
+
+class InstanceEvent(BaseModel):
+    id: int
+    at: datetime
+    from_state: str | None
+    to_state: str
+    event: str
+    actor: Actor
+    reason: str | None
+    detail: dict[str, Any]
+
+
+class InstanceEventPage(BaseModel):
+    items: list[InstanceEvent]
+    next_cursor: str | None
+
+
+class AdminEvent(InstanceEvent):
+    instance_id: uuid.UUID
+    org_id: uuid.UUID
+    state_version: int
+    request_id: str | None
+
+
+class AdminEventPage(BaseModel):
+    items: list[AdminEvent]
+    next_cursor: str | None
+
+
+class OrgCreate(Strict):
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$")
+    stripe_customer_id: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$")
+
+
+class Org(BaseModel):
+    id: uuid.UUID
+    name: str
+    stripe_customer_id: str | None
+    billing_hold: bool
+    billing_status: str | None
+    created_at: datetime
+
+
+class KeyCreate(Strict):
+    name: str = Field("", max_length=100)
+
+
+class ApiKey(BaseModel):
+    id: uuid.UUID
+    prefix: str
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class NewApiKey(BaseModel):
+    id: uuid.UUID
+    prefix: str
+    key: str = Field(description="the key itself: shown once, never again")
+
+
+class OrgCreated(BaseModel):
+    org: Org
+    key: NewApiKey
+
+
+class KeyList(BaseModel):
+    items: list[ApiKey]
+
+
+class JobAction(Strict):
+    reason: str = Field(min_length=1, max_length=1000)
+
+
+class Job(BaseModel):
+    id: uuid.UUID
+    kind: str
+    instance_id: uuid.UUID | None
+    state: JobState
+    state_version: int
+    attempt: int
+    max_attempts: int
+    run_at: datetime
+    priority: int
+    claimed_by: str | None
+    heartbeat_at: datetime | None
+    last_error: str | None
+    error_kind: str | None
+    verdict: dict[str, Any] | None
+    state_entered_at: datetime
+    created_at: datetime
+    updated_at: datetime
+
+
+class JobPage(BaseModel):
+    items: list[Job]
+    next_cursor: str | None
+
+
+class DwellStat(BaseModel):
+    state: str
+    count: int
+    p50_s: float | None
+    p95_s: float | None
+    max_s: float | None
+
+
+class DwellStats(BaseModel):
+    entity: Literal["instance", "job"]
+    states: list[DwellStat]
+
+
+class Plan(BaseModel):
+    name: str
+    settings: dict[str, Any]
+
+
+class PlanList(BaseModel):
+    items: list[Plan]
+
+
+class Transition(BaseModel):
+    from_: str = Field(alias="from")
+    event: str
+    to: str
+
+
+class LifecycleTable(BaseModel):
+    states: list[str]
+    initial: str
+    terminal: list[str]
+    transitions: list[Transition]
+
+
+class Lifecycles(BaseModel):
+    instance: LifecycleTable
+    job: LifecycleTable
+    customer_actions: dict[str, str]
+
+
+class WebhookAck(BaseModel):
+    received: bool
+    outcome: str
+
+
+class Health(BaseModel):
+    status: str
+    detail: str | None = None

@@ -1,0 +1,172 @@
+"""How rows become API documents: instance representation, customer actions, opaque cursors."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+from urllib.parse import quote
+
+from controlplane import lifecycle
+from controlplane.api.errors import ProblemError
+from controlplane.secretbox import SecretBox
+
+# The customer actions an instance can list in `allowed_actions`, and what each one does.
+CUSTOMER_ACTIONS: dict[str, str] = {
+    "resize": "PATCH {plan}: runs now when ready, otherwise as soon as the instance is ready",
+    "set_deletion_protection": "PATCH {deletion_protection}: takes effect at once",
+    "delete": "DELETE: starts now when ready, degraded or suspended, otherwise as soon as it can",
+}
+
+# Columns every instance query selects (the table is aliased `i`, organisations `o`).
+INSTANCE_COLUMNS = """
+    i.*, o.billing_hold,
+    extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
+"""
+INSTANCE_FROM = "instances i JOIN organisations o ON o.id = i.org_id"
+
+
+@cache
+def _reachable(state: str) -> frozenset[str]:
+    """States reachable from `state` (itself included) along the instance lifecycle."""
+    seen = {state}
+    frontier = [state]
+    while frontier:
+        current = frontier.pop()
+        for event in lifecycle.INSTANCE.allowed_events(current):
+            nxt = lifecycle.INSTANCE.apply(current, event)
+            if nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    return frozenset(seen)
+
+
+def can_still_update(state: str) -> bool:
+    """A spec change can be applied: the instance can still take the lifecycle's `update` edge."""
+    return any("update" in lifecycle.INSTANCE.allowed_events(s) for s in _reachable(state))
+
+
+def can_still_deprovision(state: str) -> bool:
+    return any("deprovision" in lifecycle.INSTANCE.allowed_events(s) for s in _reachable(state))
+
+
+def can_deprovision_now(state: str) -> bool:
+    return "deprovision" in lifecycle.INSTANCE.allowed_events(state)
+
+
+def allowed_actions(state: str, *, deletion_protection: bool, deletion_requested: bool) -> list[str]:
+    """Customer actions the instance accepts now, from the lifecycle and the recorded intents."""
+    if deletion_requested:
+        return []
+    actions = []
+    if can_still_update(state):
+        actions += ["resize", "set_deletion_protection"]
+    if can_still_deprovision(state) and not deletion_protection:
+        actions.append("delete")
+    return actions
+
+
+def row_actions(row: Mapping[str, Any]) -> list[str]:
+    return allowed_actions(
+        row["state"],
+        deletion_protection=row["deletion_protection"],
+        deletion_requested=row["deletion_requested_at"] is not None,
+    )
+
+
+def connection(row: Mapping[str, Any], box: SecretBox, *, reveal: bool) -> dict[str, Any] | None:
+    info = row.get("connection")
+    if not info:
+        return None
+    host, port = str(info.get("host", "")), int(info.get("port", 5432))
+    dbname, user = str(info.get("dbname", "postgres")), str(info.get("user", "postgres"))
+    password = box.decrypt(row["secret"]) if reveal and row.get("secret") else None
+    credentials = quote(user, safe="") + (f":{quote(password, safe='')}" if password is not None else "")
+    return {
+        "host": host,
+        "port": port,
+        "dbname": dbname,
+        "user": user,
+        "password": password,
+        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}",
+    }
+
+
+def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) -> dict[str, Any]:
+    """The API representation of an instance row (joined with its organisation's billing hold)."""
+    spec = row["spec"] or {}
+    return {
+        "id": row["id"],
+        "name": row["name"],
+        "plan": spec.get("plan"),
+        "region": spec.get("region"),
+        "state": row["state"],
+        "state_version": row["state_version"],
+        "progress": row["progress"],
+        "allowed_actions": row_actions(row),
+        "spec_generation": row["spec_generation"],
+        "observed_generation": row["observed_generation"],
+        "state_entered_at": row["state_entered_at"],
+        "time_in_state_s": max(0.0, round(float(row["time_in_state_s"]), 3)),
+        "deadline_at": row["deadline_at"],
+        "failure_reason": row["failure_reason"],
+        "deletion_protection": row["deletion_protection"],
+        "billing_hold": row["billing_hold"],
+        "deletion_requested": row["deletion_requested_at"] is not None,
+        "connection": connection(row, box, reveal=reveal),
+        "created_at": row["created_at"],
+        "updated_at": row["updated_at"],
+    }
+
+
+def event(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "at": row["at"],
+        "from_state": row["from_state"],
+        "to_state": row["to_state"],
+        "event": row["event"],
+        "actor": {"kind": row["actor_kind"], "id": row["actor_id"]},
+        "reason": row["reason"],
+        "detail": row["detail"] or {},
+    }
+
+
+def etag(state_version: int) -> str:
+    return f'"{state_version}"'
+
+
+def matches(if_match: str, state_version: int) -> bool:
+    """RFC 9110 If-Match against the instance's ETag (weak tags compare by their value here)."""
+    for tag in (t.strip() for t in if_match.split(",")):
+        if tag == "*" or tag.removeprefix("W/").strip('"') == str(state_version):
+            return True
+    return False
+
+
+def encode_cursor(*values: Any) -> str:
+    raw = json.dumps([str(v) for v in values], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, arity: int) -> list[str]:
+    """The values packed by encode_cursor, or a 422 naming the `cursor` parameter."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        values = json.loads(raw)
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        values = None
+    if not isinstance(values, list) or len(values) != arity or not all(isinstance(v, str) for v in values):
+        raise bad_cursor()
+    return values
+
+
+def bad_cursor() -> ProblemError:
+    return ProblemError(
+        "validation",
+        "query.cursor: not a cursor returned by this API",
+        errors=[{"field": "query.cursor", "message": "not a cursor returned by this API"}],
+    )

@@ -1,0 +1,161 @@
+"""Organisations and their API keys: creation, hashing, authentication and revocation."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import uuid
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.rows import DictRow
+
+from controlplane.db import AsyncConn
+
+KEY_SCHEME = "cpk"
+# The public part of a key (looked up in the database) and the secret part (256 random bits).
+PREFIX_BYTES = 6
+SECRET_BYTES = 32
+# Serialises first-start admin key creation across replicas.
+ADMIN_KEY_LOCK = 0x6370_6B65_7900_0001
+
+
+class TenantError(Exception):
+    """A tenant operation that cannot be carried out as asked."""
+
+
+class OrgExists(TenantError):
+    """An organisation with this name or Stripe customer already exists."""
+
+
+@dataclass(frozen=True)
+class NewKey:
+    """A freshly created key: its row and the plaintext, which is never shown again."""
+
+    id: uuid.UUID
+    prefix: str
+    plaintext: str
+    org_id: uuid.UUID | None
+    is_admin: bool
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: an organisation's key or an admin key."""
+
+    key_id: uuid.UUID
+    org_id: uuid.UUID | None
+    is_admin: bool
+
+
+def hash_key(plaintext: str) -> bytes:
+    """SHA-256 of the whole key: enough for 256-bit random secrets (no dictionary to attack)."""
+    return hashlib.sha256(plaintext.encode()).digest()
+
+
+def generate_key() -> tuple[str, str]:
+    """A new (prefix, plaintext) pair: `cpk_<prefix>_<secret>`."""
+    prefix = secrets.token_hex(PREFIX_BYTES)
+    plaintext = f"{KEY_SCHEME}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
+    return prefix, plaintext
+
+
+def split_key(plaintext: str) -> str | None:
+    """The prefix of a well-formed key, else None."""
+    parts = plaintext.split("_", 2)
+    if len(parts) != 3 or parts[0] != KEY_SCHEME or len(parts[1]) != 2 * PREFIX_BYTES or not parts[2]:
+        return None
+    return parts[1]
+
+
+async def create_key(
+    conn: AsyncConn, org_id: uuid.UUID | None, *, is_admin: bool = False, name: str = ""
+) -> NewKey:
+    if (org_id is None) != is_admin:
+        raise TenantError("a key belongs to exactly one organisation, or is an admin key")
+    prefix, plaintext = generate_key()
+    cursor = await conn.execute(
+        "INSERT INTO api_keys (org_id, is_admin, prefix, key_hash, name) VALUES (%s, %s, %s, %s, %s)"
+        " RETURNING id",
+        (org_id, is_admin, prefix, hash_key(plaintext), name),
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    return NewKey(row["id"], prefix, plaintext, org_id, is_admin)
+
+
+async def create_org(
+    conn: AsyncConn, name: str, stripe_customer_id: str | None = None
+) -> tuple[DictRow, NewKey]:
+    """Create an organisation and its first key in one transaction."""
+    try:
+        async with conn.transaction():
+            cursor = await conn.execute(
+                "INSERT INTO organisations (name, stripe_customer_id) VALUES (%s, %s) RETURNING *",
+                (name, stripe_customer_id),
+            )
+            org = await cursor.fetchone()
+            assert org is not None
+            key = await create_key(conn, org["id"], name="first key")
+    except psycopg.errors.UniqueViolation as exc:
+        what = "Stripe customer" if "stripe_customer" in str(exc.diag.constraint_name) else "name"
+        raise OrgExists(f"an organisation with this {what} already exists") from None
+    return org, key
+
+
+async def create_admin_key(conn: AsyncConn, name: str = "admin") -> NewKey:
+    return await create_key(conn, None, is_admin=True, name=name)
+
+
+async def ensure_admin_key(conn: AsyncConn) -> str | None:
+    """Create an admin key if none is live; return its plaintext only then (print it once)."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADMIN_KEY_LOCK,))
+        cursor = await conn.execute("SELECT 1 FROM api_keys WHERE is_admin AND revoked_at IS NULL LIMIT 1")
+        if await cursor.fetchone() is not None:
+            return None
+        key = await create_admin_key(conn, name="first admin key")
+    return key.plaintext
+
+
+async def authenticate(conn: AsyncConn, plaintext: str) -> Principal | None:
+    """The principal of a live key, compared in constant time; None for anything else."""
+    prefix = split_key(plaintext)
+    if prefix is None:
+        return None
+    cursor = await conn.execute(
+        "SELECT id, org_id, is_admin, key_hash FROM api_keys WHERE prefix = %s AND revoked_at IS NULL",
+        (prefix,),
+    )
+    row = await cursor.fetchone()
+    presented = hash_key(plaintext)
+    stored = bytes(row["key_hash"]) if row is not None else hash_key(secrets.token_hex(8))
+    if not hmac.compare_digest(presented, stored) or row is None:
+        return None
+    return Principal(row["id"], row["org_id"], row["is_admin"])
+
+
+async def revoke_key(conn: AsyncConn, key_id: uuid.UUID, org_id: uuid.UUID | None) -> bool:
+    """Revoke a key of `org_id` (any key when org_id is None); False if there is no such live key."""
+    cursor = await conn.execute(
+        "UPDATE api_keys SET revoked_at = now()"
+        " WHERE id = %(id)s AND revoked_at IS NULL"
+        " AND (%(org)s::uuid IS NULL OR org_id = %(org)s::uuid) RETURNING id",
+        {"id": key_id, "org": org_id},
+    )
+    return await cursor.fetchone() is not None
+
+
+async def list_keys(conn: AsyncConn, org_id: uuid.UUID) -> list[DictRow]:
+    cursor = await conn.execute(
+        "SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %s"
+        " ORDER BY created_at, id",
+        (org_id,),
+    )
+    return await cursor.fetchall()
+
+
+async def get_org(conn: AsyncConn, org_id: uuid.UUID) -> DictRow | None:
+    cursor = await conn.execute("SELECT * FROM organisations WHERE id = %s", (org_id,))
+    return await cursor.fetchone()

@@ -1,0 +1,118 @@
+"""Fixtures and helpers of the API tests: the app in-process over a fresh database, orgs and keys."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import stripe
+
+from controlplane import tenants
+from controlplane.db import AsyncConn
+from controlplane.secretbox import load_box
+from controlplane.settings import Settings
+from controlplane.transitions import Actor, transition
+
+WEBHOOK_SECRET = "whsec_test_secret_for_api_tests"
+WORKER = Actor("worker", "test-worker")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    org_id: uuid.UUID
+    key: str
+    stripe_customer_id: str | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+async def make_tenant(conn: AsyncConn, name: str | None = None) -> Tenant:
+    customer = f"cus_{uuid.uuid4().hex[:12]}"
+    org, key = await tenants.create_org(conn, name or f"org-{uuid.uuid4().hex[:8]}", customer)
+    return Tenant(org["id"], key.plaintext, customer)
+
+
+async def create(client: httpx.AsyncClient, who: Tenant, name: str, plan: str = "dev", **extra: Any) -> Any:
+    response = await client.post(
+        "/v1/instances", json={"name": name, "plan": plan, **extra}, headers=who.headers
+    )
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+async def drive(conn: AsyncConn, instance_id: uuid.UUID | str, *events: str, **patch: Any) -> Any:
+    """Apply lifecycle events to an instance as a worker would (the last one carries `patch`)."""
+    row = None
+    for i, event in enumerate(events):
+        cursor = await conn.execute(
+            "SELECT state, state_version FROM instances WHERE id = %s", (instance_id,)
+        )
+        current = await cursor.fetchone()
+        assert current is not None
+        row = await transition(
+            conn,
+            "instance",
+            uuid.UUID(str(instance_id)),
+            event,
+            current["state_version"],
+            expected_state=current["state"],
+            actor=WORKER,
+            patch=patch if i == len(events) - 1 else None,
+        )
+    return row
+
+
+def ready_patch(settings: Settings, password: str, port: int = 15432) -> dict[str, Any]:
+    """The patch a provisioner's last step writes: connection details and the encrypted password."""
+    secret = load_box(settings).encrypt(password)
+    return {
+        "connection": {"host": "127.0.0.1", "port": port, "dbname": "app", "user": "app_owner"},
+        "secret": base64.b64encode(secret).decode(),
+        "observed_generation": 1,
+    }
+
+
+async def make_ready(conn: AsyncConn, settings: Settings, instance_id: Any, password: str = "pw") -> Any:
+    return await drive(
+        conn, instance_id, "start_provisioning", "provisioned", **ready_patch(settings, password)
+    )
+
+
+def stripe_event(
+    event_id: str,
+    customer: str | None,
+    status: str | None,
+    created: int,
+    event_type: str = "customer.subscription.updated",
+) -> bytes:
+    obj: dict[str, Any] = {"id": f"sub_{event_id}", "object": "subscription"}
+    if customer is not None:
+        obj["customer"] = customer
+    if status is not None:
+        obj["status"] = status
+    event = {
+        "id": event_id,
+        "object": "event",
+        "type": event_type,
+        "created": created,
+        "data": {"object": obj},
+    }
+    return json.dumps(event).encode()
+
+
+def sign(payload: bytes, secret: str = WEBHOOK_SECRET, timestamp: int | None = None) -> str:
+    ts = int(time.time()) if timestamp is None else timestamp
+    header: str = stripe.WebhookSignature.generate_signature_header(payload.decode(), secret, ts)
+    return header
+
+
+async def deliver(client: httpx.AsyncClient, payload: bytes, signature: str | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json", "Stripe-Signature": signature or sign(payload)}
+    return await client.post("/v1/webhooks/stripe", content=payload, headers=headers)

@@ -1,0 +1,310 @@
+"""The instance routes against a real database: create, read, list, change, delete, events."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+
+from controlplane import audit
+from controlplane.db import AsyncConn
+from controlplane.settings import Settings
+from tests.api_support import Tenant, create, drive, make_ready
+
+pytest_plugins = ("tests.api_fixtures",)
+
+
+async def _jobs(conn: AsyncConn, instance_id: str) -> list[tuple[str, str]]:
+    cursor = await conn.execute(
+        "SELECT kind, state FROM jobs WHERE instance_id = %s ORDER BY created_at", (instance_id,)
+    )
+    return [(r["kind"], r["state"]) for r in await cursor.fetchall()]
+
+
+async def test_create_returns_pending_with_location_and_provision_job(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    response = await client.post(
+        "/v1/instances",
+        json={"name": "orders", "plan": "dev", "deletion_protection": True},
+        headers={**tenant.headers, "X-Request-ID": "req-create-1"},
+    )
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert response.headers["location"] == f"/v1/instances/{body['id']}"
+    assert response.headers["etag"] == '"0"'
+    assert response.headers["x-request-id"] == "req-create-1"
+    assert body["state"] == "pending" and body["state_version"] == 0
+    assert body["plan"] == "dev" and body["region"] == "local"
+    assert body["connection"] is None and body["deletion_protection"] is True
+    assert body["allowed_actions"] == ["resize", "set_deletion_protection"]
+    assert body["spec_generation"] == 1 and body["observed_generation"] == 0
+    assert body["deadline_at"] is not None and body["time_in_state_s"] >= 0
+    assert await _jobs(conn, body["id"]) == [("provision", "queued")]
+    cursor = await conn.execute(
+        "SELECT request_id, actor_kind FROM instance_events WHERE instance_id = %s", (body["id"],)
+    )
+    assert await cursor.fetchall() == [{"request_id": "req-create-1", "actor_kind": "customer"}]
+    cursor = await conn.execute(
+        "SELECT e.request_id FROM job_events e JOIN jobs j ON j.id = e.job_id WHERE j.instance_id = %s",
+        (body["id"],),
+    )
+    assert [r["request_id"] for r in await cursor.fetchall()] == ["req-create-1"]
+
+
+async def test_request_id_is_generated_when_absent_or_malformed(
+    client: httpx.AsyncClient, tenant: Tenant
+) -> None:
+    response = await client.get("/v1/instances", headers=tenant.headers)
+    assert len(response.headers["x-request-id"]) == 32
+    response = await client.get("/v1/instances", headers={**tenant.headers, "X-Request-ID": "bad id\t!"})
+    assert response.headers["x-request-id"] != "bad id\t!"
+
+
+async def test_bad_names_and_plans_are_422_naming_the_field(
+    client: httpx.AsyncClient, tenant: Tenant
+) -> None:
+    for body, field in [
+        ({"name": "Bad_Name", "plan": "dev"}, "body.name"),
+        ({"name": "-x", "plan": "dev"}, "body.name"),
+        ({"name": "a" * 64, "plan": "dev"}, "body.name"),
+        ({"name": "ok", "plan": "gigantic"}, "body.plan"),
+        ({"name": "ok"}, "body.plan"),
+        ({"name": "ok", "plan": "dev", "colour": "red"}, "body.colour"),
+    ]:
+        response = await client.post("/v1/instances", json=body, headers=tenant.headers)
+        assert response.status_code == 422, body
+        assert response.headers["content-type"] == "application/problem+json"
+        problem = response.json()
+        assert problem["type"] == "urn:controlplane:problem:validation"
+        assert field in problem["detail"] and problem["errors"][0]["field"] == field
+
+
+async def test_duplicate_live_name_is_409_and_free_again_after_deletion(
+    client: httpx.AsyncClient, tenant: Tenant, other_tenant: Tenant, conn: AsyncConn
+) -> None:
+    first = await create(client, tenant, "orders")
+    response = await client.post(
+        "/v1/instances", json={"name": "orders", "plan": "small"}, headers=tenant.headers
+    )
+    assert response.status_code == 409
+    assert response.json()["type"] == "urn:controlplane:problem:name-taken"
+    await create(client, other_tenant, "orders")  # names are per organisation
+    await drive(conn, first["id"], "fail")
+    await create(client, tenant, "orders")
+
+
+async def test_get_shows_connection_with_password_once_ready(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"], password="s3cret/with:chars")
+    response = await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    assert response.status_code == 200
+    body = response.json()
+    assert response.headers["etag"] == '"2"'
+    assert body["state"] == "ready" and body["allowed_actions"] == [
+        "resize",
+        "set_deletion_protection",
+        "delete",
+    ]
+    assert body["connection"] == {
+        "host": "127.0.0.1",
+        "port": 15432,
+        "dbname": "app",
+        "user": "app_owner",
+        "password": "s3cret/with:chars",
+        "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
+    }
+    listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
+    assert listed["connection"]["password"] is None
+    assert listed["connection"]["uri"] == "postgresql://app_owner@127.0.0.1:15432/app"
+
+
+async def test_unknown_instance_is_404_problem(client: httpx.AsyncClient, tenant: Tenant) -> None:
+    response = await client.get(f"/v1/instances/{uuid.uuid4()}", headers=tenant.headers)
+    assert response.status_code == 404
+    problem = response.json()
+    assert problem["type"] == "urn:controlplane:problem:not-found" and problem["status"] == 404
+    assert problem["title"] and problem["instance"].startswith("/v1/instances/")
+
+
+async def test_list_filters_by_state_and_paginates_stably(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    made = [await create(client, tenant, f"db-{i}") for i in range(7)]
+    await drive(conn, made[2]["id"], "fail")
+    failed = (await client.get("/v1/instances?state=failed", headers=tenant.headers)).json()
+    assert [i["id"] for i in failed["items"]] == [made[2]["id"]] and failed["next_cursor"] is None
+    seen: list[str] = []
+    cursor = None
+    pages = 0
+    while True:
+        params = {"limit": "3", **({"cursor": cursor} if cursor else {})}
+        page = (await client.get("/v1/instances", params=params, headers=tenant.headers)).json()
+        seen += [i["id"] for i in page["items"]]
+        pages += 1
+        if pages == 1:
+            await create(client, tenant, "db-late")  # appears at the end, not in the middle
+            await drive(conn, made[0]["id"], "fail")  # a change does not move an item between pages
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert seen == [m["id"] for m in made] + [seen[-1]] and len(set(seen)) == 8
+    response = await client.get("/v1/instances?limit=1000", headers=tenant.headers)
+    assert len(response.json()["items"]) == 8  # capped at 100, so all fit
+    response = await client.get("/v1/instances?cursor=not-a-cursor", headers=tenant.headers)
+    assert response.status_code == 422 and "query.cursor" in response.json()["detail"]
+    response = await client.get("/v1/instances?state=sleeping", headers=tenant.headers)
+    assert response.status_code == 422 and "query.state" in response.json()["detail"]
+
+
+async def test_patch_plan_bumps_generation_and_enqueues_update_only_when_ready(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    response = await client.patch(
+        f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers
+    )
+    assert response.status_code == 202
+    assert response.json()["spec_generation"] == 2 and response.json()["plan"] == "small"
+    assert await _jobs(conn, made["id"]) == [("provision", "queued")]  # pending: intent only
+    await make_ready(conn, api_settings, made["id"])
+    response = await client.patch(
+        f"/v1/instances/{made['id']}", json={"plan": "medium"}, headers={**tenant.headers, "If-Match": '"2"'}
+    )
+    assert response.status_code == 202 and response.json()["spec_generation"] == 3
+    assert ("update", "queued") in await _jobs(conn, made["id"])
+    cursor = await conn.execute(
+        "SELECT payload FROM jobs WHERE instance_id = %s AND kind = 'update'", (made["id"],)
+    )
+    assert (await cursor.fetchone()) == {"payload": {"spec_generation": 3}}
+    same = await client.patch(f"/v1/instances/{made['id']}", json={"plan": "medium"}, headers=tenant.headers)
+    assert same.status_code == 202 and same.json()["spec_generation"] == 3  # no change, no bump
+
+
+async def test_patch_if_match_mismatch_is_412(client: httpx.AsyncClient, tenant: Tenant) -> None:
+    made = await create(client, tenant, "orders")
+    response = await client.patch(
+        f"/v1/instances/{made['id']}", json={"plan": "small"}, headers={**tenant.headers, "If-Match": '"7"'}
+    )
+    assert response.status_code == 412
+    assert response.json()["type"] == "urn:controlplane:problem:precondition-failed"
+    for tag in ('"0"', 'W/"0"', "*", "0"):
+        ok = await client.patch(
+            f"/v1/instances/{made['id']}",
+            json={"deletion_protection": True},
+            headers={**tenant.headers, "If-Match": tag},
+        )
+        assert ok.status_code == 202, tag
+
+
+async def test_patch_on_terminal_instance_is_409_with_state_and_actions(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    made = await create(client, tenant, "orders")
+    await drive(conn, made["id"], "fail")
+    response = await client.patch(
+        f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers
+    )
+    assert response.status_code == 409
+    problem = response.json()
+    assert problem["type"] == "urn:controlplane:problem:invalid-state"
+    assert problem["current_state"] == "failed" and problem["allowed_actions"] == []
+
+
+async def test_delete_protected_is_409_then_allowed_after_unprotecting(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders", deletion_protection=True)
+    await make_ready(conn, api_settings, made["id"])
+    response = await client.delete(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    assert response.status_code == 409
+    problem = response.json()
+    assert problem["type"] == "urn:controlplane:problem:deletion-protected"
+    assert problem["current_state"] == "ready" and "delete" not in problem["allowed_actions"]
+    await client.patch(
+        f"/v1/instances/{made['id']}", json={"deletion_protection": False}, headers=tenant.headers
+    )
+    response = await client.delete(
+        f"/v1/instances/{made['id']}?skip_final_backup=true", headers=tenant.headers
+    )
+    assert response.status_code == 202
+    assert response.json()["deletion_requested"] is True and response.json()["allowed_actions"] == []
+    assert ("deprovision", "queued") in await _jobs(conn, made["id"])
+    cursor = await conn.execute(
+        "SELECT payload FROM jobs WHERE instance_id = %s AND kind = 'deprovision'", (made["id"],)
+    )
+    assert (await cursor.fetchone()) == {"payload": {"skip_final_backup": True}}
+    cursor = await conn.execute("SELECT skip_final_backup FROM instances WHERE id = %s", (made["id"],))
+    assert (await cursor.fetchone()) == {"skip_final_backup": True}
+    again = await client.delete(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    assert again.status_code == 202  # idempotent
+    assert [k for k, _ in await _jobs(conn, made["id"])].count("deprovision") == 1
+
+
+async def test_delete_of_pending_records_the_intent_only(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    made = await create(client, tenant, "orders")
+    response = await client.delete(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    assert response.status_code == 202
+    assert response.json()["state"] == "pending" and response.json()["deletion_requested"] is True
+    assert await _jobs(conn, made["id"]) == [("provision", "queued")]
+    cursor = await conn.execute(
+        "SELECT deletion_requested_at IS NOT NULL AS requested, skip_final_backup"
+        " FROM instances WHERE id = %s",
+        (made["id"],),
+    )
+    assert (await cursor.fetchone()) == {"requested": True, "skip_final_backup": False}
+    response = await client.patch(
+        f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers
+    )
+    assert response.status_code == 409 and "deletion" in response.json()["detail"]
+
+
+async def test_delete_of_deleted_or_failed_is_409_naming_the_state(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    made = await create(client, tenant, "orders")
+    await drive(conn, made["id"], "fail")
+    response = await client.delete(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    assert response.status_code == 409
+    assert response.json()["current_state"] == "failed" and "failed" in response.json()["detail"]
+
+
+async def test_events_are_the_audit_log_oldest_first_with_cursor(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"])
+    first = (await client.get(f"/v1/instances/{made['id']}/events?limit=2", headers=tenant.headers)).json()
+    assert [e["to_state"] for e in first["items"]] == ["pending", "provisioning"]
+    assert first["items"][0]["actor"]["kind"] == "customer" and first["items"][0]["from_state"] is None
+    rest = (
+        await client.get(
+            f"/v1/instances/{made['id']}/events",
+            params={"cursor": first["next_cursor"]},
+            headers=tenant.headers,
+        )
+    ).json()
+    assert [e["event"] for e in rest["items"]] == ["provisioned"] and rest["next_cursor"] is None
+    assert set(rest["items"][0]) == {
+        "id",
+        "at",
+        "from_state",
+        "to_state",
+        "event",
+        "actor",
+        "reason",
+        "detail",
+    }
+    assert await audit.verify(conn) == []
+
+
+async def test_lifecycle_and_plans_are_public(client: httpx.AsyncClient) -> None:
+    tables = (await client.get("/v1/lifecycle")).json()
+    assert len(tables["instance"]["transitions"]) == 18 and len(tables["job"]["transitions"]) == 11
+    assert set(tables["customer_actions"]) == {"resize", "set_deletion_protection", "delete"}
+    plans = (await client.get("/v1/plans")).json()["items"]
+    assert {"dev", "small"} <= {p["name"] for p in plans}
