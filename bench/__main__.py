@@ -1,0 +1,174 @@
+"""`python -m bench` (or `python3 dev.py bench`): set up, run the workloads interleaved, report, clean up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+
+from bench import env, report
+from bench.cluster import Cluster
+from bench.core import Context, NotAvailable, Outcome, Workload
+from bench.procs import Processes
+from bench.workloads import all_workloads
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 dev.py bench",
+        description="Benchmarks of the control plane against PostgreSQL's limit and peer queues.",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions of every workload (default 3)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and short durations (~3 minutes)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated workload keys to run (default: all); see --list"
+    )
+    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    parser.add_argument("--conditions", default="", help="how the machine was when measured (for latest.md)")
+    parser.add_argument("--no-write", action="store_true", help="print the table only; write no results")
+    return parser.parse_args(argv)
+
+
+def raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_workloads(ctx: Context, workloads: list[Workload], repeat: int) -> list[Outcome]:
+    outcomes = [Outcome(w) for w in workloads]
+    for outcome in outcomes:
+        try:
+            log(f"prepare {outcome.workload.title}")
+            outcome.workload.prepare(ctx)
+        except NotAvailable as exc:
+            outcome.unavailable = str(exc)
+            log(f"  not available: {exc}")
+        except Exception as exc:
+            outcome.unavailable = f"setup failed: {exc}"
+            log(f"  setup failed: {traceback.format_exc()}")
+    for repetition in range(repeat):
+        for outcome in outcomes:
+            if outcome.unavailable:
+                continue
+            workload = outcome.workload
+            for variant in workload.variants:
+                started = time.monotonic()
+                try:
+                    values = workload.run(ctx, variant, repetition)
+                except NotAvailable as exc:
+                    outcome.errors.append(f"{variant}: not available: {exc}")
+                    log(f"  {workload.key}/{variant}: not available: {exc}")
+                    continue
+                except Exception as exc:
+                    outcome.errors.append(f"{variant} (repetition {repetition + 1}): {exc}")
+                    log(f"  {workload.key}/{variant} failed: {traceback.format_exc()}")
+                    continue
+                outcome.add(variant, values)
+                shown = ", ".join(f"{k}={v:,.2f}" for k, v in values.items())
+                log(
+                    f"rep {repetition + 1}/{repeat} {workload.key}/{variant}: {shown} "
+                    f"({time.monotonic() - started:.0f} s)"
+                )
+    for outcome in outcomes:
+        try:
+            outcome.workload.finish(ctx)
+        except Exception:
+            log(f"  cleanup of {outcome.workload.key} failed: {traceback.format_exc()}")
+    return outcomes
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    workloads = all_workloads()
+    if args.list:
+        for w in workloads:
+            print(f"{w.key:14} {w.title}")
+        return 0
+    if args.only:
+        wanted = {key.strip() for key in args.only.split(",") if key.strip()}
+        unknown = wanted - {w.key for w in workloads}
+        if unknown:
+            print(f"unknown workloads: {', '.join(sorted(unknown))} (see --list)", file=sys.stderr)
+            return 2
+        workloads = [w for w in workloads if w.key in wanted]
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    started = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    load_start = report.load_average()
+    t0 = time.monotonic()
+    peers = None
+    try:
+        peers = env.ensure_peers_venv(log)
+    except Exception as exc:
+        log(f"the peers' environment could not be set up: {exc}")
+    wrk = env.ensure_wrk(log) if any(w.key == "api" for w in workloads) else None
+    work_dir = Path(tempfile.mkdtemp(prefix="cp-bench-work-"))
+    procs = Processes(work_dir)
+    cluster: Cluster | None = None
+    try:
+        log("starting the scratch PostgreSQL cluster (fsync=on, synchronous_commit=on)")
+        cluster = Cluster.start()
+        template = "bench_template"
+        template_url = cluster.create_database(template)
+        from controlplane import db
+
+        db.migrate(template_url)
+        ctx = Context(
+            cluster=cluster,
+            procs=procs,
+            quick=args.quick,
+            work_dir=work_dir,
+            template=template,
+            peers_python=peers,
+            wrk=wrk,
+            log=log,
+        )
+        pg_settings = cluster.settings()
+        outcomes = run_workloads(ctx, workloads, args.repeat)
+    except KeyboardInterrupt:
+        log("interrupted: stopping everything the bench started")
+        return 130
+    finally:
+        procs.stop_all()
+        if cluster is not None:
+            cluster.stop()
+        log(f"stopped the cluster and every process; driver logs in {work_dir}")
+    load_end = report.load_average()
+    conditions = args.conditions or (
+        "quiet machine"
+        if load_start and load_start[0] < 0.5
+        else "machine busy with other work during the run (load average above); figures are noisy"
+    )
+    meta = {
+        "started_at": started.isoformat(),
+        "duration_s": time.monotonic() - t0,
+        "command": "python3 dev.py bench " + " ".join(argv),
+        "repeat": args.repeat,
+        "quick": args.quick,
+        "conditions": conditions,
+        "load_start": load_start,
+        "load_end": load_end,
+        "machine": report.machine(),
+        "postgres": pg_settings,
+    }
+    print(report.text_table(outcomes))
+    if not args.no_write:
+        json_path, md_path = report.write(RESULTS, outcomes, meta)
+        log(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,135 @@
+"""What a workload is: variants measured side by side, their metrics, and the targets they report against."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import Cluster
+from bench.procs import Processes
+
+
+class NotAvailable(Exception):
+    """A workload cannot run here (a product part or a tool is missing); the reason is reported."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    unit: str
+    decimals: int = 0
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure to report against, never to assert: a ratio of two medians, or one median alone."""
+
+    label: str
+    numerator: tuple[str, str]
+    denominator: tuple[str, str] | None
+    op: str  # ">=" or "<="
+    threshold: float
+
+    def describe(self) -> str:
+        return f"{self.op} {self.threshold:g}"
+
+    def met(self, value: float) -> bool:
+        return value >= self.threshold if self.op == ">=" else value <= self.threshold
+
+
+@dataclass
+class Context:
+    """What every workload may use: the cluster, the process registry, the sizes, the peers' python."""
+
+    cluster: Cluster
+    procs: Processes
+    quick: bool
+    work_dir: Path
+    template: str
+    peers_python: str | None
+    wrk: str | None
+    log: Callable[[str], None]
+    profile: bool = False
+    project_python: str = sys.executable
+    _counter: int = 0
+
+    def fresh_database(self, prefix: str, template: str | None = None) -> tuple[str, str]:
+        """A new database cloned from the migrated template (or `template`): (name, url)."""
+        self._counter += 1
+        name = f"{prefix}_{self._counter}"
+        return name, self.cluster.create_database(name, template or self.template)
+
+    def size(self, full: Any, quick: Any) -> Any:
+        return quick if self.quick else full
+
+
+@dataclass
+class Workload:
+    """A comparison run in every repetition; subclasses fill in prepare/run."""
+
+    key: str
+    title: str
+    variants: tuple[str, ...]
+    metrics: dict[str, tuple[Metric, ...]]
+    targets: tuple[Target, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    def prepare(self, ctx: Context) -> None:
+        """Once before the repetitions; raise NotAvailable when a part is missing."""
+
+    def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def finish(self, ctx: Context) -> None:
+        """Once after the repetitions (drop what prepare made)."""
+
+
+@dataclass
+class Outcome:
+    """Every sample of one workload, and why it did not run if it did not."""
+
+    workload: Workload
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    unavailable: str | None = None
+
+    def add(self, variant: str, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.samples.setdefault(variant, {}).setdefault(key, []).append(float(value))
+
+    def values(self, variant: str, metric: str) -> list[float]:
+        return self.samples.get(variant, {}).get(metric, [])
+
+    def median(self, variant: str, metric: str) -> float | None:
+        values = self.values(variant, metric)
+        return statistics.median(values) if values else None
+
+    def target_value(self, target: Target) -> float | None:
+        num = self.median(*target.numerator)
+        if num is None:
+            return None
+        if target.denominator is None:
+            return num
+        den = self.median(*target.denominator)
+        return None if not den else num / den
+
+    def paired_ratios(self, target: Target) -> list[float]:
+        """The ratio within each repetition (the variants ran back to back)."""
+        if target.denominator is None:
+            return self.values(*target.numerator)
+        nums, dens = self.values(*target.numerator), self.values(*target.denominator)
+        return [n / d for n, d in zip(nums, dens, strict=False) if d]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]

@@ -1,0 +1,194 @@
+"""Driver: the project's job queue and worker (controlplane.worker.Worker / run_worker) under load.
+
+drain      enqueue N no-op jobs, then time one worker at concurrency C until all are completed
+pickup     a producer at a steady rate; enqueue-to-handler-start latency per job
+worker     run_worker() with a sleeping job kind until SIGTERM (crash-recovery workload)
+supervise  the supervisor loop until SIGTERM (reclaims the jobs of a dead worker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from typing import Any
+
+from bench.drivers.common import emit, quiet_logs
+from controlplane import db
+from controlplane.handlers import JobContext, JobKind, JobRegistry, Verdict
+from controlplane.jobs import NewJob, enqueue_many
+from controlplane.settings import Settings
+from controlplane.supervisor import Supervisor
+from controlplane.transitions import Actor
+from controlplane.worker import Worker, run_worker
+
+ACTOR = Actor("system", "bench")
+NOOP = "bench_noop"
+# The producer is open-loop: each enqueue takes a free connection, so a slow commit does not
+# delay the next one.
+PRODUCER_CONNECTIONS = 4
+SLEEP = "bench_sleep"
+
+
+async def noop(ctx: JobContext) -> Verdict:
+    return {"result": "nothing to do"}
+
+
+async def sleep(ctx: JobContext) -> Verdict:
+    await asyncio.sleep(float(ctx.payload["seconds"]))
+    return {"result": "slept"}
+
+
+def registry(handler: Any = noop, kind: str = NOOP) -> JobRegistry:
+    return JobRegistry([JobKind(kind, handler)])
+
+
+def settings(url: str, concurrency: int, **extra: Any) -> Settings:
+    return Settings(database_url=url, worker_concurrency=concurrency, **extra)
+
+
+async def enqueue(url: str, jobs: list[NewJob], chunk: int = 1000) -> None:
+    conn = await db.connect(url)
+    async with conn:
+        for start in range(0, len(jobs), chunk):
+            async with conn.transaction():
+                await enqueue_many(conn, jobs[start : start + chunk], ACTOR)
+
+
+async def drain(args: argparse.Namespace) -> None:
+    await enqueue(args.url, [NewJob(NOOP) for _ in range(args.jobs)])
+    cfg = settings(args.url, args.concurrency)
+    pool = db.pool(args.url, min_size=2, max_size=args.concurrency + 3, name="bench-drain")
+    await pool.open(wait=True, timeout=30)
+    worker = Worker("bench-drain", cfg, pool, registry())
+    started = time.perf_counter()
+    runner = asyncio.create_task(worker.run())
+    while worker.counts["completed"] < args.jobs and not runner.done():  # noqa: ASYNC110 (polls a counter)
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - started
+    worker.request_stop()
+    await runner
+    await pool.close()
+    conn = await db.connect(args.url)
+    async with conn:
+        cursor = await conn.execute(
+            "SELECT (SELECT count(*) FROM jobs WHERE state = 'completed') AS completed,"
+            " (SELECT count(*) FROM job_events) AS events"
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    emit(
+        {
+            "jobs": args.jobs,
+            "completed": row["completed"],
+            "events": row["events"],
+            "seconds": elapsed,
+            "jobs_per_s": worker.counts["completed"] / elapsed,
+            "counts": dict(worker.counts),
+        }
+    )
+
+
+async def pickup(args: argparse.Namespace) -> None:
+    latencies: list[float] = []
+
+    async def record(ctx: JobContext) -> Verdict:
+        latencies.append(time.time() - float(ctx.payload["t"]))
+        return {"result": "nothing to do"}
+
+    cfg = settings(args.url, args.concurrency)
+    pool = db.pool(args.url, min_size=2, max_size=args.concurrency + 3, name="bench-pickup")
+    await pool.open(wait=True, timeout=30)
+    worker = Worker("bench-pickup", cfg, pool, registry(record))
+    runner = asyncio.create_task(worker.run())
+    producers: asyncio.Queue[db.AsyncConn] = asyncio.Queue()
+    for _ in range(PRODUCER_CONNECTIONS):
+        producers.put_nowait(await db.connect(args.url))
+
+    async def produce() -> None:
+        conn = await producers.get()
+        try:
+            await enqueue_many(conn, [NewJob(NOOP, payload={"t": time.time()})], ACTOR)
+        finally:
+            producers.put_nowait(conn)
+
+    await asyncio.sleep(1.0)  # the worker is listening before the first job
+    interval = 1.0 / args.rate
+    total = int(args.rate * args.seconds)
+    start = time.perf_counter()
+    behind = 0
+    sends = []
+    for n in range(total):
+        delay = start + n * interval - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif delay < -interval:
+            behind += 1
+        sends.append(asyncio.create_task(produce()))
+    await asyncio.gather(*sends)
+    produced_s = time.perf_counter() - start
+    deadline = time.perf_counter() + 10
+    while len(latencies) < total and time.perf_counter() < deadline:  # noqa: ASYNC110 (polls a counter)
+        await asyncio.sleep(0.05)
+    worker.request_stop()
+    await runner
+    await pool.close()
+    while not producers.empty():
+        await producers.get_nowait().close()
+    emit(
+        {
+            "enqueued": total,
+            "started": len(latencies),
+            "produce_seconds": produced_s,
+            "producer_fell_behind": behind,
+            "latencies_ms": [round(x * 1000, 3) for x in latencies],
+        }
+    )
+
+
+async def worker(args: argparse.Namespace) -> None:
+    cfg = settings(args.url, args.concurrency, worker_id=args.worker_id)
+    code = await run_worker(cfg, registry(sleep, SLEEP))
+    emit({"exit": code})
+
+
+async def supervise(args: argparse.Namespace) -> None:
+    cfg = settings(args.url, 1)
+    conn = await db.connect(args.url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with conn:
+        await Supervisor(conn, cfg, registry(sleep, SLEEP)).run(stop, interval_s=args.interval)
+    emit({"stopped": True})
+
+
+async def enqueue_sleepers(args: argparse.Namespace) -> None:
+    await enqueue(args.url, [NewJob(SLEEP, payload={"seconds": args.job_seconds}) for _ in range(args.jobs)])
+    emit({"enqueued": args.jobs})
+
+
+COMMANDS = {
+    "drain": drain,
+    "pickup": pickup,
+    "worker": worker,
+    "supervise": supervise,
+    "enqueue-sleepers": enqueue_sleepers,
+}
+
+if __name__ == "__main__":
+    quiet_logs()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=sorted(COMMANDS))
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--jobs", type=int, default=20000)
+    parser.add_argument("--concurrency", type=int, default=10)
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--worker-id", default="bench-worker")
+    parser.add_argument("--job-seconds", type=float, default=2.0)
+    parser.add_argument("--interval", type=float, default=None)
+    parsed = parser.parse_args()
+    asyncio.run(COMMANDS[parsed.command](parsed))

@@ -1,0 +1,172 @@
+"""Workload 1: the transition path against PostgreSQL's limit (pgbench on the same statement)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+
+from bench.core import Context, Metric, Target, Workload
+from bench.seed import ready_instances
+from controlplane import sql
+
+CLIENTS = 8
+THREADS = 2  # pgbench -j 2; ours likewise runs its 8 clients in 2 processes of 4
+TPS = Metric("transitions_per_s", "transitions/s", "1/s")
+
+
+def pgbench_script(instance_sql: str) -> str:
+    """Two transitions per script run (suspend, then resume) with the product's statement text.
+
+    The per-row arrays become ARRAY[:var] (pgbench variables are scalars); the version comes
+    from the previous statement's RETURNING via \\gset, so every statement really moves a row.
+    """
+    statement = instance_sql.strip()
+    for name, value in {
+        "ids": "ARRAY[:inst]",
+        "versions": "ARRAY[:p_state_version]",
+        "reasons": "ARRAY[:reason]",
+        "details": "ARRAY[:detail]",
+        "patches": "ARRAY[:patch]",
+        "actor_kind": ":actor_kind",
+        "actor_id": ":actor_id",
+        "request_id": ":request_id",
+    }.items():
+        statement = statement.replace(f"%({name})s", value)
+    moves = []
+    for from_state, to_state, event in (("ready", "suspended", "suspend"), ("suspended", "ready", "resume")):
+        moves.append(
+            statement.replace("%(from_states)s", f"ARRAY[:{from_state}]")
+            .replace("%(to_states)s", f"ARRAY[:{to_state}]")
+            .replace("%(events)s", f"ARRAY[:{event}]")
+            + " \\gset p_"
+        )
+    assert "%(" not in moves[0], "an unhandled placeholder is left in the transition statement"
+    init = (
+        "\\if :initialised = 0\n"
+        "SELECT inst FROM bench_clients WHERE client = :client_id \\gset\n"
+        "\\set initialised 1\n"
+        "\\endif\n"
+    )
+    return init + "\n".join(moves) + "\n"
+
+
+PGBENCH_VARIABLES = {
+    "initialised": "0",
+    "p_state_version": "2",
+    "ready": "ready",
+    "suspended": "suspended",
+    "suspend": "suspend",
+    "resume": "resume",
+    "reason": "bench",
+    "detail": '{"bench": true}',
+    "patch": "{}",
+    "actor_kind": "system",
+    "actor_id": "bench",
+    "request_id": "bench",
+}
+
+
+class TransitionsWorkload(Workload):
+    def __init__(self) -> None:
+        super().__init__(
+            key="transitions",
+            title="1. Transition path (8 clients)",
+            variants=("ours", "pgbench"),
+            metrics={"ours": (TPS,), "pgbench": (TPS,)},
+            targets=(Target("ours/pgbench", ("ours", TPS.key), ("pgbench", TPS.key), ">=", 0.8),),
+            notes=[
+                "Each transition: instance ready->suspended or suspended->ready through "
+                "controlplane.transitions.transition (guarded UPDATE, version bump, event row, pg_notify), "
+                "one statement, autocommit. Ours: 8 connections in 2 processes of 4; pgbench: the same "
+                "statement text, -M prepared -c 8 -j 2, two moves per script run.",
+            ],
+        )
+        self.seconds = 0.0
+
+    def prepare(self, ctx: Context) -> None:
+        self.seconds = ctx.size(10.0, 3.0)
+
+    def _seed(self, ctx: Context, prefix: str) -> tuple[str, str, list[str]]:
+        name, url = ctx.fresh_database(prefix)
+        ids = [str(i) for i in asyncio.run(ready_instances(url, CLIENTS))]
+        return name, url, ids
+
+    def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
+        name, url, ids = self._seed(ctx, f"w1_{variant}")
+        try:
+            ctx.cluster.checkpoint()
+            if variant == "ours":
+                return {TPS.key: self._ours(ctx, url, ids)}
+            return {TPS.key: self._pgbench(ctx, name, url, ids)}
+        finally:
+            ctx.cluster.drop_database(name)
+
+    def _ours(self, ctx: Context, url: str, ids: list[str]) -> float:
+        start_at = time.time() + 1.5
+        per_process = CLIENTS // THREADS
+        procs = [
+            ctx.procs.start(
+                [
+                    ctx.project_python,
+                    "-m",
+                    "bench.drivers.transitions",
+                    "--url",
+                    url,
+                    "--ids",
+                    ",".join(ids[n * per_process : (n + 1) * per_process]),
+                    "--version",
+                    "2",
+                    "--start-at",
+                    str(start_at),
+                    "--seconds",
+                    str(self.seconds),
+                ],
+                name="w1-ours",
+            )
+            for n in range(THREADS)
+        ]
+        results = [ctx.procs.wait_json(p, timeout=self.seconds + 60) for p in procs]
+        return float(sum(r["transitions"] for r in results)) / self.seconds
+
+    def _pgbench(self, ctx: Context, name: str, url: str, ids: list[str]) -> float:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench_clients (client int PRIMARY KEY, inst text NOT NULL)")
+            with conn.cursor() as cur:
+                cur.executemany("INSERT INTO bench_clients VALUES (%s, %s)", list(enumerate(ids)))
+        script = ctx.work_dir / "transition.pgbench"
+        script.write_text(pgbench_script(sql.TRANSITION["instance"]))
+        argv = [
+            ctx.cluster.server.bin("pgbench"),
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            str(CLIENTS),
+            "-j",
+            str(THREADS),
+            "-T",
+            str(int(self.seconds)),
+            "-f",
+            str(script),
+        ]
+        for key, value in PGBENCH_VARIABLES.items():
+            argv += ["-D", f"{key}={value}"]
+        argv.append(name)
+        env = {**ctx.cluster.env, "PATH": "/usr/bin:/bin"}
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=self.seconds + 120)
+        (ctx.work_dir / "pgbench.out").write_text(result.stdout + result.stderr)
+        processed = re.search(r"number of transactions actually processed: (\d+)", result.stdout)
+        failed = re.search(r"number of failed transactions: (\d+)", result.stdout)
+        if result.returncode != 0 or not processed or (failed and int(failed.group(1))):
+            raise RuntimeError(
+                f"pgbench failed ({result.returncode}): {Path(script).name}: {result.stderr[-800:]}"
+            )
+        tps = re.search(r"tps = ([\d.]+) \(without initial connection time\)", result.stdout)
+        assert tps is not None
+        # Two transitions per script run.
+        return 2 * float(tps.group(1))
