@@ -14,6 +14,7 @@ from controlplane import db
 from controlplane.api import errors, routes_admin, routes_instances, routes_orgs, routes_public, webhooks
 from controlplane.api.errors import Problem
 from controlplane.api.state import AppState
+from controlplane.handlers import JobRegistry
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
 
@@ -22,10 +23,14 @@ log = logging.getLogger(__name__)
 API_VERSION = "1"
 
 
-def create_app(settings: Settings, *, database_url: str | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, *, database_url: str | None = None, job_registry: JobRegistry | None = None
+) -> FastAPI:
     """A new application; its database pool opens and closes with the lifespan.
 
-    `database_url` overrides the settings' (e.g. the embedded server's URL resolved by the caller).
+    `database_url` overrides the settings' (e.g. the embedded server's URL resolved by the caller);
+    `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (else
+    CONTROLPLANE_JOB_REGISTRY names them, loaded at the first abandon).
     """
 
     @asynccontextmanager
@@ -79,10 +84,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def serve(settings: Settings, *, database_url: str | None = None) -> None:
+def serve(
+    settings: Settings, *, database_url: str | None = None, job_registry: JobRegistry | None = None
+) -> None:
     """Run the API with uvicorn on settings.api_host:api_port until interrupted."""
     import uvicorn
 
-    app = create_app(settings, database_url=database_url)
+    app = create_app(settings, database_url=database_url, job_registry=job_registry)
     log.info("API listening on %s", settings.api_url)
     uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True)

@@ -183,29 +183,29 @@ class Job(BaseModel):
     state_version: int
     attempt: int
     max_attempts: int
-    run_at: datetime
     priority: int
+    run_at: datetime
     claimed_by: str | None
+    fence: int | None
     heartbeat_at: datetime | None
-    last_error: str | None
     error_kind: str | None
+    last_error: str | None
     verdict: dict[str, Any] | None
-    state_entered_at: datetime
     created_at: datetime
-    updated_at: datetime
+    state_entered_at: datetime
 
 
-class JobPage(BaseModel):
+class JobList(BaseModel):
     items: list[Job]
-    next_cursor: str | None
 
 
 class DwellStat(BaseModel):
     state: str
-    count: int
-    p50_s: float | None
-    p95_s: float | None
-    max_s: float | None
+    count: int = Field(description="stays in this state (closed and still going on)")
+    current: int = Field(description="stays still going on")
+    p50_s: float
+    p95_s: float
+    max_s: float
 
 
 class DwellStats(BaseModel):

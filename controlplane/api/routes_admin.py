@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from controlplane import dwell, queue
 from controlplane.api import errors, views
 from controlplane.api.auth import Admin, admin
-from controlplane.api.models import AdminEventPage, InstanceState
-from controlplane.api.state import app_state
+from controlplane.api.errors import ProblemError
+from controlplane.api.models import (
+    AdminEventPage,
+    DwellStats,
+    InstanceState,
+    Job,
+    JobAction,
+    JobList,
+    JobState,
+)
+from controlplane.api.state import AppState, app_state
+from controlplane.handlers import JobRegistry
+from controlplane.worker import load_registry
+
+# Names the job kinds ("module:attribute") when create_app is not given them; as the jobs CLI.
+REGISTRY_ENV = "CONTROLPLANE_JOB_REGISTRY"
 
 router = APIRouter(prefix="/v1/admin", tags=["sre"])
 
@@ -94,3 +110,84 @@ async def admin_events(
         for r in page
     ]
     return {"items": items, "next_cursor": views.encode_cursor(page[-1]["id"]) if more else None}
+
+
+def _job(row: Any) -> dict[str, Any]:
+    return {name: row.get(name) for name in Job.model_fields}
+
+
+@router.get(
+    "/jobs",
+    response_model=JobList,
+    responses=errors.responses(401, 403, 422),
+    summary="Jobs, newest first, by state and kind",
+)
+async def admin_jobs(
+    request: Request,
+    _: AdminKey,
+    state: JobState | None = None,
+    kind: Annotated[str | None, Query(max_length=100)] = None,
+    limit: Annotated[int, Query(ge=1, description=f"values above {MAX_LIMIT} are capped")] = DEFAULT_LIMIT,
+) -> dict[str, Any]:
+    async with app_state(request).pool.connection() as conn:
+        rows = await queue.list_jobs(conn, state=state, kind=kind, limit=min(limit, MAX_LIMIT))
+    return {"items": [_job(r) for r in rows]}
+
+
+@router.post(
+    "/jobs/{job_id}/{action}",
+    response_model=Job,
+    responses=errors.responses(401, 403, 404, 409, 413, 422),
+    summary="Pause, resume, retry or abandon a job, with a reason (recorded as the operator's)",
+)
+async def admin_job_action(
+    job_id: uuid.UUID,
+    action: Literal["pause", "resume", "retry", "abandon"],
+    body: JobAction,
+    request: Request,
+    who: AdminKey,
+) -> dict[str, Any]:
+    app = app_state(request)
+    registry = job_registry(app) if action == "abandon" else None
+    async with app.pool.connection() as conn:
+        try:
+            row = await queue.operator_action(
+                conn, job_id, action, who.actor.id, body.reason, registry=registry
+            )
+        except queue.JobNotFound:
+            raise ProblemError("not-found", f"no job {job_id}") from None
+        except queue.ActionRefused as exc:
+            raise ProblemError(
+                "invalid-state", str(exc), current_state=exc.state, allowed_actions=exc.allowed
+            ) from None
+        except ValueError as exc:
+            raise ProblemError(
+                "validation", f"body.reason: {exc}", errors=[{"field": "body.reason", "message": str(exc)}]
+            ) from None
+    return _job(row)
+
+
+def job_registry(app: AppState) -> JobRegistry | None:
+    """The job kinds (for their abandonment hooks): given to create_app, or named by settings/env."""
+    if app.job_registry is None:
+        spec = app.settings.extra.get("job_registry") or os.environ.get(REGISTRY_ENV)
+        if spec:
+            app.job_registry = load_registry(spec)
+    return app.job_registry
+
+
+@router.get(
+    "/stats/dwell",
+    response_model=DwellStats,
+    responses=errors.responses(401, 403, 422),
+    summary="Time spent in each state: count, p50, p95, max (seconds)",
+)
+async def admin_dwell(
+    request: Request,
+    _: AdminKey,
+    entity: Literal["instance", "job"] = "instance",
+    since: Annotated[datetime | None, Query(description="only stays going on at or after this time")] = None,
+) -> dict[str, Any]:
+    async with app_state(request).pool.connection() as conn:
+        stats = await dwell.dwell_stats(conn, entity, since=since)
+    return {"entity": entity, "states": [s.as_dict() for s in stats]}

@@ -8,6 +8,7 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
 from controlplane.db import AsyncConn
+from controlplane.handlers import JobRegistry
 from controlplane.secretbox import SecretBox
 from controlplane.settings import Settings
 
@@ -19,6 +20,7 @@ class AppState:
     pool: AsyncConnectionPool[AsyncConn]
     box: SecretBox
     head_revision: str | None = None
+    job_registry: JobRegistry | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
