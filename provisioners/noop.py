@@ -1,0 +1,52 @@
+"""The noop provisioner: every step succeeds at once and creates nothing (benchmarks of the control plane)."""
+
+from __future__ import annotations
+
+import uuid
+
+from provisioners.base import (
+    ConnectionInfo,
+    DeprovisionResult,
+    InstanceSpec,
+    Observation,
+    Provisioner,
+    Resource,
+)
+
+
+class NoopProvisioner(Provisioner):
+    """No infrastructure: what is left is the control plane's own cost of running an operation."""
+
+    name = "noop"
+
+    async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        return None
+
+    async def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        return None
+
+    async def initialize_database(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
+    ) -> ConnectionInfo:
+        # A fixed placeholder: nothing listens behind it, so there is no secret to protect.
+        return ConnectionInfo("noop.invalid", 5432, "app", f"app_{instance_id.hex[:12]}", password or "noop")
+
+    async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return False
+
+    async def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return False
+
+    async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return False
+
+    async def deprovision(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
+    ) -> DeprovisionResult:
+        return DeprovisionResult(backup=None, removed=False)
+
+    async def observe(self, instance_id: uuid.UUID) -> Observation:
+        return Observation(True, running=True, healthy=True, read_only=False, detail="noop")
+
+    async def inventory(self) -> list[Resource]:
+        return []

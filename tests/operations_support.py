@@ -1,0 +1,98 @@
+"""Helpers of the operations tests: run the real worker and supervisor in-process until a condition holds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from psycopg.rows import DictRow
+
+from controlplane import db, jobs
+from controlplane.db import AsyncConn
+from controlplane.handlers import JobRegistry
+from controlplane.operations import operation_kinds
+from controlplane.settings import Settings
+from controlplane.supervisor import Supervisor
+from controlplane.worker import Worker
+from provisioners.base import Provisioner
+from tests.factories import TEST_ACTOR
+
+Condition = Callable[[AsyncConn], Awaitable[bool]]
+
+
+def registry_for(provisioner: Provisioner) -> JobRegistry:
+    return JobRegistry(operation_kinds(provisioner))
+
+
+async def run_until(
+    settings: Settings,
+    registry: JobRegistry,
+    done: Condition,
+    *,
+    timeout_s: float = 60,
+    worker: bool = True,
+) -> None:
+    """Run a worker and supervisor passes until `done` holds (or fail after `timeout_s`)."""
+    assert settings.database_url is not None
+    pool = db.pool(settings.database_url, min_size=1, max_size=8, name="ops-test")
+    await pool.open(wait=True)
+    runner = Worker(f"test-{uuid.uuid4().hex[:6]}", settings, pool, registry) if worker else None
+    task = asyncio.create_task(runner.run()) if runner else None
+    supervisor = Supervisor(pool, settings, registry)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            await supervisor.run_once()
+            async with pool.connection() as conn:
+                if await done(conn):
+                    return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached within {timeout_s}s")
+            if task is not None and task.done():
+                task.result()
+            await asyncio.sleep(0.05)
+    finally:
+        if runner is not None and task is not None:
+            runner.request_stop()
+            await task
+        await pool.close()
+
+
+def instance_in(instance_id: uuid.UUID, *states: str) -> Condition:
+    async def check(conn: AsyncConn) -> bool:
+        cursor = await conn.execute("SELECT state FROM instances WHERE id = %s", (instance_id,))
+        row = await cursor.fetchone()
+        return row is not None and row["state"] in states
+
+    return check
+
+
+def job_finished(job_id: uuid.UUID) -> Condition:
+    async def check(conn: AsyncConn) -> bool:
+        cursor = await conn.execute("SELECT state FROM jobs WHERE id = %s", (job_id,))
+        row = await cursor.fetchone()
+        return row is not None and row["state"] in ("completed", "abandoned")
+
+    return check
+
+
+async def enqueue(conn: AsyncConn, kind: str, instance_id: uuid.UUID, **payload: Any) -> DictRow:
+    result = await jobs.enqueue(conn, jobs.NewJob(kind, instance_id, payload=payload), TEST_ACTOR)
+    return result.job
+
+
+async def instance(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow:
+    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (instance_id,))
+    row = await cursor.fetchone()
+    assert row is not None
+    return row
+
+
+async def job(conn: AsyncConn, job_id: uuid.UUID) -> DictRow:
+    cursor = await conn.execute("SELECT * FROM jobs WHERE id = %s", (job_id,))
+    row = await cursor.fetchone()
+    assert row is not None
+    return row
