@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,8 +141,18 @@ async def transition_many(
 async def _explain_misses(
     conn: AsyncConn, entity: str, moves: Sequence[Move], moved: list[DictRow]
 ) -> list[TransitionError]:
-    done = {row["id"] for row in moved}
-    missed = [m for m in moves if m.id not in done]
+    # Match moved rows to moves one for one, so that a second move of the same row in one batch
+    # is reported as failed rather than lost.
+    landed = Counter(
+        (row["id"], row["_event"], row["_from_state"], row["state_version"] - 1) for row in moved
+    )
+    missed: list[Move] = []
+    for move in moves:
+        key = (move.id, move.event, move.expected_state, move.expected_version)
+        if landed[key]:
+            landed[key] -= 1
+        else:
+            missed.append(move)
     cursor = await conn.execute(sql.CURRENT_STATES[entity], {"ids": [m.id for m in missed]})
     current = {row["id"]: row for row in await cursor.fetchall()}
     failures: list[TransitionError] = []
