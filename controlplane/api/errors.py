@@ -16,6 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from controlplane import logs
+
 log = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -240,6 +242,7 @@ class BodySizeLimit:
             "payload-too-large",
             f"the request body is larger than {self.max_bytes} bytes",
             instance=scope.get("path"),
+            request_id=scope.get("state", {}).get("request_id"),
         )
         await response(scope, receive, send)
 
@@ -304,6 +307,7 @@ class RequestId:
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        token = logs.REQUEST_ID.set(request_id)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -312,7 +316,10 @@ class RequestId:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            logs.REQUEST_ID.reset(token)
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -119,7 +119,8 @@ async def stripe_webhook(request: Request) -> Any:
     except stripe.SignatureVerificationError:
         metrics.WEBHOOKS.labels("bad_signature").inc()
         raise ProblemError("bad-signature", "the signature does not match or is too old") from None
-    except ValueError:
+    except (ValueError, TypeError, AttributeError, KeyError):
+        # Signed, but not a JSON object the library can turn into an event.
         metrics.WEBHOOKS.labels("bad_payload").inc()
         raise ProblemError("bad-request", "the payload is not a Stripe event") from None
     if not isinstance(event, dict) or not isinstance(event.get("id"), str):
