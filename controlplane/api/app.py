@@ -39,7 +39,7 @@ def create_app(
         pool = db.pool(url, name="controlplane-api")
         await pool.open()
         app.state.controlplane = AppState(
-            settings=settings, database_url=url, pool=pool, box=load_box(settings)
+            settings=settings, database_url=url, pool=pool, box=load_box(settings), job_registry=job_registry
         )
         try:
             yield

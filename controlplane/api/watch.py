@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+from psycopg.conninfo import make_conninfo
 from starlette.requests import Request
 
 from controlplane import db, lifecycle
@@ -17,6 +18,8 @@ from controlplane.db import AsyncConn
 
 CHANNEL_PREFIX = "cp_instance_"
 KEEPALIVE_S = 15.0
+# How a watch's dedicated connection shows in pg_stat_activity.
+APPLICATION_NAME = "controlplane-watch"
 
 
 def channels() -> list[str]:
@@ -61,7 +64,7 @@ async def instance_stream(
     LISTEN starts before the snapshot is read, so no transition falls between the two; a
     notification at or below the snapshot's state_version is skipped.
     """
-    conn = await db.connect(app.database_url)
+    conn = await db.connect(make_conninfo(app.database_url, application_name=APPLICATION_NAME))
     try:
         await conn.execute("; ".join(f"LISTEN {channel}" for channel in channels()))
         snapshot = await _snapshot(conn, app, instance_id, org_id)
