@@ -416,9 +416,9 @@ DELETION_ORDER = (JOB, STATEFULSET, SERVICE, CONFIGMAP, SECRET, PVC)
 class KubernetesApi:
     """The few calls used, through the official client's ApiClient: apply, get, list, delete."""
 
-    def __init__(self, api_client: Any, timeout_s: float = 30) -> None:
+    def __init__(self, api_client: Any, timeout_s: float = 30, connect_timeout_s: float = 5) -> None:
         self.client = api_client
-        self.timeout = (5, timeout_s)
+        self.timeout = (connect_timeout_s, timeout_s)
 
     def _call(
         self,
