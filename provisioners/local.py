@@ -322,8 +322,10 @@ class LocalProvisioner(Provisioner):
                 os.kill(pid, signal.SIGQUIT)
         if datadir.exists():  # a directory without a cluster: nothing worth keeping
             shutil.rmtree(datadir)
-        for partial in directory.glob("pgdata.partial-*"):
+        for partial in directory.glob("pgdata.partial-*"):  # an initdb cut short by a crash
             shutil.rmtree(partial, ignore_errors=True)
+        for password_file in directory.glob(".pgdata.partial-*.pw"):  # and its password file
+            password_file.unlink(missing_ok=True)
         partial = directory / f"pgdata.partial-{fence}"
         builder = InstanceServer(datadir=partial, port=0, host=self.listen_host, run_as=self.run_as)
         builder.initdb(
