@@ -114,3 +114,13 @@ async def test_every_customer_route_gives_another_org_nothing(
     assert "tenant-a-password" not in stolen.text and "app_owner" not in stolen.text
     listed = await client.get("/v1/instances", headers=thief)
     assert mine["id"] not in listed.text and "tenant-a-password" not in listed.text
+
+
+async def test_public_routes_need_no_key(client: httpx.AsyncClient) -> None:
+    for path in ("/healthz", "/readyz", "/metrics", "/v1/lifecycle", "/v1/plans", "/openapi.json"):
+        assert (await client.get(path)).status_code == 200, path
+
+
+async def test_webhook_route_needs_a_signature_not_a_key(client: httpx.AsyncClient) -> None:
+    response = await deliver(client, stripe_event("evt_x", None, None, 1), signature="t=1,v1=00")
+    assert response.status_code == 400

@@ -77,3 +77,9 @@ async def test_a_crash_is_a_500_problem_without_a_trace(
     assert "module.py" not in response.text and body["request_id"] == "crash-1"
     logged = [r for r in caplog.records if r.exc_info and "crash-1" in r.getMessage()]
     assert logged and "secret internals" in str(logged[0].exc_info[1])  # type: ignore[index]
+
+
+async def test_unknown_query_parameter_is_422_naming_it(client: httpx.AsyncClient, tenant: Tenant) -> None:
+    response = await client.get("/v1/instances?colour=red&limit=2", headers=tenant.headers)
+    body = assert_problem(response, 422, "validation")
+    assert body["errors"] == [{"field": "query.colour", "message": "unknown parameter"}]

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from controlplane import db
@@ -52,6 +52,7 @@ def create_app(
         version=API_VERSION,
         description="Create, resize and delete PostgreSQL databases; SRE views of their lifecycle.",
         lifespan=lifespan,
+        dependencies=[Depends(errors.refuse_unknown_query)],
     )
     errors.install(app)
     for router in (

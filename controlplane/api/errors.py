@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane import logs
@@ -167,11 +168,24 @@ _HTTP_KINDS = {
 }
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method of every route at this path (Starlette names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches({**request.scope, "method": ""})
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = _HTTP_KINDS.get(exc.status_code, "internal" if exc.status_code >= 500 else "bad-request")
     detail = exc.detail if isinstance(exc.detail, str) else None
-    response = _for_request(request, kind, detail, headers=dict(exc.headers or {}) or None)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed_methods(request))
+    response = _for_request(request, kind, detail, headers=headers or None)
     if response.status_code != exc.status_code:
         body = json.loads(bytes(response.body))
         body["status"] = exc.status_code
@@ -179,6 +193,28 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
             body, status_code=exc.status_code, headers=exc.headers, media_type=PROBLEM_MEDIA_TYPE
         )
     return response
+
+
+def _query_names(dependant: Any) -> set[str]:
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def refuse_unknown_query(request: Request) -> None:
+    """A query parameter the route does not declare is refused (422), as unknown body fields are."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known = _query_names(dependant)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        errors = [{"field": f"query.{name}", "message": "unknown parameter"} for name in unknown]
+        raise ProblemError(
+            "validation", "; ".join(f"{e['field']}: {e['message']}" for e in errors), errors=errors
+        )
 
 
 def install(app: FastAPI) -> None:

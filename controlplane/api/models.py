@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from controlplane import lifecycle, plans
 
@@ -30,6 +31,17 @@ assert set(InstanceState.__args__) == set(lifecycle.INSTANCE.states)  # type: ig
 assert set(JobState.__args__) == set(lifecycle.JOB.states)  # type: ignore[attr-defined]
 
 
+def _rfc3339_only(value: object) -> object:
+    """Refuse what pydantic would otherwise read as a date-time (unix numbers, bare dates)."""
+    if isinstance(value, str) and not re.fullmatch(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}.*", value):
+        raise ValueError("expected an RFC 3339 date-time, e.g. 2026-01-31T12:00:00Z")
+    return value
+
+
+# A date-time query parameter: RFC 3339 text only.
+Timestamp = Annotated[datetime, BeforeValidator(_rfc3339_only)]
+
+
 class Strict(BaseModel):
     """Request bodies refuse unknown fields."""
 
@@ -46,7 +58,11 @@ class InstanceCreate(Strict):
     name: str = Field(
         min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
     )
-    plan: str = Field(description="one of the plans listed by GET /v1/plans", examples=["dev"])
+    plan: str = Field(
+        description="one of the plans listed by GET /v1/plans",
+        examples=["dev"],
+        json_schema_extra={"enum": list(plans.plan_names())},
+    )
     region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
     deletion_protection: bool = False
 
@@ -54,7 +70,9 @@ class InstanceCreate(Strict):
 
 
 class InstanceUpdate(Strict):
-    plan: str | None = Field(None, examples=["small"])
+    plan: str | None = Field(
+        None, examples=["small"], json_schema_extra={"enum": [*plans.plan_names(), None]}
+    )
     deletion_protection: bool | None = None
 
     _plan = field_validator("plan")(_known_plan)

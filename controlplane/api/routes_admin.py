@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -21,6 +20,7 @@ from controlplane.api.models import (
     JobAction,
     JobList,
     JobState,
+    Timestamp,
 )
 from controlplane.api.state import AppState, app_state
 from controlplane.handlers import JobRegistry
@@ -53,8 +53,8 @@ async def admin_events(
     ] = None,
     event: Annotated[str | None, Query(max_length=100)] = None,
     to_state: InstanceState | None = None,
-    since: Annotated[datetime | None, Query(description="events at or after this time")] = None,
-    until: Annotated[datetime | None, Query(description="events before this time")] = None,
+    since: Annotated[Timestamp | None, Query(description="events at or after this time")] = None,
+    until: Annotated[Timestamp | None, Query(description="events before this time")] = None,
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
         DEFAULT_LIMIT
@@ -137,7 +137,7 @@ async def admin_jobs(
 @router.post(
     "/jobs/{job_id}/{action}",
     response_model=Job,
-    responses=errors.responses(401, 403, 404, 409, 413, 422),
+    responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
     summary="Pause, resume, retry or abandon a job, with a reason (recorded as the operator's)",
 )
 async def admin_job_action(
@@ -186,7 +186,7 @@ async def admin_dwell(
     request: Request,
     _: AdminKey,
     entity: Literal["instance", "job"] = "instance",
-    since: Annotated[datetime | None, Query(description="only stays going on at or after this time")] = None,
+    since: Annotated[Timestamp | None, Query(description="only stays going on at or after this time")] = None,
 ) -> dict[str, Any]:
     async with app_state(request).pool.connection() as conn:
         stats = await dwell.dwell_stats(conn, entity, since=since)

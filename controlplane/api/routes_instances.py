@@ -82,7 +82,7 @@ def _refuse_state(row: DictRow, detail: str) -> ProblemError:
     response_model=Instance,
     responses={
         202: {"headers": {"Location": {"schema": {"type": "string"}}}},
-        **errors.responses(401, 403, 409, 413, 422),
+        **errors.responses(400, 401, 403, 409, 413, 422),
     },
     summary="Create an instance (provisioned in the background)",
 )
@@ -217,7 +217,7 @@ def _check_if_match(if_match: str | None, row: DictRow) -> None:
     "/{instance_id}",
     status_code=202,
     response_model=Instance,
-    responses=errors.responses(401, 403, 404, 409, 412, 413, 422),
+    responses=errors.responses(400, 401, 403, 404, 409, 412, 413, 422),
     summary="Change an instance's plan or deletion protection",
 )
 async def update_instance(

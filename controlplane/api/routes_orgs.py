@@ -37,7 +37,7 @@ def _new_key(key: tenants.NewKey) -> dict[str, Any]:
     "/v1/orgs",
     status_code=201,
     response_model=OrgCreated,
-    responses=errors.responses(401, 403, 409, 413, 422),
+    responses=errors.responses(400, 401, 403, 409, 413, 422),
     summary="Create an organisation and its first API key (admin)",
 )
 async def create_org(body: OrgCreate, request: Request, _: Annotated[Admin, Depends(admin)]) -> Any:
@@ -53,7 +53,7 @@ async def create_org(body: OrgCreate, request: Request, _: Annotated[Admin, Depe
     "/v1/orgs/{org_id}/keys",
     status_code=201,
     response_model=NewApiKey,
-    responses=errors.responses(401, 403, 404, 413, 422),
+    responses=errors.responses(400, 401, 403, 404, 413, 422),
     summary="Create another API key for an organisation (admin)",
 )
 async def create_org_key(
@@ -84,7 +84,7 @@ async def list_keys(request: Request, who: Annotated[Principal, Depends(principa
     "/v1/keys",
     status_code=201,
     response_model=NewApiKey,
-    responses=errors.responses(401, 403, 413, 422),
+    responses=errors.responses(400, 401, 403, 413, 422),
     summary="Create another API key for the caller's organisation",
 )
 async def create_own_key(

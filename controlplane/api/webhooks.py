@@ -102,6 +102,21 @@ async def _apply(
     response_model=WebhookAck,
     responses=errors.responses(400, 413, 503),
     summary="Stripe events (signed with the webhook secret)",
+    openapi_extra={
+        "parameters": [
+            {
+                "name": "Stripe-Signature",
+                "in": "header",
+                "required": True,
+                "schema": {"type": "string"},
+                "description": "t=<unix time>,v1=<HMAC-SHA256 of 't.<raw body>' keyed by the webhook secret>",
+            }
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"type": "object", "description": "a Stripe event"}}},
+        },
+    },
 )
 async def stripe_webhook(request: Request) -> Any:
     app = app_state(request)
