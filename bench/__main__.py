@@ -17,6 +17,7 @@ from bench import env, report
 from bench.cluster import Cluster
 from bench.core import Context, NotAvailable, Outcome, Workload
 from bench.procs import Processes
+from bench.profiling import Profiler
 from bench.workloads import all_workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,6 +40,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--conditions", default="", help="how the machine was when measured (for latest.md)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; write no results")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the measured repetitions, run the project's variants once more under py-spy "
+        "(profiles in bench/results/profiles/)",
+    )
     return parser.parse_args(argv)
 
 
@@ -46,7 +53,9 @@ def raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_workloads(ctx: Context, workloads: list[Workload], repeat: int) -> list[Outcome]:
+def run_workloads(
+    ctx: Context, workloads: list[Workload], repeat: int, profiler: Profiler | None
+) -> list[Outcome]:
     outcomes = [Outcome(w) for w in workloads]
     for outcome in outcomes:
         try:
@@ -81,12 +90,33 @@ def run_workloads(ctx: Context, workloads: list[Workload], repeat: int) -> list[
                     f"rep {repetition + 1}/{repeat} {workload.key}/{variant}: {shown} "
                     f"({time.monotonic() - started:.0f} s)"
                 )
+    if profiler is not None:
+        ctx.profiler = profiler
+        profile_pass(ctx, outcomes)
+        ctx.profiler = None
     for outcome in outcomes:
         try:
             outcome.workload.finish(ctx)
         except Exception:
             log(f"  cleanup of {outcome.workload.key} failed: {traceback.format_exc()}")
     return outcomes
+
+
+def profile_pass(ctx: Context, outcomes: list[Outcome]) -> None:
+    """One more, unrecorded run of each profiled variant with py-spy attached to its process."""
+    assert ctx.profiler is not None
+    for outcome in outcomes:
+        if outcome.unavailable:
+            continue
+        for variant in outcome.workload.profiled:
+            log(f"profiling {outcome.workload.key}/{variant}")
+            try:
+                outcome.workload.run(ctx, variant, -1)
+            except Exception:
+                log(f"  profiling run failed: {traceback.format_exc()}")
+            ctx.profiler.collect()
+    for label, path in ctx.profiler.taken.items():
+        log(f"profile {label}: {path}")
 
 
 def main(argv: list[str]) -> int:
@@ -134,8 +164,15 @@ def main(argv: list[str]) -> int:
             wrk=wrk,
             log=log,
         )
+        profiler = None
+        if args.profile:
+            py_spy = env.py_spy()
+            if py_spy is None:
+                log("py-spy is not installed: no profiles")
+            else:
+                profiler = Profiler(py_spy, RESULTS / "profiles", procs)
         pg_settings = cluster.settings()
-        outcomes = run_workloads(ctx, workloads, args.repeat)
+        outcomes = run_workloads(ctx, workloads, args.repeat, profiler)
     except KeyboardInterrupt:
         log("interrupted: stopping everything the bench started")
         return 130

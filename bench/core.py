@@ -7,10 +7,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.cluster import Cluster
 from bench.procs import Processes
+
+if TYPE_CHECKING:
+    from bench.profiling import Profiler
 
 
 class NotAvailable(Exception):
@@ -54,7 +57,8 @@ class Context:
     peers_python: str | None
     wrk: str | None
     log: Callable[[str], None]
-    profile: bool = False
+    # Set only during the profiling pass (--profile), after the measured repetitions.
+    profiler: Profiler | None = None
     project_python: str = sys.executable
     _counter: int = 0
 
@@ -78,6 +82,8 @@ class Workload:
     metrics: dict[str, tuple[Metric, ...]]
     targets: tuple[Target, ...] = ()
     notes: list[str] = field(default_factory=list)
+    # The variants worth a py-spy profile (the project's own processes).
+    profiled: tuple[str, ...] = ()
 
     def prepare(self, ctx: Context) -> None:
         """Once before the repetitions; raise NotAvailable when a part is missing."""

@@ -56,7 +56,7 @@ def rows(outcomes: list[Outcome]) -> list[list[str]]:
         workload = outcome.workload
         title = workload.title
         if outcome.unavailable:
-            table.append([title, "", f"not available: {outcome.unavailable}", "", "", ""])
+            table.append([title, "", "not available", "", "", outcome.unavailable])
             continue
         for variant in workload.variants:
             for metric in workload.metrics.get(variant, ()):

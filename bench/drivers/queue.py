@@ -77,6 +77,12 @@ async def drain(args: argparse.Namespace) -> None:
             " (SELECT count(*) FROM job_events) AS events"
         )
         row = await cursor.fetchone()
+        # One statement writes one `at` (its transaction's now()): rows per distinct `at` is the batch.
+        cursor = await conn.execute(
+            "SELECT event, count(*)::float8 / count(DISTINCT at) AS batch FROM job_events"
+            " WHERE event IN ('claim', 'start', 'finish') GROUP BY event"
+        )
+        batches = {r["event"]: r["batch"] for r in await cursor.fetchall()}
     assert row is not None
     emit(
         {
@@ -86,6 +92,7 @@ async def drain(args: argparse.Namespace) -> None:
             "seconds": elapsed,
             "jobs_per_s": worker.counts["completed"] / elapsed,
             "counts": dict(worker.counts),
+            "batches": batches,
         }
     )
 

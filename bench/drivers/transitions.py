@@ -45,10 +45,13 @@ async def client(url: str, instance_id: uuid.UUID, version: int, start_at: float
 
 async def main(args: argparse.Namespace) -> None:
     stop_at = args.start_at + args.seconds
+    await sleep_until(args.start_at - 0.5)
+    cpu = time.process_time()
     counts = await asyncio.gather(
         *(client(args.url, uuid.UUID(i), args.version, args.start_at, stop_at) for i in args.ids.split(","))
     )
-    emit({"transitions": sum(counts), "seconds": args.seconds, "per_client": counts})
+    cpu = time.process_time() - cpu
+    emit({"transitions": sum(counts), "seconds": args.seconds, "per_client": counts, "cpu_s": cpu})
 
 
 if __name__ == "__main__":

@@ -6,8 +6,18 @@ from bench.core import Workload
 
 
 def all_workloads() -> list[Workload]:
+    from bench.workloads.api import ApiWorkload
+    from bench.workloads.crash import CrashWorkload
     from bench.workloads.drain import DrainWorkload
     from bench.workloads.pickup import PickupWorkload
+    from bench.workloads.reconciler import ReconcilerWorkload
     from bench.workloads.transitions import TransitionsWorkload
 
-    return [TransitionsWorkload(), DrainWorkload(), PickupWorkload()]
+    return [
+        TransitionsWorkload(),
+        DrainWorkload(),
+        PickupWorkload(),
+        ApiWorkload(),
+        ReconcilerWorkload(),
+        CrashWorkload(),
+    ]

@@ -6,6 +6,8 @@ from bench.core import Context, Metric, Target, Workload
 from bench.workloads import peers
 
 JOBS_S = Metric("jobs_per_s", "jobs/s", "1/s")
+CLAIM_BATCH = Metric("claim_batch", "mean claim batch (jobs/statement)", "", 1)
+FINISH_BATCH = Metric("finish_batch", "mean finish batch (jobs/statement)", "", 1)
 CONCURRENCY = 10
 
 
@@ -15,11 +17,16 @@ class DrainWorkload(Workload):
             key="drain",
             title="2. Queue drain (concurrency 10)",
             variants=("ours", "pgqueuer", "procrastinate"),
-            metrics={v: (JOBS_S,) for v in ("ours", "pgqueuer", "procrastinate")},
+            metrics={
+                "ours": (JOBS_S, CLAIM_BATCH, FINISH_BATCH),
+                "pgqueuer": (JOBS_S,),
+                "procrastinate": (JOBS_S,),
+            },
             targets=(
                 Target("ours/pgqueuer", ("ours", JOBS_S.key), ("pgqueuer", JOBS_S.key), ">=", 1.0),
                 Target("ours/procrastinate", ("ours", JOBS_S.key), ("procrastinate", JOBS_S.key), ">=", 10.0),
             ),
+            profiled=("ours",),
         )
         self.jobs = 0
 
@@ -50,10 +57,73 @@ class DrainWorkload(Workload):
             argv += ["--concurrency", str(CONCURRENCY)]
         try:
             ctx.cluster.checkpoint()
-            result = ctx.procs.run_json(argv, name=f"w2-{variant}", timeout=900)
+            proc = ctx.procs.start(argv, name=f"w2-{variant}")
+            if ctx.profiler is not None:
+                ctx.profiler.attach(proc.pid, f"drain-{variant}-driver")
+            result = ctx.procs.wait_json(proc, timeout=900)
+            if ctx.profiler is not None and variant == "ours":
+                explain_queue(ctx, url)
         finally:
             ctx.cluster.drop_database(name)
         executed = result.get("completed", result.get("executed"))
         if executed != self.jobs:
             raise RuntimeError(f"{variant} finished {executed} of {self.jobs} jobs: {result}")
-        return {JOBS_S.key: float(result["jobs_per_s"])}
+        values = {JOBS_S.key: float(result["jobs_per_s"])}
+        if "batches" in result:
+            values[CLAIM_BATCH.key] = float(result["batches"].get("claim", 0.0))
+            values[FINISH_BATCH.key] = float(result["batches"].get("finish", 0.0))
+        return values
+
+
+def explain_queue(ctx: Context, url: str) -> None:
+    """EXPLAIN ANALYZE of the claim and of a 10-job start, with 1,000 jobs queued (rolled back)."""
+    import asyncio
+
+    assert ctx.profiler is not None
+    out = ctx.profiler.out_dir / "drain-ours-explain.txt"
+    out.write_text(asyncio.run(_explain(url)))
+    ctx.profiler.taken["drain-ours-explain"] = out
+
+
+async def _explain(url: str) -> str:
+    from psycopg import sql as pgsql
+
+    from controlplane import db, sql
+    from controlplane.jobs import NewJob, enqueue_many
+    from controlplane.transitions import Actor, Move, _params  # the exact parameters of the product
+
+    actor = Actor("system", "bench")
+    conn = await db.connect(url)
+    report: list[str] = []
+    async with conn, conn.transaction(force_rollback=True):
+        await enqueue_many(conn, [NewJob("bench_noop") for _ in range(1000)], actor)
+        await conn.execute("ANALYZE jobs")
+        claim_params = {
+            "kinds": ["bench_noop"],
+            "limit": 10,
+            "worker": "explain",
+            "actor_kind": "worker",
+            "actor_id": "explain",
+            "request_id": None,
+        }
+        cursor = await conn.execute(
+            pgsql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + pgsql.SQL(sql.CLAIM_JOBS),
+            claim_params,
+        )
+        report += [
+            "-- CLAIM_JOBS (limit 10, 1,000 queued)",
+            *[r["QUERY PLAN"] for r in await cursor.fetchall()],
+        ]
+        cursor = await conn.execute(sql.CLAIM_JOBS, {**claim_params, "worker": "explain2"})
+        claimed = await cursor.fetchall()
+        moves = [Move(r["id"], "claimed", r["state_version"], "start") for r in claimed]
+        cursor = await conn.execute(
+            pgsql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + pgsql.SQL(sql.TRANSITION["job"]),
+            _params("job", moves, actor, None),
+        )
+        report += [
+            "",
+            "-- TRANSITION job: start of 10 claimed jobs",
+            *[r["QUERY PLAN"] for r in await cursor.fetchall()],
+        ]
+    return "\n".join(report) + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import resource
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from controlplane import sql
 CLIENTS = 8
 THREADS = 2  # pgbench -j 2; ours likewise runs its 8 clients in 2 processes of 4
 TPS = Metric("transitions_per_s", "transitions/s", "1/s")
+CPU = Metric("client_cpu_us", "client CPU us/transition", "us", 1)
 
 
 def pgbench_script(instance_sql: str) -> str:
@@ -77,14 +79,17 @@ class TransitionsWorkload(Workload):
             key="transitions",
             title="1. Transition path (8 clients)",
             variants=("ours", "pgbench"),
-            metrics={"ours": (TPS,), "pgbench": (TPS,)},
+            metrics={"ours": (TPS, CPU), "pgbench": (TPS, CPU)},
             targets=(Target("ours/pgbench", ("ours", TPS.key), ("pgbench", TPS.key), ">=", 0.8),),
             notes=[
                 "Each transition: instance ready->suspended or suspended->ready through "
                 "controlplane.transitions.transition (guarded UPDATE, version bump, event row, pg_notify), "
                 "one statement, autocommit. Ours: 8 connections in 2 processes of 4; pgbench: the same "
                 "statement text, -M prepared -c 8 -j 2, two moves per script run.",
+                "Client CPU: CPU time of the client processes (ours: the two driver processes; pgbench: "
+                "its process) per transition; on 2 cores it is taken from the server's share.",
             ],
+            profiled=("ours",),
         )
         self.seconds = 0.0
 
@@ -101,12 +106,12 @@ class TransitionsWorkload(Workload):
         try:
             ctx.cluster.checkpoint()
             if variant == "ours":
-                return {TPS.key: self._ours(ctx, url, ids)}
-            return {TPS.key: self._pgbench(ctx, name, url, ids)}
+                return self._ours(ctx, url, ids)
+            return self._pgbench(ctx, name, url, ids)
         finally:
             ctx.cluster.drop_database(name)
 
-    def _ours(self, ctx: Context, url: str, ids: list[str]) -> float:
+    def _ours(self, ctx: Context, url: str, ids: list[str]) -> dict[str, float]:
         start_at = time.time() + 1.5
         per_process = CLIENTS // THREADS
         procs = [
@@ -130,10 +135,14 @@ class TransitionsWorkload(Workload):
             )
             for n in range(THREADS)
         ]
+        if ctx.profiler is not None:
+            ctx.profiler.attach(procs[0].pid, "transitions-ours-driver")
         results = [ctx.procs.wait_json(p, timeout=self.seconds + 60) for p in procs]
-        return float(sum(r["transitions"] for r in results)) / self.seconds
+        moved = float(sum(r["transitions"] for r in results))
+        cpu = sum(float(r["cpu_s"]) for r in results)
+        return {TPS.key: moved / self.seconds, CPU.key: 1e6 * cpu / max(moved, 1.0)}
 
-    def _pgbench(self, ctx: Context, name: str, url: str, ids: list[str]) -> float:
+    def _pgbench(self, ctx: Context, name: str, url: str, ids: list[str]) -> dict[str, float]:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_clients (client int PRIMARY KEY, inst text NOT NULL)")
             with conn.cursor() as cur:
@@ -158,7 +167,10 @@ class TransitionsWorkload(Workload):
             argv += ["-D", f"{key}={value}"]
         argv.append(name)
         env = {**ctx.cluster.env, "PATH": "/usr/bin:/bin"}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=self.seconds + 120)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         (ctx.work_dir / "pgbench.out").write_text(result.stdout + result.stderr)
         processed = re.search(r"number of transactions actually processed: (\d+)", result.stdout)
         failed = re.search(r"number of failed transactions: (\d+)", result.stdout)
@@ -169,4 +181,5 @@ class TransitionsWorkload(Workload):
         tps = re.search(r"tps = ([\d.]+) \(without initial connection time\)", result.stdout)
         assert tps is not None
         # Two transitions per script run.
-        return 2 * float(tps.group(1))
+        moved = 2 * int(processed.group(1))
+        return {TPS.key: 2 * float(tps.group(1)), CPU.key: 1e6 * cpu / max(moved, 1)}

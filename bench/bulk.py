@@ -1,0 +1,75 @@
+"""Bulk-loaded history for the reconciler workload: many instances in terminal states, with their events.
+
+The state guard only admits inserts in `pending` at state_version 0, so it is disabled for the one
+INSERT of terminal rows (in the bench's scratch database only) and enabled again in the same
+transaction; every inserted row gets the event rows of the legal path that leads to its state.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+# The legal paths to the terminal states: (state_version after the move, from, to, event).
+DELETED_PATH = (
+    (0, None, "pending", "create"),
+    (1, "pending", "provisioning", "start_provisioning"),
+    (2, "provisioning", "ready", "provisioned"),
+    (3, "ready", "deprovisioning", "deprovision"),
+    (4, "deprovisioning", "deleted", "deprovisioned"),
+)
+FAILED_PATH = (
+    (0, None, "pending", "create"),
+    (1, "pending", "failed", "fail"),
+)
+ORGS = 100
+# One in FAILED_EVERY dead instances failed while pending; the others were deleted.
+FAILED_EVERY = 5
+
+
+def load_terminal_instances(url: str, count: int) -> None:
+    """Insert `count` deleted/failed instances spread over ORGS organisations, with matching events."""
+    with psycopg.connect(url) as conn:
+        conn.execute(
+            "INSERT INTO organisations (name) SELECT 'bench-dead-' || g FROM generate_series(1, %s) g",
+            (ORGS,),
+        )
+        conn.execute("ALTER TABLE instances DISABLE TRIGGER instances_guard_state")
+        conn.execute(
+            """
+            INSERT INTO instances (org_id, name, spec, state, state_version, state_entered_at,
+                                   failure_reason, observed_generation, created_at, updated_at)
+            SELECT o.ids[1 + g %% %(orgs)s], 'dead-' || g, '{"plan": "dev", "region": "local"}'::jsonb,
+                   CASE WHEN g %% %(every)s = 0 THEN 'failed' ELSE 'deleted' END,
+                   CASE WHEN g %% %(every)s = 0 THEN 1 ELSE 4 END,
+                   now() - interval '1 day',
+                   CASE WHEN g %% %(every)s = 0 THEN 'bench: failed while pending' END,
+                   CASE WHEN g %% %(every)s = 0 THEN 0 ELSE 1 END,
+                   now() - interval '30 days', now() - interval '1 day'
+            FROM generate_series(1, %(count)s) g,
+                 (SELECT array_agg(id ORDER BY id) AS ids FROM organisations
+                  WHERE name LIKE 'bench-dead-%%') o
+            """,
+            {"orgs": ORGS, "every": FAILED_EVERY, "count": count},
+        )
+        conn.execute("ALTER TABLE instances ENABLE TRIGGER instances_guard_state")
+        for state, path in (("deleted", DELETED_PATH), ("failed", FAILED_PATH)):
+            values = ", ".join(
+                f"({v}, {'NULL' if src is None else repr(src)}, {dst!r}, {event!r})"
+                for v, src, dst, event in path
+            )
+            conn.execute(
+                f"""
+                INSERT INTO instance_events (instance_id, from_state, to_state, event, actor_kind, actor_id,
+                                             reason, detail, state_version, at)
+                SELECT i.id, p.from_state, p.to_state, p.event, 'system', 'bench-load', NULL, '{{}}'::jsonb,
+                       p.v, i.created_at + p.v * interval '1 hour'
+                FROM instances i
+                CROSS JOIN (VALUES {values}) AS p(v, from_state, to_state, event)
+                WHERE i.state = %s AND i.name LIKE 'dead-%%'
+                """,
+                (state,),
+            )
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM (ANALYZE) instances")
+        conn.execute("VACUUM (ANALYZE) instance_events")
+        conn.execute("VACUUM (ANALYZE) organisations")
