@@ -113,3 +113,45 @@ async def test_a_generated_password_never_appears_in_logs_audit_rows_or_job_payl
     cursor = await conn.execute("SELECT secret FROM instances WHERE id = %s", (made["id"],))
     row = await cursor.fetchone()
     assert row is not None and password.encode() not in bytes(row["secret"])  # encrypted at rest
+
+
+async def test_patch_and_billing_suspension_through_the_real_operations(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, fresh_database: str, api_settings: Settings
+) -> None:
+    """The same race, run by the instance operations: one moves first, the other defers or follows."""
+    from controlplane import queue
+    from controlplane.handlers import JobContext
+    from controlplane.operations import Operations
+    from provisioners.noop import NoopProvisioner
+
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"])
+    await asyncio.gather(
+        client.patch(f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers),
+        deliver(client, stripe_event("evt_ops", tenant.stripe_customer_id, "unpaid", 100)),
+    )
+    claimed = await queue.claim(conn, "w-race", ["update", "suspend"], 10)
+    started = (await queue.start_many(conn, claimed, Actor("worker", "w-race"))).moved
+    assert sorted(j["kind"] for j in started) == ["suspend", "update"]
+    operations = Operations(NoopProvisioner())
+    pool = db.pool(fresh_database, max_size=4)
+    await pool.open()
+    try:
+        contexts = {j["kind"]: JobContext(j, "w-race", pool, api_settings) for j in started}
+        verdicts = await asyncio.gather(
+            operations.update(contexts["update"]), operations.suspend(contexts["suspend"])
+        )
+    finally:
+        await pool.close()
+    results = sorted(str(v["result"]) for v in verdicts)
+    assert results in (["ready", "suspended"], ["deferred", "ready"], ["deferred", "suspended"]), verdicts
+    cursor = await conn.execute(
+        "SELECT event, state_version FROM instance_events WHERE instance_id = %s AND state_version > 2"
+        " ORDER BY id",
+        (made["id"],),
+    )
+    moves = [r["event"] for r in await cursor.fetchall()]
+    assert moves[0] in ("update", "suspend")  # exactly one first move out of ready v2
+    shown = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()
+    assert shown["state"] in ("ready", "suspended") and shown["billing_hold"] is True
+    assert await audit.verify(conn) == []
