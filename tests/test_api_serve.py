@@ -1,0 +1,103 @@
+"""The API under uvicorn on a real socket: it serves, and a watcher that hangs up frees its connection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controlplane import db, tenants
+from controlplane.api import watch
+
+SERVE = (
+    "import sys; from controlplane.api.app import serve; from controlplane.settings import load;"
+    " serve(load(database_url=sys.argv[1], api_port=int(sys.argv[2]), data_dir=sys.argv[3]))"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _org_key(url: str) -> str:
+    conn = await db.connect(url)
+    async with conn:
+        _, key = await tenants.create_org(conn, "served")
+    return key.plaintext
+
+
+async def _watchers(url: str) -> int:
+    conn = await db.connect(url)
+    async with conn:
+        cursor = await conn.execute(
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = %s",
+            (watch.APPLICATION_NAME,),
+        )
+        row = await cursor.fetchone()
+    return int(row["n"]) if row else 0
+
+
+def _eventually(url: str, watchers: int) -> bool:
+    deadline = time.monotonic() + 10
+    while asyncio.run(_watchers(url)) != watchers:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture
+def served(fresh_database: str, tmp_path: Path) -> Iterator[str]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVE, fresh_database, str(port), str(tmp_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the API did not start: {process.stderr.read() if process.stderr else ''!r}"
+                )
+            time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def test_served_by_uvicorn_and_a_watcher_that_leaves_frees_its_connection(
+    served: str, fresh_database: str
+) -> None:
+    key = asyncio.run(_org_key(fresh_database))
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=served, headers=headers, timeout=10) as http:
+        created = http.post("/v1/instances", json={"name": "orders", "plan": "dev"})
+        assert created.status_code == 202 and created.headers["location"].endswith(created.json()["id"])
+        with http.stream("GET", f"/v1/instances/{created.json()['id']}/watch") as stream:
+            lines = stream.iter_lines()  # kept: dropping the iterator would close the stream
+            assert next(lines) == "event: instance"
+            assert _eventually(fresh_database, 1)
+        assert _eventually(fresh_database, 0)  # the client hung up: the stream ended, its connection closed
+        assert http.get("/healthz").json()["status"] == "ok"
