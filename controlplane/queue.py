@@ -57,7 +57,10 @@ def _move(job: Mapping[str, Any], event: str, **kwargs: Any) -> Move:
 
 
 async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
-    """Claim up to `limit` due queued jobs of `kinds` in one statement; each gets a new fence."""
+    """Claim up to `limit` due queued jobs of `kinds` in one statement; each gets a new fence.
+
+    Returned in claim order: priority, then run_at.
+    """
     if limit <= 0 or not kinds:
         return []
     cursor = await conn.execute(
@@ -73,6 +76,7 @@ async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: in
         prepare=True,
     )
     rows = await cursor.fetchall()
+    rows.sort(key=lambda row: (row["priority"], row["run_at"], row["fence"]))
     if rows:
         metrics.TRANSITIONS.labels("job", "queued", "claimed", "claim").inc(len(rows))
     return rows

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 import psycopg
 from psycopg.rows import DictRow
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from controlplane import db, metrics, queue, transitions
 from controlplane.db import AsyncConn
@@ -150,6 +150,7 @@ class Worker:
         try:
             await self._claim_loop()
         finally:
+            self.request_stop()  # also when cancelled: writes must not retry forever
             listener.cancel()
             await self._shutdown(writer)
             beater.cancel()
@@ -417,7 +418,9 @@ class Worker:
                 async with self.pool.connection(timeout=CONNECTION_TIMEOUT_S) as conn:
                     return await operation(conn)
             except DATABASE_GONE as exc:
-                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                if isinstance(exc, PoolClosed) or (
+                    self._give_up_at is not None and time.monotonic() > self._give_up_at
+                ):
                     return None
                 log.warning("worker %s: %s failed (%s); retrying", self.worker_id, what, exc)
                 await asyncio.sleep(delay)

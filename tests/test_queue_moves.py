@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+
+from controlplane import audit, db, lifecycle, queue
+from controlplane.jobs import NewJob, enqueue, enqueue_many, get_job
+from controlplane.retry import Decision
+from controlplane.transitions import Actor, Conflict, transition
+from tests.factories import TEST_ACTOR, make_instance
+from tests.queue_kinds import WORKER, events_of
+
+ACTOR = Actor("worker", WORKER)
+
+
+async def test_enqueue_commits_with_the_instance_change_or_not_at_all(conn: db.AsyncConn) -> None:
+    inst = await make_instance(conn)
+    with pytest.raises(RuntimeError):
+        async with conn.transaction():
+            await transition(
+                conn,
+                "instance",
+                inst["id"],
+                "start_provisioning",
+                0,
+                expected_state="pending",
+                actor=TEST_ACTOR,
+            )
+            await enqueue(conn, NewJob("provision", inst["id"]), TEST_ACTOR)
+            raise RuntimeError("the request failed after both writes")
+    row = await conn.execute("SELECT state FROM instances WHERE id = %s", (inst["id"],))
+    assert (await row.fetchone()) == {"state": "pending"}
+    count = await conn.execute("SELECT count(*) AS n FROM jobs")
+    assert (await count.fetchone()) == {"n": 0}
+
+    async with conn.transaction():
+        await transition(
+            conn, "instance", inst["id"], "start_provisioning", 0, expected_state="pending", actor=TEST_ACTOR
+        )
+        made = await enqueue(conn, NewJob("provision", inst["id"]), TEST_ACTOR)
+    assert made.created and made.job["state"] == "queued"
+    assert await events_of(conn, made.job["id"]) == [("enqueue", "system", "tests")]
+
+
+async def test_bulk_enqueue_deduplicates_live_jobs_per_instance_and_kind(conn: db.AsyncConn) -> None:
+    a, b = await make_instance(conn), await make_instance(conn)
+    first = await enqueue(conn, NewJob("provision", a["id"]), TEST_ACTOR)
+    results = await enqueue_many(
+        conn,
+        [
+            NewJob("provision", a["id"]),  # already live
+            NewJob("provision", b["id"]),
+            NewJob("provision", b["id"]),  # duplicate inside the batch
+            NewJob("heal", a["id"]),  # another kind: its own job
+            NewJob("noop"),
+            NewJob("noop"),  # no instance: never de-duplicated
+        ],
+        TEST_ACTOR,
+    )
+    assert [r.created for r in results] == [False, True, False, True, True, True]
+    assert results[0].job["id"] == first.job["id"]
+    assert results[1].job["id"] == results[2].job["id"]
+    count = await conn.execute("SELECT count(*) AS n FROM jobs")
+    assert (await count.fetchone()) == {"n": 5}
+
+
+async def test_claim_takes_due_jobs_by_priority_then_run_at(conn: db.AsyncConn) -> None:
+    late = await enqueue(conn, NewJob("noop", priority=100), TEST_ACTOR)
+    urgent = await enqueue(conn, NewJob("noop", priority=10), TEST_ACTOR)
+    later = await enqueue(conn, NewJob("noop", priority=100), TEST_ACTOR)
+    await enqueue(conn, NewJob("noop", priority=1, delay_s=3600), TEST_ACTOR)  # not due
+    await enqueue(conn, NewJob("other", priority=1), TEST_ACTOR)  # a kind not asked for
+    (first,) = await queue.claim(conn, WORKER, ["noop"], 1)
+    assert first["id"] == urgent.job["id"]
+    claimed = await queue.claim(conn, WORKER, ["noop"], 10)
+    assert [r["id"] for r in claimed] == [late.job["id"], later.job["id"]]
+    assert all(r["state"] == "claimed" and r["claimed_by"] == WORKER and r["attempt"] == 1 for r in claimed)
+    assert first["fence"] < min(r["fence"] for r in claimed)
+    assert len({r["fence"] for r in claimed}) == 2
+    assert await queue.claim(conn, WORKER, ["noop"], 10) == []
+    assert await events_of(conn, urgent.job["id"]) == [
+        ("enqueue", "system", "tests"),
+        ("claim", "worker", WORKER),
+    ]
+
+
+async def test_concurrent_claimers_skip_locked_rows_and_never_share_a_job(fresh_database: str) -> None:
+    setup = await db.connect(fresh_database)
+    async with setup:
+        await enqueue_many(setup, [NewJob("noop") for _ in range(400)], TEST_ACTOR)
+        holder = await db.connect(fresh_database)
+        other = await db.connect(fresh_database)
+        async with holder, other:
+            # One claimer holds its batch uncommitted: the other skips those rows instead of waiting.
+            async with holder.transaction():
+                held = await queue.claim(holder, "w-a", ["noop"], 50)
+                passed = await asyncio.wait_for(queue.claim(other, "w-b", ["noop"], 50), timeout=5)
+            assert len(held) == len(passed) == 50
+            assert not {r["id"] for r in held} & {r["id"] for r in passed}
+
+        conns = [await db.connect(fresh_database) for _ in range(6)]
+
+        async def drain(c: db.AsyncConn, name: str) -> list[psycopg.rows.DictRow]:
+            got: list[psycopg.rows.DictRow] = []
+            while batch := await queue.claim(c, name, ["noop"], 7):
+                got += batch
+            return got
+
+        try:
+            batches = await asyncio.gather(*(drain(c, f"w{i}") for i, c in enumerate(conns)))
+        finally:
+            for c in conns:
+                await c.close()
+        ids = [r["id"] for batch in batches for r in batch]
+        assert len(ids) == len(set(ids)) == 300
+        cursor = await setup.execute(
+            "SELECT job_id FROM job_events WHERE event = 'claim' GROUP BY job_id HAVING count(*) > 1"
+        )
+        assert await cursor.fetchall() == []
+        fences = [r["fence"] for r in held + passed] + [r["fence"] for batch in batches for r in batch]
+        assert len(set(fences)) == 400
+        for batch in batches:  # each claimer sees its fences strictly increase
+            own = [r["fence"] for r in batch]
+            assert own == sorted(own) and len(set(own)) == len(own)
+
+
+async def test_every_claim_gets_a_higher_fence(conn: db.AsyncConn) -> None:
+    job = (await enqueue(conn, NewJob("noop"), TEST_ACTOR)).job
+    fences = []
+    for _ in range(3):
+        (claimed,) = await queue.claim(conn, WORKER, ["noop"], 1)
+        fences.append(claimed["fence"])
+        await queue.reclaim_many(conn, [claimed], Actor("supervisor", "s"), "test")
+    assert fences == sorted(fences) and len(set(fences)) == 3
+    row = await get_job(conn, job["id"])
+    assert row is not None and row["attempt"] == 3 and row["claimed_by"] is None
+
+
+async def test_start_and_finish_are_batched_and_record_the_verdict(conn: db.AsyncConn) -> None:
+    await enqueue_many(conn, [NewJob("noop") for _ in range(5)], TEST_ACTOR)
+    claimed = await queue.claim(conn, WORKER, ["noop"], 5)
+    started = await queue.start_many(conn, claimed, ACTOR)
+    assert len(started.moved) == 5 and not started.failed
+    assert all(r["state"] == "running" and r["heartbeat_at"] is not None for r in started.moved)
+    done = await queue.finish_many(conn, [(row, {"result": "nothing to do"}) for row in started.moved], ACTOR)
+    assert len(done.moved) == 5 and not done.failed
+    for row in done.moved:
+        assert row["state"] == "completed" and row["verdict"] == {"result": "nothing to do"}
+        assert row["heartbeat_at"] is None
+        assert [e for e, _, _ in await events_of(conn, row["id"])] == ["enqueue", "claim", "start", "finish"]
+    # A stale copy cannot finish twice: it conflicts, nothing is written.
+    again = await queue.finish_many(conn, [(started.moved[0], {"result": "again"})], ACTOR)
+    assert not again.moved and isinstance(again.failed[0], Conflict)
+    assert await audit.verify(conn) == []
+
+
+async def test_error_stores_message_kind_attempt_and_retry_time(conn: db.AsyncConn) -> None:
+    await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+    (claimed,) = await queue.claim(conn, WORKER, ["noop"], 1)
+    (running,) = (await queue.start_many(conn, [claimed], ACTOR)).moved
+    failure = queue.JobFailure(running, "disk full", "temporary", Decision("retry", 30.0, "backoff"), 30.0)
+    failed = await queue.error(conn, failure, ACTOR)
+    assert failed["state"] == "failed"
+    assert (failed["last_error"], failed["error_kind"], failed["attempt"]) == ("disk full", "temporary", 1)
+    gap = (failed["run_at"] - failed["updated_at"]).total_seconds()
+    assert 29 < gap < 31
+    cursor = await conn.execute(
+        "SELECT reason, detail FROM job_events WHERE job_id = %s AND event = 'error'", (failed["id"],)
+    )
+    event = await cursor.fetchone()
+    assert event is not None and event["reason"] == "disk full"
+    assert event["detail"]["attempt"] == 1 and event["detail"]["requested_delay_s"] == 30.0
+    with pytest.raises(Conflict):
+        await queue.error(conn, failure, ACTOR)
+
+
+def test_operator_actions_are_exactly_the_job_lifecycle_events() -> None:
+    for action in queue.OPERATOR_ACTIONS:
+        assert action in lifecycle.JOB.events()
+
+
+async def test_unknown_job_is_reported(conn: db.AsyncConn) -> None:
+    with pytest.raises(queue.JobNotFound):
+        await queue.pause(conn, uuid.uuid4(), "alice", "checking")

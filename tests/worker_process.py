@@ -1,0 +1,38 @@
+"""A worker process for fault tests: run_worker with the test job kinds, settings from flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from controlplane import logs
+from controlplane.settings import Settings
+from controlplane.worker import run_worker
+from tests.queue_kinds import build_registry
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--heartbeat-interval", type=float, default=0.2)
+    parser.add_argument("--poll-interval", type=float, default=0.5)
+    parser.add_argument("--shutdown-grace", type=float, default=1.0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    logs.configure(args.log_level, "json")
+    settings = Settings(
+        database_url=args.database_url,
+        worker_id=args.worker_id,
+        worker_concurrency=args.concurrency,
+        heartbeat_interval_s=args.heartbeat_interval,
+        poll_interval_s=args.poll_interval,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    return asyncio.run(run_worker(settings, build_registry()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
