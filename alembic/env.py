@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, pool
+from sqlalchemy import create_engine, pool, text
 
 from alembic import context
 from controlplane.db import sqlalchemy_url
 from controlplane.schema import metadata
 
 config = context.config
+
+# Held for the migration's transaction so that two hosts migrating at once run one after the other.
+MIGRATION_LOCK_KEY = 0x63706D6967
 
 
 def run_migrations_online() -> None:
@@ -19,6 +22,7 @@ def run_migrations_online() -> None:
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=metadata, compare_type=True)
         with context.begin_transaction():
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             context.run_migrations()
     engine.dispose()
 

@@ -8,7 +8,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane.settings import Settings
+from controlplane.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = ROOT / "alembic.ini"
@@ -21,7 +21,7 @@ def sqlalchemy_url(url: str) -> str:
     for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
-    raise ValueError(f"not a PostgreSQL URL: {url.split('@')[-1]!r}")
+    raise SettingsError(f"not a PostgreSQL URL: {url.split('@')[-1]!r} (expected postgresql://...)")
 
 
 def libpq_url(url: str) -> str:

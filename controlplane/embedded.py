@@ -34,6 +34,8 @@ class EmbeddedDatabase:
     root: Path
     server: PostgresServer
     password: str
+    # Whether this process started the server (False: it was already running and is shared).
+    started_here: bool = False
 
     @property
     def admin_url(self) -> str:
@@ -80,5 +82,8 @@ def open_embedded(root: Path, settings: dict[str, str] | None = None) -> Embedde
     if not server.initialised:
         make_owned_dir(root / "pg", run_as)
         server.initdb(SUPERUSER, state["password"], settings or SERVER_SETTINGS)
+    already_running = server.is_running()
     server.start()
-    return EmbeddedDatabase(root=root, server=server, password=state["password"])
+    return EmbeddedDatabase(
+        root=root, server=server, password=state["password"], started_here=not already_running
+    )

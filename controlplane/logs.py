@@ -41,4 +41,5 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    for noisy in ("uvicorn.access", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

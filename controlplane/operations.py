@@ -243,12 +243,15 @@ class Operations:
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
 
     async def update_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
-        """updating -> failed; a cleanup job removes the resources after a final backup."""
+        """updating -> degraded: a failed plan change must not destroy a database that holds data.
+
+        The instance keeps its data and its old plan; the reconciler heals it and, while the
+        spec stays ahead of what was observed, tries the update again once it is ready.
+        """
         inst = await _lock_instance(conn, job)
         if inst is None or inst["state"] != "updating":
             return
-        await _transition_in(conn, inst, "fail", actor, _failure_reason(job, inst))
-        await _enqueue_cleanup(conn, inst, actor, skip_backup=bool(inst["skip_final_backup"]))
+        await _transition_in(conn, inst, "degrade", actor, _failure_reason(job, inst))
 
     # ---- suspend and resume -----------------------------------------------------------------
 
@@ -394,16 +397,12 @@ class Operations:
     async def _cleanup(self, ctx: JobContext, inst: DictRow, skip_backup: bool) -> Verdict:
         """Remove what a failed instance still has; the instance stays failed."""
         result = await self.provisioner.deprovision(
-            inst["id"], self._spec_or_default(inst), ctx.fence, skip_backup=skip_backup
+            inst["id"],
+            InstanceSpec.for_removal(inst["spec"], int(inst["spec_generation"])),
+            ctx.fence,
+            skip_backup=skip_backup,
         )
         return {"result": "cleaned up", "backup": result.backup, "removed": result.removed}
-
-    @staticmethod
-    def _spec_or_default(inst: Mapping[str, Any]) -> InstanceSpec:
-        try:
-            return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]))
-        except PermanentError:
-            return InstanceSpec(generation=int(inst["spec_generation"]))
 
     async def deprovision_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
         """deprovisioning -> failed; what remains is left to the orphan sweep and the SREs."""

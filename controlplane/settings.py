@@ -50,6 +50,10 @@ class Settings:
     stripe_webhook_secret: str | None = None
     # Key that encrypts instance passwords at rest; generated into data_dir when unset.
     secret_key: str | None = None
+    # Serve /metrics on this port in the worker and reconciler roles (the API serves its own).
+    metrics_port: int | None = None
+    # Kubernetes API server for the kubernetes provisioner; empty: in-cluster config or kubeconfig.
+    kubernetes_host: str | None = None
     log_level: str = "INFO"
     log_format: str = "json"
     extra: Mapping[str, str] = field(default_factory=dict)

@@ -230,3 +230,51 @@ ORDER BY run_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
+
+# Reconciler: a batch of live instances, least recently reconciled first, with the kinds of
+# their live jobs and their organisation's hold. Served by the partial index ix_instances_live_state
+# (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
+SCAN_LIVE_INSTANCES = """
+SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
+       i.deadline_at, i.deadline_retries, i.deletion_requested_at IS NOT NULL AS deletion_requested,
+       i.suspended_by_billing, o.billing_hold,
+       ARRAY(SELECT j.kind FROM jobs j
+             WHERE j.instance_id = i.id AND j.state NOT IN ('completed', 'abandoned')) AS live_jobs,
+       COALESCE(%(now)s::timestamptz, now()) AS now
+FROM instances i JOIN organisations o ON o.id = i.org_id
+WHERE i.state NOT IN ('deleted', 'failed')
+ORDER BY i.last_reconciled_at NULLS FIRST, i.id
+LIMIT %(limit)s
+"""
+
+# Reconciler: mark the instances a pass looked at.
+TOUCH_RECONCILED = "UPDATE instances SET last_reconciled_at = now() WHERE id = ANY(%(ids)s::uuid[])"
+
+# Reconciler: count a missed deadline and give the state a new one (not a state change).
+EXTEND_DEADLINE = """
+UPDATE instances
+SET deadline_retries = deadline_retries + 1,
+    deadline_at = now() + make_interval(secs => %(deadline_s)s::float8),
+    updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s
+"""
+
+# Reconciler metrics: live instances and live jobs by state, and instances past their deadline.
+COUNT_LIVE_INSTANCES = """
+SELECT state, count(*) AS n, count(*) FILTER (WHERE deadline_at < now()) AS over_deadline
+FROM instances WHERE state NOT IN ('deleted', 'failed') GROUP BY state
+"""
+COUNT_LIVE_JOBS = """
+SELECT state, count(*) AS n FROM jobs WHERE state NOT IN ('completed', 'abandoned') GROUP BY state
+"""
+
+# Orphan sweep: what the database knows of the instances the provisioner's inventory names.
+INSTANCES_BY_ID = """
+SELECT i.id, i.state, i.spec, i.spec_generation,
+       EXISTS (SELECT 1 FROM jobs j WHERE j.instance_id = i.id
+               AND j.state NOT IN ('completed', 'abandoned')) AS has_live_job
+FROM instances i WHERE i.id = ANY(%(ids)s::uuid[])
+"""
+
+# A fence for work done outside a job (the orphan sweep): higher than every claim so far.
+NEXT_FENCE = "SELECT nextval('job_fence_seq') AS fence"

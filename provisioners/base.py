@@ -6,7 +6,7 @@ import abc
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +56,14 @@ class InstanceSpec:
             storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else 1,
             region=None if spec.get("region") is None else str(spec["region"]),
         )
+
+    @classmethod
+    def for_removal(cls, spec: Mapping[str, Any], generation: int = 1) -> InstanceSpec:
+        """The spec to tear an instance down with: a bad plan must not block its removal."""
+        try:
+            return cls.from_row(spec, generation)
+        except PermanentError:
+            return cls(generation=generation)
 
     def server_settings(self) -> dict[str, str]:
         """The PostgreSQL settings the plan fixes, as configuration-file values."""
@@ -176,6 +184,17 @@ class Provisioner(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release clients and connections."""
+
+    async def start_all(self, instance_ids: Collection[uuid.UUID]) -> list[uuid.UUID]:
+        """Bring up the servers of these instances where this host runs them (after a restart).
+
+        Returns the ids whose servers were started. Hosts that run nothing themselves do nothing.
+        """
+        return []
+
+    async def stop_all(self) -> list[uuid.UUID]:
+        """Stop every server this host runs for its instances (on shutdown); returns their ids."""
+        return []
 
 
 def fence_key(instance_id: uuid.UUID) -> str:

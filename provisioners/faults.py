@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -187,6 +187,12 @@ class FaultyProvisioner(Provisioner):
 
     async def close(self) -> None:
         await self.inner.close()
+
+    async def start_all(self, instance_ids: Collection[uuid.UUID]) -> list[uuid.UUID]:
+        return await self.inner.start_all(instance_ids)
+
+    async def stop_all(self) -> list[uuid.UUID]:
+        return await self.inner.stop_all()
 
     def __getattr__(self, name: str) -> object:
         # Provisioner-specific helpers (e.g. the local one's paths) stay reachable through the wrapper.

@@ -516,9 +516,9 @@ class KubernetesProvisioner(Provisioner):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubernetesProvisioner:
-        """The API at settings.extra["kubernetes_host"], else in-cluster, else the kubeconfig."""
+        """The API at settings.kubernetes_host, else in-cluster, else the kubeconfig."""
         configuration = kubernetes.client.Configuration()
-        host = settings.extra.get("kubernetes_host")
+        host = settings.kubernetes_host or settings.extra.get("kubernetes_host")
         if host:
             configuration.host = host
             token = settings.extra.get("kubernetes_token")

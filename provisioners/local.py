@@ -17,7 +17,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -568,6 +568,34 @@ class LocalProvisioner(Provisioner):
         for owner, port in sorted(self.ports.table().items(), key=lambda item: item[1]):
             found.append(Resource("port", str(port), _as_uuid(owner)))
         return found
+
+    async def start_all(self, instance_ids: Collection[uuid.UUID]) -> list[uuid.UUID]:
+        return await asyncio.to_thread(self._start_all, list(instance_ids))
+
+    def _start_all(self, instance_ids: list[uuid.UUID]) -> list[uuid.UUID]:
+        started = []
+        for instance_id in instance_ids:
+            server = self._server(instance_id)
+            if server.port and server.initialised and not server.is_running():
+                self._ensure_started(server)
+                started.append(instance_id)
+        return started
+
+    async def stop_all(self) -> list[uuid.UUID]:
+        return await asyncio.to_thread(self._stop_all)
+
+    def _stop_all(self) -> list[uuid.UUID]:
+        stopped = []
+        if self.root.exists():
+            for entry in sorted(self.root.iterdir()):
+                instance_id = _as_uuid(entry.name)
+                if instance_id is None:
+                    continue
+                server = self._server(instance_id)
+                if server.is_running():
+                    server.stop()
+                    stopped.append(instance_id)
+        return stopped
 
     def roles(self, instance_id: uuid.UUID) -> list[str]:
         """Login roles of the instance's server other than the control plane's own (for checks)."""

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from controlplane.cli import common, jobs, orgs, server, sre
+from controlplane.cli import common, customer, jobs, orgs, server, sre
 from controlplane.settings import SettingsError
 
-COMMAND_MODULES = (server, sre, jobs, orgs)
+COMMAND_MODULES = (server, customer, sre, jobs, orgs)
 
 
 def build_parser() -> argparse.ArgumentParser:

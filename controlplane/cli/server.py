@@ -1,23 +1,176 @@
-"""Server roles: migrate, and `up` (everything in one process on the embedded default)."""
+"""Server roles: migrate, serve (API), worker, reconcile, and `up` (all of them on the embedded default)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 from typing import Any
 
-from controlplane import db
+import provisioners
+from controlplane import db, logs, roles
 from controlplane.cli.common import add_settings_flags, settings_from
+from controlplane.settings import Settings
+
+DATABASE = ("database_url", "data_dir")
+LOGGING = ("log_level", "log_format")
+API = ("api_host", "api_port", "public_url", "max_body_bytes", "stripe_webhook_secret", "secret_key")
+PROVISIONER = (
+    "provisioner",
+    "local_port_min",
+    "local_port_max",
+    "local_listen_host",
+    "kubernetes_namespace",
+    "kubernetes_host",
+    "secret_key",
+)
+METRICS = ("metrics_port", "api_host")
+WORKER = (
+    "worker_id",
+    "worker_concurrency",
+    "heartbeat_interval_s",
+    "reclaim_after_intervals",
+    "poll_interval_s",
+    "shutdown_grace_s",
+    "job_max_attempts",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+)
+RECONCILER = (
+    "reconcile_interval_s",
+    "reconcile_batch_size",
+    "reconcile_concurrency",
+    "deadline_pending_s",
+    "deadline_provisioning_s",
+    "deadline_updating_s",
+    "deadline_deprovisioning_s",
+    "deadline_max_retries",
+    "heartbeat_interval_s",
+    "reclaim_after_intervals",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+)
+
+
+def _flags(*groups: tuple[str, ...]) -> list[str]:
+    return list(dict.fromkeys(name for group in groups for name in group))
 
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("migrate", help="bring the database schema to the latest revision")
-    add_settings_flags(parser, ("database_url", "data_dir"))
+    add_settings_flags(parser, DATABASE)
     parser.set_defaults(handler=cmd_migrate)
+
+    parser = commands.add_parser("serve", help="run the REST API")
+    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, LOGGING))
+    parser.set_defaults(handler=cmd_serve)
+
+    parser = commands.add_parser("worker", help="run a job worker")
+    add_settings_flags(parser, _flags(DATABASE, WORKER, PROVISIONER, LOGGING, METRICS))
+    parser.set_defaults(handler=cmd_worker)
+
+    parser = commands.add_parser("reconcile", help="run the reconciler (leader-elected)")
+    add_settings_flags(parser, _flags(DATABASE, RECONCILER, PROVISIONER, LOGGING, METRICS))
+    parser.add_argument("--once", action="store_true", help="run one pass (if leader) and exit")
+    parser.add_argument(
+        "--dry-run-orphans", action="store_true", help="list orphaned resources instead of removing them"
+    )
+    parser.set_defaults(handler=cmd_reconcile)
+
+    parser = commands.add_parser(
+        "up", help="run everything in one process: embedded PostgreSQL, API, worker, reconciler"
+    )
+    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, WORKER, RECONCILER, LOGGING))
+    parser.add_argument(
+        "--leave-instances-running",
+        action="store_true",
+        help="on exit, leave the instances' PostgreSQL servers running (adopted on the next start)",
+    )
+    parser.set_defaults(handler=cmd_up)
+
+
+def _configured(args: argparse.Namespace, default_format: str = "json") -> Settings:
+    settings = settings_from(args)
+    explicit = args.setting_log_format is not None or "CONTROLPLANE_LOG_FORMAT" in os.environ
+    logs.configure(settings.log_level, settings.log_format if explicit else default_format)
+    return settings
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    url = db.resolve_database_url(settings)
-    db.migrate(url)
+    if settings.database_url:
+        db.migrate(db.libpq_url(settings.database_url))
+    else:
+        from controlplane.embedded import open_embedded
+
+        embedded = open_embedded(settings.data_dir / "db")
+        try:
+            db.migrate(embedded.create_database())
+        finally:
+            if embedded.started_here:
+                embedded.stop()
     print(f"database migrated to revision {db.head_revision()}")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _configured(args)
+    url = db.resolve_database_url(settings)
+    registry = roles.registry_for(provisioners.build(settings))
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        roles.stop_on_signals(stop)
+        await roles.run_api(settings, url, registry, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    settings = _configured(args)
+    url = db.resolve_database_url(settings)
+
+    async def run() -> None:
+        provisioner = provisioners.build(settings)
+        stop = asyncio.Event()
+        roles.stop_on_signals(stop)
+        roles.serve_metrics(settings)
+        try:
+            await roles.run_worker_role(settings, url, roles.registry_for(provisioner), stop)
+        finally:
+            await provisioner.close()
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    settings = _configured(args)
+    url = db.resolve_database_url(settings)
+
+    async def run() -> None:
+        provisioner = provisioners.build(settings)
+        stop = asyncio.Event()
+        roles.stop_on_signals(stop)
+        roles.serve_metrics(settings)
+        try:
+            await roles.run_reconciler_role(
+                settings,
+                url,
+                provisioner,
+                roles.registry_for(provisioner),
+                stop,
+                once=args.once,
+                dry_run_orphans=args.dry_run_orphans,
+            )
+        finally:
+            await provisioner.close()
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    settings = _configured(args, default_format="text")
+    return asyncio.run(roles.up(settings, leave_instances_running=args.leave_instances_running))

@@ -1,0 +1,247 @@
+"""The server roles (API, worker, reconciler) as async services, alone or all together in `up`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import start_http_server
+
+import provisioners
+from controlplane import db, tenants
+from controlplane.api.app import create_app
+from controlplane.handlers import JobRegistry
+from controlplane.operations import operation_kinds
+from controlplane.settings import Settings
+from controlplane.worker import Worker, default_worker_id
+from provisioners.base import Provisioner
+from reconciler.leader import LeaderElection
+from reconciler.reconciler import Reconciler
+
+log = logging.getLogger(__name__)
+
+# Instances whose servers `up` brings back after a restart of the host or of `up` itself.
+ADOPTED_STATES = ("ready", "updating", "degraded", "suspended", "deprovisioning")
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the role's stop event decides when to exit."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+
+def serve_metrics(settings: Settings) -> None:
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.api_host)
+        log.info("metrics on %s:%d/metrics", settings.api_host, settings.metrics_port)
+
+
+def registry_for(provisioner: Provisioner) -> JobRegistry:
+    return JobRegistry(operation_kinds(provisioner))
+
+
+async def run_api(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
+    app = create_app(settings, database_url=url, job_registry=registry)
+    config = uvicorn.Config(
+        app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True
+    )
+    server = _QuietServer(config)
+    serving = asyncio.create_task(server.serve())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    await serving
+    stopping.cancel()
+    if not server.started:
+        raise RuntimeError(f"the API could not listen on {settings.api_host}:{settings.api_port}")
+
+
+async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
+    worker_id = settings.worker_id or default_worker_id()
+    pool = db.pool(url, min_size=2, max_size=settings.worker_concurrency + 3, name=f"worker-{worker_id}")
+    await pool.open(wait=True, timeout=30)
+    worker = Worker(worker_id, settings, pool, registry)
+    waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
+    try:
+        await worker.run()
+    finally:
+        waiter.cancel()
+        await pool.close()
+
+
+async def _forward_stop(stop: asyncio.Event, request_stop: Callable[[], None]) -> None:
+    await stop.wait()
+    request_stop()
+
+
+async def run_reconciler_role(
+    settings: Settings,
+    url: str,
+    provisioner: Provisioner,
+    registry: JobRegistry,
+    stop: asyncio.Event,
+    *,
+    once: bool = False,
+    dry_run_orphans: bool = False,
+) -> None:
+    reconciler_id = f"reconciler-{socket.gethostname()}-{os.getpid()}"
+    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconcile_concurrency + 1), name=reconciler_id)
+    await pool.open(wait=True, timeout=30)
+    reconciler = Reconciler(
+        settings,
+        pool,
+        provisioner,
+        registry,
+        reconciler_id=reconciler_id,
+        dry_run_orphans=dry_run_orphans,
+    )
+    election = LeaderElection(url)
+    try:
+        if once:
+            if await election.ensure():
+                summary = await reconciler.run_once()
+                for orphan in summary.orphans:
+                    print(f"orphan: {orphan}")
+            else:
+                log.warning("another reconciler holds the leader lock; no pass run")
+            return
+        await reconciler.run(stop, election)
+    finally:
+        await election.release()
+        await pool.close()
+
+
+@dataclass
+class UpReport:
+    """What `up` prints for a person once everything listens."""
+
+    url: str
+    admin_key: str | None
+    admin_key_file: Path
+    embedded: bool
+    data_dir: Path
+
+
+async def up(settings: Settings, *, leave_instances_running: bool = False) -> int:
+    """Embedded PostgreSQL (unless a URL is set), migrations, API, worker and reconciler together."""
+    data_dir = Path(settings.data_dir).resolve()  # noqa: ASYNC240 (once, before anything runs)
+    embedded = None
+    if settings.database_url:
+        url = db.libpq_url(settings.database_url)
+    else:
+        from controlplane.embedded import open_embedded
+
+        embedded = open_embedded(settings.data_dir / "db")
+        url = embedded.create_database()
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    provisioner = provisioners.build(settings)
+    try:
+        await asyncio.to_thread(db.migrate, url)
+        report = UpReport(
+            url=settings.api_url,
+            admin_key=await _first_admin_key(url),
+            admin_key_file=Path(settings.data_dir) / "admin.key",
+            embedded=embedded is not None,
+            data_dir=data_dir,
+        )
+        await _adopt_instances(url, provisioner)
+        registry = registry_for(provisioner)
+        services = [
+            asyncio.create_task(run_api(settings, url, registry, stop), name="api"),
+            asyncio.create_task(run_worker_role(settings, url, registry, stop), name="worker"),
+            asyncio.create_task(
+                run_reconciler_role(settings, url, provisioner, registry, stop), name="reconciler"
+            ),
+        ]
+        await _announce_when_listening(settings, report, services)
+        await asyncio.wait(services, return_when=asyncio.FIRST_EXCEPTION)
+        stop.set()
+        results = await asyncio.gather(*services, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            log.error("service stopped with an error: %s", failure)
+        return 1 if failures else 0
+    finally:
+        if not leave_instances_running:
+            stopped = await provisioner.stop_all()
+            if stopped:
+                print(f"stopped {len(stopped)} instance server(s)", flush=True)
+        await provisioner.close()
+        if embedded is not None:
+            embedded.stop()
+            print("embedded PostgreSQL stopped", flush=True)
+
+
+async def _first_admin_key(url: str) -> str | None:
+    conn = await db.connect(url)
+    async with conn:
+        return await tenants.ensure_admin_key(conn)
+
+
+async def _adopt_instances(url: str, provisioner: Provisioner) -> None:
+    conn = await db.connect(url)
+    async with conn:
+        cursor = await conn.execute("SELECT id FROM instances WHERE state = ANY(%s)", (list(ADOPTED_STATES),))
+        ids = [row["id"] for row in await cursor.fetchall()]
+    started = await provisioner.start_all(ids)
+    if started:
+        print(f"started {len(started)} instance server(s) again", flush=True)
+
+
+async def _announce_when_listening(
+    settings: Settings, report: UpReport, services: list[asyncio.Task[None]]
+) -> None:
+    """Wait until the API accepts connections (or a service died), then tell the person what to do."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while loop.time() < deadline and not any(task.done() for task in services):
+        try:
+            _, writer = await asyncio.open_connection(settings.api_host, settings.api_port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        break
+    if any(task.done() for task in services):
+        return
+    lines = [
+        "",
+        f"controlplane is up: API {report.url}  (data in {report.data_dir})",
+        "PostgreSQL: embedded" if report.embedded else "PostgreSQL: CONTROLPLANE_DATABASE_URL",
+    ]
+    if report.admin_key:
+        report.admin_key_file.write_text(report.admin_key + "\n")
+        os.chmod(report.admin_key_file, 0o600)
+        lines += [
+            f"admin key (shown once; also saved to {report.admin_key_file}, mode 0600):",
+            f"  {report.admin_key}",
+        ]
+    else:
+        lines.append(f"admin key: created on first start (see {report.admin_key_file} if kept)")
+    lines += [
+        "next: create an organisation and a database:",
+        f"  export CONTROLPLANE_URL={report.url}",
+        f"  .venv/bin/controlplane orgs create my-org --data-dir {report.data_dir}",
+        "  export CONTROLPLANE_API_KEY=<the key printed above>",
+        "  .venv/bin/controlplane instances create mydb --plan dev --wait",
+        "Ctrl-C stops everything (instance servers too; they start again with the next `up`).",
+        "",
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,288 @@
+"""The reconciler pass: job supervision, deadlines, health and drift, intents, orphans, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import DictRow
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from controlplane import jobs, metrics, sql
+from controlplane.db import AsyncConn
+from controlplane.handlers import RESUME, SUSPEND, JobRegistry
+from controlplane.settings import Settings
+from controlplane.supervisor import PassResult, Supervisor
+from controlplane.transitions import Actor, Conflict, transition
+from provisioners.base import InstanceSpec, Provisioner
+from reconciler import planning
+from reconciler.leader import LeaderElection
+
+log = logging.getLogger(__name__)
+
+LIVE_INSTANCE_STATES = (
+    "pending",
+    "provisioning",
+    "ready",
+    "updating",
+    "degraded",
+    "suspended",
+    "deprovisioning",
+)
+LIVE_JOB_STATES = ("queued", "claimed", "running", "paused", "failed")
+
+
+@dataclass
+class PassSummary:
+    """What one pass saw and did."""
+
+    jobs: PassResult = field(default_factory=PassResult)
+    scanned: int = 0
+    observed: int = 0
+    observe_failures: int = 0
+    actions: dict[str, int] = field(default_factory=dict)
+    conflicts: int = 0
+    orphans: list[str] = field(default_factory=list)
+    orphans_removed: int = 0
+    duration_s: float = 0.0
+
+    def count(self, action: str) -> None:
+        self.actions[action] = self.actions.get(action, 0) + 1
+        metrics.RECONCILE_ACTIONS.labels(action).inc()
+
+
+def _view(row: Mapping[str, Any], observed: planning.Observed | None) -> planning.InstanceView:
+    return planning.InstanceView(
+        state=row["state"],
+        spec_generation=row["spec_generation"],
+        observed_generation=row["observed_generation"],
+        deadline_at=row["deadline_at"],
+        deadline_retries=row["deadline_retries"],
+        deletion_requested=row["deletion_requested"],
+        billing_hold=row["billing_hold"],
+        suspended_by_billing=row["suspended_by_billing"],
+        live_jobs=tuple(row["live_jobs"]),
+        observed=observed,
+    )
+
+
+class Reconciler:
+    """Compares what the database declares with what the provisioner shows, and corrects it."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: AsyncConnectionPool[AsyncConn],
+        provisioner: Provisioner,
+        registry: JobRegistry,
+        *,
+        reconciler_id: str = "reconciler",
+        sweep_orphans: bool = True,
+        dry_run_orphans: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.provisioner = provisioner
+        self.actor = Actor("reconciler", reconciler_id)
+        self.supervisor = Supervisor(pool, settings, registry, supervisor_id=reconciler_id)
+        self.sweep_orphans = sweep_orphans
+        self.dry_run_orphans = dry_run_orphans
+
+    async def run_once(self, now: datetime | None = None) -> PassSummary:
+        """One bounded pass. `now` replaces the database clock in time comparisons (tests)."""
+        started = time.monotonic()
+        summary = PassSummary()
+        summary.jobs = await self.supervisor.run_once(now)
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(
+                sql.SCAN_LIVE_INSTANCES,
+                {"now": now, "limit": self.settings.reconcile_batch_size},
+                prepare=True,
+            )
+            rows = await cursor.fetchall()
+        summary.scanned = len(rows)
+        observations = await self._observe_all(rows, summary)
+        for row in rows:
+            view = _view(row, observations.get(row["id"]))
+            actions = planning.plan(view, row["now"], self.settings.deadline_max_retries)
+            if actions:
+                await self._apply(row, actions, summary)
+        async with self.pool.connection() as conn:
+            if rows:
+                await conn.execute(sql.TOUCH_RECONCILED, {"ids": [row["id"] for row in rows]})
+            await self._record_gauges(conn)
+        if self.sweep_orphans:
+            await self._sweep(summary)
+        summary.duration_s = time.monotonic() - started
+        metrics.RECONCILE_PASS_DURATION.observe(summary.duration_s)
+        metrics.RECONCILE_LAST_SUCCESS.set(time.time())
+        busy = summary.actions or summary.jobs.acted or summary.orphans or summary.observe_failures
+        log.log(
+            logging.INFO if busy else logging.DEBUG,
+            "reconciler pass",
+            extra={
+                "scanned": summary.scanned,
+                "observed": summary.observed,
+                "actions": summary.actions,
+                "jobs_reclaimed": len(summary.jobs.reclaimed),
+                "jobs_retried": len(summary.jobs.retried),
+                "jobs_abandoned": len(summary.jobs.abandoned),
+                "orphans": len(summary.orphans),
+                "duration_s": round(summary.duration_s, 4),
+            },
+        )
+        return summary
+
+    async def _observe_all(
+        self, rows: list[DictRow], summary: PassSummary
+    ) -> dict[uuid.UUID, planning.Observed]:
+        """Observe ready, degraded and suspended instances, a bounded number at a time."""
+        limit = asyncio.Semaphore(max(1, self.settings.reconcile_concurrency))
+        targets = [row["id"] for row in rows if row["state"] in planning.OBSERVED_STATES]
+
+        async def observe(instance_id: uuid.UUID) -> tuple[uuid.UUID, planning.Observed | None]:
+            async with limit:
+                try:
+                    seen = await self.provisioner.observe(instance_id)
+                except Exception as exc:  # a provisioner failure must not stop the pass
+                    log.warning("observe of %s failed: %s", instance_id, exc)
+                    summary.observe_failures += 1
+                    return instance_id, None
+            return instance_id, planning.Observed(
+                exists=seen.exists,
+                running=seen.running,
+                healthy=seen.healthy,
+                read_only=bool(seen.read_only),
+                detail=seen.detail,
+            )
+
+        results = await asyncio.gather(*(observe(i) for i in targets))
+        summary.observed = sum(1 for _, seen in results if seen is not None)
+        return {instance_id: seen for instance_id, seen in results if seen is not None}
+
+    async def _apply(self, row: DictRow, actions: list[planning.Action], summary: PassSummary) -> None:
+        """Carry out one instance's actions in one transaction; a lost race leaves it to the next pass."""
+        try:
+            async with self.pool.connection() as conn, conn.transaction():
+                for action in actions:
+                    await self._apply_one(conn, row, action, summary)
+        except Conflict as exc:
+            summary.conflicts += 1
+            log.info("reconciler lost a race on instance %s: %s", row["id"], exc)
+
+    async def _apply_one(
+        self, conn: AsyncConn, row: DictRow, action: planning.Action, summary: PassSummary
+    ) -> None:
+        if isinstance(action, planning.Transition):
+            failing = action.event in ("fail", "degrade")
+            await transition(
+                conn,
+                "instance",
+                row["id"],
+                action.event,
+                row["state_version"],
+                expected_state=row["state"],
+                actor=self.actor,
+                reason=action.reason,
+                patch={"failure_reason": action.reason if failing else None},
+            )
+            summary.count(action.event)
+            log.info("instance %s: %s (%s)", row["id"], action.event, action.reason)
+        elif isinstance(action, planning.Enqueue):
+            payload: dict[str, Any] = {"reason": action.reason}
+            if action.kind == SUSPEND and row["billing_hold"]:
+                payload["billing"] = True
+            if action.kind == RESUME:
+                payload["billing"] = False
+            result = await jobs.enqueue(
+                conn, jobs.NewJob(action.kind, row["id"], payload=payload), self.actor
+            )
+            if result.created:
+                summary.count(f"enqueue_{action.kind}")
+                log.info("instance %s: enqueued %s (%s)", row["id"], action.kind, action.reason)
+        else:
+            deadline_s = self.settings.deadline_s(row["state"]) or 0.0
+            await conn.execute(
+                sql.EXTEND_DEADLINE,
+                {"id": row["id"], "state_version": row["state_version"], "deadline_s": deadline_s},
+            )
+            summary.count("deadline_retry")
+
+    async def _record_gauges(self, conn: AsyncConn) -> None:
+        cursor = await conn.execute(sql.COUNT_LIVE_INSTANCES)
+        counts = {row["state"]: row for row in await cursor.fetchall()}
+        for state in LIVE_INSTANCE_STATES:
+            metrics.ENTITIES_BY_STATE.labels("instance", state).set(
+                counts[state]["n"] if state in counts else 0
+            )
+        metrics.OVER_DEADLINE.set(sum(row["over_deadline"] for row in counts.values()))
+        cursor = await conn.execute(sql.COUNT_LIVE_JOBS)
+        job_counts = {row["state"]: row["n"] for row in await cursor.fetchall()}
+        for state in LIVE_JOB_STATES:
+            metrics.ENTITIES_BY_STATE.labels("job", state).set(job_counts.get(state, 0))
+
+    async def find_orphans(self) -> list[tuple[uuid.UUID, str, InstanceSpec]]:
+        """Resources whose instance is unknown, deleted or failed (and no job is cleaning it up)."""
+        resources = await self.provisioner.inventory()
+        by_instance: dict[uuid.UUID, list[str]] = {}
+        for resource in resources:
+            if resource.instance_id is not None:
+                by_instance.setdefault(resource.instance_id, []).append(f"{resource.kind}/{resource.name}")
+        if not by_instance:
+            return []
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(sql.INSTANCES_BY_ID, {"ids": list(by_instance)})
+            known = {row["id"]: row for row in await cursor.fetchall()}
+        orphans = []
+        for instance_id, names in by_instance.items():
+            row = known.get(instance_id)
+            if row is None:
+                orphans.append((instance_id, f"unknown instance: {', '.join(names)}", InstanceSpec()))
+            elif row["state"] in ("deleted", "failed") and not row["has_live_job"]:
+                spec = InstanceSpec.for_removal(row["spec"], int(row["spec_generation"]))
+                orphans.append((instance_id, f"{row['state']} instance: {', '.join(names)}", spec))
+        return orphans
+
+    async def _sweep(self, summary: PassSummary) -> None:
+        try:
+            orphans = await self.find_orphans()
+        except Exception as exc:  # an unreachable provisioner only delays the sweep
+            log.warning("orphan sweep skipped: inventory failed: %s", exc)
+            return
+        for instance_id, why, spec in orphans:
+            summary.orphans.append(f"{instance_id}: {why}")
+            if self.dry_run_orphans:
+                log.warning("orphan (dry run, left in place): %s %s", instance_id, why)
+                continue
+            async with self.pool.connection() as conn:
+                cursor = await conn.execute(sql.NEXT_FENCE)
+                fence_row = await cursor.fetchone()
+            assert fence_row is not None
+            try:
+                result = await self.provisioner.deprovision(instance_id, spec, int(fence_row["fence"]))
+            except Exception as exc:
+                log.warning("orphan %s could not be removed: %s", instance_id, exc)
+                continue
+            summary.orphans_removed += 1
+            metrics.ORPHANS_REMOVED.inc()
+            log.warning("orphan removed: %s %s (final backup: %s)", instance_id, why, result.backup)
+
+    async def run(self, stop: asyncio.Event, election: LeaderElection | None = None) -> None:
+        """Pass after pass while leading; a standby checks for the lock every interval."""
+        interval = self.settings.reconcile_interval_s
+        while not stop.is_set():
+            if election is None or await election.ensure():
+                try:
+                    await self.run_once()
+                except (psycopg.OperationalError, PoolTimeout) as exc:
+                    log.warning("reconciler pass failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval)
