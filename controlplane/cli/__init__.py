@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from controlplane.cli import common, customer, jobs, orgs, server, sre
+from controlplane.postgres import PostgresError
 from controlplane.settings import SettingsError
 
 COMMAND_MODULES = (server, customer, sre, jobs, orgs)
@@ -28,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code = args.handler(args)
-    except (common.CommandError, SettingsError) as exc:
+    except (common.CommandError, SettingsError, PostgresError) as exc:
         print(f"controlplane: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
