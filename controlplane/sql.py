@@ -278,3 +278,37 @@ FROM instances i WHERE i.id = ANY(%(ids)s::uuid[])
 
 # A fence for work done outside a job (the orphan sweep): higher than every claim so far.
 NEXT_FENCE = "SELECT nextval('job_fence_seq') AS fence"
+
+# The audit log of all instances, filtered, oldest first after a cursor (SRE views: API and CLI).
+SEARCH_INSTANCE_EVENTS = """
+SELECT e.*, i.org_id FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE e.id > %(after)s
+  AND (%(instance)s::uuid IS NULL OR e.instance_id = %(instance)s::uuid)
+  AND (%(org)s::uuid IS NULL OR i.org_id = %(org)s::uuid)
+  AND (%(actor_kind)s::text = '' OR e.actor_kind = %(actor_kind)s::text)
+  AND (%(actor_id)s::text = '' OR e.actor_id = %(actor_id)s::text)
+  AND (%(event)s::text IS NULL OR e.event = %(event)s::text)
+  AND (%(to_state)s::text IS NULL OR e.to_state = %(to_state)s::text)
+  AND (%(since)s::timestamptz IS NULL OR e.at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR e.at < %(until)s::timestamptz)
+ORDER BY e.id
+LIMIT %(limit)s
+"""
+
+# Stuck: live instances past their state deadline (ix_instances_live_state serves it).
+STUCK_INSTANCES = """
+SELECT id, org_id, name, state, state_entered_at, deadline_at, deadline_retries, progress,
+       now() - deadline_at AS overdue
+FROM instances
+WHERE state NOT IN ('deleted', 'failed') AND deadline_at < now()
+ORDER BY deadline_at
+"""
+
+# Stuck: claimed or running jobs whose heartbeat is older than the reclaim threshold.
+SILENT_JOBS = """
+SELECT id, kind, instance_id, state, claimed_by, heartbeat_at, attempt, now() - heartbeat_at AS silent_for
+FROM jobs
+WHERE state IN ('claimed', 'running')
+  AND heartbeat_at < now() - make_interval(secs => %(stale_after_s)s::float8)
+ORDER BY heartbeat_at
+"""

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from controlplane import dwell, queue
+from controlplane import dwell, events, queue
 from controlplane.api import errors, views
 from controlplane.api.auth import Admin, admin
 from controlplane.api.errors import ProblemError
@@ -67,37 +67,9 @@ async def admin_events(
         if not after_s.isdigit():
             raise views.bad_cursor()
         after = int(after_s)
-    actor_kind, _sep, actor_id = (actor or "").partition(":")
+    where = events.EventFilter(instance, org, actor, event, to_state, since, until)
     async with app_state(request).pool.connection() as conn:
-        cursor_ = await conn.execute(
-            """
-            SELECT e.*, i.org_id FROM instance_events e JOIN instances i ON i.id = e.instance_id
-            WHERE e.id > %(after)s
-              AND (%(instance)s::uuid IS NULL OR e.instance_id = %(instance)s::uuid)
-              AND (%(org)s::uuid IS NULL OR i.org_id = %(org)s::uuid)
-              AND (%(actor_kind)s::text = '' OR e.actor_kind = %(actor_kind)s::text)
-              AND (%(actor_id)s::text = '' OR e.actor_id = %(actor_id)s::text)
-              AND (%(event)s::text IS NULL OR e.event = %(event)s::text)
-              AND (%(to_state)s::text IS NULL OR e.to_state = %(to_state)s::text)
-              AND (%(since)s::timestamptz IS NULL OR e.at >= %(since)s::timestamptz)
-              AND (%(until)s::timestamptz IS NULL OR e.at < %(until)s::timestamptz)
-            ORDER BY e.id
-            LIMIT %(limit)s
-            """,
-            {
-                "after": after,
-                "instance": instance,
-                "org": org,
-                "actor_kind": actor_kind,
-                "actor_id": actor_id,
-                "event": event,
-                "to_state": to_state,
-                "since": since,
-                "until": until,
-                "limit": limit + 1,
-            },
-        )
-        rows = await cursor_.fetchall()
+        rows = await events.search(conn, where, after=after, limit=limit + 1)
     page, more = rows[:limit], len(rows) > limit
     items = [
         {

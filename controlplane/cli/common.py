@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from controlplane import db
 from controlplane import settings as settings_module
+from controlplane.db import AsyncConn
 from controlplane.settings import Settings
+
+T = TypeVar("T")
 
 
 class CommandError(Exception):
@@ -52,3 +57,15 @@ def print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def run_with_db(args: argparse.Namespace, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
+    """Run `work` on one connection to the database the flags and environment name."""
+    url = db.resolve_database_url(settings_from(args))
+
+    async def run() -> T:
+        conn = await db.connect(url)
+        async with conn:
+            return await work(conn)
+
+    return asyncio.run(run())

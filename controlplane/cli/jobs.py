@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import getpass
 import os
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from controlplane import db, dwell, lifecycle, queue
-from controlplane.cli.common import CommandError, add_settings_flags, print_json, print_table, settings_from
+from controlplane import dwell, lifecycle, queue
+from controlplane.cli.common import CommandError, add_settings_flags, print_json, print_table, run_with_db
 from controlplane.db import AsyncConn
 from controlplane.handlers import JobRegistry
 
@@ -47,7 +45,7 @@ def register(commands: Any) -> None:
         if action == "abandon":
             steer.add_argument(
                 "--registry",
-                default=os.environ.get(REGISTRY_ENV),
+                default=os.environ.get(REGISTRY_ENV, "controlplane.operations:default_registry"),
                 help=f"job kinds as module:attribute, for the abandonment hook (env {REGISTRY_ENV})",
             )
             steer.add_argument(
@@ -57,23 +55,14 @@ def register(commands: Any) -> None:
         steer.set_defaults(handler=cmd_steer, action=action)
 
 
-def _run(args: argparse.Namespace, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
-    url = db.resolve_database_url(settings_from(args))
-
-    async def run() -> T:
-        conn = await db.connect(url)
-        async with conn:
-            return await work(conn)
-
-    return asyncio.run(run())
-
-
 def _seconds(value: float) -> str:
     return f"{value:.3f}"
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = _run(args, lambda conn: queue.list_jobs(conn, state=args.state, kind=args.kind, limit=args.limit))
+    rows = run_with_db(
+        args, lambda conn: queue.list_jobs(conn, state=args.state, kind=args.kind, limit=args.limit)
+    )
     if args.json:
         print_json(rows)
         return 0
@@ -98,7 +87,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_dwell(args: argparse.Namespace) -> int:
-    stats = _run(args, lambda conn: dwell.dwell_stats(conn, args.entity))
+    stats = run_with_db(args, lambda conn: dwell.dwell_stats(conn, args.entity))
     if args.json:
         print_json({"entity": args.entity, "states": [s.as_dict() for s in stats]})
         return 0
@@ -132,7 +121,7 @@ def cmd_steer(args: argparse.Namespace) -> int:
         )
 
     try:
-        row = _run(args, steer)
+        row = run_with_db(args, steer)
     except (queue.ActionRefused, queue.JobNotFound, ValueError) as exc:
         raise CommandError(str(exc)) from exc
     if args.json:
