@@ -157,11 +157,12 @@ async def until(
                 pass
 
 
-def count_in(state: str, n: int) -> Any:
-    """A condition for `until`: exactly `n` jobs are in `state`."""
+def count_in(state: str, n: int, *, at_least: bool = False) -> Any:
+    """A condition for `until`: exactly (or at least) `n` jobs are in `state`."""
 
     async def check(conn: AsyncConn) -> bool:
-        return (await states(conn)).get(state, 0) == n
+        count = (await states(conn)).get(state, 0)
+        return count >= n if at_least else count == n
 
     return check
 
