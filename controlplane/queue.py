@@ -10,7 +10,7 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import lifecycle, metrics, sql
+from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
 from controlplane.handlers import JobRegistry, Verdict
 from controlplane.jobs import get_job
@@ -22,6 +22,7 @@ from controlplane.transitions import (
     InvariantViolation,
     Move,
     TransitionError,
+    observe_transition,
     transition_many,
 )
 
@@ -77,8 +78,8 @@ async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: in
     )
     rows = await cursor.fetchall()
     rows.sort(key=lambda row: (row["priority"], row["run_at"], row["fence"]))
-    if rows:
-        metrics.TRANSITIONS.labels("job", "queued", "claimed", "claim").inc(len(rows))
+    for row in rows:
+        observe_transition("job", row)
     return rows
 
 

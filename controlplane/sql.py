@@ -99,10 +99,12 @@ WITH m AS ({_MOVES_INPUT}), moved AS (
         state_version = t.state_version + 1,
         state_entered_at = now(),
         {sets}
-    FROM m
+    FROM m JOIN {spec.table} AS prev ON prev.id = m.id
     WHERE t.id = m.id AND t.state_version = m.expected_version AND t.state = m.from_state
     RETURNING t.*, m.from_state AS _from_state, m.event AS _event, m.reason AS _reason,
-              m.detail AS _detail
+              m.detail AS _detail,
+              extract(epoch FROM now() - prev.state_entered_at)::float8 AS _dwell_s,
+              extract(epoch FROM now() - t.created_at)::float8 AS _age_s
 ){_audit_tail(spec)}
 """
 
@@ -119,7 +121,7 @@ CURRENT_STATES = {
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
 CLAIM_JOBS = f"""
 WITH picked AS (
-    SELECT id, state_version FROM jobs
+    SELECT id, state_version, state_entered_at, created_at FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
     ORDER BY priority, run_at
     LIMIT %(limit)s
@@ -138,7 +140,9 @@ WITH picked AS (
     FROM picked
     WHERE t.id = picked.id AND t.state_version = picked.state_version AND t.state = 'queued'
     RETURNING t.*, 'queued'::text AS _from_state, 'claim'::text AS _event, NULL::text AS _reason,
-              jsonb_build_object('worker', %(worker)s::text, 'fence', t.fence) AS _detail
+              jsonb_build_object('worker', %(worker)s::text, 'fence', t.fence) AS _detail,
+              extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
+              extract(epoch FROM now() - picked.created_at)::float8 AS _age_s
 ){_audit_tail(JOB_TABLE)}
 """
 

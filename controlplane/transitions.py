@@ -132,10 +132,18 @@ async def transition_many(
     cursor = await conn.execute(sql.TRANSITION[entity], params, prepare=True)
     moved = await cursor.fetchall()
     for row in moved:
-        metrics.TRANSITIONS.labels(entity, row["_from_state"], row["state"], row["_event"]).inc()
+        observe_transition(entity, row)
     if len(moved) == len(moves):
         return BatchResult(moved, [])
     return BatchResult(moved, await _explain_misses(conn, entity, moves, moved))
+
+
+def observe_transition(entity: str, row: DictRow) -> None:
+    """Metrics of one applied transition: the move, the time spent in the state it left."""
+    metrics.TRANSITIONS.labels(entity, row["_from_state"], row["state"], row["_event"]).inc()
+    metrics.TIME_IN_STATE.labels(entity, row["_from_state"]).observe(max(0.0, row["_dwell_s"]))
+    if entity == "instance" and row["_event"] == "provisioned":
+        metrics.PROVISIONING_DURATION.observe(max(0.0, row["_age_s"]))
 
 
 async def _explain_misses(
