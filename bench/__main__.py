@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import shutil
 import signal
 import sys
 import tempfile
@@ -102,6 +103,10 @@ def run_workloads(
     return outcomes
 
 
+def all_ok(outcomes: list[Outcome]) -> bool:
+    return all(not o.errors and not (o.unavailable or "").startswith("setup failed") for o in outcomes)
+
+
 def profile_pass(ctx: Context, outcomes: list[Outcome]) -> None:
     """One more, unrecorded run of each profiled variant with py-spy attached to its process."""
     assert ctx.profiler is not None
@@ -133,7 +138,9 @@ def main(argv: list[str]) -> int:
             print(f"unknown workloads: {', '.join(sorted(unknown))} (see --list)", file=sys.stderr)
             return 2
         workloads = [w for w in workloads if w.key in wanted]
+    # Explicit handlers: a bench started in the background may have inherited SIGINT ignored.
     signal.signal(signal.SIGTERM, raise_interrupt)
+    signal.signal(signal.SIGINT, raise_interrupt)
     started = dt.datetime.now(dt.UTC).replace(microsecond=0)
     load_start = report.load_average()
     t0 = time.monotonic()
@@ -146,6 +153,8 @@ def main(argv: list[str]) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="cp-bench-work-"))
     procs = Processes(work_dir)
     cluster: Cluster | None = None
+    outcomes: list[Outcome] = []
+    failed = True
     try:
         log("starting the scratch PostgreSQL cluster (fsync=on, synchronous_commit=on)")
         cluster = Cluster.start()
@@ -173,14 +182,22 @@ def main(argv: list[str]) -> int:
                 profiler = Profiler(py_spy, RESULTS / "profiles", procs)
         pg_settings = cluster.settings()
         outcomes = run_workloads(ctx, workloads, args.repeat, profiler)
+        failed = False
     except KeyboardInterrupt:
         log("interrupted: stopping everything the bench started")
         return 130
     finally:
+        # A second Ctrl-C must not cut the cleanup short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         procs.stop_all()
         if cluster is not None:
             cluster.stop()
-        log(f"stopped the cluster and every process; driver logs in {work_dir}")
+        if failed or not all_ok(outcomes):
+            log(f"stopped the cluster and every process; driver logs kept in {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+            log("stopped the cluster and every process")
     load_end = report.load_average()
     conditions = args.conditions or (
         "quiet machine"

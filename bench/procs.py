@@ -59,10 +59,10 @@ class Processes:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.kill(proc)
+            self.stop(proc, grace_s=0)
             raise DriverError(f"{self.describe(proc)} did not finish within {timeout:.0f} s") from None
-        finally:
-            self._forget(proc)
+        # Interrupted (Ctrl-C, SIGTERM): the process stays registered, for stop_all().
+        self._forget(proc)
         lines = [line for line in out.splitlines() if line.strip()]
         if proc.returncode != 0 or not lines:
             raise DriverError(f"{self.describe(proc)} exited with {proc.returncode}: {self.log_tail(proc)}")
