@@ -121,6 +121,7 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1
         assert refused.stderr.startswith("controlplane: error: HTTP 422")
 
+        assert cli("instances", "show", instance["id"], "--uri").stdout.strip() == uri
         deleted = cli("instances", "delete", instance["id"], "--wait")
         assert "deleted" in deleted.stdout
         events = cli("instances", "events", instance["id"])

@@ -34,6 +34,7 @@ def register(commands: Any) -> None:
 
     show = _action(actions, "show", "show one database", cmd_show)
     show.add_argument("id")
+    show.add_argument("--uri", action="store_true", help="print only the connection URI (for psql)")
 
     resize = _action(actions, "resize", "change a database's plan", cmd_resize)
     resize.add_argument("id")
@@ -188,7 +189,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    show_instance(Api(args).request("GET", f"/v1/instances/{args.id}"), args.json)
+    instance = Api(args).request("GET", f"/v1/instances/{args.id}")
+    if args.uri:
+        if not instance.get("connection"):
+            raise CommandError(f"instance {args.id} has no connection yet (state {instance['state']})")
+        print(instance["connection"]["uri"])
+        return 0
+    show_instance(instance, args.json)
     return 0
 
 
