@@ -12,7 +12,7 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -71,6 +71,33 @@ class Held:
         return int(self.job["fence"])
 
 
+class Lease:
+    """A pooled connection kept across operations (sparing the pool's check on every checkout),
+    given back to the pool, which discards it if broken, when an operation fails on it."""
+
+    def __init__(self, pool: AsyncConnectionPool[AsyncConn]) -> None:
+        self.pool = pool
+        self.conn: AsyncConn | None = None
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConn]:
+        if self.conn is not None and (self.conn.closed or self.conn.broken):
+            await self.release()
+        if self.conn is None:
+            self.conn = await self.pool.getconn(timeout=CONNECTION_TIMEOUT_S)
+        try:
+            yield self.conn
+        except BaseException:
+            await self.release()
+            raise
+
+    async def release(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(PoolClosed):
+                await self.pool.putconn(conn)
+
+
 @dataclass
 class Outcome:
     held: Held
@@ -115,6 +142,9 @@ class Worker:
         self._held: dict[uuid.UUID, Held] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._outcomes: list[Outcome] = []
+        # One connection for claiming and starting, one for reporting outcomes.
+        self._claiming = Lease(pool)
+        self._reporting = Lease(pool)
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._outcome_ready = asyncio.Event()
@@ -155,6 +185,8 @@ class Worker:
             await self._shutdown(writer)
             beater.cancel()
             await asyncio.gather(listener, beater, return_exceptions=True)
+            await self._claiming.release()
+            await self._reporting.release()
             log.info("worker %s stopped: %s", self.worker_id, dict(self.counts))
 
     async def _shutdown(self, writer: asyncio.Task[None]) -> None:
@@ -178,7 +210,7 @@ class Worker:
             result = await queue.reclaim_many(conn, [h.job for h in back], self.actor, "worker shutting down")
             return await self._settle(conn, result, {h.id: h.fence for h in back})
 
-        result = await self._with_retry("hand back", reclaim)
+        result = await self._with_retry("hand back", reclaim, self._reporting)
         if result is None:
             log.warning(
                 "worker %s could not hand back %d job(s): left to the supervisor", self.worker_id, len(back)
@@ -219,7 +251,7 @@ class Worker:
             return await self._start(conn, claimed)
 
         try:
-            async with self.pool.connection(timeout=CONNECTION_TIMEOUT_S) as conn:
+            async with self._claiming.connection() as conn:
                 started = await claim_and_start(conn)
         except DATABASE_GONE as exc:
             # A claim whose reply was lost is unknown here: its jobs go stale and are reclaimed.
@@ -227,7 +259,7 @@ class Worker:
             if not claimed:
                 await self._pause_after_failure()
                 return
-            result = await self._with_retry("start", lambda conn: self._start(conn, claimed))
+            result = await self._with_retry("start", lambda conn: self._start(conn, claimed), self._claiming)
             if result is None:
                 for row in claimed:
                     held = self._held.get(row["id"])
@@ -370,7 +402,7 @@ class Worker:
             failed = await queue.error_many(conn, [o.failure for o in errors if o.failure], self.actor)
             return await self._settle(conn, done, fences), await self._settle(conn, failed, fences)
 
-        written = await self._with_retry("report", write)
+        written = await self._with_retry("report", write, self._reporting)
         for outcome in batch:
             outcome.held.writing = False
             self._forget(outcome.held)
@@ -410,12 +442,14 @@ class Worker:
             result.moved + rows, [f for f in result.failed if queue.move_of(f).id not in applied]
         )
 
-    async def _with_retry(self, what: str, operation: Callable[[AsyncConn], Awaitable[T]]) -> T | None:
-        """Run `operation` on a pooled connection until it succeeds; None once the worker gives up."""
+    async def _with_retry(
+        self, what: str, operation: Callable[[AsyncConn], Awaitable[T]], lease: Lease
+    ) -> T | None:
+        """Run `operation` on the lease's connection until it succeeds; None once the worker gives up."""
         delay = 0.05
         while True:
             try:
-                async with self.pool.connection(timeout=CONNECTION_TIMEOUT_S) as conn:
+                async with lease.connection() as conn:
                     return await operation(conn)
             except DATABASE_GONE as exc:
                 if isinstance(exc, PoolClosed) or (
@@ -440,7 +474,7 @@ class Worker:
                     if conn is None or conn.closed:
                         conn = await db.connect(self._url)
                     still = await transitions.heartbeat(conn, self.worker_id, holdings)
-                except DATABASE_GONE as exc:
+                except Exception as exc:  # the heartbeat must outlive any failure: reconnect next time
                     log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc)
                     if conn is not None:
                         await conn.close()
@@ -470,7 +504,7 @@ class Worker:
                     self._kick.set()  # jobs may have been queued while we were not listening
                     async for _ in conn.notifies():
                         self._kick.set()
-            except DATABASE_GONE as exc:
+            except Exception as exc:  # polling covers the gap; keep trying to listen
                 log.warning("worker %s: listener lost (%s); reconnecting", self.worker_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from tests.conftest import TestServer
 
 ROOT = Path(__file__).resolve().parent.parent
+# A fault that leaves something hanging fails its test instead of stalling the run.
+pytestmark = pytest.mark.timeout(150)
 
 
 class Workers:
@@ -87,7 +89,7 @@ async def supervising(url: str, settings: Settings, interval_s: float = 0.1) -> 
         yield supervisor
     finally:
         stop.set()
-        await loop
+        await asyncio.wait_for(loop, timeout=40)
         await pool.close()
 
 
@@ -121,6 +123,13 @@ def listeners(n: int) -> Any:
                 (n,),
             )
         )
+
+    return check
+
+
+def executions(n: int) -> Any:
+    async def check(conn: db.AsyncConn) -> bool:
+        return bool(await scalar(conn, "SELECT count(*) = %s FROM test_executions", (n,)))
 
     return check
 
@@ -163,6 +172,7 @@ async def test_kill_9_jobs_are_reclaimed_and_completed_by_another_worker(
     )
     victim = workers.start("w-victim", "--concurrency", "4")
     await until(fresh_database, running_by("w-victim", 4), channels=("cp_job_running",))
+    await poll_until(fresh_database, executions(4))  # its handlers got as far as recording their run
     # Two more held as claimed by the same worker (it dies between claim and start for these).
     from controlplane import queue
 
@@ -244,7 +254,7 @@ async def test_four_workers_drain_2000_jobs_each_exactly_once(
     await create_tables(conn)
     for i in range(4):
         workers.start(f"w-d{i}", "--concurrency", "16", "--log-level", "WARNING")
-    await _wait_listeners(fresh_database, 4)
+    await poll_until(fresh_database, listeners(4))
     made = await enqueue_many(conn, [NewJob("record") for _ in range(total)], TEST_ACTOR)
     await until(fresh_database, count_in("completed", total), channels=("cp_job_completed",), timeout=120)
     seconds = await scalar(
@@ -269,12 +279,12 @@ async def test_four_workers_drain_2000_jobs_each_exactly_once(
     assert await audit.verify(conn) == []
 
 
-async def _wait_listeners(url: str, n: int, timeout: float = 30) -> None:
-    """Worker processes are up when their listeners are: another process must act, so poll."""
+async def poll_until(url: str, condition: Any, timeout: float = 30) -> None:
+    """For conditions no notification announces, that another process must bring about: poll."""
     deadline = time.monotonic() + timeout
     conn = await db.connect(url)
     async with conn:
-        while not await listeners(n)(conn):
+        while not await condition(conn):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{n} workers did not start listening within {timeout}s")
+                raise TimeoutError(f"condition not met within {timeout}s")
             await asyncio.sleep(0.05)
