@@ -1,8 +1,10 @@
-"""Bulk-loaded history for the reconciler workload: many instances in terminal states, with their events.
+"""Bulk-loaded history for the reconciler workload: dead instances and their jobs, with their events.
 
-The state guard only admits inserts in `pending` at state_version 0, so it is disabled for the one
-INSERT of terminal rows (in the bench's scratch database only) and enabled again in the same
-transaction; every inserted row gets the event rows of the legal path that leads to its state.
+The state guards only admit inserts in the initial state at state_version 0, so the tables' triggers
+are disabled for the load (in the bench's scratch database only) and enabled again in the same
+transaction; every inserted row gets the event rows of the legal path that leads to its state, and
+every event row references a row inserted just before (the foreign keys hold by construction). The
+secondary indexes are dropped during the load and created again from their own definitions.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ FAILED_PATH = (
     (0, None, "pending", "create"),
     (1, "pending", "failed", "fail"),
 )
+# Each dead instance also left one completed provisioning job behind.
+JOB_PATH = (
+    (0, None, "queued", "enqueue"),
+    (1, "queued", "claimed", "claim"),
+    (2, "claimed", "running", "start"),
+    (3, "running", "completed", "finish"),
+)
+LOADED_TABLES = ("instances", "instance_events", "jobs", "job_events")
 ORGS = 100
 # One in FAILED_EVERY dead instances failed while pending; the others were deleted.
 FAILED_EVERY = 5
@@ -33,7 +43,15 @@ def load_terminal_instances(url: str, count: int) -> None:
             "INSERT INTO organisations (name) SELECT 'bench-dead-' || g FROM generate_series(1, %s) g",
             (ORGS,),
         )
-        conn.execute("ALTER TABLE instances DISABLE TRIGGER instances_guard_state")
+        indexes = conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
+            " AND tablename = ANY(%s) AND indexname NOT LIKE 'pk\\_%%'",
+            (list(LOADED_TABLES),),
+        ).fetchall()
+        for table in LOADED_TABLES:
+            conn.execute(f"ALTER TABLE {table} DISABLE TRIGGER ALL")
+        for name, _ in indexes:
+            conn.execute(f"DROP INDEX {name}")
         conn.execute(
             """
             INSERT INTO instances (org_id, name, spec, state, state_version, state_entered_at,
@@ -51,7 +69,30 @@ def load_terminal_instances(url: str, count: int) -> None:
             """,
             {"orgs": ORGS, "every": FAILED_EVERY, "count": count},
         )
-        conn.execute("ALTER TABLE instances ENABLE TRIGGER instances_guard_state")
+        conn.execute(
+            """
+            INSERT INTO jobs (kind, instance_id, payload, state, state_version, attempt, claimed_by,
+                              claimed_at, fence, verdict, run_at, created_at, updated_at, state_entered_at)
+            SELECT 'provision', i.id, '{}'::jsonb, 'completed', 3, 1, 'bench-load', i.created_at,
+                   nextval('job_fence_seq'), '{"result": "ready"}'::jsonb, i.created_at, i.created_at,
+                   i.created_at, i.created_at
+            FROM instances i WHERE i.name LIKE 'dead-%%'
+            """
+        )
+        job_values = ", ".join(
+            f"({v}, {'NULL' if src is None else repr(src)}, {dst!r}, {event!r})"
+            for v, src, dst, event in JOB_PATH
+        )
+        conn.execute(
+            f"""
+            INSERT INTO job_events (job_id, from_state, to_state, event, actor_kind, actor_id, detail,
+                                    state_version, at)
+            SELECT j.id, p.from_state, p.to_state, p.event, 'system', 'bench-load', '{{}}'::jsonb, p.v,
+                   j.created_at + p.v * interval '1 second'
+            FROM jobs j CROSS JOIN (VALUES {job_values}) AS p(v, from_state, to_state, event)
+            WHERE j.claimed_by = 'bench-load'
+            """
+        )
         for state, path in (("deleted", DELETED_PATH), ("failed", FAILED_PATH)):
             values = ", ".join(
                 f"({v}, {'NULL' if src is None else repr(src)}, {dst!r}, {event!r})"
@@ -69,7 +110,13 @@ def load_terminal_instances(url: str, count: int) -> None:
                 """,
                 (state,),
             )
+        for _, definition in indexes:
+            conn.execute(definition)
+        for table in LOADED_TABLES:
+            conn.execute(f"ALTER TABLE {table} ENABLE TRIGGER ALL")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("VACUUM (ANALYZE) instances")
         conn.execute("VACUUM (ANALYZE) instance_events")
         conn.execute("VACUUM (ANALYZE) organisations")
+        conn.execute("VACUUM (ANALYZE) jobs")
+        conn.execute("VACUUM (ANALYZE) job_events")

@@ -33,10 +33,14 @@ async def ready_instances(url: str, count: int) -> list[uuid.UUID]:
                 conn, org, f"bench-{n}", {"plan": "dev", "region": "local"}, BENCH_ACTOR, deadline_s=3600
             )
             ids.append(row["id"])
-        for expected, event in (("pending", "start_provisioning"), ("provisioning", "provisioned")):
-            version = 0 if expected == "pending" else 1
+        steps: tuple[tuple[str, int, str, dict[str, int]], ...] = (
+            ("pending", 0, "start_provisioning", {}),
+            # As the provisioning handler does: the spec it provisioned is now observed.
+            ("provisioning", 1, "provisioned", {"observed_generation": 1}),
+        )
+        for expected, version, event, patch in steps:
             result = await transition_many(
-                conn, "instance", [Move(i, expected, version, event) for i in ids], BENCH_ACTOR
+                conn, "instance", [Move(i, expected, version, event, patch=patch) for i in ids], BENCH_ACTOR
             )
             if result.failed:
                 raise RuntimeError(f"seeding instances failed: {result.failed[0]}")
