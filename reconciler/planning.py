@@ -16,6 +16,11 @@ DRIVING_JOB = {
     "deprovisioning": DEPROVISION,
 }
 OBSERVED_STATES = frozenset({"ready", "degraded", "suspended"})
+# Jobs that restart or promote the server of an instance while it is still `ready` (suspend
+# restarts it read-only before the move to `suspended`; resume starts or promotes it): while one
+# lives, an unhealthy observation is the job at work, and the job (or its abandonment, which
+# degrades) decides. Degrading under it would defer it, and the heal would undo it.
+WORKING_ON_READY = frozenset({SUSPEND, RESUME})
 DEPROVISIONABLE = frozenset({"ready", "degraded", "suspended"})
 
 
@@ -96,6 +101,8 @@ def plan_observed(view: InstanceView) -> list[Action]:
         "missing" if not seen.exists else "not running" if not seen.running else "unhealthy"
     )
     if view.state == "ready" and broken:
+        if WORKING_ON_READY.intersection(view.live_jobs):
+            return []
         return [Transition("degrade", f"observed {why}"), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
         if broken:

@@ -66,6 +66,15 @@ def test_ready_but_down_is_degraded_and_healed() -> None:
     assert plan(missing, NOW, 2)[0] == Transition("degrade", "observed missing")
 
 
+def test_ready_but_down_under_a_suspend_or_resume_is_left_to_that_job() -> None:
+    restarting = Observed(True, False, False, False, "server not running")
+    for kind in ("suspend", "resume"):
+        assert plan(view("ready", observed=restarting, live_jobs=(kind,)), NOW, 2) == []
+    assert plan(view("ready", observed=restarting, live_jobs=("update",)), NOW, 2)[0] == Transition(
+        "degrade", "observed server not running"
+    )
+
+
 def test_degraded_heals_or_recovers() -> None:
     broken = Observed(True, False, False, False, "down")
     assert plan(view("degraded", observed=broken), NOW, 2) == [Enqueue("heal", "heal: down")]
