@@ -120,7 +120,9 @@ class FaultyProvisioner(Provisioner):
         self.fired.append((step, JOB_ATTEMPT.get()))
         message = f"injected fault at {step} ({fault})"
         if fault.action == "fail":
-            raise TemporaryError(message, delay_s=0)
+            # No delay of its own: the job is retried after the policy's backoff, as a real
+            # temporary failure would be.
+            raise TemporaryError(message)
         if fault.action == "fail_permanent":
             raise PermanentError(message)
         if fault.action == "hang":
