@@ -21,6 +21,7 @@ class LeaderElection:
         self.url = url
         self.key = key
         self._conn: db.AsyncConn | None = None
+        self._standing_by = False
 
     @property
     def is_leader(self) -> bool:
@@ -44,9 +45,13 @@ class LeaderElection:
         row = await cursor.fetchone()
         if row is not None and row["locked"]:
             self._conn = conn
+            self._standing_by = False
             log.info("reconciler became leader")
             return True
         await conn.close()
+        if not self._standing_by:
+            self._standing_by = True
+            log.info("reconciler standing by: another replica holds the leader lock")
         return False
 
     async def _drop(self) -> None:
