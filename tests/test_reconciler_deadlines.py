@@ -1,0 +1,200 @@
+"""The reconciler pass against real PostgreSQL: job supervision, per-state deadlines, the gauges.
+
+Time is injected (`run_once(now)`) wherever a deadline or a heartbeat must look old.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+from prometheus_client import REGISTRY
+from psycopg.rows import DictRow
+
+from controlplane import audit, queue
+from controlplane.db import AsyncConn
+from controlplane.handlers import PROVISION, UPDATE
+from controlplane.jobs import NewJob, enqueue
+from controlplane.retry import Decision
+from controlplane.settings import Settings
+from controlplane.transitions import heartbeat
+from reconciler.reconciler import LIVE_INSTANCE_STATES
+from tests.factories import TEST_ACTOR, make_instance, make_org
+from tests.operations_support import instance, job
+from tests.queue_kinds import db_now, events_of
+from tests.reconciler_support import (
+    GONE_WORKER,
+    RECONCILER_ID,
+    ScriptedProvisioner,
+    enqueued_by,
+    finish_job,
+    instance_events,
+    live_jobs,
+    reconciling,
+    scalar,
+    to_ready,
+    walk,
+)
+
+RECONCILER = f"reconciler:{RECONCILER_ID}"
+
+
+async def running(conn: AsyncConn, kind: str, instance_id: uuid.UUID, worker: str = "w-1") -> DictRow:
+    """Enqueue a job of `kind` for the instance and move it to running as `worker`."""
+    made = await enqueue(conn, NewJob(kind, instance_id), TEST_ACTOR)
+    claimed = [r for r in await queue.claim(conn, worker, [kind], 10) if r["id"] == made.job["id"]]
+    (row,) = (await queue.start_many(conn, claimed, GONE_WORKER)).moved
+    return row
+
+
+async def test_a_pass_runs_the_supervisor_as_the_reconciler(conn: AsyncConn, settings: Settings) -> None:
+    stale = await running(conn, PROVISION, (await make_instance(conn))["id"])
+    failing = await running(conn, PROVISION, (await make_instance(conn))["id"])
+    await queue.error(
+        conn,
+        queue.JobFailure(failing, "boom", "temporary", Decision("retry", 5.0, "test backoff")),
+        GONE_WORKER,
+    )
+    async with reconciling(settings, ScriptedProvisioner()) as rec:
+        now = await db_now(conn)
+        first = await rec.run_once(now)
+        assert (first.jobs.reclaimed, first.jobs.retried) == ([], [])  # fresh heartbeat, backoff not over
+        later = now + timedelta(seconds=settings.reclaim_after_s + 10)
+        summary = await rec.run_once(later)
+    assert summary.jobs.reclaimed == [stale["id"]]
+    assert summary.jobs.retried == [failing["id"]]
+    for job_id, event in ((stale["id"], "reclaim"), (failing["id"], "retry")):
+        row = await job(conn, job_id)
+        assert row["state"] == "queued" and row["claimed_by"] is None
+        assert (await events_of(conn, job_id))[-1] == (event, "supervisor", RECONCILER_ID)
+    assert await audit.verify(conn) == []
+
+
+async def test_pending_past_its_deadline_is_re_enqueued_a_bounded_number_of_times_then_failed(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    settings = settings.replace(deadline_pending_s=30, deadline_max_retries=2)
+    iid = (await make_instance(conn))["id"]
+    async with reconciling(settings, ScriptedProvisioner()) as rec:
+        assert (await rec.run_once()).actions == {}  # before its deadline: nothing
+        for retry in (1, 2):
+            late = (await instance(conn, iid))["deadline_at"] + timedelta(seconds=1)
+            summary = await rec.run_once(late)
+            assert summary.actions == {"deadline_retry": 1, "enqueue_provision": 1}
+            row = await instance(conn, iid)
+            assert (row["state"], row["deadline_retries"]) == ("pending", retry)
+            assert row["deadline_at"] > await db_now(conn) + timedelta(seconds=25)  # a new deadline
+            (provision,) = await live_jobs(conn, iid)
+            assert provision["kind"] == PROVISION and await enqueued_by(conn, provision["id"]) == RECONCILER
+            # While that job lives, no amount of time fails the instance.
+            assert (await rec.run_once(late + timedelta(hours=1))).actions == {}
+            # The job ends without moving the instance (say, its worker found it not ready to act).
+            await finish_job(conn, provision["id"], {"result": "deferred", "state": "pending"})
+        late = (await instance(conn, iid))["deadline_at"] + timedelta(seconds=1)
+        summary = await rec.run_once(late)
+        assert summary.actions == {"fail": 1}
+        assert (await rec.run_once(late + timedelta(hours=1))).actions == {}  # terminal: never again
+    row = await instance(conn, iid)
+    reason = "timeout: pending exceeded its deadline after 2 re-enqueue(s)"
+    assert (row["state"], row["failure_reason"]) == ("failed", reason)
+    assert await live_jobs(conn, iid) == []
+    assert (await instance_events(conn, iid))[-1] == ("pending", "failed", "fail", RECONCILER)
+    reason_logged = await scalar(
+        conn, "SELECT reason FROM instance_events WHERE instance_id = %s ORDER BY id DESC LIMIT 1", (iid,)
+    )
+    assert reason_logged == reason
+    assert await audit.verify(conn) == []
+
+
+async def test_updating_past_its_deadline_is_degraded_not_failed_then_updated_again(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    settings = settings.replace(deadline_max_retries=1)
+    iid = (await make_instance(conn))["id"]
+    await to_ready(conn, iid)
+    await conn.execute("UPDATE instances SET spec_generation = 2 WHERE id = %s", (iid,))
+    # A worker moved it to updating and died; its job is gone (say, abandoned by an operator).
+    await walk(conn, iid, "update", patch={"deadline_s": 60})
+    async with reconciling(settings, ScriptedProvisioner()) as rec:
+        late = (await instance(conn, iid))["deadline_at"] + timedelta(seconds=1)
+        assert (await rec.run_once(late)).actions == {"deadline_retry": 1, "enqueue_update": 1}
+        (update,) = await live_jobs(conn, iid)
+        await finish_job(conn, update["id"], {"result": "deferred", "state": "updating"})
+        late = (await instance(conn, iid))["deadline_at"] + timedelta(seconds=1)
+        assert (await rec.run_once(late)).actions == {"degrade": 1}
+        row = await instance(conn, iid)
+        assert (row["state"], row["failure_reason"]) == (
+            "degraded",
+            "timeout: updating exceeded its deadline after 1 re-enqueue(s)",
+        )
+        assert (await instance_events(conn, iid))[-1] == ("updating", "degraded", "degrade", RECONCILER)
+        # Observed healthy, it recovers; its spec is still ahead, so the update is tried again.
+        assert (await rec.run_once()).actions == {"recover": 1}
+        assert (await rec.run_once()).actions == {"enqueue_update": 1}
+    assert [j["kind"] for j in await live_jobs(conn, iid)] == [UPDATE]
+    assert await audit.verify(conn) == []
+
+
+async def test_a_live_heartbeating_job_keeps_an_instance_from_failing_for_time_alone(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    settings = settings.replace(deadline_max_retries=0)
+    iid = (await make_instance(conn))["id"]
+    await walk(conn, iid, "start_provisioning", patch={"deadline_s": 60})
+    provision = await running(conn, PROVISION, iid, worker="w-alive")
+    # Its deadline long past and no retries left: only the job stands between it and `failed`.
+    await conn.execute("UPDATE instances SET deadline_at = now() - interval '1 hour' WHERE id = %s", (iid,))
+    async with reconciling(settings, ScriptedProvisioner()) as rec:
+        for _ in range(3):
+            held = await heartbeat(conn, "w-alive", {provision["id"]: provision["fence"]})
+            assert held == {provision["id"]}
+            summary = await rec.run_once()  # the database's clock: the heartbeat is fresh
+            assert (summary.actions, summary.jobs.reclaimed) == ({}, [])
+        assert (await instance(conn, iid))["state"] == "provisioning"
+        # Its worker goes silent: the job is reclaimed (still live), the instance still not failed.
+        silent = await db_now(conn) + timedelta(seconds=settings.reclaim_after_s + 1)
+        summary = await rec.run_once(silent)
+        assert summary.jobs.reclaimed == [provision["id"]] and summary.actions == {}
+        assert (await instance(conn, iid))["state"] == "provisioning"
+        # Only once no job is left does the deadline fail it.
+        await finish_job(conn, provision["id"], {"result": "deferred", "state": "provisioning"})
+        assert (await rec.run_once()).actions == {"fail": 1}
+    row = await instance(conn, iid)
+    assert row["failure_reason"] == "timeout: provisioning exceeded its deadline after 0 re-enqueue(s)"
+    assert await audit.verify(conn) == []
+
+
+def gauge(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+async def test_after_a_pass_the_gauges_match_the_database(conn: AsyncConn, settings: Settings) -> None:
+    org = await make_org(conn)
+    for _ in range(3):
+        await make_instance(conn, org)  # pending, deadline ahead
+    late = (await make_instance(conn, org))["id"]
+    await enqueue(conn, NewJob(PROVISION, late), TEST_ACTOR)  # a live job: it stays over deadline
+    await conn.execute(
+        "UPDATE instances SET deadline_at = now() - interval '1 minute' WHERE id = %s", (late,)
+    )
+    await walk(conn, (await make_instance(conn, org))["id"], "start_provisioning", patch={"deadline_s": 600})
+    for _ in range(2):
+        await to_ready(conn, (await make_instance(conn, org))["id"])
+    await walk(conn, (await make_instance(conn, org))["id"], "fail")
+    passes_before = gauge("controlplane_reconciler_pass_seconds_count") or 0.0
+    async with reconciling(settings, ScriptedProvisioner()) as rec:
+        summary = await rec.run_once()
+    assert summary.scanned == 7 and summary.actions == {}
+    cursor = await conn.execute("SELECT state, count(*) AS n FROM instances GROUP BY state")
+    counts = {r["state"]: r["n"] for r in await cursor.fetchall()}
+    assert counts == {"pending": 4, "provisioning": 1, "ready": 2, "failed": 1}
+    for state in LIVE_INSTANCE_STATES:
+        assert gauge("controlplane_entities", entity="instance", state=state) == counts.get(state, 0), state
+    over = await scalar(
+        conn,
+        "SELECT count(*) FROM instances WHERE state NOT IN ('deleted', 'failed') AND deadline_at < now()",
+    )
+    assert over == 1 and gauge("controlplane_instances_over_deadline") == over
+    assert gauge("controlplane_entities", entity="job", state="queued") == 1
+    assert gauge("controlplane_reconciler_pass_seconds_count") == passes_before + 1
+    assert (gauge("controlplane_reconciler_last_success_timestamp_seconds") or 0) > 0

@@ -1,0 +1,208 @@
+"""Deferred intents through the reconciler: a deletion requested mid-provisioning, billing holds and
+their release, and read-only re-enforced on a suspended instance made writable behind our back."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from controlplane import audit, db
+from controlplane.db import AsyncConn
+from controlplane.handlers import DEPROVISION, PROVISION, RESUME, SUSPEND
+from controlplane.settings import Settings
+from provisioners.base import InstanceSpec, Observation
+from provisioners.faults import FaultyProvisioner
+from provisioners.local import LocalProvisioner
+from tests.factories import make_instance, make_org
+from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
+from tests.provisioning_support import instance_settings, stop_all_servers
+from tests.reconciler_support import (
+    RECONCILER_ID,
+    ScriptedProvisioner,
+    credentials,
+    enqueued_by,
+    instance_events,
+    live_jobs,
+    next_fence,
+    passes_until,
+    read_only,
+    reconciling,
+    to_ready,
+    walk,
+    working,
+)
+
+T = TypeVar("T")
+RECONCILER = f"reconciler:{RECONCILER_ID}"
+# What DELETE /v1/instances/{id} records for an instance that cannot start deprovisioning yet.
+REQUEST_DELETION = (
+    "UPDATE instances SET deletion_requested_at = now(), skip_final_backup = false, updated_at = now()"
+    " WHERE id = %s"
+)
+
+
+@pytest.fixture
+def local_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
+    settings = instance_settings(
+        pg_root,
+        fresh_database,
+        retry_base_delay_s=0.05,
+        retry_max_delay_s=0.2,
+        poll_interval_s=0.1,
+        shutdown_grace_s=0.5,
+    )
+    try:
+        yield settings
+    finally:
+        stop_all_servers(settings.data_dir)
+
+
+def settled(instance_id: uuid.UUID, state: str) -> Condition:
+    """In `state` with no job left working on it."""
+
+    async def check(conn: AsyncConn) -> bool:
+        return await instance_in(instance_id, state)(conn) and not await live_jobs(conn, instance_id)
+
+    return check
+
+
+class DeletedMidway(FaultyProvisioner):
+    """The local provisioner, with a customer's DELETE arriving while the network is configured."""
+
+    def __init__(self, inner: LocalProvisioner, url: str) -> None:
+        super().__init__(inner, [])
+        self.url = url
+        self.requested_in: list[str] = []
+
+    async def _around(self, step: str, work: Callable[[], Awaitable[T]]) -> T:
+        if step == "configure_network" and not self.requested_in:
+            conn = await db.connect(self.url)
+            async with conn:
+                cursor = await conn.execute("SELECT id, state FROM instances")
+                (row,) = await cursor.fetchall()
+                await conn.execute(REQUEST_DELETION, (row["id"],))
+            self.requested_in.append(row["state"])
+        return await work()
+
+
+async def test_a_deletion_requested_while_provisioning_runs_once_the_instance_is_ready(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    assert local_settings.database_url is not None
+    local = LocalProvisioner(local_settings)
+    midway = DeletedMidway(local, local_settings.database_url)
+    iid = (await make_instance(conn))["id"]
+    await enqueue(conn, PROVISION, iid)
+    async with reconciling(local_settings, midway) as rec, working(local_settings, registry_for(midway)):
+        await passes_until(rec, settled(iid, "deleted"))
+    assert midway.requested_in == ["provisioning"]
+    assert [(f, t, e, a.split(":")[0]) for f, t, e, a in await instance_events(conn, iid)] == [
+        (None, "pending", "create", "system"),
+        ("pending", "provisioning", "start_provisioning", "worker"),
+        ("provisioning", "ready", "provisioned", "worker"),
+        ("ready", "deprovisioning", "deprovision", "worker"),
+        ("deprovisioning", "deleted", "deprovisioned", "worker"),
+    ]
+    cursor = await conn.execute("SELECT * FROM jobs WHERE instance_id = %s AND kind = %s", (iid, DEPROVISION))
+    (deprovision,) = await cursor.fetchall()
+    assert await enqueued_by(conn, deprovision["id"]) == RECONCILER
+    assert deprovision["payload"]["reason"] == "deletion requested"
+    assert Path(deprovision["verdict"]["backup"]).stat().st_size > 0  # the final backup
+    assert await local.inventory() == []
+    assert await audit.verify(conn) == []
+
+
+async def test_a_billing_hold_suspends_its_release_resumes_and_read_only_is_re_enforced(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    local = LocalProvisioner(local_settings)
+    registry = registry_for(local)
+    org = await make_org(conn)
+    iid = (await make_instance(conn, org))["id"]
+    await enqueue(conn, PROVISION, iid)
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    info = credentials(local_settings, await instance(conn, iid))
+    async with reconciling(local_settings, local) as rec:
+        # The hold is recorded on the organisation (as the Stripe webhook does); the pass suspends.
+        await conn.execute(
+            "UPDATE organisations SET billing_hold = true, billing_status = 'unpaid' WHERE id = %s", (org,)
+        )
+        assert (await rec.run_once()).actions == {"enqueue_suspend": 1}
+        (suspend,) = await live_jobs(conn, iid)
+        assert suspend["kind"] == SUSPEND and suspend["payload"] == {
+            "reason": "billing hold",
+            "billing": True,
+        }
+        async with working(local_settings, registry):
+            await passes_until(rec, settled(iid, "suspended"))
+        assert (await instance(conn, iid))["suspended_by_billing"] is True
+        assert read_only(info)
+
+        # Writable again behind the control plane's back: read-only is enforced again.
+        await local.resume(iid, InstanceSpec(), await next_fence(conn))
+        assert not read_only(info)
+        assert (await rec.run_once()).actions == {"enqueue_suspend": 1}
+        (again,) = await live_jobs(conn, iid)
+        assert again["payload"]["reason"] == "suspended but writable: enforce read-only"
+        async with working(local_settings, registry):
+            await passes_until(rec, settled(iid, "suspended"))
+        assert read_only(info)
+
+        # The hold is released: the instance suspended by billing resumes.
+        await conn.execute(
+            "UPDATE organisations SET billing_hold = false, billing_status = 'active' WHERE id = %s", (org,)
+        )
+        assert (await rec.run_once()).actions == {"enqueue_resume": 1}
+        async with working(local_settings, registry):
+            await passes_until(rec, settled(iid, "ready"))
+    row = await instance(conn, iid)
+    assert row["suspended_by_billing"] is False
+    assert not read_only(info)
+    cursor = await conn.execute(
+        "SELECT from_state, to_state, actor_kind, reason FROM instance_events"
+        " WHERE instance_id = %s ORDER BY id",
+        (iid,),
+    )
+    assert [tuple(r.values()) for r in await cursor.fetchall()][3:] == [
+        ("ready", "suspended", "worker", "billing hold"),
+        ("suspended", "ready", "worker", "billing hold released"),
+    ]
+    assert await audit.verify(conn) == []
+
+
+async def test_holds_and_releases_pick_the_right_instances(conn: AsyncConn, settings: Settings) -> None:
+    scripted = ScriptedProvisioner()
+    held, paying = await make_org(conn), await make_org(conn)
+    await conn.execute("UPDATE organisations SET billing_hold = true WHERE id = %s", (held,))
+
+    async def made(org: uuid.UUID, *, suspended_by: str | None = None) -> uuid.UUID:
+        iid: uuid.UUID = (await make_instance(conn, org))["id"]
+        await to_ready(conn, iid)
+        if suspended_by is not None:
+            await walk(conn, iid, "suspend", patch={"suspended_by_billing": suspended_by == "billing"})
+            scripted.seen[iid] = Observation(True, running=True, healthy=True, read_only=True)
+        return iid
+
+    held_ready = await made(held)
+    held_suspended = await made(held, suspended_by="billing")
+    paying_ready = await made(paying)
+    paying_suspended_by_customer = await made(paying, suspended_by="customer")
+    paying_released = await made(paying, suspended_by="billing")
+    async with reconciling(settings, scripted) as rec:
+        summary = await rec.run_once()
+    assert summary.actions == {"enqueue_suspend": 1, "enqueue_resume": 1}
+    jobs = {
+        iid: [j["kind"] for j in await live_jobs(conn, iid)]
+        for iid in (held_ready, held_suspended, paying_ready, paying_suspended_by_customer, paying_released)
+    }
+    assert jobs == {
+        held_ready: [SUSPEND],
+        held_suspended: [],
+        paying_ready: [],
+        paying_suspended_by_customer: [],
+        paying_released: [RESUME],
+    }
