@@ -118,6 +118,12 @@ async def run_reconciler_role(
                 summary = await reconciler.run_once()
                 for orphan in summary.orphans:
                     print(f"orphan: {orphan}")
+            elif dry_run_orphans:
+                # Listing changes nothing, so it needs no lock: an SRE can list orphans while
+                # the running reconciler leads.
+                log.warning("another reconciler holds the leader lock; listing orphans only, no pass run")
+                for instance_id, why, _ in await reconciler.find_orphans():
+                    print(f"orphan: {instance_id}: {why}")
             else:
                 log.warning("another reconciler holds the leader lock; no pass run")
             return

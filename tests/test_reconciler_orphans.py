@@ -3,6 +3,7 @@ final backup, counted and logged."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from controlplane.handlers import DEPROVISION
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Resource
 from provisioners.local import LocalProvisioner
+from reconciler.leader import LeaderElection
 from tests.factories import make_instance
 from tests.operations_support import enqueue
 from tests.provisioning_support import instance_settings, stop_all_servers
@@ -91,9 +93,17 @@ async def test_orphans_are_listed_in_dry_run_and_removed_with_a_final_backup_oth
     everything = await local.inventory()
     assert owners(everything) == {unknown, failed, cleaning, alive}
 
-    # The CLI's dry run lists them and leaves everything in place.
-    listed = reconcile_once_dry_run(local_settings)
+    # The CLI's dry run lists them and leaves everything in place, even while another
+    # reconciler leads (listing needs no lock; a pass would).
+    assert local_settings.database_url is not None
+    leader = LeaderElection(local_settings.database_url)
+    assert await leader.ensure()
+    try:
+        listed = await asyncio.to_thread(reconcile_once_dry_run, local_settings)
+    finally:
+        await leader.release()
     assert listed.returncode == 0, listed.stderr[-2000:]
+    assert "listing orphans only, no pass run" in listed.stderr
     lines = sorted(line for line in listed.stdout.splitlines() if line.startswith("orphan: "))
     assert len(lines) == 2 and {line.split()[1].rstrip(":") for line in lines} == {str(unknown), str(failed)}
     assert any(f"orphan: {unknown}: unknown instance: data_directory/" in line for line in lines)
