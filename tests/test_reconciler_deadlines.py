@@ -5,6 +5,7 @@ Time is injected (`run_once(now)`) wherever a deadline or a heartbeat must look 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import timedelta
 
@@ -13,14 +14,17 @@ from psycopg.rows import DictRow
 
 from controlplane import audit, queue
 from controlplane.db import AsyncConn
-from controlplane.handlers import PROVISION, UPDATE
+from controlplane.handlers import DEPROVISION, PROVISION, UPDATE
+from controlplane.instances import create_instance
 from controlplane.jobs import NewJob, enqueue
 from controlplane.retry import Decision
 from controlplane.settings import Settings
 from controlplane.transitions import heartbeat
+from provisioners.base import DeprovisionResult, InstanceSpec
+from provisioners.noop import NoopProvisioner
 from reconciler.reconciler import LIVE_INSTANCE_STATES
 from tests.factories import TEST_ACTOR, make_instance, make_org
-from tests.operations_support import instance, job
+from tests.operations_support import instance, instance_in, job, registry_for
 from tests.queue_kinds import db_now, events_of
 from tests.reconciler_support import (
     GONE_WORKER,
@@ -33,7 +37,9 @@ from tests.reconciler_support import (
     reconciling,
     scalar,
     to_ready,
+    wait_for_notice,
     walk,
+    working,
 )
 
 RECONCILER = f"reconciler:{RECONCILER_ID}"
@@ -161,6 +167,101 @@ async def test_a_live_heartbeating_job_keeps_an_instance_from_failing_for_time_a
         assert (await rec.run_once()).actions == {"fail": 1}
     row = await instance(conn, iid)
     assert row["failure_reason"] == "timeout: provisioning exceeded its deadline after 0 re-enqueue(s)"
+    assert await audit.verify(conn) == []
+
+
+async def test_deprovisioning_past_its_deadline_is_re_enqueued_then_failed(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    settings = settings.replace(deadline_max_retries=1)
+    iid = (await make_instance(conn))["id"]
+    await to_ready(conn, iid)
+    await walk(conn, iid, "deprovision", patch={"deadline_s": 60})
+    async with reconciling(settings, ScriptedProvisioner()) as rec:
+        late = (await instance(conn, iid))["deadline_at"] + timedelta(seconds=1)
+        assert (await rec.run_once(late)).actions == {"deadline_retry": 1, "enqueue_deprovision": 1}
+        (deprovision,) = await live_jobs(conn, iid)
+        await finish_job(conn, deprovision["id"], {"result": "deferred", "state": "deprovisioning"})
+        late = (await instance(conn, iid))["deadline_at"] + timedelta(seconds=1)
+        assert (await rec.run_once(late)).actions == {"fail": 1}
+    row = await instance(conn, iid)
+    assert row["failure_reason"] == "timeout: deprovisioning exceeded its deadline after 1 re-enqueue(s)"
+    assert await audit.verify(conn) == []
+
+
+class Gated(NoopProvisioner):
+    """The noop provisioner, holding the first step of each operation until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.entered: asyncio.Queue[str] = asyncio.Queue()
+        self.gates = {step: asyncio.Event() for step in ("allocate_storage", "apply_plan", "deprovision")}
+
+    async def _hold(self, step: str) -> None:
+        self.entered.put_nowait(step)
+        await self.gates[step].wait()
+
+    async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        await self._hold("allocate_storage")
+
+    async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        await self._hold("apply_plan")
+        return True
+
+    async def deprovision(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
+    ) -> DeprovisionResult:
+        await self._hold("deprovision")
+        return DeprovisionResult()
+
+
+async def test_each_transitional_state_gets_its_configured_deadline_on_entry(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    settings = settings.replace(
+        deadline_pending_s=11,
+        deadline_provisioning_s=22,
+        deadline_updating_s=33,
+        deadline_deprovisioning_s=44,
+        poll_interval_s=0.1,
+    )
+    assert settings.database_url is not None
+    url = settings.database_url
+    gated = Gated()
+
+    async def deadline_of(state: str) -> float | None:
+        row = await instance(conn, iid)
+        assert row["state"] == state
+        if row["deadline_at"] is None:
+            return None
+        return float((row["deadline_at"] - row["state_entered_at"]).total_seconds())
+
+    # As the API creates it: pending with the pending deadline.
+    iid = (
+        await create_instance(
+            conn,
+            await make_org(conn),
+            "db",
+            {"plan": "dev"},
+            TEST_ACTOR,
+            deadline_s=settings.deadline_pending_s,
+        )
+    )["id"]
+    assert await deadline_of("pending") == 11
+    async with working(settings, registry_for(gated)):
+        for kind, step, state, seconds in (
+            (PROVISION, "allocate_storage", "provisioning", 22),
+            (UPDATE, "apply_plan", "updating", 33),
+            (DEPROVISION, "deprovision", "deprovisioning", 44),
+        ):
+            if kind == UPDATE:
+                await conn.execute("UPDATE instances SET spec_generation = 2 WHERE id = %s", (iid,))
+            await enqueue(conn, NewJob(kind, iid), TEST_ACTOR)
+            assert await asyncio.wait_for(gated.entered.get(), timeout=30) == step
+            assert await deadline_of(state) == seconds
+            gated.gates[step].set()
+            after = "deleted" if kind == DEPROVISION else "ready"
+            await wait_for_notice(url, instance_in(iid, after), (f"cp_instance_{after}",), 30)
+            assert await deadline_of(after) is None  # a settled state has no deadline
     assert await audit.verify(conn) == []
 
 
