@@ -1,3 +1,5 @@
+"""Dwell-time statistics per state from the event logs."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,3 +1,5 @@
+"""Fences at a downstream resource: the pure rule and the file-based store."""
+
 from __future__ import annotations
 
 import random

@@ -1,3 +1,5 @@
+"""Queue moves against a real database: enqueue, claim (order, SKIP LOCKED, fences), start, finish, error."""
+
 from __future__ import annotations
 
 import asyncio

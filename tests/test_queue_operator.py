@@ -1,3 +1,5 @@
+"""Operator actions on jobs (pause, resume, retry, abandon) through the queue and the CLI."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,3 +1,5 @@
+"""The retry policy: backoff with jitter, cap, and the retry-or-abandon decision."""
+
 from __future__ import annotations
 
 import pytest

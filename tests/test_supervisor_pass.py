@@ -1,3 +1,5 @@
+"""The supervisor pass with injected time: reclaim stale jobs, retry after backoff, abandon with the hook."""
+
 from __future__ import annotations
 
 from datetime import timedelta

@@ -1,3 +1,5 @@
+"""The worker runtime in process: batching, wake-ups, retries, heartbeat loss, fencing, graceful stop."""
+
 from __future__ import annotations
 
 import asyncio
