@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import logging
 import os
 import signal
@@ -343,7 +344,11 @@ class Worker:
             log.exception("worker %s: job %s (%s) raised", self.worker_id, held.id, held.job["kind"])
             self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
         else:
-            self._report(Outcome(held, "finish", verdict=verdict if verdict is not None else {}))
+            problem = _not_a_verdict(verdict)
+            if problem:
+                self._fail(held, problem, "temporary", None)
+            else:
+                self._report(Outcome(held, "finish", verdict=verdict if verdict is not None else {}))
 
     def _fail(self, held: Held, message: str, kind: ErrorKind, delay_s: float | None) -> None:
         decision = self.policy.decide(
@@ -384,7 +389,13 @@ class Worker:
             batch = [o for o in self._outcomes if not o.held.lost]
             self._outcomes = []
             if batch:
-                await self._write(batch)
+                try:
+                    await self._write(batch)
+                except Exception:  # a bug must not stop all reporting: these are left to the supervisor
+                    log.exception("worker %s: writing %d outcome(s) failed", self.worker_id, len(batch))
+                    for outcome in batch:
+                        outcome.held.writing = False
+                        self._forget(outcome.held)
             if self._writer_closing and not self._outcomes:
                 return
 
@@ -508,6 +519,19 @@ class Worker:
                 log.warning("worker %s: listener lost (%s); reconnecting", self.worker_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def _not_a_verdict(verdict: object) -> str | None:
+    """Why a handler's return value cannot be recorded as a verdict (None when it can)."""
+    if verdict is None:
+        return None
+    if not isinstance(verdict, Mapping):
+        return f"handler returned {type(verdict).__name__}, not a verdict mapping"
+    try:
+        json.dumps(dict(verdict))
+    except (TypeError, ValueError) as exc:
+        return f"handler returned a verdict that is not JSON: {exc}"
+    return None
 
 
 def load_registry(spec: str) -> JobRegistry:

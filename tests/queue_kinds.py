@@ -60,6 +60,10 @@ async def crash(ctx: JobContext) -> Verdict:
     raise RuntimeError("unexpected bug")
 
 
+async def bad_verdict(ctx: JobContext) -> Verdict:
+    return {"not json": object()}
+
+
 async def record(ctx: JobContext) -> Verdict:
     """Insert one row per execution (duplicates can be counted), then maybe sleep."""
     async with ctx.pool.connection() as conn:
@@ -85,6 +89,7 @@ KINDS = {
     "always_fail": always_fail,
     "permanent_fail": permanent_fail,
     "crash": crash,
+    "bad_verdict": bad_verdict,
     "record": record,
 }
 

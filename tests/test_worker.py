@@ -60,14 +60,19 @@ async def test_worker_runs_jobs_translates_errors_and_batches_writes(
     await enqueue_many(conn, [NewJob("noop") for _ in range(24)], TEST_ACTOR)
     bad = await enqueue_many(
         conn,
-        [NewJob("always_fail", payload={"delay_s": 42}), NewJob("permanent_fail"), NewJob("crash")],
+        [
+            NewJob("always_fail", payload={"delay_s": 42}),
+            NewJob("permanent_fail"),
+            NewJob("crash"),
+            NewJob("bad_verdict"),
+        ],
         TEST_ACTOR,
     )
     running = start_worker("w1", settings, pool)
     await until(fresh_database, count_in("completed", 24))
-    await until(fresh_database, count_in("failed", 3))
+    await until(fresh_database, count_in("failed", 4))
     await running.stop()
-    assert running.worker.counts["completed"] == 24 and running.worker.counts["failed"] == 3
+    assert running.worker.counts["completed"] == 24 and running.worker.counts["failed"] == 4
 
     rows = {r.job["kind"]: await get_job(conn, r.job["id"]) for r in bad}
     temporary, permanent, crash = rows["always_fail"], rows["permanent_fail"], rows["crash"]
@@ -77,6 +82,8 @@ async def test_worker_runs_jobs_translates_errors_and_batches_writes(
     assert 41 < (temporary["run_at"] - temporary["updated_at"]).total_seconds() < 43
     assert (permanent["error_kind"], permanent["last_error"]) == ("permanent", "this can never work")
     assert (crash["error_kind"], crash["last_error"]) == ("temporary", "RuntimeError: unexpected bug")
+    unrecordable = rows["bad_verdict"]
+    assert unrecordable is not None and "not JSON" in unrecordable["last_error"]
 
     cursor = await conn.execute(
         "SELECT event, count(*) AS n, count(DISTINCT at) AS statements FROM job_events"
