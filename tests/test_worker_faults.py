@@ -232,6 +232,7 @@ async def test_workers_survive_a_postgresql_restart(
         print(f"\nPostgreSQL restarted in {time.monotonic() - began:.2f}s while 2 workers ran")
         await until(fresh_database, count_in("completed", total), timeout=90)
         print(f"all {total} jobs completed {time.monotonic() - began:.2f}s after the restart began")
+        await poll_until(fresh_database, listeners(2))  # both workers listen again
     assert all(proc.poll() is None for proc in workers.procs.values()), "a worker died with the server"
     assert workers.terminate_all() == {"w-r1": 0, "w-r2": 0}
     conn = await db.connect(fresh_database)
