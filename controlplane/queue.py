@@ -57,6 +57,12 @@ def _move(job: Mapping[str, Any], event: str, **kwargs: Any) -> Move:
     return Move(job["id"], job["state"], job["state_version"], event, **kwargs)
 
 
+async def _batch(conn: AsyncConn, moves: list[Move], actor: Actor) -> BatchResult:
+    """Many job moves in one statement, in id order, so that concurrent batches over the same rows
+    (a worker's heartbeat and its completions, two supervisors) tend to lock them in one order."""
+    return await transition_many(conn, "job", sorted(moves, key=lambda m: m.id), actor)
+
+
 async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
     """Claim up to `limit` due queued jobs of `kinds` in one statement; each gets a new fence.
 
@@ -85,7 +91,7 @@ async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: in
 
 async def start_many(conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor) -> BatchResult:
     """claimed -> running for all `jobs` in one statement."""
-    return await transition_many(conn, "job", [_move(job, "start") for job in jobs], actor)
+    return await _batch(conn, [_move(job, "start") for job in jobs], actor)
 
 
 async def finish_many(
@@ -93,7 +99,7 @@ async def finish_many(
 ) -> BatchResult:
     """running -> completed, each with its verdict ("nothing to do" is a completion too)."""
     moves = [_move(job, "finish", patch={"verdict": dict(verdict)}) for job, verdict in done]
-    return await transition_many(conn, "job", moves, actor)
+    return await _batch(conn, moves, actor)
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ class JobFailure:
 
 async def error_many(conn: AsyncConn, failures: Sequence[JobFailure], actor: Actor) -> BatchResult:
     """running -> failed, with the message, the error kind, the attempt and the retry time."""
-    return await transition_many(conn, "job", [f.move() for f in failures], actor)
+    return await _batch(conn, [f.move() for f in failures], actor)
 
 
 async def error(conn: AsyncConn, failure: JobFailure, actor: Actor) -> DictRow:
@@ -148,7 +154,7 @@ async def reclaim_many(
     conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor, reason: str
 ) -> BatchResult:
     """claimed/running -> queued: hand jobs back to the queue (dead worker, shutdown)."""
-    return await transition_many(conn, "job", [_move(job, "reclaim", reason=reason) for job in jobs], actor)
+    return await _batch(conn, [_move(job, "reclaim", reason=reason) for job in jobs], actor)
 
 
 async def retry_many(
@@ -156,7 +162,7 @@ async def retry_many(
 ) -> BatchResult:
     """failed -> queued, due now (run_at = now())."""
     moves = [_move(job, "retry", reason=reason, patch={"delay_s": 0}) for job in jobs]
-    return await transition_many(conn, "job", moves, actor)
+    return await _batch(conn, moves, actor)
 
 
 def attempts_allowed(job: Mapping[str, Any], registry: JobRegistry | None) -> int:
