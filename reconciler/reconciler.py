@@ -21,7 +21,7 @@ from controlplane.db import AsyncConn
 from controlplane.handlers import RESUME, SUSPEND, JobRegistry
 from controlplane.settings import Settings
 from controlplane.supervisor import PassResult, Supervisor
-from controlplane.transitions import Actor, Conflict, transition
+from controlplane.transitions import Actor, Conflict, InvariantViolation, transition
 from provisioners.base import InstanceSpec, Provisioner
 from reconciler import planning
 from reconciler.leader import LeaderElection
@@ -50,6 +50,7 @@ class PassSummary:
     observe_failures: int = 0
     actions: dict[str, int] = field(default_factory=dict)
     conflicts: int = 0
+    invariant_violations: int = 0
     orphans: list[str] = field(default_factory=list)
     orphans_removed: int = 0
     duration_s: float = 0.0
@@ -177,6 +178,10 @@ class Reconciler:
         except Conflict as exc:
             summary.conflicts += 1
             log.info("reconciler lost a race on instance %s: %s", row["id"], exc)
+        except InvariantViolation:
+            # Logged at CRITICAL and counted by the transition path. The row is left as found
+            # for an SRE; the other instances of the batch still get their pass.
+            summary.invariant_violations += 1
 
     async def _apply_one(
         self, conn: AsyncConn, row: DictRow, action: planning.Action, summary: PassSummary

@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from controlplane import db
 from controlplane.db import AsyncConn
@@ -228,3 +229,45 @@ async def test_a_pass_is_bounded_in_batch_size_and_in_concurrent_provisioner_cal
     assert await scalar(conn, "SELECT count(*) FROM instances WHERE last_reconciled_at IS NULL") == 0
     logged = [r for r in caplog.records if r.getMessage() == "reconciler pass"]
     assert [r.__dict__["scanned"] for r in logged] == [40, 40, 40]
+
+
+class Corrupting(ScriptedProvisioner):
+    """While the pass observes `victim`, its row is changed behind the transition path (the guard
+    trigger skipped, as a restore or a hand-made write with triggers off would), and it looks down."""
+
+    def __init__(self, url: str, victim: uuid.UUID) -> None:
+        super().__init__()
+        self.url = url
+        self.victim = victim
+
+    async def observe(self, instance_id: uuid.UUID) -> Observation:
+        if instance_id != self.victim:
+            return await super().observe(instance_id)
+        conn = await db.connect(self.url)
+        async with conn:
+            await conn.execute("SET session_replication_role = replica")
+            await conn.execute("UPDATE instances SET state = 'suspended' WHERE id = %s", (instance_id,))
+        return Observation(True, detail="server not running")
+
+
+async def test_a_pass_survives_an_invariant_violation_on_one_instance(
+    conn: AsyncConn, settings: Settings, fresh_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    org = await make_org(conn)
+    victim, other = (await make_instance(conn, org))["id"], (await make_instance(conn, org))["id"]
+    for iid in (victim, other):
+        await to_ready(conn, iid)
+    await conn.execute("UPDATE instances SET spec_generation = 2 WHERE id = %s", (other,))
+    before = REGISTRY.get_sample_value("controlplane_invariant_violations_total", {"entity": "instance"}) or 0
+    async with reconciling(settings, Corrupting(fresh_database, victim)) as rec:
+        summary = await rec.run_once()
+    assert (summary.invariant_violations, summary.actions) == (1, {"enqueue_update": 1})
+    after = REGISTRY.get_sample_value("controlplane_invariant_violations_total", {"entity": "instance"})
+    assert after == before + 1
+    assert any(
+        r.levelno == logging.CRITICAL and r.getMessage().startswith(f"invariant violation: instance {victim}")
+        for r in caplog.records
+    )
+    row = await scalar(conn, "SELECT state || ':' || state_version FROM instances WHERE id = %s", (victim,))
+    assert row == "suspended:2"  # left as found, for an SRE; no event row was written for it
+    assert await scalar(conn, "SELECT count(*) FROM instance_events WHERE instance_id = %s", (victim,)) == 3
