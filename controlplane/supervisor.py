@@ -32,7 +32,7 @@ class PassResult:
     """What one supervisor pass did, by job id."""
 
     reclaimed: list[uuid.UUID] = field(default_factory=list)
-    # Stale running jobs on their last attempt: recorded as failed (and then abandoned).
+    # Stale running jobs claimed more times than their attempts allow: failed (then abandoned).
     errored: list[uuid.UUID] = field(default_factory=list)
     retried: list[uuid.UUID] = field(default_factory=list)
     abandoned: list[uuid.UUID] = field(default_factory=list)
@@ -106,13 +106,19 @@ class Supervisor:
         return await cursor.fetchall()
 
     async def _reclaim_stale(self, conn: AsyncConn, now: datetime | None, result: PassResult) -> int:
-        """Stale claimed/running jobs go back to the queue; a stale last attempt counts as failed."""
+        """Stale claimed/running jobs go back to the queue.
+
+        A job whose workers keep dying would loop for ever: once it has been claimed more times
+        than its attempts allow, a stale run counts as a failure instead (and it is abandoned).
+        The one extra claim leaves room for a job resumed by an operator on its last attempt,
+        whose worker had let it go when it was paused.
+        """
         async with conn.transaction():
             stale = await self._scan(conn, sql.SCAN_STALE_JOBS, now)
             last = [
                 job
                 for job in stale
-                if job["state"] == "running" and job["attempt"] >= queue.attempts_allowed(job, self.registry)
+                if job["state"] == "running" and job["attempt"] > queue.attempts_allowed(job, self.registry)
             ]
             last_ids = {job["id"] for job in last}
             reclaim = [job for job in stale if job["id"] not in last_ids]
@@ -124,7 +130,7 @@ class Supervisor:
                     job,
                     f"worker {job['claimed_by']} lost ({reason}) on attempt {job['attempt']}",
                     "temporary",
-                    Decision("abandon", 0.0, "worker lost on the last attempt"),
+                    Decision("abandon", 0.0, "worker lost beyond the last attempt"),
                 )
                 for job in last
             ]

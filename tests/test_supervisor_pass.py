@@ -131,14 +131,29 @@ async def test_abandon_hook_runs_in_the_same_transaction(conn: db.AsyncConn, set
     assert await cursor.fetchone() == {"n": 0}  # the hook's write went with the abandonment
 
 
-async def test_stale_last_attempt_fails_and_is_abandoned(conn: db.AsyncConn, settings: Settings) -> None:
+async def test_a_job_whose_workers_keep_dying_is_failed_then_abandoned(
+    conn: db.AsyncConn, settings: Settings
+) -> None:
     sup = supervisor(conn, settings)
     row = await running_job(conn, max_attempts=1)
-    later = await db_now(conn) + timedelta(seconds=60)
-    result = await sup.run_once(later)
+    result = await sup.run_once(await db_now(conn) + timedelta(seconds=60))
+    assert result.reclaimed == [row["id"]]  # its one attempt: lost, but reclaimed once more
+    (claimed,) = await queue.claim(conn, WORKER, ["noop"], 1)
+    (again,) = (await queue.start_many(conn, [claimed], ACTOR)).moved
+    assert again["attempt"] == 2
+    result = await sup.run_once(await db_now(conn) + timedelta(seconds=60))
     assert result.errored == [row["id"]] and result.abandoned == [row["id"]]
     events = await events_of(conn, row["id"])
-    assert [e for e, _, _ in events] == ["enqueue", "claim", "start", "error", "abandon"]
+    assert [e for e, _, _ in events] == [
+        "enqueue",
+        "claim",
+        "start",
+        "reclaim",
+        "claim",
+        "start",
+        "error",
+        "abandon",
+    ]
 
 
 async def test_supervisor_takes_a_pool_too(fresh_database: str, settings: Settings) -> None:
