@@ -110,8 +110,12 @@ def plan_observed(view: InstanceView) -> list[Action]:
         if not view.live_jobs:
             return [Transition("recover", "observed healthy again")]
         return []
-    if view.state == "suspended" and not broken and not seen.read_only and SUSPEND not in view.live_jobs:
-        return [Enqueue(SUSPEND, "suspended but writable: enforce read-only")]
+    if view.state == "suspended" and SUSPEND not in view.live_jobs:
+        if not broken and not seen.read_only:
+            return [Enqueue(SUSPEND, "suspended but writable: enforce read-only")]
+        if seen.exists and not seen.running:
+            # No edge leaves `suspended` for `degraded`: suspending again restarts it read-only.
+            return [Enqueue(SUSPEND, "suspended but not running: restart read-only")]
     if view.state == "ready" and seen.read_only and not view.billing_hold and not view.live_jobs:
         return [Enqueue(RESUME, "ready but read-only without a hold: resume")]
     return []

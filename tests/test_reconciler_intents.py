@@ -3,6 +3,8 @@ their release, and read-only re-enforced on a suspended instance made writable b
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -151,6 +153,17 @@ async def test_a_billing_hold_suspends_its_release_resumes_and_read_only_is_re_e
         async with working(local_settings, registry):
             await passes_until(rec, settled(iid, "suspended"))
         assert read_only(info)
+
+        # Its server killed while suspended: suspended again, so it runs read-only again.
+        pid = int((local.datadir(iid) / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        local._server(iid).wait_until_down()
+        assert (await rec.run_once()).actions == {"enqueue_suspend": 1}
+        (restart,) = await live_jobs(conn, iid)
+        assert restart["payload"]["reason"] == "suspended but not running: restart read-only"
+        async with working(local_settings, registry):
+            await passes_until(rec, settled(iid, "suspended"))
+        assert (await local.observe(iid)).running and read_only(info)
 
         # The hold is released: the instance suspended by billing resumes.
         await conn.execute(

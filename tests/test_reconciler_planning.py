@@ -92,6 +92,15 @@ def test_read_only_drift_both_ways() -> None:
     assert plan(held, NOW, 2) == [Enqueue("suspend", "billing hold")]
 
 
+def test_a_suspended_instance_whose_server_stopped_is_suspended_again() -> None:
+    stopped = Observed(True, False, False, False, "server not running")
+    assert plan(view("suspended", observed=stopped), NOW, 2) == [
+        Enqueue("suspend", "suspended but not running: restart read-only")
+    ]
+    assert plan(view("suspended", observed=stopped, live_jobs=("suspend",)), NOW, 2) == []
+    assert plan(view("suspended", observed=Observed(False, False, False, False)), NOW, 2) == []
+
+
 def test_intents() -> None:
     assert plan(view("ready", deletion_requested=True), NOW, 2) == [
         Enqueue("deprovision", "deletion requested")
