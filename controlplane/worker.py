@@ -43,6 +43,8 @@ DATABASE_GONE = (psycopg.OperationalError, PoolTimeout)
 # How long to wait for a pooled connection before counting the database as unreachable.
 CONNECTION_TIMEOUT_S = 5.0
 WAKE_CHANNEL = "cp_job_queued"
+# Longest wait for more free slots before claiming into a backlog (bigger, fewer claim batches).
+CLAIM_LINGER_S = 0.05
 
 
 def default_worker_id() -> str:
@@ -138,6 +140,8 @@ class Worker:
         self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
         self.kinds = registry.names()
         self.concurrency = settings.worker_concurrency
+        # With a backlog, claim when at least this many slots are free (or after CLAIM_LINGER_S).
+        self._batch_min = max(1, self.concurrency // 2)
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
         self.counts: Counter[str] = Counter()
         self._held: dict[uuid.UUID, Held] = {}
@@ -225,14 +229,20 @@ class Worker:
     # ----------------------------------------------------------------- claiming
 
     async def _claim_loop(self) -> None:
+        backlog = False  # the last claim was full: more jobs are likely waiting
         while not self._stop.is_set():
             free = self.concurrency - len(self._tasks)
             if free <= 0:
                 self._kick.clear()
                 await self._kick.wait()
                 continue
+            if backlog and free < self._batch_min:
+                await self._gather_slots()
+                if self._stop.is_set():
+                    break
+                free = self.concurrency - len(self._tasks)
             self._kick.clear()
-            await self._claim_and_start(free)
+            backlog = await self._claim_and_start(free) == free
             if self._stop.is_set():
                 break
             if self.concurrency - len(self._tasks) <= 0:
@@ -240,7 +250,19 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=self.settings.poll_interval_s)
 
-    async def _claim_and_start(self, free: int) -> None:
+    async def _gather_slots(self) -> None:
+        """With a backlog, let up to half the slots free up (briefly) so claims come in batches."""
+        deadline = time.monotonic() + CLAIM_LINGER_S
+        while not self._stop.is_set() and self.concurrency - len(self._tasks) < self._batch_min:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=remaining)
+
+    async def _claim_and_start(self, free: int) -> int:
+        """Claim up to `free` jobs and start them; returns how many were claimed."""
         claimed: list[DictRow] = []
 
         async def claim_and_start(conn: AsyncConn) -> BatchResult:
@@ -259,14 +281,14 @@ class Worker:
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
             if not claimed:
                 await self._pause_after_failure()
-                return
+                return 0
             result = await self._with_retry("start", lambda conn: self._start(conn, claimed), self._claiming)
             if result is None:
                 for row in claimed:
                     held = self._held.get(row["id"])
                     if held is not None:
                         self._forget(held)
-                return
+                return 0
             started = result
         self.counts["claimed"] += len(claimed)
         for row in started.moved:
@@ -280,6 +302,7 @@ class Worker:
             if held is not None:
                 log.info("worker %s: job %s was taken before it started", self.worker_id, held.id)
                 self._forget(held)
+        return len(claimed)
 
     async def _start(self, conn: AsyncConn, claimed: list[DictRow]) -> BatchResult:
         """claimed -> running for the batch, counting our own earlier (reply-lost) start as done."""
