@@ -102,7 +102,7 @@ async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_
         f" ready after {to_ready:.2f}s (reclaim threshold {fault_settings.reclaim_after_s:g}s"
         f" + one pass interval {INTERVAL_S}s = {bound:g}s)"
     )
-    assert to_reclaim <= bound + 0.5
+    assert to_reclaim <= bound + 1.0  # slack for a loaded machine
     done = await job(conn, provision["id"])
     assert (done["state"], done["attempt"], done["claimed_by"]) == ("completed", 2, "second-worker")
     with connect(credentials(fault_settings, await instance(conn, iid))) as customer:
