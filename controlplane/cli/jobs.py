@@ -15,6 +15,8 @@ from controlplane.handlers import JobRegistry
 
 DB_FLAGS = ("database_url", "data_dir")
 REGISTRY_ENV = "CONTROLPLANE_JOB_REGISTRY"
+# The instance operations over the configured provisioner: their hooks fail or degrade the instance.
+DEFAULT_REGISTRY = "controlplane.operations:default_registry"
 T = TypeVar("T")
 
 
@@ -46,7 +48,8 @@ def register(commands: Any) -> None:
             steer.add_argument(
                 "--registry",
                 default=os.environ.get(REGISTRY_ENV, "controlplane.operations:default_registry"),
-                help=f"job kinds as module:attribute, for the abandonment hook (env {REGISTRY_ENV})",
+                help=f"job kinds as module:attribute, for the abandonment hook (env {REGISTRY_ENV}, "
+                f"default {DEFAULT_REGISTRY})",
             )
             steer.add_argument(
                 "--force", action="store_true", help="abandon even if the kind's hook cannot run here"
@@ -104,10 +107,17 @@ def cmd_dwell(args: argparse.Namespace) -> int:
 def cmd_steer(args: argparse.Namespace) -> int:
     operator = args.operator or getpass.getuser()
     registry: JobRegistry | None = None
-    if args.action == "abandon" and args.registry:
+    if args.action == "abandon" and not args.force:
         from controlplane.worker import load_registry
 
-        registry = load_registry(args.registry)
+        spec = args.registry or DEFAULT_REGISTRY
+        try:
+            registry = load_registry(spec)
+        except Exception as exc:
+            raise CommandError(
+                f"cannot load the job kinds {spec!r} for the abandonment hook ({exc}); "
+                "name them with --registry, or --force to abandon without the hook"
+            ) from exc
 
     async def steer(conn: AsyncConn) -> Any:
         return await queue.operator_action(
