@@ -33,8 +33,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         prog="python3 dev.py bench",
         description="Benchmarks of the control plane against PostgreSQL's limit and peer queues.",
     )
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions of every workload (default 3)")
-    parser.add_argument("--quick", action="store_true", help="small sizes and short durations (~3 minutes)")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="repetitions of every workload (default 3; 2 with --quick)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, short durations, 2 repetitions (~3 minutes)"
+    )
     parser.add_argument(
         "--only", default="", help="comma-separated workload keys to run (default: all); see --list"
     )
@@ -126,6 +130,8 @@ def profile_pass(ctx: Context, outcomes: list[Outcome]) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.repeat is None:
+        args.repeat = 2 if args.quick else 3
     workloads = all_workloads()
     if args.list:
         for w in workloads:

@@ -1,81 +1,132 @@
-"""Driver: an HTTP load generator (asyncio + httpx), run as its own process.
+"""Driver: a light HTTP/1.1 load generator (asyncio streams, keep-alive), run as its own process.
 
-  rate    open loop: one request every 1/rate s for `seconds`, latency from the scheduled send time
-  closed  N concurrent clients back to back for `seconds` (the fallback when wrk is not installed)
+  rate    open loop: one request every 1/rate s for `seconds` over a set of connections; latency is
+          measured from the scheduled send time, so a slow server is not hidden by a waiting client
+  closed  N connections sending back to back for `seconds` (the fallback when wrk is not installed)
 
-Every request is a POST of a fresh instance body (a unique name each time).
+Every request is a POST of a fresh instance body (a unique name each time). Plain sockets rather than
+an HTTP library keep the generator's own CPU per request small next to the server's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import secrets
 import time
 from collections import Counter
-
-import httpx
+from urllib.parse import urlsplit
 
 from bench.drivers.common import emit, quiet_logs
 
 
-def body(tag: str, n: int) -> dict[str, str]:
-    return {"name": f"b{tag}-{n}", "plan": "dev"}
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def post(self, head: bytes, body: bytes) -> int:
+        self.writer.write(head + str(len(body)).encode() + b"\r\n\r\n" + body)
+        status_line = await self.reader.readline()
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        if length:
+            await self.reader.readexactly(length)
+        return int(status_line.split()[1])
 
 
-async def rate(args: argparse.Namespace, client: httpx.AsyncClient, tag: str) -> dict[str, object]:
+async def connect(host: str, port: int) -> Connection:
+    reader, writer = await asyncio.open_connection(host, port)
+    return Connection(reader, writer)
+
+
+def request_head(host: str, port: int, path: str, key: str) -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}"
+        "Content-Type: application/json\r\nContent-Length: "
+    ).encode()
+
+
+def body(tag: str, n: int) -> bytes:
+    return json.dumps({"name": f"b{tag}-{n}", "plan": "dev"}).encode()
+
+
+async def rate(args: argparse.Namespace, conns: list[Connection], head: bytes, tag: str) -> dict[str, object]:
     latencies: list[float] = []
     statuses: Counter[int] = Counter()
+    queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+
+    async def sender(conn: Connection) -> None:
+        while (item := await queue.get()) is not None:
+            n, scheduled = item
+            try:
+                statuses[await conn.post(head, body(tag, n))] += 1
+            except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+                statuses[0] += 1
+            latencies.append((time.perf_counter() - scheduled) * 1000)
+
+    senders = [asyncio.create_task(sender(c)) for c in conns]
     interval = 1.0 / args.rate
     total = int(args.rate * args.seconds)
-
-    async def send(n: int, scheduled: float) -> None:
-        try:
-            response = await client.post(args.path, json=body(tag, n))
-            statuses[response.status_code] += 1
-        except httpx.HTTPError:
-            statuses[0] += 1
-        latencies.append((time.perf_counter() - scheduled) * 1000)
-
-    start = time.perf_counter() + 0.2
-    tasks = []
+    start = time.perf_counter() + 0.1
     for n in range(total):
         scheduled = start + n * interval
         delay = scheduled - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(n, scheduled)))
-    await asyncio.gather(*tasks)
-    elapsed = time.perf_counter() - start
-    return {"requests": total, "seconds": elapsed, "statuses": dict(statuses), "latencies_ms": latencies}
+        queue.put_nowait((n, scheduled))
+    for _ in senders:
+        queue.put_nowait(None)
+    await asyncio.gather(*senders)
+    return {
+        "requests": total,
+        "seconds": time.perf_counter() - start,
+        "statuses": dict(statuses),
+        "latencies_ms": latencies,
+    }
 
 
-async def closed(args: argparse.Namespace, client: httpx.AsyncClient, tag: str) -> dict[str, object]:
+async def closed(
+    args: argparse.Namespace, conns: list[Connection], head: bytes, tag: str
+) -> dict[str, object]:
     statuses: Counter[int] = Counter()
     counter = iter(range(10**9))
     stop_at = time.perf_counter() + args.seconds
 
-    async def loop() -> None:
+    async def loop(conn: Connection) -> None:
         while time.perf_counter() < stop_at:
             try:
-                response = await client.post(args.path, json=body(tag, next(counter)))
-                statuses[response.status_code] += 1
-            except httpx.HTTPError:
+                statuses[await conn.post(head, body(tag, next(counter)))] += 1
+            except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
                 statuses[0] += 1
+                return
 
     start = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(args.connections)))
+    await asyncio.gather(*(loop(c) for c in conns))
     elapsed = time.perf_counter() - start
     done = sum(statuses.values())
     return {"requests": done, "seconds": elapsed, "statuses": dict(statuses), "rps": done / elapsed}
 
 
 async def main(args: argparse.Namespace) -> None:
+    parts = urlsplit(args.base)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    conns = [await connect(host, port) for _ in range(args.connections)]
+    head = request_head(host, port, args.path, args.key)
     tag = secrets.token_hex(4)
-    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
-    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
-    async with httpx.AsyncClient(base_url=args.base, headers=headers, limits=limits, timeout=30) as client:
-        result = await (rate if args.mode == "rate" else closed)(args, client, tag)
+    try:
+        result = await (rate if args.mode == "rate" else closed)(args, conns, head, tag)
+    finally:
+        for conn in conns:
+            conn.writer.close()
     emit(result)
 
 

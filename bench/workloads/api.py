@@ -25,6 +25,7 @@ PATHS = {"ours": "/v1/instances", "baseline": "/bench/baseline"}
 WRK_SCRIPT = Path(__file__).resolve().parent / "wrk_post.lua"
 CONNECTIONS = 32
 RATE = 200.0
+RATE_CONNECTIONS = 16
 
 
 async def make_tenant(url: str) -> str:
@@ -48,6 +49,7 @@ class ApiWorkload(Workload):
             profiled=("ours",),
         )
         self.seconds = 0.0
+        self.warmup = 0.0
 
     def prepare(self, ctx: Context) -> None:
         try:
@@ -55,20 +57,22 @@ class ApiWorkload(Workload):
             importlib.import_module("controlplane.tenants")
         except ImportError as exc:
             raise NotAvailable(f"the REST API is not in the product yet ({exc})") from exc
-        self.seconds = ctx.size(10.0, 3.0)
+        self.seconds = ctx.size(10.0, 2.0)
+        self.warmup = ctx.size(2.0, 1.0)
         tool = (
             f"wrk -t1 -c{CONNECTIONS} (installed by the bench)"
             if ctx.wrk
-            else f"the bench's httpx load generator, closed loop with {CONNECTIONS} connections "
+            else f"the bench's own load generator, closed loop with {CONNECTIONS} connections "
             "(wrk could not be installed; the generator may limit the baseline)"
         )
         self.notes = [
             "One uvicorn process (as `controlplane api` serves it: uvloop/httptools, product logging at "
             "WARNING), CONTROLPLANE_PROVISIONER=noop, a fresh database per run; the load generator is a "
             "separate process.",
-            f"Saturation: {tool} for {self.seconds:g} s after a 2 s warm-up. Latency: the bench's "
-            f"open-loop generator at {RATE:g} req/s for {self.seconds:g} s, measured from the scheduled "
-            "send time.",
+            f"Saturation: {tool} for {self.seconds:g} s after a {self.warmup:g} s warm-up. Latency: "
+            f"the bench's open-loop generator (asyncio sockets, {RATE_CONNECTIONS} keep-alive connections) "
+            f"at {RATE:g} req/s for {self.seconds:g} s, measured from the scheduled send time; when the "
+            "offered rate exceeds what the server sustains, the queue grows and so does the latency.",
             "Ours: POST /v1/instances with a Bearer key (key lookup, instance row + audit row, provisioning "
             "job + job event, NOTIFY, one transaction, 202 with the instance document). Baseline: "
             "POST /bench/baseline mounted by the bench on the same app object: parse the body, one INSERT.",
@@ -99,7 +103,7 @@ class ApiWorkload(Workload):
                 raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
             ctx.cluster.checkpoint()
             path = PATHS[variant]
-            self._saturate(ctx, base, path, key, 2.0)  # warm-up
+            self._saturate(ctx, base, path, key, self.warmup)
             if ctx.profiler is not None:
                 ctx.profiler.attach(server.pid, f"api-{variant}-server", self.seconds)
             rps, sat_errors = self._saturate(ctx, base, path, key, self.seconds)
@@ -180,7 +184,7 @@ class ApiWorkload(Workload):
                 "--seconds",
                 str(self.seconds),
                 "--connections",
-                "64",
+                str(RATE_CONNECTIONS),
             ],
             name="w4-loadgen-rate",
             timeout=self.seconds + 120,

@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 
 from bench.core import Context, Metric, Workload
+from bench.procs import wait_for
 
 RECOVERY = Metric("recovery_s", "recovery s (kill to last orphan done)", "s", 1)
 ORPHANS = Metric("orphans", "jobs held by the killed worker", "")
@@ -73,6 +74,13 @@ class CrashWorkload(Workload):
             started += workers.values()
             with psycopg.connect(url, autocommit=True) as conn:
                 self._wait(conn, lambda n: n >= self.jobs // 3, timeout=300, what="a third of the jobs done")
+                # Kill worker A while it holds jobs (under load it may be slow to start claiming).
+                wait_for(
+                    lambda: held_by(conn, WORKERS[0]) > 0,
+                    timeout=120,
+                    interval=0.05,
+                    what="worker A to hold jobs",
+                )
                 victim = workers[WORKERS[0]]
                 ctx.procs.kill(victim, signal.SIGKILL)
                 victim.wait(timeout=10)
@@ -103,7 +111,9 @@ class CrashWorkload(Workload):
                 ctx.procs.stop(proc)
             ctx.cluster.drop_database(name)
         assert last_orphan is not None and duplicates is not None and completed is not None
-        recovery = float(last_orphan[0]) - killed_at if orphans and last_orphan[0] is not None else 0.0
+        if not orphans or last_orphan[0] is None:
+            raise RuntimeError("the killed worker held no jobs at the kill: nothing to recover")
+        recovery = float(last_orphan[0]) - killed_at
         return {
             RECOVERY.key: recovery,
             ORPHANS.key: float(len(orphans)),
@@ -130,3 +140,10 @@ class CrashWorkload(Workload):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out waiting for {what} ({row[0] if row else '?'} completed)")
             time.sleep(0.1)
+
+
+def held_by(conn: psycopg.Connection[Any], worker_id: str) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM jobs WHERE claimed_by = %s AND state IN ('claimed', 'running')", (worker_id,)
+    ).fetchone()
+    return int(row[0]) if row else 0
