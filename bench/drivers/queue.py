@@ -143,8 +143,24 @@ async def pickup(args: argparse.Namespace) -> None:
     await pool.close()
     while not producers.empty():
         await producers.get_nowait().close()
+    # Where the time goes, from the database clock: enqueue -> claim -> start statements.
+    conn = await db.connect(args.url)
+    async with conn:
+        cursor = await conn.execute(
+            """
+            SELECT 1000 * extract(epoch FROM c.at - e.at) AS to_claim_ms,
+                   1000 * extract(epoch FROM s.at - c.at) AS to_start_ms
+            FROM job_events e
+            JOIN job_events c ON c.job_id = e.job_id AND c.event = 'claim'
+            JOIN job_events s ON s.job_id = e.job_id AND s.event = 'start'
+            WHERE e.event = 'enqueue'
+            """
+        )
+        phases = await cursor.fetchall()
     emit(
         {
+            "to_claim_ms": [float(r["to_claim_ms"]) for r in phases],
+            "to_start_ms": [float(r["to_start_ms"]) for r in phases],
             "enqueued": total,
             "started": len(latencies),
             "produce_seconds": produced_s,
