@@ -36,6 +36,14 @@ async def backend_gone(conn: AsyncConn, pid: int) -> None:
     assert await scalar(conn, "SELECT pg_terminate_backend(%s, 10000)", (pid,)) is True
 
 
+async def backend_exited(conn: AsyncConn, pid: int, timeout_s: float = 10) -> None:
+    """Wait until the server has ended backend `pid` (its client hung up; the server must act)."""
+    deadline = time.monotonic() + timeout_s
+    while await scalar(conn, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)):
+        assert time.monotonic() < deadline, f"backend {pid} still there after {timeout_s}s"
+        await asyncio.sleep(0.01)
+
+
 async def test_one_election_leads_and_the_standby_takes_over_when_its_connection_dies(
     conn: AsyncConn, fresh_database: str
 ) -> None:
@@ -48,7 +56,9 @@ async def test_one_election_leads_and_the_standby_takes_over_when_its_connection
 
         # The leader's connection closes: the standby takes over at its next ensure().
         assert first._conn is not None
+        pid = first._conn.info.backend_pid
         await first._conn.close()
+        await backend_exited(conn, pid)
         assert await second.ensure() is True
         assert await first.ensure() is False and not first.is_leader
 
