@@ -363,7 +363,7 @@ class Operations:
 
     async def _deprovision(self, ctx: JobContext, inst: DictRow) -> Verdict:
         state = inst["state"]
-        skip_backup = bool(ctx.payload.get("skip_backup", inst["skip_final_backup"]))
+        skip_backup = bool(ctx.payload.get("skip_final_backup", inst["skip_final_backup"]))
         if state == "failed":
             return await self._cleanup(ctx, inst, skip_backup)
         if state in ("ready", "degraded", "suspended"):
@@ -482,6 +482,6 @@ async def _enqueue_cleanup(
     instance_id: uuid.UUID = inst["id"]
     await jobs.enqueue(
         conn,
-        jobs.NewJob(DEPROVISION, instance_id, payload={CLEANUP: True, "skip_backup": skip_backup}),
+        jobs.NewJob(DEPROVISION, instance_id, payload={CLEANUP: True, "skip_final_backup": skip_backup}),
         actor,
     )

@@ -317,9 +317,14 @@ async def abandon(
 
 
 async def list_jobs(
-    conn: AsyncConn, *, state: str | None = None, kind: str | None = None, limit: int = 100
+    conn: AsyncConn,
+    *,
+    state: str | None = None,
+    kind: str | None = None,
+    instance_id: uuid.UUID | None = None,
+    limit: int = 100,
 ) -> list[DictRow]:
-    """Jobs newest first, optionally of one state and/or kind."""
+    """Jobs newest first, optionally of one state, kind and/or instance."""
     if state is not None and state not in lifecycle.JOB.states:
         raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(lifecycle.JOB.states)}")
     cursor = await conn.execute(
@@ -330,9 +335,10 @@ async def list_jobs(
         FROM jobs
         WHERE (%(state)s::text IS NULL OR state = %(state)s)
           AND (%(kind)s::text IS NULL OR kind = %(kind)s)
+          AND (%(instance)s::uuid IS NULL OR instance_id = %(instance)s::uuid)
         ORDER BY created_at DESC, id
         LIMIT %(limit)s
         """,
-        {"state": state, "kind": kind, "limit": limit},
+        {"state": state, "kind": kind, "instance": instance_id, "limit": limit},
     )
     return await cursor.fetchall()

@@ -289,5 +289,8 @@ class Reconciler:
                     await self.run_once()
                 except (psycopg.OperationalError, PoolTimeout) as exc:
                     log.warning("reconciler pass failed: %s", exc)
+                except Exception:
+                    # One broken pass must not stop reconciliation; the next pass tries again.
+                    log.exception("reconciler pass failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -54,6 +54,10 @@ async def test_events_stats_and_stuck(
     stats = {s["state"]: s for s in json.loads(capsys.readouterr().out)["states"]}
     assert stats["pending"]["count"] == 2 and stats["pending"]["current"] == 1
 
+    await enqueue(conn, NewJob("provision", late["id"]), TEST_ACTOR)
+    assert await cli(["jobs", "list", *db, "--instance", str(moved["id"]), "--json"]) == 0
+    assert [j["id"] for j in json.loads(capsys.readouterr().out)] == [str(job["id"])]
+
     assert await cli(["stuck", *db, "--json"]) == 0
     stuck = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in stuck["instances_past_deadline"]] == [str(late["id"])]

@@ -237,7 +237,7 @@ async def test_a_permanent_failure_fails_the_instance_and_cleans_up(
     assert "injected fault at initialize_database" in row["failure_reason"]
     cursor = await conn.execute("SELECT * FROM jobs WHERE instance_id = %s AND kind = %s", (iid, DEPROVISION))
     cleanup = await cursor.fetchone()
-    assert cleanup is not None and cleanup["payload"] == {"cleanup": True, "skip_backup": True}
+    assert cleanup is not None and cleanup["payload"] == {"cleanup": True, "skip_final_backup": True}
     await run_until(ops_settings, registry, job_finished(cleanup["id"]))
     assert (await job(conn, cleanup["id"]))["verdict"]["result"] == "cleaned up"
     assert await local.inventory() == []

@@ -99,10 +99,13 @@ async def admin_jobs(
     _: AdminKey,
     state: JobState | None = None,
     kind: Annotated[str | None, Query(max_length=100)] = None,
+    instance: uuid.UUID | None = None,
     limit: Annotated[int, Query(ge=1, description=f"values above {MAX_LIMIT} are capped")] = DEFAULT_LIMIT,
 ) -> dict[str, Any]:
     async with app_state(request).pool.connection() as conn:
-        rows = await queue.list_jobs(conn, state=state, kind=kind, limit=min(limit, MAX_LIMIT))
+        rows = await queue.list_jobs(
+            conn, state=state, kind=kind, instance_id=instance, limit=min(limit, MAX_LIMIT)
+        )
     return {"items": [_job(r) for r in rows]}
 
 

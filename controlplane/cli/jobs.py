@@ -27,6 +27,7 @@ def register(commands: Any) -> None:
     listing = actions.add_parser("list", help="jobs, newest first")
     listing.add_argument("--state", choices=lifecycle.JOB.states)
     listing.add_argument("--kind")
+    listing.add_argument("--instance", type=uuid.UUID, help="only this instance's jobs")
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_settings_flags(listing, DB_FLAGS)
@@ -64,7 +65,10 @@ def _seconds(value: float) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     rows = run_with_db(
-        args, lambda conn: queue.list_jobs(conn, state=args.state, kind=args.kind, limit=args.limit)
+        args,
+        lambda conn: queue.list_jobs(
+            conn, state=args.state, kind=args.kind, instance_id=args.instance, limit=args.limit
+        ),
     )
     if args.json:
         print_json(rows)
