@@ -68,7 +68,11 @@ class Operations:
 
     async def _load(self, ctx: JobContext) -> DictRow:
         async with ctx.pool.connection() as conn:
-            cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (ctx.instance_id,))
+            cursor = await conn.execute(
+                "SELECT i.*, o.billing_hold FROM instances i JOIN organisations o ON o.id = i.org_id"
+                " WHERE i.id = %s",
+                (ctx.instance_id,),
+            )
             row = await cursor.fetchone()
         if row is None:
             raise PermanentError(f"instance {ctx.instance_id} does not exist")
@@ -269,6 +273,8 @@ class Operations:
             return (
                 NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
             )
+        if by_billing and not inst["billing_hold"]:
+            return {"result": "nothing to do", "why": "the billing hold was released before it ran"}
         await self._step(ctx, inst, "suspend", lambda: self.provisioner.suspend(inst["id"], spec, ctx.fence))
         await self._move(
             ctx,

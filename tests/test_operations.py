@@ -20,6 +20,7 @@ from controlplane.transitions import Actor, transition
 from provisioners.base import ConnectionInfo
 from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner
+from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance
 from tests.operations_support import (
     enqueue,
@@ -268,3 +269,21 @@ async def test_a_failed_suspend_lands_in_degraded_and_heal_brings_it_back(
         ("ready", "degraded"),
         ("degraded", "ready"),
     ]
+
+
+async def test_a_billing_suspend_whose_hold_was_released_before_it_ran_does_nothing(
+    conn: AsyncConn, ops_settings: Settings
+) -> None:
+    registry = registry_for(NoopProvisioner())
+    iid = (await make_instance(conn))["id"]
+    await enqueue(conn, PROVISION, iid)
+    await run_until(ops_settings, registry, instance_in(iid, "ready"))
+    stale = await enqueue(conn, SUSPEND, iid, billing=True)
+    await run_until(ops_settings, registry, job_finished(stale["id"]))
+    assert (await job(conn, stale["id"]))["verdict"]["result"] == "nothing to do"
+    assert (await instance(conn, iid))["state"] == "ready"
+    await conn.execute("UPDATE organisations SET billing_hold = true")
+    held = await enqueue(conn, SUSPEND, iid, billing=True)
+    await run_until(ops_settings, registry, job_finished(held["id"]))
+    row = await instance(conn, iid)
+    assert row["state"] == "suspended" and row["suspended_by_billing"]
