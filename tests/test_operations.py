@@ -118,7 +118,8 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     await run_until(ops_settings, registry, job_finished(again["id"]))
     assert (await job(conn, again["id"]))["verdict"] == {"result": "nothing to do"}
 
-    # Billing suspends: reads work, writes do not.
+    # Billing suspends (the organisation is on hold): reads work, writes do not.
+    await conn.execute("UPDATE organisations SET billing_hold = true")
     await enqueue(conn, SUSPEND, iid, billing=True)
     await run_until(ops_settings, registry, instance_in(iid, "suspended"))
     assert (await instance(conn, iid))["suspended_by_billing"] is True
