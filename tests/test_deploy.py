@@ -39,6 +39,9 @@ SECRET_VARIABLES = {
     "CONTROLPLANE_SECRET_KEY",
 }
 ROLE_COMMANDS = {"api": "serve", "worker": "worker", "reconciler": "reconcile", "migrate": "migrate"}
+# The roles that serve /metrics on CONTROLPLANE_METRICS_PORT (the API serves it on its own port).
+METRICS_COMPONENTS = ("worker", "reconciler")
+METRICS_PORT_VARIABLE = env_name("metrics_port")
 
 Doc = dict[str, Any]
 
@@ -194,7 +197,9 @@ def test_serving_containers_have_probes_on_healthz_and_readyz() -> None:
     serving = 0
     for workload in workloads():
         for container in containers(workload):
-            ports = container.get("ports", [])
+            # A metrics-only container has no health endpoint: its metrics server is a thread
+            # that answers whatever the role's own loop is doing, so it would prove nothing.
+            ports = [port for port in container.get("ports", []) if port.get("name") != "metrics"]
             if not ports:
                 continue
             serving += 1
@@ -380,6 +385,71 @@ def test_network_policy_denies_by_default_and_allows_what_each_role_needs() -> N
         reaches_kubernetes = ("TCP", 443) in egress
         assert reaches_kubernetes == (component in {"worker", "reconciler"}), component
         assert (("TCP", api_port) in ingress) == (component == "api"), component
+        if component in METRICS_COMPONENTS:
+            assert ingress == {("TCP", metrics_port(component))}, f"{component} admits more than /metrics"
+        if component == "migrate":
+            assert ingress == set()
+
+
+def pod_annotations(workload: Doc) -> dict[str, str]:
+    annotations: dict[str, str] = workload["spec"]["template"]["metadata"].get("annotations", {})
+    return annotations
+
+
+def container_env(container: Doc) -> dict[str, str]:
+    return {
+        variable["name"]: variable["value"] for variable in container.get("env", []) if "value" in variable
+    }
+
+
+def metrics_port(component: str) -> int:
+    (container,) = containers(workload_for(component))
+    by_name = {port["name"]: port for port in container.get("ports", []) if "name" in port}
+    assert "metrics" in by_name, f"{component} has no container port named metrics"
+    assert by_name["metrics"].get("protocol", "TCP") == "TCP"
+    port: int = by_name["metrics"]["containerPort"]
+    return port
+
+
+@pytest.mark.parametrize("component", METRICS_COMPONENTS)
+def test_metrics_roles_serve_the_port_they_declare(component: str) -> None:
+    workload = workload_for(component)
+    (container,) = containers(workload)
+    port = metrics_port(component)
+    env = container_env(container)
+    assert env.get(METRICS_PORT_VARIABLE) == str(port), f"{component}: {METRICS_PORT_VARIABLE}"
+    # What the process sees: the ConfigMap and the Secret, then the container's own env.
+    settings = settings_module.load({**config_map()["data"], **secret_values(secret()), **env})
+    assert settings.metrics_port == port
+    assert settings.api_host == "0.0.0.0", "the metrics server binds CONTROLPLANE_API_HOST"
+    assert port != settings.api_port
+    annotations = pod_annotations(workload)
+    assert annotations.get("prometheus.io/scrape") == "true", component
+    assert annotations.get("prometheus.io/port") == str(port), component
+    assert annotations.get("prometheus.io/path") == "/metrics", component
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert ("TCP", port) in allowed_ports(of_kind("NetworkPolicy"), labels, "ingress"), component
+
+
+def test_every_scraped_pod_declares_and_admits_its_scrape_port() -> None:
+    # Set per Deployment, not in the ConfigMap: only the worker and the reconciler start a
+    # metrics server, and the port must agree with each pod's own declarations.
+    assert METRICS_PORT_VARIABLE not in config_map()["data"]
+    policies = of_kind("NetworkPolicy")
+    scraped = set()
+    for workload in workloads():
+        annotations = pod_annotations(workload)
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        if annotations.get("prometheus.io/scrape") != "true":
+            assert workload["kind"] == "Job", f"{workload['metadata']['name']} is not scraped"
+            continue
+        scraped.add(labels["app.kubernetes.io/component"])
+        port = int(annotations["prometheus.io/port"])
+        declared = {p["containerPort"] for c in containers(workload) for p in c.get("ports", [])}
+        assert port in declared, workload["metadata"]["name"]
+        assert ("TCP", port) in allowed_ports(policies, labels, "ingress"), workload["metadata"]["name"]
+        assert annotations["prometheus.io/path"] == "/metrics"
+    assert scraped == {"api", *METRICS_COMPONENTS}
 
 
 def kustomize_command() -> list[str] | None:
@@ -519,6 +589,27 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert failed["labels"]["severity"] == "warning" and failed["for"] == "15m"
 
 
+# A reconciler that led and stood down keeps exporting the gauges of its last pass; the rules
+# read those gauges only from the process with the newest pass.
+LEADER_ONLY = (
+    "and on (job, instance) (controlplane_reconciler_last_success_timestamp_seconds"
+    " == scalar(max(controlplane_reconciler_last_success_timestamp_seconds)))"
+)
+LEADER_GAUGES = ("controlplane_instances_over_deadline", "controlplane_entities")
+
+
+def test_alerts_read_reconciler_gauges_from_the_leader_only() -> None:
+    leader_only = re.sub(r"\s+", "", LEADER_ONLY)
+    uses = 0
+    for rule in alert_rules():
+        used = sum(len(re.findall(rf"\b{gauge}\b", rule["expr"])) for gauge in LEADER_GAUGES)
+        assert re.sub(r"\s+", "", rule["expr"]).count(leader_only) == used, (
+            f"{rule['alert']}: a reconciler gauge not from the leader"
+        )
+        uses += used
+    assert uses >= 3
+
+
 def test_promtool_checks_and_unit_tests_the_rules() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -628,6 +719,40 @@ def test_unit_runs_its_role_hardened_as_a_dedicated_user(name: str) -> None:
 
 def env_example_settings() -> Settings:
     return settings_module.load(dict(line.split("=", 1) for line in env_example_lines()))
+
+
+def unit_environment(path: Path) -> dict[str, str]:
+    """Every Environment= assignment of a unit, later lines winning (parse_unit keeps one line)."""
+    assignments: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("Environment="):
+            for word in shlex.split(line.removeprefix("Environment=")):
+                name, _, value = word.partition("=")
+                assignments[name] = value
+    return assignments
+
+
+UNIT_METRICS = ("controlplane-worker.service", "controlplane-reconciler.service")
+
+
+def test_units_serving_metrics_have_ports_of_their_own() -> None:
+    environment = dict(line.split("=", 1) for line in env_example_lines())
+    # EnvironmentFile= overrides Environment=: one value there would give every role one port.
+    assert METRICS_PORT_VARIABLE not in environment
+    settings = env_example_settings()
+    ports = {}
+    for name in sorted(UNIT_COMMANDS):
+        assignments = unit_environment(SYSTEMD / name)
+        if name not in UNIT_METRICS:
+            assert METRICS_PORT_VARIABLE not in assignments, name
+            continue
+        unit_settings = settings_module.load({**assignments, **environment})
+        assert unit_settings.metrics_port is not None, f"{name} serves no metrics"
+        ports[name] = unit_settings.metrics_port
+    assert set(ports) == set(UNIT_METRICS)
+    assert len(set(ports.values())) == len(ports), "two roles on one host would share a port"
+    assert settings.api_port not in ports.values()
+    assert not any(settings.local_port_min <= port <= settings.local_port_max for port in ports.values())
 
 
 def test_worker_unit_waits_for_the_graceful_shutdown() -> None:
