@@ -53,6 +53,10 @@ RECONCILE_LAST_SUCCESS = Gauge(
     "controlplane_reconciler_last_success_timestamp_seconds",
     "Unix time of the last reconciler pass that completed.",
 )
+RECONCILER_LEADER = Gauge(
+    "controlplane_reconciler_leader",
+    "1 while this reconciler holds the leader lock (its gauges are current), else 0.",
+)
 RECONCILE_ACTIONS = Counter(
     "controlplane_reconciler_actions_total",
     "Corrective actions taken by the reconciler, by kind.",

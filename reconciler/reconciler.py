@@ -284,7 +284,9 @@ class Reconciler:
         """Pass after pass while leading; a standby checks for the lock every interval."""
         interval = self.settings.reconcile_interval_s
         while not stop.is_set():
-            if election is None or await election.ensure():
+            leading = election is None or await election.ensure()
+            metrics.RECONCILER_LEADER.set(1 if leading else 0)
+            if leading:
                 try:
                     await self.run_once()
                 except (psycopg.OperationalError, PoolTimeout) as exc:
