@@ -61,16 +61,11 @@ async def admin_events(
     ),
 ) -> dict[str, Any]:
     limit = min(limit, MAX_LIMIT)
-    after = 0
-    if cursor:
-        (after_s,) = views.decode_cursor(cursor, 1)
-        if not after_s.isdigit():
-            raise views.bad_cursor()
-        after = int(after_s)
+    after = views.after_id(cursor)
     where = events.EventFilter(instance, org, actor, event, to_state, since, until)
     async with app_state(request).pool.connection() as conn:
         rows = await events.search(conn, where, after=after, limit=limit + 1)
-    page, more = rows[:limit], len(rows) > limit
+    page, next_cursor = views.page_of(rows, limit, views.id_cursor)
     items = [
         {
             **views.event(r),
@@ -81,7 +76,7 @@ async def admin_events(
         }
         for r in page
     ]
-    return {"items": items, "next_cursor": views.encode_cursor(page[-1]["id"]) if more else None}
+    return {"items": items, "next_cursor": next_cursor}
 
 
 def _job(row: Any) -> dict[str, Any]:

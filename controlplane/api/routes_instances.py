@@ -183,8 +183,9 @@ async def list_instances(
                 },
             )
         ).fetchall()
-    page, more = rows[:limit], len(rows) > limit
-    next_cursor = views.encode_cursor(page[-1]["created_at"].isoformat(), page[-1]["id"]) if more else None
+    page, next_cursor = views.page_of(
+        rows, limit, lambda last: views.encode_cursor(last["created_at"].isoformat(), last["id"])
+    )
     return {"items": [views.instance(r, app.box) for r in page], "next_cursor": next_cursor}
 
 
@@ -339,12 +340,7 @@ async def instance_events(
 ) -> dict[str, Any]:
     app = app_state(request)
     limit = min(limit, MAX_LIMIT)
-    after = 0
-    if cursor:
-        (after_s,) = views.decode_cursor(cursor, 1)
-        if not after_s.isdigit():
-            raise views.bad_cursor()
-        after = int(after_s)
+    after = views.after_id(cursor)
     async with app.pool.connection() as conn:
         await _load(conn, who, instance_id)
         rows = await (
@@ -354,11 +350,8 @@ async def instance_events(
                 (instance_id, who.org_id, after, limit + 1),
             )
         ).fetchall()
-    page, more = rows[:limit], len(rows) > limit
-    return {
-        "items": [views.event(r) for r in page],
-        "next_cursor": views.encode_cursor(page[-1]["id"]) if more else None,
-    }
+    page, next_cursor = views.page_of(rows, limit, views.id_cursor)
+    return {"items": [views.event(r) for r in page], "next_cursor": next_cursor}
 
 
 @router.get(

@@ -5,14 +5,16 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from controlplane import lifecycle
 from controlplane.api.errors import ProblemError
 from controlplane.secretbox import SecretBox
+
+Row = TypeVar("Row")
 
 # The customer actions an instance can list in `allowed_actions`, and what each one does.
 CUSTOMER_ACTIONS: dict[str, str] = {
@@ -162,6 +164,28 @@ def decode_cursor(cursor: str, arity: int) -> list[str]:
     if not isinstance(values, list) or len(values) != arity or not all(isinstance(v, str) for v in values):
         raise bad_cursor()
     return values
+
+
+def after_id(cursor: str | None) -> int:
+    """Where a page ordered by id starts: after the id in `cursor` (0 for the first page)."""
+    if not cursor:
+        return 0
+    (after_s,) = decode_cursor(cursor, 1)
+    if not after_s.isdigit():
+        raise bad_cursor()
+    return int(after_s)
+
+
+def id_cursor(row: Mapping[str, Any]) -> str:
+    return encode_cursor(row["id"])
+
+
+def page_of(
+    rows: Sequence[Row], limit: int, cursor_of: Callable[[Row], str]
+) -> tuple[Sequence[Row], str | None]:
+    """Rows fetched one beyond `limit`: the page, and the cursor after its last row if more follow."""
+    page = rows[:limit]
+    return page, cursor_of(page[-1]) if len(rows) > limit else None
 
 
 def bad_cursor() -> ProblemError:
