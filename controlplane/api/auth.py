@@ -62,13 +62,20 @@ async def principal(
     return found
 
 
-async def customer(request: Request, who: Annotated[Principal, Depends(principal)]) -> Customer:
+# Any valid key: an organisation's or an admin's.
+AnyKey = Annotated[Principal, Depends(principal)]
+
+
+async def customer(request: Request, who: AnyKey) -> Customer:
     if who.org_id is None:
         raise ProblemError("forbidden", "this route needs an organisation's key, not an admin key")
     return Customer(who.org_id, who.key_id, request_id(request))
 
 
-async def admin(request: Request, who: Annotated[Principal, Depends(principal)]) -> Admin:
+async def admin(request: Request, who: AnyKey) -> Admin:
     if not who.is_admin:
         raise ProblemError("forbidden", "this route needs an admin key")
     return Admin(who.key_id, request_id(request))
+
+
+AdminKey = Annotated[Admin, Depends(admin)]

@@ -6,11 +6,11 @@ import os
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 
 from controlplane import dwell, events, queue
 from controlplane.api import errors, views
-from controlplane.api.auth import Admin, admin
+from controlplane.api.auth import AdminKey
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import (
     AdminEventPage,
@@ -31,7 +31,6 @@ REGISTRY_ENV = "CONTROLPLANE_JOB_REGISTRY"
 
 router = APIRouter(prefix="/v1/admin", tags=["sre"])
 
-AdminKey = Annotated[Admin, Depends(admin)]
 MAX_LIMIT = 500
 DEFAULT_LIMIT = 100
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from controlplane import tenants
 from controlplane.api import errors
-from controlplane.api.auth import Admin, admin, principal
+from controlplane.api.auth import AdminKey, AnyKey
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated
 from controlplane.api.state import app_state
@@ -33,6 +33,13 @@ def _new_key(key: tenants.NewKey) -> dict[str, Any]:
     return {"id": key.id, "prefix": key.prefix, "key": key.plaintext}
 
 
+def _own_org(who: Principal, refusal: str) -> uuid.UUID:
+    """The caller's organisation; an admin key, which has none, is refused with `refusal`."""
+    if who.org_id is None:
+        raise ProblemError("forbidden", refusal)
+    return who.org_id
+
+
 @router.post(
     "/v1/orgs",
     status_code=201,
@@ -40,7 +47,7 @@ def _new_key(key: tenants.NewKey) -> dict[str, Any]:
     responses=errors.responses(400, 401, 403, 409, 413, 422),
     summary="Create an organisation and its first API key (admin)",
 )
-async def create_org(body: OrgCreate, request: Request, _: Annotated[Admin, Depends(admin)]) -> Any:
+async def create_org(body: OrgCreate, request: Request, _: AdminKey) -> Any:
     async with app_state(request).pool.connection() as conn:
         try:
             org, key = await tenants.create_org(conn, body.name, body.stripe_customer_id)
@@ -56,9 +63,7 @@ async def create_org(body: OrgCreate, request: Request, _: Annotated[Admin, Depe
     responses=errors.responses(400, 401, 403, 404, 413, 422),
     summary="Create another API key for an organisation (admin)",
 )
-async def create_org_key(
-    org_id: uuid.UUID, body: KeyCreate, request: Request, _: Annotated[Admin, Depends(admin)]
-) -> Any:
+async def create_org_key(org_id: uuid.UUID, body: KeyCreate, request: Request, _: AdminKey) -> Any:
     async with app_state(request).pool.connection() as conn:
         if await tenants.get_org(conn, org_id) is None:
             raise ProblemError("not-found", f"no organisation {org_id}")
@@ -72,11 +77,10 @@ async def create_org_key(
     responses=errors.responses(401, 403),
     summary="List the API keys of the caller's organisation (never the keys themselves)",
 )
-async def list_keys(request: Request, who: Annotated[Principal, Depends(principal)]) -> Any:
-    if who.org_id is None:
-        raise ProblemError("forbidden", "admin keys belong to no organisation")
+async def list_keys(request: Request, who: AnyKey) -> Any:
+    org_id = _own_org(who, "admin keys belong to no organisation")
     async with app_state(request).pool.connection() as conn:
-        rows = await tenants.list_keys(conn, who.org_id)
+        rows = await tenants.list_keys(conn, org_id)
     return {"items": [dict(r) for r in rows]}
 
 
@@ -87,13 +91,10 @@ async def list_keys(request: Request, who: Annotated[Principal, Depends(principa
     responses=errors.responses(400, 401, 403, 413, 422),
     summary="Create another API key for the caller's organisation",
 )
-async def create_own_key(
-    body: KeyCreate, request: Request, who: Annotated[Principal, Depends(principal)]
-) -> Any:
-    if who.org_id is None:
-        raise ProblemError("forbidden", "admin keys belong to no organisation; use POST /v1/orgs/{id}/keys")
+async def create_own_key(body: KeyCreate, request: Request, who: AnyKey) -> Any:
+    org_id = _own_org(who, "admin keys belong to no organisation; use POST /v1/orgs/{id}/keys")
     async with app_state(request).pool.connection() as conn:
-        key = await tenants.create_key(conn, who.org_id, name=body.name)
+        key = await tenants.create_key(conn, org_id, name=body.name)
     return _new_key(key)
 
 
@@ -104,9 +105,7 @@ async def create_own_key(
     responses=errors.responses(401, 403, 404, 422),
     summary="Revoke an API key (an organisation's own keys; an admin, any key)",
 )
-async def revoke_key(
-    key_id: uuid.UUID, request: Request, who: Annotated[Principal, Depends(principal)]
-) -> Response:
+async def revoke_key(key_id: uuid.UUID, request: Request, who: AnyKey) -> Response:
     scope = None if who.is_admin else who.org_id
     async with app_state(request).pool.connection() as conn:
         if not await tenants.revoke_key(conn, key_id, scope):
