@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controlplane import tenants
-from controlplane.api.errors import ProblemError
+from controlplane.api.errors import ProblemError, request_id
 from controlplane.api.state import app_state
 from controlplane.tenants import Principal
 from controlplane.transitions import Actor
@@ -41,11 +41,6 @@ class Admin:
     @property
     def actor(self) -> Actor:
         return Actor("admin", str(self.key_id))
-
-
-def request_id(request: Request) -> str | None:
-    value = getattr(request.state, "request_id", None)
-    return value if isinstance(value, str) else None
 
 
 async def principal(

@@ -105,7 +105,7 @@ def problem_response(
     return JSONResponse(body, status_code=body["status"], headers=headers, media_type=PROBLEM_MEDIA_TYPE)
 
 
-def _request_id(request: Request) -> str | None:
+def request_id(request: Request) -> str | None:
     value = getattr(request.state, "request_id", None)
     return value if isinstance(value, str) else None
 
@@ -117,7 +117,7 @@ def _for_request(request: Request, kind: str, detail: str | None, **ext: Any) ->
         detail,
         instance=request.url.path,
         headers=headers,
-        request_id=_request_id(request),
+        request_id=request_id(request),
         **ext,
     )
 
@@ -140,6 +140,10 @@ def validation_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _summary(errors: Sequence[dict[str, Any]]) -> str:
+    return "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+
+
 async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ProblemError)
     return _for_request(request, exc.kind, exc.detail, headers=exc.headers or None, **exc.ext)
@@ -148,7 +152,7 @@ async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = validation_errors(exc.errors())
-    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors) or "request is not valid"
+    detail = _summary(errors) or "request is not valid"
     return _for_request(request, "validation", detail, errors=errors)
 
 
@@ -212,9 +216,7 @@ async def refuse_unknown_query(request: Request) -> None:
     unknown = sorted(set(request.query_params) - known)
     if unknown:
         errors = [{"field": f"query.{name}", "message": "unknown parameter"} for name in unknown]
-        raise ProblemError(
-            "validation", "; ".join(f"{e['field']}: {e['message']}" for e in errors), errors=errors
-        )
+        raise ProblemError("validation", _summary(errors), errors=errors)
 
 
 def install(app: FastAPI) -> None:
@@ -240,15 +242,41 @@ def _describe(status: int) -> str:
     return "; ".join(titles) or "Problem"
 
 
-class BodySizeLimit:
+def _scope_request_id(scope: Scope) -> str | None:
+    value: str | None = scope.get("state", {}).get("request_id")
+    return value
+
+
+def _scope_problem(scope: Scope, kind: str, detail: str) -> JSONResponse:
+    """A problem answered by a middleware, outside any route."""
+    return problem_response(kind, detail, instance=scope.get("path"), request_id=_scope_request_id(scope))
+
+
+class _HttpMiddleware:
+    """An ASGI middleware for HTTP requests; anything else (lifespan, websockets) passes through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class BodySizeLimit(_HttpMiddleware):
     """Refuse a request body over `max_bytes` with 413 before any route reads it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
@@ -274,11 +302,8 @@ class BodySizeLimit:
         await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = problem_response(
-            "payload-too-large",
-            f"the request body is larger than {self.max_bytes} bytes",
-            instance=scope.get("path"),
-            request_id=scope.get("state", {}).get("request_id"),
+        response = _scope_problem(
+            scope, "payload-too-large", f"the request body is larger than {self.max_bytes} bytes"
         )
         await response(scope, receive, send)
 
@@ -294,16 +319,10 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-class CatchAll:
+class CatchAll(_HttpMiddleware):
     """Log any unhandled exception and answer a 500 problem that carries no trace of it."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracking_send(message: Message) -> None:
@@ -315,31 +334,22 @@ class CatchAll:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:
-            request_id = scope.get("state", {}).get("request_id")
             log.exception(
-                "unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id
+                "unhandled error in %s %s (request %s)",
+                scope.get("method"),
+                scope.get("path"),
+                _scope_request_id(scope),
             )
             if started:
                 return
-            response = problem_response(
-                "internal",
-                "an internal error occurred; it has been logged",
-                instance=scope.get("path"),
-                request_id=request_id,
-            )
+            response = _scope_problem(scope, "internal", "an internal error occurred; it has been logged")
             await response(scope, receive, send)
 
 
-class RequestId:
+class RequestId(_HttpMiddleware):
     """Accept a well-formed X-Request-ID or make one; expose it in scope state and the response."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
