@@ -185,7 +185,9 @@ def main(argv: list[str]) -> int:
             if py_spy is None:
                 log("py-spy is not installed: no profiles")
             else:
-                profiler = Profiler(py_spy, RESULTS / "profiles", procs)
+                profiles = RESULTS / "profiles"
+                shutil.rmtree(profiles, ignore_errors=True)  # profiles of an earlier run would mislead
+                profiler = Profiler(py_spy, profiles, procs)
         pg_settings = cluster.settings()
         outcomes = run_workloads(ctx, workloads, args.repeat, profiler)
         failed = False

@@ -17,6 +17,8 @@ ORPHANS = Metric("orphans", "jobs held by the killed worker", "")
 DUPLICATES = Metric("duplicates", "jobs completed twice", "")
 LOST = Metric("not_completed", "jobs not completed", "")
 TOTAL = Metric("total_s", "all jobs done s", "s", 1)
+RECLAIMED = Metric("reclaimed_s", "kill to last orphan reclaimed s", "s", 1)
+REQUEUED = Metric("requeued_wait_s", "longest orphan wait reclaimed->claimed s", "s", 1)
 CONCURRENCY = 10
 JOB_SECONDS = 2.0
 WORKERS = ("bench-a", "bench-b")
@@ -28,7 +30,7 @@ class CrashWorkload(Workload):
             key="crash",
             title="6. Crash recovery",
             variants=("ours",),
-            metrics={"ours": (RECOVERY, ORPHANS, DUPLICATES, LOST, TOTAL)},
+            metrics={"ours": (RECOVERY, RECLAIMED, REQUEUED, ORPHANS, DUPLICATES, LOST, TOTAL)},
         )
         self.jobs = 0
 
@@ -41,7 +43,8 @@ class CrashWorkload(Workload):
             "with SIGKILL once a third of the jobs are done.",
             "Recovery: from the kill to the finish event of the last job worker A held (claimed or "
             "running at the kill), completed by worker B. Duplicates: jobs with more than one finish "
-            "event (must be 0). The floor is the reclaim delay plus one job's run time.",
+            "event (must be 0). The floor is the reclaim delay plus one job's run time; the phases come "
+            "from the job_events timestamps (the reclaim by the supervisor, then the next claim).",
         ]
 
     def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
@@ -106,6 +109,16 @@ class CrashWorkload(Workload):
                     " GROUP BY job_id HAVING count(*) > 1) d"
                 ).fetchone()
                 completed = conn.execute("SELECT count(*) FROM jobs WHERE state = 'completed'").fetchone()
+                phases = conn.execute(
+                    """
+                    SELECT extract(epoch FROM max(r.at)) AS reclaimed,
+                           extract(epoch FROM max(c.at - r.at)) AS requeued
+                    FROM job_events r
+                    JOIN job_events c ON c.job_id = r.job_id AND c.event = 'claim' AND c.id > r.id
+                    WHERE r.event = 'reclaim' AND r.job_id = ANY(%s)
+                    """,
+                    (orphans,),
+                ).fetchone()
         finally:
             for proc in started:
                 ctx.procs.stop(proc)
@@ -114,8 +127,11 @@ class CrashWorkload(Workload):
         if not orphans or last_orphan[0] is None:
             raise RuntimeError("the killed worker held no jobs at the kill: nothing to recover")
         recovery = float(last_orphan[0]) - killed_at
+        assert phases is not None
         return {
             RECOVERY.key: recovery,
+            RECLAIMED.key: float(phases[0] or killed_at) - killed_at,
+            REQUEUED.key: float(phases[1] or 0.0),
             ORPHANS.key: float(len(orphans)),
             DUPLICATES.key: float(duplicates[0]),
             LOST.key: float(self.jobs - completed[0]),
