@@ -61,7 +61,7 @@ async def dwell_stats(conn: AsyncConn, entity: str, *, since: datetime | None = 
     stay are left out; the order is the lifecycle's.
     """
     table = lifecycle.lifecycle(entity)
-    states = [s for s in table.states if s not in table.terminal]
+    states = list(table.live_states())
     cursor = await conn.execute(dwell_query(entity), {"states": states, "since": since})
     rows = {row["state"]: row for row in await cursor.fetchall()}
     return [

@@ -45,6 +45,10 @@ class Lifecycle:
         """Events that are legal from `state`, in table order (empty for terminal states)."""
         return tuple(event for (src, event) in self.transitions if src == state)
 
+    def live_states(self) -> tuple[str, ...]:
+        """The states that are not terminal, in table order."""
+        return tuple(state for state in self.states if state not in self.terminal)
+
     def events(self) -> tuple[str, ...]:
         """Every event name of this lifecycle, in table order, without repeats."""
         return tuple(dict.fromkeys(event for (_, event) in self.transitions))

@@ -16,7 +16,7 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane import jobs, metrics, sql
+from controlplane import jobs, lifecycle, metrics, sql
 from controlplane.db import AsyncConn
 from controlplane.handlers import RESUME, SUSPEND, JobRegistry
 from controlplane.settings import Settings
@@ -28,16 +28,8 @@ from reconciler.leader import LeaderElection
 
 log = logging.getLogger(__name__)
 
-LIVE_INSTANCE_STATES = (
-    "pending",
-    "provisioning",
-    "ready",
-    "updating",
-    "degraded",
-    "suspended",
-    "deprovisioning",
-)
-LIVE_JOB_STATES = ("queued", "claimed", "running", "paused", "failed")
+LIVE_INSTANCE_STATES = lifecycle.INSTANCE.live_states()
+LIVE_JOB_STATES = lifecycle.JOB.live_states()
 
 
 @dataclass
@@ -251,7 +243,7 @@ class Reconciler:
             row = known.get(instance_id)
             if row is None:
                 orphans.append((instance_id, f"unknown instance: {', '.join(names)}", InstanceSpec()))
-            elif row["state"] in ("deleted", "failed") and not row["has_live_job"]:
+            elif row["state"] in lifecycle.INSTANCE.terminal and not row["has_live_job"]:
                 spec = InstanceSpec.for_removal(row["spec"], int(row["spec_generation"]))
                 orphans.append((instance_id, f"{row['state']} instance: {', '.join(names)}", spec))
         return orphans

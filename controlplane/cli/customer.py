@@ -12,9 +12,10 @@ from typing import Any
 
 import httpx
 
+from controlplane import lifecycle
 from controlplane.cli.common import CommandError, print_json, print_table
 
-TERMINAL = ("deleted", "failed")
+TERMINAL = lifecycle.INSTANCE.terminal
 LIST_COLUMNS = ("id", "name", "plan", "state", "state_version", "created_at")
 
 
