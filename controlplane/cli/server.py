@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
 from controlplane import db, logs, roles
 from controlplane.cli.common import add_settings_flags, settings_from
 from controlplane.settings import Settings
+from provisioners.base import Provisioner
 
 DATABASE = ("database_url", "data_dir")
 LOGGING = ("log_level", "log_format")
@@ -127,7 +129,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
+# A long-running role over the configured provisioner: (settings, database URL, provisioner, stop).
+Role = Callable[[Settings, str, Provisioner, asyncio.Event], Awaitable[None]]
+
+
+def _run_role(args: argparse.Namespace, role: Role) -> int:
+    """Run `role` with its metrics served until a signal sets its stop; the provisioner is closed after."""
     settings = _configured(args)
     url = db.resolve_database_url(settings)
 
@@ -137,38 +144,34 @@ def cmd_worker(args: argparse.Namespace) -> int:
         roles.stop_on_signals(stop)
         roles.serve_metrics(settings)
         try:
-            await roles.run_worker_role(settings, url, roles.registry_for(provisioner), stop)
+            await role(settings, url, provisioner, stop)
         finally:
             await provisioner.close()
 
     asyncio.run(run())
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    async def worker(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
+        await roles.run_worker_role(settings, url, roles.registry_for(provisioner), stop)
+
+    return _run_role(args, worker)
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    settings = _configured(args)
-    url = db.resolve_database_url(settings)
+    async def reconcile(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
+        await roles.run_reconciler_role(
+            settings,
+            url,
+            provisioner,
+            roles.registry_for(provisioner),
+            stop,
+            once=args.once,
+            dry_run_orphans=args.dry_run_orphans,
+        )
 
-    async def run() -> None:
-        provisioner = provisioners.build(settings)
-        stop = asyncio.Event()
-        roles.stop_on_signals(stop)
-        roles.serve_metrics(settings)
-        try:
-            await roles.run_reconciler_role(
-                settings,
-                url,
-                provisioner,
-                roles.registry_for(provisioner),
-                stop,
-                once=args.once,
-                dry_run_orphans=args.dry_run_orphans,
-            )
-        finally:
-            await provisioner.close()
-
-    asyncio.run(run())
-    return 0
+    return _run_role(args, reconcile)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
