@@ -122,27 +122,37 @@ def show_instance(instance: dict[str, Any], as_json: bool) -> None:
     print_table(rows, ("field", "value"))
 
 
+def _updates(api: Api, instance_id: str) -> Iterator[dict[str, Any]]:
+    """The instance as it is now, then as it is after each change its watch stream announces."""
+    yield api.request("GET", f"/v1/instances/{instance_id}")
+    for _event in api.stream_events(instance_id):
+        yield api.request("GET", f"/v1/instances/{instance_id}")
+
+
+def _all_items(api: Api, path: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The items of every page of a cursor-paginated listing."""
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        query = {**(params or {}), **({"cursor": cursor} if cursor else {})}
+        page = api.request("GET", path, params=query or None)
+        items += page["items"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return items
+
+
 def follow(api: Api, instance_id: str, until: tuple[str, ...], as_json: bool) -> dict[str, Any]:
     """Print each state change until the instance reaches one of `until` (or a terminal state)."""
     started = time.monotonic()
-    instance: dict[str, Any] = api.request("GET", f"/v1/instances/{instance_id}")
     last = None
-
-    def report(current: dict[str, Any]) -> None:
-        nonlocal last
-        step = current.get("progress") or ""
-        key = (current["state"], step)
+    for instance in _updates(api, instance_id):
+        step = instance.get("progress") or ""
+        key = (instance["state"], step)
         if key != last and not as_json:
             elapsed = time.monotonic() - started
-            print(f"[{elapsed:6.1f}s] {current['state']}" + (f" ({step})" if step else ""), flush=True)
+            print(f"[{elapsed:6.1f}s] {instance['state']}" + (f" ({step})" if step else ""), flush=True)
         last = key
-
-    report(instance)
-    if instance["state"] in until or instance["state"] in TERMINAL:
-        return instance
-    for _event in api.stream_events(instance_id):
-        instance = api.request("GET", f"/v1/instances/{instance_id}")
-        report(instance)
         if instance["state"] in until or instance["state"] in TERMINAL:
             break
     return instance
@@ -170,18 +180,8 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    api = Api(args)
-    items: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        params = {"limit": 100, **({"state": args.state} if args.state else {})}
-        if cursor:
-            params["cursor"] = cursor
-        page = api.request("GET", "/v1/instances", params=params)
-        items += page["items"]
-        cursor = page.get("next_cursor")
-        if not cursor:
-            break
+    params = {"limit": 100, **({"state": args.state} if args.state else {})}
+    items = _all_items(Api(args), "/v1/instances", params)
     if args.json:
         print_json(items)
     else:
@@ -210,11 +210,11 @@ def cmd_resize(args: argparse.Namespace) -> int:
 
 
 def wait_for_generation(api: Api, instance_id: str, generation: int, as_json: bool) -> dict[str, Any]:
-    instance: dict[str, Any] = api.request("GET", f"/v1/instances/{instance_id}")
+    updates = _updates(api, instance_id)
+    instance = next(updates)
     if instance["observed_generation"] >= generation and instance["state"] == "ready":
         return instance
-    for _event in api.stream_events(instance_id):
-        instance = api.request("GET", f"/v1/instances/{instance_id}")
+    for instance in updates:
         if not as_json:
             print(
                 f"{instance['state']}"
@@ -242,17 +242,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    api = Api(args)
-    items: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        page = api.request(
-            "GET", f"/v1/instances/{args.id}/events", params={"cursor": cursor} if cursor else None
-        )
-        items += page["items"]
-        cursor = page.get("next_cursor")
-        if not cursor:
-            break
+    items = _all_items(Api(args), f"/v1/instances/{args.id}/events")
     if args.json:
         print_json(items)
         return 0
