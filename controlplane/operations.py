@@ -58,6 +58,11 @@ def _deferred(inst: Mapping[str, Any]) -> Verdict:
     return {"result": "deferred", "state": inst["state"]}
 
 
+def _not_now(inst: Mapping[str, Any]) -> Verdict:
+    """Nothing to do for an instance that is gone or going, else deferred."""
+    return NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
+
+
 @dataclass
 class Operations:
     """The six instance operations over one provisioner."""
@@ -89,18 +94,7 @@ class Operations:
         patch: Mapping[str, Any] | None = None,
     ) -> DictRow:
         async with ctx.pool.connection() as conn:
-            return await transition(
-                conn,
-                "instance",
-                inst["id"],
-                event,
-                inst["state_version"],
-                expected_state=inst["state"],
-                actor=ctx.actor,
-                reason=reason,
-                detail=detail,
-                patch=patch,
-            )
+            return await _transition(conn, inst, event, ctx.actor, reason=reason, detail=detail, patch=patch)
 
     async def _progress(self, ctx: JobContext, inst: Mapping[str, Any], text: str | None) -> None:
         """Show what runs now on the instance (progress is outside the guarded columns)."""
@@ -229,9 +223,7 @@ class Operations:
                 ctx, inst, "update", patch={"progress": "apply_plan", **self._deadline(ctx, "updating")}
             )
         if inst["state"] != "updating":
-            return (
-                NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
-            )
+            return _not_now(inst)
         spec = self._spec(inst)
         changed = await self._step(
             ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst["id"], spec, ctx.fence)
@@ -270,9 +262,7 @@ class Operations:
             changed = await self.provisioner.suspend(inst["id"], spec, ctx.fence)
             return {"result": "suspended (repaired)"} if changed else NOTHING_TO_DO
         if inst["state"] != "ready":
-            return (
-                NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
-            )
+            return _not_now(inst)
         if by_billing and not inst["billing_hold"]:
             return {"result": "nothing to do", "why": "the billing hold was released before it ran"}
         await self._step(ctx, inst, "suspend", lambda: self.provisioner.suspend(inst["id"], spec, ctx.fence))
@@ -300,9 +290,7 @@ class Operations:
                 patch={"progress": "resume", "suspended_by_billing": False},
             )
         elif inst["state"] != "ready":
-            return (
-                NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
-            )
+            return _not_now(inst)
         changed = await self._step(
             ctx, inst, "resume", lambda: self.provisioner.resume(inst["id"], spec, ctx.fence)
         )
@@ -469,7 +457,23 @@ def _failure_reason(job: Mapping[str, Any], inst: Mapping[str, Any]) -> str:
 async def _transition_in(
     conn: AsyncConn, inst: Mapping[str, Any], event: str, actor: Actor, reason: str
 ) -> None:
-    await transition(
+    await _transition(
+        conn, inst, event, actor, reason=reason, patch={"failure_reason": reason, "progress": None}
+    )
+
+
+async def _transition(
+    conn: AsyncConn,
+    inst: Mapping[str, Any],
+    event: str,
+    actor: Actor,
+    *,
+    reason: str | None = None,
+    detail: Mapping[str, Any] | None = None,
+    patch: Mapping[str, Any] | None = None,
+) -> DictRow:
+    """`event` on the instance as it was read: guarded by the state and version read."""
+    return await transition(
         conn,
         "instance",
         inst["id"],
@@ -478,7 +482,8 @@ async def _transition_in(
         expected_state=inst["state"],
         actor=actor,
         reason=reason,
-        patch={"failure_reason": reason, "progress": None},
+        detail=detail,
+        patch=patch,
     )
 
 
