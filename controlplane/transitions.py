@@ -129,7 +129,11 @@ async def transition_many(
     except lifecycle.IllegalTransition as exc:
         metrics.ILLEGAL_TRANSITIONS.labels(entity, exc.state, exc.event).inc()
         raise
-    cursor = await conn.execute(sql.TRANSITION[entity], params, prepare=True)
+    if len(moves) == 1:
+        one = {key: value[0] if isinstance(value, list) else value for key, value in params.items()}
+        cursor = await conn.execute(sql.TRANSITION_ONE[entity], one, prepare=True)
+    else:
+        cursor = await conn.execute(sql.TRANSITION[entity], params, prepare=True)
     moved = await cursor.fetchall()
     for row in moved:
         observe_transition(entity, row)
