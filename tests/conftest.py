@@ -16,6 +16,7 @@ from controlplane import db
 from controlplane.db import AsyncConn
 from controlplane.embedded import FAST_SETTINGS, EmbeddedDatabase, open_embedded
 from controlplane.settings import Settings
+from tests.provisioning_support import QUICK_RETRIES, real_instances
 
 TEMPLATE = "cp_template"
 _counter = itertools.count()
@@ -112,6 +113,13 @@ def settings(fresh_database: str, tmp_path: Path) -> Settings:
     data_dir.mkdir()
     os.chmod(tmp_path, 0o755)
     return Settings(database_url=fresh_database, data_dir=data_dir, heartbeat_interval_s=0.2)
+
+
+@pytest.fixture
+def local_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
+    """Settings for real instance servers with quick retries; the servers are stopped after the test."""
+    with real_instances(pg_root, fresh_database, **QUICK_RETRIES, shutdown_grace_s=0.5) as settings:
+        yield settings
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,20 @@ def instance_settings(pg_root: Path, database_url: str | None = None, **override
         **overrides,
     }
     return Settings(**values)
+
+
+# Retries and polls short enough for tests that wait on a real worker.
+QUICK_RETRIES: dict[str, Any] = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "poll_interval_s": 0.1}
+
+
+@contextlib.contextmanager
+def real_instances(pg_root: Path, database_url: str | None = None, **overrides: Any) -> Iterator[Settings]:
+    """instance_settings for the block; every instance server left running under them is stopped after."""
+    settings = instance_settings(pg_root, database_url, **overrides)
+    try:
+        yield settings
+    finally:
+        stop_all_servers(settings.data_dir)
 
 
 def connect(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:

@@ -18,7 +18,7 @@ from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance
 from tests.operations_support import enqueue, instance, instance_in, job, registry_for, run_until
-from tests.provisioning_support import connect, instance_settings, stop_all_servers
+from tests.provisioning_support import QUICK_RETRIES, connect, real_instances
 
 WORKER = (
     "import asyncio\n"
@@ -29,18 +29,8 @@ WORKER = (
 
 @pytest.fixture
 def fault_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
-    settings = instance_settings(
-        pg_root,
-        fresh_database,
-        retry_base_delay_s=0.05,
-        retry_max_delay_s=0.2,
-        poll_interval_s=0.1,
-        shutdown_grace_s=0.3,
-    )
-    try:
+    with real_instances(pg_root, fresh_database, **QUICK_RETRIES, shutdown_grace_s=0.3) as settings:
         yield settings
-    finally:
-        stop_all_servers(settings.data_dir)
 
 
 def worker_env(settings: Settings, faults: str) -> dict[str, str]:

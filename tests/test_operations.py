@@ -4,7 +4,7 @@ import os
 import shutil
 import signal
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,26 +31,10 @@ from tests.operations_support import (
     registry_for,
     run_until,
 )
-from tests.provisioning_support import connect, instance_settings, stop_all_servers
+from tests.provisioning_support import connect
 
 T = TypeVar("T")
 RECONCILER = Actor("reconciler", "tests")
-
-
-@pytest.fixture
-def ops_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
-    settings = instance_settings(
-        pg_root,
-        fresh_database,
-        retry_base_delay_s=0.05,
-        retry_max_delay_s=0.2,
-        poll_interval_s=0.1,
-        shutdown_grace_s=0.5,
-    )
-    try:
-        yield settings
-    finally:
-        stop_all_servers(settings.data_dir)
 
 
 class Watching(FaultyProvisioner):
@@ -86,19 +70,21 @@ async def events(conn: AsyncConn, instance_id: uuid.UUID) -> list[tuple[str | No
 
 
 async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
-    conn: AsyncConn, ops_settings: Settings
+    conn: AsyncConn, local_settings: Settings
 ) -> None:
-    assert ops_settings.database_url is not None
-    local = LocalProvisioner(ops_settings)
-    watching = Watching(local, ops_settings.database_url)
+    assert local_settings.database_url is not None
+    local = LocalProvisioner(local_settings)
+    watching = Watching(local, local_settings.database_url)
     registry = registry_for(watching)
     inst = await make_instance(conn)
     iid = inst["id"]
 
     provision_job = await enqueue(conn, PROVISION, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "ready"))
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
     row = await instance(conn, iid)
-    assert row["connection"]["port"] in range(ops_settings.local_port_min, ops_settings.local_port_max + 1)
+    assert row["connection"]["port"] in range(
+        local_settings.local_port_min, local_settings.local_port_max + 1
+    )
     assert "password" not in row["connection"] and row["secret"] is not None
     assert (row["observed_generation"], row["progress"], row["deadline_at"]) == (1, None, None)
     assert watching.seen == [
@@ -106,7 +92,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
         ("configure_network", "provisioning", "configure_network"),
         ("initialize_database", "provisioning", "initialize_database"),
     ]
-    info = credentials(ops_settings, row)
+    info = credentials(local_settings, row)
     with connect(info) as customer:
         customer.execute("CREATE TABLE notes (body text)")
         customer.execute("INSERT INTO notes VALUES ('provisioned')")
@@ -115,13 +101,13 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
 
     # A second provision job finds nothing to do.
     again = await enqueue(conn, PROVISION, iid)
-    await run_until(ops_settings, registry, job_finished(again["id"]))
+    await run_until(local_settings, registry, job_finished(again["id"]))
     assert (await job(conn, again["id"]))["verdict"] == {"result": "nothing to do"}
 
     # Billing suspends (the organisation is on hold): reads work, writes do not.
     await conn.execute("UPDATE organisations SET billing_hold = true")
     await enqueue(conn, SUSPEND, iid, billing=True)
-    await run_until(ops_settings, registry, instance_in(iid, "suspended"))
+    await run_until(local_settings, registry, instance_in(iid, "suspended"))
     assert (await instance(conn, iid))["suspended_by_billing"] is True
     with connect(info) as customer:
         assert customer.execute("SELECT count(*) FROM notes").fetchone() == (1,)
@@ -130,7 +116,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
             customer.execute("INSERT INTO notes VALUES ('suspended')")
 
     resume_job = await enqueue(conn, RESUME, iid)
-    await run_until(ops_settings, registry, job_finished(resume_job["id"]))
+    await run_until(local_settings, registry, job_finished(resume_job["id"]))
     row = await instance(conn, iid)
     assert (row["state"], row["suspended_by_billing"], row["progress"]) == ("ready", False, None)
     with connect(info) as customer:
@@ -143,7 +129,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
         (iid,),
     )
     update_job = await enqueue(conn, UPDATE, iid)
-    await run_until(ops_settings, registry, job_finished(update_job["id"]))
+    await run_until(local_settings, registry, job_finished(update_job["id"]))
     row = await instance(conn, iid)
     assert (row["state"], row["observed_generation"], row["spec_generation"]) == ("ready", 2, 2)
     with connect(info) as customer:
@@ -151,7 +137,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
 
     # Deletion: a final backup, everything removed, the credential wiped.
     delete_job = await enqueue(conn, DEPROVISION, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "deleted"))
+    await run_until(local_settings, registry, instance_in(iid, "deleted"))
     row = await instance(conn, iid)
     assert row["secret"] is None and row["deadline_at"] is None
     verdict = (await job(conn, delete_job["id"]))["verdict"]
@@ -189,14 +175,14 @@ async def degrade(conn: AsyncConn, instance_id: uuid.UUID, why: str) -> None:
 
 
 async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
-    conn: AsyncConn, ops_settings: Settings
+    conn: AsyncConn, local_settings: Settings
 ) -> None:
-    local = LocalProvisioner(ops_settings)
+    local = LocalProvisioner(local_settings)
     registry = registry_for(local)
     iid = (await make_instance(conn))["id"]
     await enqueue(conn, PROVISION, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "ready"))
-    info = credentials(ops_settings, await instance(conn, iid))
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    info = credentials(local_settings, await instance(conn, iid))
 
     pid = local._server(iid).pid()
     assert pid is not None
@@ -205,9 +191,9 @@ async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
     assert (await local.observe(iid)).running is False
     await degrade(conn, iid, "server not running")
     await enqueue(conn, HEAL, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "ready"))
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
     row = await instance(conn, iid)
-    assert row["failure_reason"] is None and credentials(ops_settings, row) == info
+    assert row["failure_reason"] is None and credentials(local_settings, row) == info
     with connect(info) as customer:
         customer.execute("CREATE TABLE after_restart (x int)")
 
@@ -215,9 +201,9 @@ async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
     assert (await local.observe(iid)).exists is False
     await degrade(conn, iid, "data directory missing")
     heal_job = await enqueue(conn, HEAL, iid)
-    await run_until(ops_settings, registry, job_finished(heal_job["id"]))
+    await run_until(local_settings, registry, job_finished(heal_job["id"]))
     row = await instance(conn, iid)
-    assert row["state"] == "ready" and credentials(ops_settings, row) == info
+    assert row["state"] == "ready" and credentials(local_settings, row) == info
     assert (await job(conn, heal_job["id"]))["verdict"]["repaired"] == "data directory missing"
     with connect(info) as customer:  # same id, port, role and password on a rebuilt server
         customer.execute("CREATE TABLE rebuilt (x int)")
@@ -226,45 +212,45 @@ async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
 
 
 async def test_a_permanent_failure_fails_the_instance_and_cleans_up(
-    conn: AsyncConn, ops_settings: Settings
+    conn: AsyncConn, local_settings: Settings
 ) -> None:
-    local = LocalProvisioner(ops_settings)
+    local = LocalProvisioner(local_settings)
     faulty = FaultyProvisioner(local, parse_faults("initialize_database:fail_permanent:*"))
     registry = registry_for(faulty)
     iid = (await make_instance(conn))["id"]
     await enqueue(conn, PROVISION, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "failed"))
+    await run_until(local_settings, registry, instance_in(iid, "failed"))
     row = await instance(conn, iid)
     assert row["failure_reason"].startswith("provision failed after 1 attempt(s): initialize_database: ")
     assert "injected fault at initialize_database" in row["failure_reason"]
     cursor = await conn.execute("SELECT * FROM jobs WHERE instance_id = %s AND kind = %s", (iid, DEPROVISION))
     cleanup = await cursor.fetchone()
     assert cleanup is not None and cleanup["payload"] == {"cleanup": True, "skip_final_backup": True}
-    await run_until(ops_settings, registry, job_finished(cleanup["id"]))
+    await run_until(local_settings, registry, job_finished(cleanup["id"]))
     assert (await job(conn, cleanup["id"]))["verdict"]["result"] == "cleaned up"
     assert await local.inventory() == []
     assert not list(local.root.glob("*-*-*-*-*"))
     assert (await instance(conn, iid))["state"] == "failed"
-    assert not (Path(ops_settings.data_dir) / "backups").exists()
+    assert not (Path(local_settings.data_dir) / "backups").exists()
     assert await audit.verify(conn) == []
 
 
 async def test_a_failed_suspend_lands_in_degraded_and_heal_brings_it_back(
-    conn: AsyncConn, ops_settings: Settings
+    conn: AsyncConn, local_settings: Settings
 ) -> None:
-    local = LocalProvisioner(ops_settings)
+    local = LocalProvisioner(local_settings)
     faulty = FaultyProvisioner(local, parse_faults("suspend:fail_permanent:*"))
     registry = registry_for(faulty)
     iid = (await make_instance(conn))["id"]
     await enqueue(conn, PROVISION, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "ready"))
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
     await enqueue(conn, SUSPEND, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "degraded"))
+    await run_until(local_settings, registry, instance_in(iid, "degraded"))
     row = await instance(conn, iid)
     assert row["failure_reason"].startswith("suspend failed after 1 attempt(s): suspend: injected fault")
     await enqueue(conn, HEAL, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "ready"))
-    with connect(credentials(ops_settings, await instance(conn, iid))) as customer:
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    with connect(credentials(local_settings, await instance(conn, iid))) as customer:
         customer.execute("CREATE TABLE healed (x int)")
     assert [(f, t) for f, t, _ in await events(conn, iid)][-2:] == [
         ("ready", "degraded"),
@@ -273,18 +259,18 @@ async def test_a_failed_suspend_lands_in_degraded_and_heal_brings_it_back(
 
 
 async def test_a_billing_suspend_whose_hold_was_released_before_it_ran_does_nothing(
-    conn: AsyncConn, ops_settings: Settings
+    conn: AsyncConn, local_settings: Settings
 ) -> None:
     registry = registry_for(NoopProvisioner())
     iid = (await make_instance(conn))["id"]
     await enqueue(conn, PROVISION, iid)
-    await run_until(ops_settings, registry, instance_in(iid, "ready"))
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
     stale = await enqueue(conn, SUSPEND, iid, billing=True)
-    await run_until(ops_settings, registry, job_finished(stale["id"]))
+    await run_until(local_settings, registry, job_finished(stale["id"]))
     assert (await job(conn, stale["id"]))["verdict"]["result"] == "nothing to do"
     assert (await instance(conn, iid))["state"] == "ready"
     await conn.execute("UPDATE organisations SET billing_hold = true")
     held = await enqueue(conn, SUSPEND, iid, billing=True)
-    await run_until(ops_settings, registry, job_finished(held["id"]))
+    await run_until(local_settings, registry, job_finished(held["id"]))
     row = await instance(conn, iid)
     assert row["state"] == "suspended" and row["suspended_by_billing"]

@@ -15,18 +15,15 @@ from controlplane.handlers import StaleFence, TemporaryError
 from controlplane.postgres import port_in_use
 from provisioners.base import ConnectionInfo, InstanceSpec
 from provisioners.local import LocalProvisioner, owner_role
-from tests.provisioning_support import connect, instance_settings, stop_all_servers
+from tests.provisioning_support import connect, real_instances
 
 DEV = InstanceSpec("dev", 1)
 
 
 @pytest.fixture
 def local(pg_root: Path) -> Iterator[LocalProvisioner]:
-    provisioner = LocalProvisioner(instance_settings(pg_root))
-    try:
-        yield provisioner
-    finally:
-        stop_all_servers(provisioner.settings.data_dir)
+    with real_instances(pg_root) as settings:
+        yield LocalProvisioner(settings)
 
 
 async def provision(

@@ -20,7 +20,7 @@ from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner
 from tests.factories import TEST_ACTOR, make_instance
 from tests.operations_support import Condition, instance, instance_in, job, registry_for
-from tests.provisioning_support import connect, instance_settings, stop_all_servers
+from tests.provisioning_support import connect, real_instances
 from tests.reconciler_support import (
     RECONCILER_ID,
     WORKER_SCRIPT,
@@ -38,7 +38,7 @@ INTERVAL_S = 0.25
 
 @pytest.fixture
 def fault_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
-    settings = instance_settings(
+    with real_instances(
         pg_root,
         fresh_database,
         heartbeat_interval_s=0.2,
@@ -48,11 +48,8 @@ def fault_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
         poll_interval_s=0.1,
         shutdown_grace_s=0.5,
         reconcile_interval_s=INTERVAL_S,
-    )
-    try:
+    ) as settings:
         yield settings
-    finally:
-        stop_all_servers(settings.data_dir)
 
 
 def claimed_by(job_id: object, worker: str) -> Condition:

@@ -7,10 +7,6 @@ import os
 import shutil
 import signal
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from controlplane import audit
 from controlplane.db import AsyncConn
@@ -20,7 +16,7 @@ from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance
 from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
-from tests.provisioning_support import connect, instance_settings, stop_all_servers
+from tests.provisioning_support import connect
 from tests.reconciler_support import (
     RECONCILER_ID,
     credentials,
@@ -34,22 +30,6 @@ from tests.reconciler_support import (
 )
 
 RECONCILER = f"reconciler:{RECONCILER_ID}"
-
-
-@pytest.fixture
-def local_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
-    settings = instance_settings(
-        pg_root,
-        fresh_database,
-        retry_base_delay_s=0.05,
-        retry_max_delay_s=0.2,
-        poll_interval_s=0.1,
-        shutdown_grace_s=0.5,
-    )
-    try:
-        yield settings
-    finally:
-        stop_all_servers(settings.data_dir)
 
 
 async def ready_instance(conn: AsyncConn, settings: Settings, local: LocalProvisioner) -> uuid.UUID:

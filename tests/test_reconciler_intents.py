@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
-
-import pytest
 
 from controlplane import audit, db
 from controlplane.db import AsyncConn
@@ -21,7 +19,6 @@ from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance, make_org
 from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
-from tests.provisioning_support import instance_settings, stop_all_servers
 from tests.reconciler_support import (
     RECONCILER_ID,
     ScriptedProvisioner,
@@ -45,22 +42,6 @@ REQUEST_DELETION = (
     "UPDATE instances SET deletion_requested_at = now(), skip_final_backup = false, updated_at = now()"
     " WHERE id = %s"
 )
-
-
-@pytest.fixture
-def local_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
-    settings = instance_settings(
-        pg_root,
-        fresh_database,
-        retry_base_delay_s=0.05,
-        retry_max_delay_s=0.2,
-        poll_interval_s=0.1,
-        shutdown_grace_s=0.5,
-    )
-    try:
-        yield settings
-    finally:
-        stop_all_servers(settings.data_dir)
 
 
 def settled(instance_id: uuid.UUID, state: str) -> Condition:

@@ -22,17 +22,14 @@ from provisioners.local import LocalProvisioner
 from reconciler.leader import LeaderElection
 from tests.factories import make_instance
 from tests.operations_support import enqueue
-from tests.provisioning_support import instance_settings, stop_all_servers
+from tests.provisioning_support import real_instances
 from tests.reconciler_support import ROOT, next_fence, reconciling, to_ready, walk
 
 
 @pytest.fixture
 def local_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
-    settings = instance_settings(pg_root, fresh_database)
-    try:
+    with real_instances(pg_root, fresh_database) as settings:
         yield settings
-    finally:
-        stop_all_servers(settings.data_dir)
 
 
 def removed_total() -> float:
