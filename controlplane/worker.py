@@ -274,8 +274,7 @@ class Worker:
             return await self._start(conn, claimed)
 
         try:
-            # Claim and start commit together: one commit per batch on the path to the handlers.
-            async with self._claiming.connection() as conn, conn.transaction():
+            async with self._claiming.connection() as conn:
                 started = await claim_and_start(conn)
         except DATABASE_GONE as exc:
             # A claim whose reply was lost is unknown here: its jobs go stale and are reclaimed.
