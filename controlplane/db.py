@@ -75,7 +75,11 @@ async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:
 def pool(
     url: str, *, min_size: int = 1, max_size: int = 10, name: str = "controlplane"
 ) -> AsyncConnectionPool[AsyncConn]:
-    """An async pool of autocommit connections returning rows as dicts (open it before use)."""
+    """An async pool of autocommit connections returning rows as dicts (open it before use).
+
+    Connections are not checked on every checkout (that costs a round trip per use): one broken
+    by a server restart fails its user once (the API answers 503) and is discarded when returned.
+    """
 
     async def configure(conn: AsyncConn) -> None:
         await conn.set_autocommit(True)
@@ -88,5 +92,4 @@ def pool(
         configure=configure,
         open=False,
         name=name,
-        check=AsyncConnectionPool.check_connection,
     )

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from controlplane.db import AsyncConn
 from tests.api_support import Tenant
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -83,3 +84,20 @@ async def test_unknown_query_parameter_is_422_naming_it(client: httpx.AsyncClien
     response = await client.get("/v1/instances?colour=red&limit=2", headers=tenant.headers)
     body = assert_problem(response, 422, "validation")
     assert body["errors"] == [{"field": "query.colour", "message": "unknown parameter"}]
+
+
+async def test_a_connection_lost_to_a_database_restart_is_a_503_then_recovers(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    assert (await client.get("/v1/instances", headers=tenant.headers)).status_code == 200
+    await conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    lost = await client.get("/v1/instances", headers=tenant.headers)
+    assert lost.status_code == 503
+    assert lost.headers["content-type"] == "application/problem+json"
+    assert lost.headers["retry-after"] == "1"
+    assert lost.json()["type"].endswith(":unavailable")
+    statuses = [(await client.get("/v1/instances", headers=tenant.headers)).status_code for _ in range(3)]
+    assert statuses[-1] == 200

@@ -9,8 +9,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from psycopg_pool import PoolTimeout
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
@@ -333,6 +335,13 @@ class CatchAll(_HttpMiddleware):
 
         try:
             await self.app(scope, receive, tracking_send)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            # The database went away (a restart, a failover): the client may retry.
+            log.warning("database unavailable in %s %s: %s", scope.get("method"), scope.get("path"), exc)
+            if not started:
+                response = _scope_problem(scope, "unavailable", "the database is unavailable; retry shortly")
+                response.headers["Retry-After"] = "1"
+                await response(scope, receive, send)
         except Exception:
             log.exception(
                 "unhandled error in %s %s (request %s)",
