@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import shutil
 import signal
@@ -149,6 +148,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, raise_interrupt)
     started = dt.datetime.now(dt.UTC).replace(microsecond=0)
     load_start = report.load_average()
+    revision = report.revision()
     t0 = time.monotonic()
     peers = None
     try:
@@ -219,6 +219,7 @@ def main(argv: list[str]) -> int:
         "repeat": args.repeat,
         "quick": args.quick,
         "conditions": conditions,
+        "revision": revision,
         "load_start": load_start,
         "load_end": load_end,
         "machine": report.machine(),
@@ -232,5 +233,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    asyncio.set_event_loop_policy(None)
     sys.exit(main(sys.argv[1:]))

@@ -36,6 +36,36 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def revision() -> str:
+    """The commit measured, and whether the work tree differed from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                "controlplane",
+                "reconciler",
+                "provisioners",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head} (with uncommitted changes)" if dirty else head
+
+
 def load_average() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -146,6 +176,7 @@ def markdown(outcomes: list[Outcome], meta: dict[str, Any]) -> str:
         f"- Run: {meta['started_at']} ({meta['duration_s']:.0f} s), command `{meta['command']}`, "
         f"{meta['repeat']} repetitions, interleaved; {'quick sizes' if meta['quick'] else 'full sizes'}.",
         f"- Conditions: {meta['conditions']}",
+        f"- Product revision: {meta.get('revision', 'unknown')} at the start of the run.",
         f"- Load average (1, 5, 15 min) at start {meta['load_start']}, at end {meta['load_end']}.",
         f"- Machine: {m.get('cores')} cores ({m.get('cpu', '?')}), {m.get('memory_gib', '?')} GiB, "
         f"Linux {m.get('kernel')}, Python {m.get('python')}.",

@@ -28,6 +28,8 @@ NOOP = "bench_noop"
 # The producer is open-loop: each enqueue takes a free connection, so a slow commit does not
 # delay the next one.
 PRODUCER_CONNECTIONS = 4
+# A drain that completes nothing for this long has stalled: it is reported, not waited for.
+STALL_S = 60.0
 SLEEP = "bench_sleep"
 
 
@@ -64,8 +66,13 @@ async def drain(args: argparse.Namespace) -> None:
     worker = Worker("bench-drain", cfg, pool, registry())
     started = time.perf_counter()
     runner = asyncio.create_task(worker.run())
-    while worker.counts["completed"] < args.jobs and not runner.done():  # noqa: ASYNC110 (polls a counter)
+    progress, progressed_at = 0, started
+    while worker.counts["completed"] < args.jobs and not runner.done():
         await asyncio.sleep(0.005)
+        if worker.counts["completed"] != progress:
+            progress, progressed_at = worker.counts["completed"], time.perf_counter()
+        elif time.perf_counter() - progressed_at > STALL_S:
+            break  # reported below: the worker stopped completing jobs
     elapsed = time.perf_counter() - started
     worker.request_stop()
     await runner
@@ -83,6 +90,8 @@ async def drain(args: argparse.Namespace) -> None:
             " WHERE event IN ('claim', 'start', 'finish') GROUP BY event"
         )
         batches = {r["event"]: r["batch"] for r in await cursor.fetchall()}
+        cursor = await conn.execute("SELECT state, count(*) AS n FROM jobs GROUP BY state")
+        states = {r["state"]: r["n"] for r in await cursor.fetchall()}
     assert row is not None
     emit(
         {
@@ -93,6 +102,8 @@ async def drain(args: argparse.Namespace) -> None:
             "jobs_per_s": worker.counts["completed"] / elapsed,
             "counts": dict(worker.counts),
             "batches": batches,
+            "states": states,
+            "stalled": worker.counts["completed"] < args.jobs,
         }
     )
 

@@ -66,8 +66,11 @@ class DrainWorkload(Workload):
         finally:
             ctx.cluster.drop_database(name)
         executed = result.get("completed", result.get("executed"))
-        if executed != self.jobs:
-            raise RuntimeError(f"{variant} finished {executed} of {self.jobs} jobs: {result}")
+        if result.get("stalled") or executed != self.jobs:
+            raise RuntimeError(
+                f"{variant} completed {executed} of {self.jobs} jobs and then stalled "
+                f"(job states {result.get('states')}, worker counts {result.get('counts')})"
+            )
         values = {JOBS_S.key: float(result["jobs_per_s"])}
         if "batches" in result:
             values[CLAIM_BATCH.key] = float(result["batches"].get("claim", 0.0))

@@ -21,32 +21,44 @@ TPS = Metric("transitions_per_s", "transitions/s", "1/s")
 CPU = Metric("client_cpu_us", "client CPU us/transition", "us", 1)
 
 
-def pgbench_script(instance_sql: str) -> str:
+def transition_statement() -> str:
+    """The statement `transition()` sends for one move (the single-row form when the product has one)."""
+    single: dict[str, str] | None = getattr(sql, "TRANSITION_ONE", None)
+    return (single or sql.TRANSITION)["instance"]
+
+
+def pgbench_script(statement_sql: str) -> str:
     """Two transitions per script run (suspend, then resume) with the product's statement text.
 
-    The per-row arrays become ARRAY[:var] (pgbench variables are scalars); the version comes
-    from the previous statement's RETURNING via \\gset, so every statement really moves a row.
+    Parameters become pgbench variables (bound as parameters under -M prepared); where the product
+    sends an array, the variable is wrapped in ARRAY[...] (pgbench variables are scalars). The
+    version comes from the previous statement's RETURNING via \\gset, so every statement really
+    moves a row.
     """
-    statement = instance_sql.strip()
-    for name, value in {
-        "ids": "ARRAY[:inst]",
-        "versions": "ARRAY[:p_state_version]",
-        "reasons": "ARRAY[:reason]",
-        "details": "ARRAY[:detail]",
-        "patches": "ARRAY[:patch]",
-        "actor_kind": ":actor_kind",
-        "actor_id": ":actor_id",
-        "request_id": ":request_id",
-    }.items():
-        statement = statement.replace(f"%({name})s", value)
+    statement = statement_sql.strip()
+    variables = {
+        "ids": "inst",
+        "versions": "p_state_version",
+        "reasons": "reason",
+        "details": "detail",
+        "patches": "patch",
+        "actor_kind": "actor_kind",
+        "actor_id": "actor_id",
+        "request_id": "request_id",
+    }
+
+    def bind(text: str, name: str, variable: str) -> str:
+        placeholder = f"%({name})s"
+        is_array = re.search(re.escape(placeholder) + r"::\w+\[\]", text) is not None
+        return text.replace(placeholder, f"ARRAY[:{variable}]" if is_array else f":{variable}")
+
+    for name, variable in variables.items():
+        statement = bind(statement, name, variable)
     moves = []
     for from_state, to_state, event in (("ready", "suspended", "suspend"), ("suspended", "ready", "resume")):
-        moves.append(
-            statement.replace("%(from_states)s", f"ARRAY[:{from_state}]")
-            .replace("%(to_states)s", f"ARRAY[:{to_state}]")
-            .replace("%(events)s", f"ARRAY[:{event}]")
-            + " \\gset p_"
-        )
+        text = bind(statement, "from_states", from_state)
+        text = bind(text, "to_states", to_state)
+        moves.append(bind(text, "events", event) + " \\gset p_")
     assert "%(" not in moves[0], "an unhandled placeholder is left in the transition statement"
     init = (
         "\\if :initialised = 0\n"
@@ -148,7 +160,7 @@ class TransitionsWorkload(Workload):
             with conn.cursor() as cur:
                 cur.executemany("INSERT INTO bench_clients VALUES (%s, %s)", list(enumerate(ids)))
         script = ctx.work_dir / "transition.pgbench"
-        script.write_text(pgbench_script(sql.TRANSITION["instance"]))
+        script.write_text(pgbench_script(transition_statement()))
         argv = [
             ctx.cluster.server.bin("pgbench"),
             "-n",
