@@ -25,6 +25,8 @@ class Settings:
     # Public URL of the API, printed for users; defaults to http://api_host:api_port.
     public_url: str | None = None
     max_body_bytes: int = 65536
+    # How long the API trusts a key it has verified before asking the database again.
+    api_key_cache_s: float = 5.0
     worker_id: str | None = None
     worker_concurrency: int = 8
     heartbeat_interval_s: float = 2.0

@@ -6,9 +6,11 @@ import uuid
 
 import httpx
 
+from controlplane.api.state import KeyCache
 from controlplane.db import AsyncConn
 from controlplane.settings import Settings
-from tests.api_support import Tenant, create, deliver, make_ready, stripe_event
+from controlplane.tenants import Principal
+from tests.api_support import Tenant, create, deliver, make_ready, make_tenant, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -124,3 +126,30 @@ async def test_public_routes_need_no_key(client: httpx.AsyncClient) -> None:
 async def test_webhook_route_needs_a_signature_not_a_key(client: httpx.AsyncClient) -> None:
     response = await deliver(client, stripe_event("evt_x", None, None, 1), signature="t=1,v1=00")
     assert response.status_code == 400
+
+
+def test_the_key_cache_expires_and_forgets() -> None:
+    now = [100.0]
+    cache = KeyCache(5.0, clock=lambda: now[0])
+    who = Principal(uuid.uuid4(), uuid.uuid4(), False)
+    cache.put(b"h", who)
+    assert cache.get(b"h") == who
+    now[0] += 5.0
+    assert cache.get(b"h") is None
+    cache.put(b"h", who)
+    cache.forget(who.key_id)
+    assert cache.get(b"h") is None
+    disabled = KeyCache(0.0, clock=lambda: now[0])
+    disabled.put(b"h", who)
+    assert disabled.get(b"h") is None
+
+
+async def test_a_key_revoked_through_the_api_is_refused_at_once_despite_the_cache(
+    client: httpx.AsyncClient, conn: AsyncConn
+) -> None:
+    victim = await make_tenant(conn, "revoked-co")
+    assert (await client.get("/v1/instances", headers=victim.headers)).status_code == 200
+    (key,) = (await client.get("/v1/keys", headers=victim.headers)).json()["items"]
+    key_id = key["id"]
+    assert (await client.delete(f"/v1/keys/{key_id}", headers=victim.headers)).status_code == 204
+    assert (await client.get("/v1/instances", headers=victim.headers)).status_code == 401

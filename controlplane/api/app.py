@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from controlplane import db
 from controlplane.api import errors, routes_admin, routes_instances, routes_orgs, routes_public, webhooks
 from controlplane.api.errors import Problem
-from controlplane.api.state import AppState
+from controlplane.api.state import AppState, KeyCache
 from controlplane.handlers import JobRegistry
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
@@ -39,7 +39,12 @@ def create_app(
         pool = db.pool(url, name="controlplane-api")
         await pool.open()
         app.state.controlplane = AppState(
-            settings=settings, database_url=url, pool=pool, box=load_box(settings), job_registry=job_registry
+            settings=settings,
+            database_url=url,
+            pool=pool,
+            box=load_box(settings),
+            job_registry=job_registry,
+            keys=KeyCache(settings.api_key_cache_s),
         )
         try:
             yield

@@ -50,8 +50,14 @@ async def principal(
         raise ProblemError(
             "unauthorized", "an API key is required (Authorization: Bearer ...)", headers=_CHALLENGE
         )
-    async with app_state(request).pool.connection() as conn:
-        found = await tenants.authenticate(conn, credentials.credentials)
+    state = app_state(request)
+    key_hash = tenants.hash_key(credentials.credentials)
+    found = state.keys.get(key_hash)
+    if found is None:
+        async with state.pool.connection() as conn:
+            found = await tenants.authenticate(conn, credentials.credentials)
+        if found is not None:
+            state.keys.put(key_hash, found)
     if found is None:
         raise ProblemError("unauthorized", "the API key is not valid or has been revoked", headers=_CHALLENGE)
     return found

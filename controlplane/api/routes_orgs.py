@@ -107,7 +107,9 @@ async def create_own_key(body: KeyCreate, request: Request, who: AnyKey) -> Any:
 )
 async def revoke_key(key_id: uuid.UUID, request: Request, who: AnyKey) -> Response:
     scope = None if who.is_admin else who.org_id
-    async with app_state(request).pool.connection() as conn:
+    state = app_state(request)
+    async with state.pool.connection() as conn:
         if not await tenants.revoke_key(conn, key_id, scope):
             raise ProblemError("not-found", f"no live key {key_id}")
+    state.keys.forget(key_id)
     return Response(status_code=204)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from psycopg_pool import AsyncConnectionPool
@@ -11,6 +14,38 @@ from controlplane.db import AsyncConn
 from controlplane.handlers import JobRegistry
 from controlplane.secretbox import SecretBox
 from controlplane.settings import Settings
+from controlplane.tenants import Principal
+
+
+class KeyCache:
+    """Keys verified recently (by hash), so a request need not look its key up every time."""
+
+    MAX_ENTRIES = 10_000
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: dict[bytes, tuple[Principal, float]] = {}
+
+    def get(self, key_hash: bytes) -> Principal | None:
+        entry = self._entries.get(key_hash)
+        if entry is None:
+            return None
+        if entry[1] <= self.clock():
+            del self._entries[key_hash]
+            return None
+        return entry[0]
+
+    def put(self, key_hash: bytes, who: Principal) -> None:
+        if self.ttl_s <= 0:
+            return
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[key_hash] = (who, self.clock() + self.ttl_s)
+
+    def forget(self, key_id: uuid.UUID) -> None:
+        for key_hash in [h for h, (who, _) in self._entries.items() if who.key_id == key_id]:
+            del self._entries[key_hash]
 
 
 @dataclass
@@ -22,6 +57,7 @@ class AppState:
     head_revision: str | None = None
     job_registry: JobRegistry | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    keys: KeyCache = field(default_factory=lambda: KeyCache(0))
 
 
 def app_state(request: HTTPConnection) -> AppState:
