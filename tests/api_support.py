@@ -16,7 +16,8 @@ from controlplane import tenants
 from controlplane.db import AsyncConn
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
-from controlplane.transitions import Actor, transition
+from controlplane.transitions import Actor
+from tests.factories import walk
 
 WEBHOOK_SECRET = "whsec_test_secret_for_api_tests"
 WORKER = Actor("worker", "test-worker")
@@ -49,24 +50,7 @@ async def create(client: httpx.AsyncClient, who: Tenant, name: str, plan: str = 
 
 async def drive(conn: AsyncConn, instance_id: uuid.UUID | str, *events: str, **patch: Any) -> Any:
     """Apply lifecycle events to an instance as a worker would (the last one carries `patch`)."""
-    row = None
-    for i, event in enumerate(events):
-        cursor = await conn.execute(
-            "SELECT state, state_version FROM instances WHERE id = %s", (instance_id,)
-        )
-        current = await cursor.fetchone()
-        assert current is not None
-        row = await transition(
-            conn,
-            "instance",
-            uuid.UUID(str(instance_id)),
-            event,
-            current["state_version"],
-            expected_state=current["state"],
-            actor=WORKER,
-            patch=patch if i == len(events) - 1 else None,
-        )
-    return row
+    return await walk(conn, uuid.UUID(str(instance_id)), *events, actor=WORKER, patch=patch)
 
 
 def ready_patch(settings: Settings, password: str, port: int = 15432) -> dict[str, Any]:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from psycopg.rows import DictRow
 
 from controlplane.db import AsyncConn
 from controlplane.instances import create_instance
-from controlplane.transitions import Actor
+from controlplane.transitions import Actor, transition
 
 TEST_ACTOR = Actor("system", "tests")
+GONE_WORKER = Actor("worker", "gone-worker")
 
 
 async def make_org(
@@ -37,3 +39,28 @@ async def make_instance(conn: AsyncConn, org_id: uuid.UUID | None = None, **spec
         TEST_ACTOR,
         deadline_s=300,
     )
+
+
+async def walk(
+    conn: AsyncConn,
+    instance_id: uuid.UUID,
+    *events: str,
+    actor: Actor = GONE_WORKER,
+    patch: Mapping[str, Any] | None = None,
+) -> DictRow:
+    """Move an instance through `events` on the transition path (the last one with `patch`)."""
+    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (instance_id,))
+    row = await cursor.fetchone()
+    assert row is not None
+    for i, event in enumerate(events):
+        row = await transition(
+            conn,
+            "instance",
+            instance_id,
+            event,
+            row["state_version"],
+            expected_state=row["state"],
+            actor=actor,
+            patch=patch if i == len(events) - 1 else None,
+        )
+    return row

@@ -96,3 +96,11 @@ async def job(conn: AsyncConn, job_id: uuid.UUID) -> DictRow:
     row = await cursor.fetchone()
     assert row is not None
     return row
+
+
+async def scalar(conn: AsyncConn, query: str, params: Any = None) -> Any:
+    """The first column of the one row `query` returns."""
+    cursor = await conn.execute(query, params)
+    row = await cursor.fetchone()
+    assert row is not None
+    return next(iter(row.values()))

@@ -1,4 +1,5 @@
-"""Shared helpers of the provisioner and operations tests: settings for real instance servers."""
+"""Shared helpers of the provisioner and operations tests: settings for real instance servers, their
+customers' credentials, and worker subprocesses over them."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import os
 import random
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from controlplane.settings import Settings
+from controlplane.secretbox import load_box
+from controlplane.settings import Settings, env_name
 from provisioners.base import ConnectionInfo
 
 
@@ -77,3 +79,34 @@ def stop_all_servers(data_dir: Path) -> None:
         for pid in _postmaster_pids_for(datadir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGQUIT)
+
+
+def credentials(settings: Settings, row: Mapping[str, Any]) -> ConnectionInfo:
+    """A customer's connection details: the recorded connection and the decrypted password."""
+    return ConnectionInfo(password=load_box(settings).decrypt(bytes(row["secret"])), **row["connection"])
+
+
+def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str]:
+    """The environment of a worker subprocess (controlplane settings from variables, faults)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    for name in (
+        "database_url",
+        "data_dir",
+        "local_port_min",
+        "local_port_max",
+        "heartbeat_interval_s",
+        "poll_interval_s",
+        "provisioner",
+    ):
+        env[env_name(name)] = str(getattr(settings, name))
+    env["CONTROLPLANE_FAULTS"] = faults
+    env["CONTROLPLANE_WORKER_ID"] = worker_id
+    return env
+
+
+# A worker subprocess running the instance operations, configured by worker_env.
+WORKER_SCRIPT = (
+    "import asyncio\n"
+    "from controlplane import operations, settings, worker\n"
+    "asyncio.run(worker.run_worker(settings.load(), operations.default_registry()))\n"
+)

@@ -24,18 +24,17 @@ from psycopg.rows import DictRow
 from controlplane import db, queue
 from controlplane.db import AsyncConn
 from controlplane.handlers import JobRegistry
-from controlplane.secretbox import load_box
-from controlplane.settings import Settings, env_name
-from controlplane.transitions import Actor, transition
+from controlplane.settings import Settings
 from controlplane.worker import Worker
 from provisioners.base import ConnectionInfo, Observation, Provisioner
 from provisioners.noop import NoopProvisioner
 from reconciler.reconciler import Reconciler
-from tests.operations_support import Condition, registry_for
+from tests.factories import GONE_WORKER, walk
+from tests.operations_support import Condition, registry_for, scalar
+from tests.provisioning_support import connect
 
 ROOT = Path(__file__).resolve().parent.parent
 RECONCILER_ID = "reconciler-test"
-GONE_WORKER = Actor("worker", "gone-worker")
 
 
 @contextlib.asynccontextmanager
@@ -121,46 +120,6 @@ async def passes_until(
         await asyncio.sleep(interval_s)
 
 
-async def wait_for_notice(url: str, done: Condition, channels: tuple[str, ...], timeout_s: float) -> None:
-    """Wait until `done` holds, re-checking on each notification of `channels` (no polling)."""
-    conn = await db.connect(url)
-    async with conn:
-        for channel in channels:
-            await conn.execute(f"LISTEN {channel}")
-        deadline = time.monotonic() + timeout_s
-        while not await done(conn):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"condition not reached within {timeout_s}s")
-            async for _ in conn.notifies(timeout=min(remaining, 1.0), stop_after=1):
-                pass
-
-
-async def walk(
-    conn: AsyncConn,
-    instance_id: uuid.UUID,
-    *events: str,
-    actor: Actor = GONE_WORKER,
-    patch: Mapping[str, Any] | None = None,
-) -> DictRow:
-    """Move an instance through `events` on the transition path (the last one with `patch`)."""
-    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (instance_id,))
-    row = await cursor.fetchone()
-    assert row is not None
-    for i, event in enumerate(events):
-        row = await transition(
-            conn,
-            "instance",
-            instance_id,
-            event,
-            row["state_version"],
-            expected_state=row["state"],
-            actor=actor,
-            patch=patch if i == len(events) - 1 else None,
-        )
-    return row
-
-
 async def to_ready(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow:
     return await walk(
         conn, instance_id, "start_provisioning", "provisioned", patch={"observed_generation": 1}
@@ -175,13 +134,6 @@ async def finish_job(conn: AsyncConn, job_id: uuid.UUID, verdict: Mapping[str, A
     (running,) = (await queue.start_many(conn, claimed, GONE_WORKER)).moved
     (done,) = (await queue.finish_many(conn, [(running, verdict)], GONE_WORKER)).moved
     return done
-
-
-async def scalar(conn: AsyncConn, query: str, params: Any = None) -> Any:
-    cursor = await conn.execute(query, params)
-    row = await cursor.fetchone()
-    assert row is not None
-    return next(iter(row.values()))
 
 
 async def instance_events(conn: AsyncConn, instance_id: uuid.UUID) -> list[tuple[str | None, str, str, str]]:
@@ -232,22 +184,9 @@ class ScriptedProvisioner(NoopProvisioner):
         return self.seen.get(instance_id) or await super().observe(instance_id)
 
 
-def credentials(settings: Settings, row: Mapping[str, Any]) -> ConnectionInfo:
-    """A customer's connection details: the recorded connection and the decrypted password."""
-    return ConnectionInfo(password=load_box(settings).decrypt(bytes(row["secret"])), **row["connection"])
-
-
 def read_only(info: ConnectionInfo) -> bool:
     """Whether a customer's write is refused even after asking for a read-write session."""
-    with psycopg.connect(
-        host=info.host,
-        port=info.port,
-        user=info.user,
-        password=info.password,
-        dbname=info.dbname,
-        autocommit=True,
-        connect_timeout=5,
-    ) as customer:
+    with connect(info) as customer:
         customer.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE")
         try:
             customer.execute("CREATE TABLE probe (x int)")
@@ -364,28 +303,3 @@ def reconciler_processes(
     finally:
         for process in started.values():
             process.stop()
-
-
-def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str]:
-    """The environment of a worker subprocess (controlplane settings from variables, faults)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    for name in (
-        "database_url",
-        "data_dir",
-        "local_port_min",
-        "local_port_max",
-        "heartbeat_interval_s",
-        "poll_interval_s",
-        "provisioner",
-    ):
-        env[env_name(name)] = str(getattr(settings, name))
-    env["CONTROLPLANE_FAULTS"] = faults
-    env["CONTROLPLANE_WORKER_ID"] = worker_id
-    return env
-
-
-WORKER_SCRIPT = (
-    "import asyncio\n"
-    "from controlplane import operations, settings, worker\n"
-    "asyncio.run(worker.run_worker(settings.load(), operations.default_registry()))\n"
-)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,19 +10,18 @@ import pytest
 from controlplane import audit
 from controlplane.db import AsyncConn
 from controlplane.handlers import PROVISION
-from controlplane.secretbox import load_box
-from controlplane.settings import Settings, env_name
-from provisioners.base import ConnectionInfo
+from controlplane.settings import Settings
 from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance
 from tests.operations_support import enqueue, instance, instance_in, job, registry_for, run_until
-from tests.provisioning_support import QUICK_RETRIES, connect, real_instances
-
-WORKER = (
-    "import asyncio\n"
-    "from controlplane import operations, settings, worker\n"
-    "asyncio.run(worker.run_worker(settings.load(), operations.default_registry()))\n"
+from tests.provisioning_support import (
+    QUICK_RETRIES,
+    WORKER_SCRIPT,
+    connect,
+    credentials,
+    real_instances,
+    worker_env,
 )
 
 
@@ -31,23 +29,6 @@ WORKER = (
 def fault_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
     with real_instances(pg_root, fresh_database, **QUICK_RETRIES, shutdown_grace_s=0.3) as settings:
         yield settings
-
-
-def worker_env(settings: Settings, faults: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in (
-        "database_url",
-        "data_dir",
-        "local_port_min",
-        "local_port_max",
-        "heartbeat_interval_s",
-        "poll_interval_s",
-        "provisioner",
-    ):
-        env[env_name(name)] = str(getattr(settings, name))
-    env["CONTROLPLANE_FAULTS"] = faults
-    env["CONTROLPLANE_WORKER_ID"] = "doomed-worker"
-    return env
 
 
 async def assert_one_of_everything(
@@ -59,7 +40,7 @@ async def assert_one_of_everything(
     assert dirs == [local.instance_dir(row["id"])]
     assert sorted(p.name for p in dirs[0].iterdir()) == ["pgdata", "pgdata.log", "state.json"]
     assert local.ports.table() == {str(row["id"]): row["connection"]["port"]}
-    info = ConnectionInfo(password=load_box(settings).decrypt(bytes(row["secret"])), **row["connection"])
+    info = credentials(settings, row)
     assert local.roles(row["id"]) == [info.user]
     with connect(info) as customer:
         customer.execute("CREATE TABLE survived (x int)")
@@ -82,8 +63,8 @@ async def test_a_worker_killed_inside_a_step_leaves_nothing_twice(
     iid = (await make_instance(conn))["id"]
     provision_job = await enqueue(conn, PROVISION, iid)
     doomed = subprocess.run(
-        [sys.executable, "-c", WORKER],
-        env=worker_env(fault_settings, fault),
+        [sys.executable, "-c", WORKER_SCRIPT],
+        env=worker_env(fault_settings, fault, "doomed-worker"),
         timeout=120,
         check=False,
         capture_output=True,

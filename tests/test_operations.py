@@ -6,7 +6,7 @@ import signal
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -14,10 +14,8 @@ import pytest
 from controlplane import audit, db
 from controlplane.db import AsyncConn
 from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
-from controlplane.secretbox import load_box
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, transition
-from provisioners.base import ConnectionInfo
 from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner
 from provisioners.noop import NoopProvisioner
@@ -31,7 +29,7 @@ from tests.operations_support import (
     registry_for,
     run_until,
 )
-from tests.provisioning_support import connect
+from tests.provisioning_support import connect, credentials
 
 T = TypeVar("T")
 RECONCILER = Actor("reconciler", "tests")
@@ -54,11 +52,6 @@ class Watching(FaultyProvisioner):
             assert row is not None
             self.seen.append((step, row["state"], row["progress"]))
         return await work()
-
-
-def credentials(settings: Settings, row: Any) -> ConnectionInfo:
-    password = load_box(settings).decrypt(bytes(row["secret"]))
-    return ConnectionInfo(password=password, **row["connection"])
 
 
 async def events(conn: AsyncConn, instance_id: uuid.UUID) -> list[tuple[str | None, str, str]]:

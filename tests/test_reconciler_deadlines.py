@@ -23,11 +23,10 @@ from controlplane.transitions import heartbeat
 from provisioners.base import DeprovisionResult, InstanceSpec
 from provisioners.noop import NoopProvisioner
 from reconciler.reconciler import LIVE_INSTANCE_STATES
-from tests.factories import TEST_ACTOR, make_instance, make_org
-from tests.operations_support import instance, instance_in, job, registry_for
-from tests.queue_kinds import db_now, events_of
+from tests.factories import GONE_WORKER, TEST_ACTOR, make_instance, make_org, walk
+from tests.operations_support import instance, instance_in, job, registry_for, scalar
+from tests.queue_kinds import db_now, events_of, until
 from tests.reconciler_support import (
-    GONE_WORKER,
     RECONCILER_ID,
     ScriptedProvisioner,
     enqueued_by,
@@ -35,10 +34,7 @@ from tests.reconciler_support import (
     instance_events,
     live_jobs,
     reconciling,
-    scalar,
     to_ready,
-    wait_for_notice,
-    walk,
     working,
 )
 
@@ -260,7 +256,7 @@ async def test_each_transitional_state_gets_its_configured_deadline_on_entry(
             assert await deadline_of(state) == seconds
             gated.gates[step].set()
             after = "deleted" if kind == DEPROVISION else "ready"
-            await wait_for_notice(url, instance_in(iid, after), (f"cp_instance_{after}",), 30)
+            await until(url, instance_in(iid, after), channels=(f"cp_instance_{after}",), timeout=30)
             assert await deadline_of(after) is None  # a settled state has no deadline
     assert await audit.verify(conn) == []
 

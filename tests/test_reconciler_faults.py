@@ -20,18 +20,9 @@ from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner
 from tests.factories import TEST_ACTOR, make_instance
 from tests.operations_support import Condition, instance, instance_in, job, registry_for
-from tests.provisioning_support import connect, real_instances
-from tests.reconciler_support import (
-    RECONCILER_ID,
-    WORKER_SCRIPT,
-    credentials,
-    instance_events,
-    looping,
-    reconciling,
-    wait_for_notice,
-    worker_env,
-    working,
-)
+from tests.provisioning_support import WORKER_SCRIPT, connect, credentials, real_instances, worker_env
+from tests.queue_kinds import until
+from tests.reconciler_support import RECONCILER_ID, instance_events, looping, reconciling, working
 
 INTERVAL_S = 0.25
 
@@ -77,14 +68,16 @@ async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        await wait_for_notice(url, claimed_by(provision["id"], "doomed-worker"), ("cp_job_running",), 30)
+        await until(
+            url, claimed_by(provision["id"], "doomed-worker"), channels=("cp_job_running",), timeout=30
+        )
         # A second worker is ready before the first dies: only the reclaim can give it the job.
         async with working(fault_settings, registry_for(local), "second-worker"):
             _, stderr = await asyncio.wait_for(doomed.communicate(), timeout=60)
             killed_at, killed = datetime.now(UTC), time.monotonic()
             assert doomed.returncode == -9, stderr.decode()[-2000:]
             assert (await instance(conn, iid))["state"] == "provisioning"
-            await wait_for_notice(url, instance_in(iid, "ready"), ("cp_instance_ready",), 60)
+            await until(url, instance_in(iid, "ready"), channels=("cp_instance_ready",), timeout=60)
             to_ready = time.monotonic() - killed
     cursor = await conn.execute(
         "SELECT at, actor_kind, actor_id, reason FROM job_events WHERE job_id = %s AND event = 'reclaim'",
@@ -120,8 +113,11 @@ async def test_a_job_that_always_fails_is_retried_with_backoff_abandoned_and_fai
         looping(rec),
         working(fault_settings, registry_for(faulty)),
     ):
-        await wait_for_notice(
-            fault_settings.database_url, instance_in(iid, "failed"), ("cp_instance_failed",), 30
+        await until(
+            fault_settings.database_url,
+            instance_in(iid, "failed"),
+            channels=("cp_instance_failed",),
+            timeout=30,
         )
         cursor = await conn.execute(
             "SELECT id FROM jobs WHERE instance_id = %s AND kind = %s", (iid, DEPROVISION)
@@ -131,7 +127,7 @@ async def test_a_job_that_always_fails_is_retried_with_backoff_abandoned_and_fai
         async def cleaned(c: AsyncConn) -> bool:
             return bool((await job(c, cleanup["id"]))["state"] == "completed")
 
-        await wait_for_notice(fault_settings.database_url, cleaned, ("cp_job_completed",), 30)
+        await until(fault_settings.database_url, cleaned, channels=("cp_job_completed",), timeout=30)
 
     cursor = await conn.execute(
         "SELECT event, actor_kind, actor_id, detail, at FROM job_events WHERE job_id = %s ORDER BY id",

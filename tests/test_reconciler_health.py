@@ -16,10 +16,9 @@ from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance
 from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
-from tests.provisioning_support import connect
+from tests.provisioning_support import connect, credentials
 from tests.reconciler_support import (
     RECONCILER_ID,
-    credentials,
     enqueued_by,
     instance_events,
     live_jobs,

@@ -17,12 +17,12 @@ from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
-from tests.factories import make_instance, make_org
+from tests.factories import make_instance, make_org, walk
 from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
+from tests.provisioning_support import credentials
 from tests.reconciler_support import (
     RECONCILER_ID,
     ScriptedProvisioner,
-    credentials,
     enqueued_by,
     instance_events,
     live_jobs,
@@ -31,7 +31,6 @@ from tests.reconciler_support import (
     read_only,
     reconciling,
     to_ready,
-    walk,
     working,
 )
 

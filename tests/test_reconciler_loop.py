@@ -21,14 +21,8 @@ from provisioners.base import Observation
 from reconciler.leader import LeaderElection
 from reconciler.reconciler import PassSummary, Reconciler
 from tests.factories import make_instance, make_org
-from tests.operations_support import registry_for
-from tests.reconciler_support import (
-    ScriptedProvisioner,
-    reconciler_processes,
-    reconciling,
-    scalar,
-    to_ready,
-)
+from tests.operations_support import registry_for, scalar
+from tests.reconciler_support import ScriptedProvisioner, reconciler_processes, reconciling, to_ready
 
 
 async def backend_gone(conn: AsyncConn, pid: int) -> None:

@@ -20,10 +20,10 @@ from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Resource
 from provisioners.local import LocalProvisioner
 from reconciler.leader import LeaderElection
-from tests.factories import make_instance
+from tests.factories import make_instance, walk
 from tests.operations_support import enqueue
 from tests.provisioning_support import real_instances
-from tests.reconciler_support import ROOT, next_fence, reconciling, to_ready, walk
+from tests.reconciler_support import ROOT, next_fence, reconciling, to_ready
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ from controlplane.db import AsyncConn
 from controlplane.settings import Settings
 from controlplane.transitions import Move, transition_many
 from provisioners.noop import NoopProvisioner
-from tests.factories import make_org
+from tests.factories import GONE_WORKER, make_org
+from tests.operations_support import scalar
 from tests.queue_kinds import db_now
-from tests.reconciler_support import GONE_WORKER, reconciling, scalar
+from tests.reconciler_support import reconciling
 
 TERMINAL = 200_000
 LIVE = 100

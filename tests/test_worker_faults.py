@@ -19,6 +19,7 @@ from controlplane.jobs import NewJob, enqueue_many
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
 from tests.factories import TEST_ACTOR
+from tests.operations_support import scalar
 from tests.queue_kinds import build_registry, count_in, create_tables, events_of, until
 
 if TYPE_CHECKING:
@@ -91,13 +92,6 @@ async def supervising(url: str, settings: Settings, interval_s: float = 0.1) -> 
         stop.set()
         await asyncio.wait_for(loop, timeout=40)
         await pool.close()
-
-
-async def scalar(conn: db.AsyncConn, query: str, params: Any = None) -> Any:
-    cursor = await conn.execute(query, params)
-    row = await cursor.fetchone()
-    assert row is not None
-    return next(iter(row.values()))
 
 
 def running_by(worker: str, n: int) -> Any:
