@@ -70,14 +70,18 @@ def test_lifecycle_table_format_lists_every_edge(capsys: pytest.CaptureFixture[s
 
 def test_migrate_brings_an_empty_database_to_head(empty_database: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    result = subprocess.run(
-        [str(CONSOLE_SCRIPT), "migrate", "--database-url", empty_database],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+
+    def migrate() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(CONSOLE_SCRIPT), "migrate", "--database-url", empty_database],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+
+    result = migrate()
     assert result.returncode == 0, result.stderr
     head = db.head_revision()
     assert result.stdout.strip() == f"database migrated to revision {head}"
@@ -86,12 +90,5 @@ def test_migrate_brings_an_empty_database_to_head(empty_database: str) -> None:
         assert conn.execute("SELECT count(*) FROM lifecycle_transitions").fetchone() == (29,)
 
     # Running it again is a no-op.
-    again = subprocess.run(
-        [str(CONSOLE_SCRIPT), "migrate", "--database-url", empty_database],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    again = migrate()
     assert again.returncode == 0, again.stderr

@@ -211,6 +211,12 @@ class LifecycleAgainstModel(RuleBasedStateMachine):
             self.state = lifecycle.apply(self.entity, self.state, event, self.entity_id)
             assert self.state == expected
 
+    @rule(data=st.data())
+    def send_an_allowed_event(self, data: st.DataObject) -> None:
+        moves = sorted(self.model[self.state])
+        if moves:
+            self.fire(data.draw(st.sampled_from(moves)))
+
     @invariant()
     def state_is_known(self) -> None:
         assert self.state in self.model
@@ -225,12 +231,6 @@ class InstanceLifecycleMachine(LifecycleAgainstModel):
     def send(self, event: str) -> None:
         self.fire(event)
 
-    @rule(data=st.data())
-    def send_an_allowed_event(self, data: st.DataObject) -> None:
-        moves = sorted(self.model[self.state])
-        if moves:
-            self.fire(data.draw(st.sampled_from(moves)))
-
 
 class JobLifecycleMachine(LifecycleAgainstModel):
     entity = "job"
@@ -239,12 +239,6 @@ class JobLifecycleMachine(LifecycleAgainstModel):
     @rule(event=st.sampled_from(sorted(model_events(JOB_MODEL) | {"enqueue", "cancel"})))
     def send(self, event: str) -> None:
         self.fire(event)
-
-    @rule(data=st.data())
-    def send_an_allowed_event(self, data: st.DataObject) -> None:
-        moves = sorted(self.model[self.state])
-        if moves:
-            self.fire(data.draw(st.sampled_from(moves)))
 
 
 STATEFUL = settings(max_examples=150, stateful_step_count=40, deadline=None)
