@@ -12,13 +12,13 @@ from psycopg.rows import DictRow
 
 from controlplane import db, jobs
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.handlers import PROVISION, JobRegistry
 from controlplane.operations import operation_kinds
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
 from controlplane.worker import Worker
 from provisioners.base import Provisioner
-from tests.factories import TEST_ACTOR
+from tests.factories import TEST_ACTOR, make_instance
 
 Condition = Callable[[AsyncConn], Awaitable[bool]]
 
@@ -82,6 +82,16 @@ def job_finished(job_id: uuid.UUID) -> Condition:
 async def enqueue(conn: AsyncConn, kind: str, instance_id: uuid.UUID, **payload: Any) -> DictRow:
     result = await jobs.enqueue(conn, jobs.NewJob(kind, instance_id, payload=payload), TEST_ACTOR)
     return result.job
+
+
+async def ready_instance(
+    conn: AsyncConn, settings: Settings, registry: JobRegistry, org_id: uuid.UUID | None = None
+) -> uuid.UUID:
+    """A new instance provisioned by a worker over `registry`: its id, once it is ready."""
+    iid: uuid.UUID = (await make_instance(conn, org_id))["id"]
+    await enqueue(conn, PROVISION, iid)
+    await run_until(settings, registry, instance_in(iid, "ready"))
+    return iid
 
 
 async def instance(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow:

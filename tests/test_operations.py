@@ -26,6 +26,7 @@ from tests.operations_support import (
     instance_in,
     job,
     job_finished,
+    ready_instance,
     registry_for,
     run_until,
 )
@@ -172,9 +173,7 @@ async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
 ) -> None:
     local = LocalProvisioner(local_settings)
     registry = registry_for(local)
-    iid = (await make_instance(conn))["id"]
-    await enqueue(conn, PROVISION, iid)
-    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    iid = await ready_instance(conn, local_settings, registry)
     info = credentials(local_settings, await instance(conn, iid))
 
     pid = local._server(iid).pid()
@@ -234,9 +233,7 @@ async def test_a_failed_suspend_lands_in_degraded_and_heal_brings_it_back(
     local = LocalProvisioner(local_settings)
     faulty = FaultyProvisioner(local, parse_faults("suspend:fail_permanent:*"))
     registry = registry_for(faulty)
-    iid = (await make_instance(conn))["id"]
-    await enqueue(conn, PROVISION, iid)
-    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    iid = await ready_instance(conn, local_settings, registry)
     await enqueue(conn, SUSPEND, iid)
     await run_until(local_settings, registry, instance_in(iid, "degraded"))
     row = await instance(conn, iid)
@@ -255,9 +252,7 @@ async def test_a_billing_suspend_whose_hold_was_released_before_it_ran_does_noth
     conn: AsyncConn, local_settings: Settings
 ) -> None:
     registry = registry_for(NoopProvisioner())
-    iid = (await make_instance(conn))["id"]
-    await enqueue(conn, PROVISION, iid)
-    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    iid = await ready_instance(conn, local_settings, registry)
     stale = await enqueue(conn, SUSPEND, iid, billing=True)
     await run_until(local_settings, registry, job_finished(stale["id"]))
     assert (await job(conn, stale["id"]))["verdict"]["result"] == "nothing to do"

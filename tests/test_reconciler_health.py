@@ -10,12 +10,17 @@ import uuid
 
 from controlplane import audit
 from controlplane.db import AsyncConn
-from controlplane.handlers import HEAL, PROVISION, RESUME, UPDATE
+from controlplane.handlers import HEAL, RESUME, UPDATE
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner
-from tests.factories import make_instance
-from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
+from tests.operations_support import (
+    Condition,
+    instance,
+    instance_in,
+    ready_instance,
+    registry_for,
+)
 from tests.provisioning_support import connect, credentials
 from tests.reconciler_support import (
     RECONCILER_ID,
@@ -29,13 +34,6 @@ from tests.reconciler_support import (
 )
 
 RECONCILER = f"reconciler:{RECONCILER_ID}"
-
-
-async def ready_instance(conn: AsyncConn, settings: Settings, local: LocalProvisioner) -> uuid.UUID:
-    iid: uuid.UUID = (await make_instance(conn))["id"]
-    await enqueue(conn, PROVISION, iid)
-    await run_until(settings, registry_for(local), instance_in(iid, "ready"))
-    return iid
 
 
 def recovered(instance_id: uuid.UUID) -> Condition:
@@ -52,7 +50,7 @@ async def test_a_killed_server_and_a_removed_data_directory_are_degraded_and_hea
 ) -> None:
     local = LocalProvisioner(local_settings)
     registry = registry_for(local)
-    iid = await ready_instance(conn, local_settings, local)
+    iid = await ready_instance(conn, local_settings, registry)
     async with reconciling(local_settings, local) as rec:
         summary = await rec.run_once()
         assert (summary.observed, summary.actions) == (1, {})  # healthy: nothing to do
@@ -107,7 +105,7 @@ async def test_read_only_drift_and_a_spec_ahead_are_corrected(
 ) -> None:
     local = LocalProvisioner(local_settings)
     registry = registry_for(local)
-    iid = await ready_instance(conn, local_settings, local)
+    iid = await ready_instance(conn, local_settings, registry)
     info = credentials(local_settings, await instance(conn, iid))
     async with reconciling(local_settings, local) as rec:
         # Read-only switched on behind the control plane's back, no hold: resumed.

@@ -18,7 +18,14 @@ from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance, make_org, walk
-from tests.operations_support import Condition, enqueue, instance, instance_in, registry_for, run_until
+from tests.operations_support import (
+    Condition,
+    enqueue,
+    instance,
+    instance_in,
+    ready_instance,
+    registry_for,
+)
 from tests.provisioning_support import credentials
 from tests.reconciler_support import (
     RECONCILER_ID,
@@ -104,9 +111,7 @@ async def test_a_billing_hold_suspends_its_release_resumes_and_read_only_is_re_e
     local = LocalProvisioner(local_settings)
     registry = registry_for(local)
     org = await make_org(conn)
-    iid = (await make_instance(conn, org))["id"]
-    await enqueue(conn, PROVISION, iid)
-    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    iid = await ready_instance(conn, local_settings, registry, org)
     info = credentials(local_settings, await instance(conn, iid))
     async with reconciling(local_settings, local) as rec:
         # The hold is recorded on the organisation (as the Stripe webhook does); the pass suspends.
