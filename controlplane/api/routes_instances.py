@@ -49,9 +49,9 @@ def _headers(doc: dict[str, Any], *, location: bool = False) -> dict[str, str]:
     return headers
 
 
-def _json(doc: dict[str, Any], status: int, headers: dict[str, str]) -> JSONResponse:
+def _json(doc: dict[str, Any], status: int) -> JSONResponse:
     body = Instance.model_validate(doc).model_dump(mode="json")
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=_headers(doc))
 
 
 async def _load(conn: AsyncConn, who: Customer, instance_id: uuid.UUID, *, lock: bool = False) -> DictRow:
@@ -67,9 +67,9 @@ async def _load(conn: AsyncConn, who: Customer, instance_id: uuid.UUID, *, lock:
     return row
 
 
-def _refuse_state(row: DictRow, detail: str) -> ProblemError:
+def _refuse_state(row: DictRow, detail: str, kind: str = "invalid-state") -> ProblemError:
     return ProblemError(
-        "invalid-state",
+        kind,
         detail,
         current_state=row["state"],
         allowed_actions=views.row_actions(row),
@@ -202,16 +202,21 @@ async def get_instance(instance_id: uuid.UUID, request: Request, who: Caller) ->
     app = app_state(request)
     async with app.pool.connection() as conn:
         doc = views.instance(await _load(conn, who, instance_id), app.box, reveal=True)
-    return _json(doc, 200, _headers(doc))
+    return _json(doc, 200)
 
 
-def _check_if_match(if_match: str | None, row: DictRow) -> None:
+async def _load_to_change(
+    conn: AsyncConn, who: Customer, instance_id: uuid.UUID, if_match: str | None
+) -> DictRow:
+    """The caller's instance locked for a change, once its If-Match precondition (if any) holds."""
+    row = await _load(conn, who, instance_id, lock=True)
     if if_match is not None and not views.matches(if_match, row["state_version"]):
         raise ProblemError(
             "precondition-failed",
             f"If-Match {if_match} does not match the instance's ETag {views.etag(row['state_version'])}",
             current_state=row["state"],
         )
+    return row
 
 
 @router.patch(
@@ -230,8 +235,7 @@ async def update_instance(
 ) -> JSONResponse:
     app = app_state(request)
     async with app.pool.connection() as conn, conn.transaction():
-        row = await _load(conn, who, instance_id, lock=True)
-        _check_if_match(if_match, row)
+        row = await _load_to_change(conn, who, instance_id, if_match)
         if row["deletion_requested_at"] is not None or not views.can_still_update(row["state"]):
             why = (
                 "its deletion has been requested" if row["deletion_requested_at"] else f"it is {row['state']}"
@@ -269,8 +273,7 @@ async def update_instance(
                 who.actor,
                 request_id=who.request_id,
             )
-    doc = views.instance(row, app.box)
-    return _json(doc, 202, _headers(doc))
+    return _json(views.instance(row, app.box), 202)
 
 
 @router.delete(
@@ -291,16 +294,14 @@ async def delete_instance(
 ) -> JSONResponse:
     app = app_state(request)
     async with app.pool.connection() as conn, conn.transaction():
-        row = await _load(conn, who, instance_id, lock=True)
-        _check_if_match(if_match, row)
+        row = await _load_to_change(conn, who, instance_id, if_match)
         if row["state"] in lifecycle.INSTANCE.terminal:
             raise _refuse_state(row, f"instance {instance_id} is {row['state']}")
         if row["deletion_protection"]:
-            raise ProblemError(
-                "deletion-protected",
+            raise _refuse_state(
+                row,
                 f"instance {instance_id} has deletion protection on; turn it off with PATCH first",
-                current_state=row["state"],
-                allowed_actions=views.row_actions(row),
+                "deletion-protected",
             )
         if row["deletion_requested_at"] is None and row["state"] != "deprovisioning":
             await conn.execute(
@@ -321,8 +322,7 @@ async def delete_instance(
                     request_id=who.request_id,
                 )
             row = await _load(conn, who, instance_id)
-    doc = views.instance(row, app.box)
-    return _json(doc, 202, _headers(doc))
+    return _json(views.instance(row, app.box), 202)
 
 
 @router.get(
