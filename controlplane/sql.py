@@ -234,8 +234,9 @@ WITH created AS (
 ), notified AS (
     SELECT pg_notify('cp_instance_pending', id::text || ':0') FROM created
 )
-SELECT created.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
-FROM created
+SELECT created.*, o.billing_hold, 0::float8 AS time_in_state_s,
+       (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
+FROM created JOIN organisations o ON o.id = created.org_id
 """
 
 # Supervisor: claimed or running jobs whose heartbeat is older than the threshold (as of `now`,

@@ -120,7 +120,7 @@ async def create(
                     who.actor,
                     request_id=who.request_id,
                 )
-                doc = views.instance(await _load(conn, who, row["id"]), state.box)
+                doc = views.instance(row, state.box)
                 headers = _headers(doc, location=True)
                 body_json = Instance.model_validate(doc).model_dump(mode="json")
                 if idempotency_key is not None:
