@@ -101,3 +101,14 @@ async def test_a_connection_lost_to_a_database_restart_is_a_503_then_recovers(
     assert lost.json()["type"].endswith(":unavailable")
     statuses = [(await client.get("/v1/instances", headers=tenant.headers)).status_code for _ in range(3)]
     assert statuses[-1] == 200
+
+
+async def test_a_nul_character_is_a_422_and_nothing_is_written(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    answer = await client.post("/v1/keys", headers=tenant.headers, json={"name": "bad\u0000name"})
+    assert answer.status_code == 422
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert "NUL" in answer.json()["detail"]
+    cursor = await conn.execute("SELECT count(*) AS n FROM api_keys WHERE org_id = %s", (tenant.org_id,))
+    assert (await cursor.fetchone()) == {"n": 1}

@@ -335,6 +335,13 @@ class CatchAll(_HttpMiddleware):
 
         try:
             await self.app(scope, receive, tracking_send)
+        except psycopg.DataError as exc:
+            # A value the database cannot store (a NUL character in text, a number out of range):
+            # the request is refused whole, its transaction rolled back.
+            log.info("refused a value in %s %s: %s", scope.get("method"), scope.get("path"), exc)
+            if not started:
+                detail = f"a value in the request cannot be stored: {str(exc).strip()[:200]}"
+                await _scope_problem(scope, "validation", detail)(scope, receive, send)
         except (psycopg.OperationalError, PoolTimeout) as exc:
             # The database went away (a restart, a failover): the client may retry.
             log.warning("database unavailable in %s %s: %s", scope.get("method"), scope.get("path"), exc)
