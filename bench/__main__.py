@@ -220,6 +220,7 @@ def main(argv: list[str]) -> int:
         "quick": args.quick,
         "conditions": conditions,
         "revision": revision,
+        "revision_end": report.revision(),
         "load_start": load_start,
         "load_end": load_end,
         "machine": report.machine(),

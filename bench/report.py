@@ -66,6 +66,16 @@ def revision() -> str:
     return f"{head} (with uncommitted changes)" if dirty else head
 
 
+def revision_line(meta: dict[str, Any]) -> str:
+    start, end = meta.get("revision", "unknown"), meta.get("revision_end", meta.get("revision", "unknown"))
+    if start == end:
+        return f"- Product revision: {start}."
+    return (
+        f"- Product revision: {start} at the start, {end} at the end: the product changed during the run "
+        "(each driver runs the code of the moment it starts)."
+    )
+
+
 def load_average() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -176,7 +186,7 @@ def markdown(outcomes: list[Outcome], meta: dict[str, Any]) -> str:
         f"- Run: {meta['started_at']} ({meta['duration_s']:.0f} s), command `{meta['command']}`, "
         f"{meta['repeat']} repetitions, interleaved; {'quick sizes' if meta['quick'] else 'full sizes'}.",
         f"- Conditions: {meta['conditions']}",
-        f"- Product revision: {meta.get('revision', 'unknown')} at the start of the run.",
+        revision_line(meta),
         f"- Load average (1, 5, 15 min) at start {meta['load_start']}, at end {meta['load_end']}.",
         f"- Machine: {m.get('cores')} cores ({m.get('cpu', '?')}), {m.get('memory_gib', '?')} GiB, "
         f"Linux {m.get('kernel')}, Python {m.get('python')}.",
