@@ -215,9 +215,7 @@ async def _announce_when_listening(
     settings: Settings, report: UpReport, services: list[asyncio.Task[None]]
 ) -> None:
     """Wait until the API accepts connections (or a service died), then tell the person what to do."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while loop.time() < deadline and not any(task.done() for task in services):
+    while not any(task.done() for task in services):
         try:
             _, writer = await asyncio.open_connection(settings.api_host, settings.api_port)
         except OSError:

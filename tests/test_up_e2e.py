@@ -85,7 +85,7 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
         env=env,
     )
     try:
-        banner = read_until(up, r"Ctrl-C stops everything", timeout=120)
+        banner = read_until(up, r"Ctrl-C stops everything", timeout=300)
         print(banner)
         assert f"http://127.0.0.1:{api_port}" in banner
         assert re.search(r"admin key .*\n\s+cpk_", banner)
