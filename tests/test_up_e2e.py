@@ -39,24 +39,30 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float) -> str:
-    """Lines of `proc`'s output up to the first one matching `pattern` (fails on timeout or exit)."""
+def read_until(proc: subprocess.Popen[bytes], pattern: str, timeout: float) -> str:
+    """`proc`'s output up to the first line matching `pattern` (fails on timeout or exit).
+
+    Reads the pipe's file descriptor directly: a buffered reader could hold lines that select()
+    no longer reports.
+    """
     assert proc.stdout is not None
-    seen: list[str] = []
+    fd = proc.stdout.fileno()
+    text = ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        ready, _, _ = select.select([fd], [], [], 0.5)
         if not ready:
             if proc.poll() is not None:
                 break
             continue
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(fd, 65536)
+        if not chunk:
             break
-        seen.append(line)
-        if re.search(pattern, line):
-            return "".join(seen)
-    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{''.join(seen)}")
+        text += chunk.decode(errors="replace")
+        for line in text.splitlines():
+            if re.search(pattern, line):
+                return text
+    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{text}")
 
 
 @pytest.fixture
@@ -81,7 +87,6 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
         [*CLI, "up", "--data-dir", str(up_dir), "--api-port", str(api_port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
         env=env,
     )
     try:
@@ -130,10 +135,11 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
     finally:
         up.send_signal(signal.SIGINT)
         try:
-            rest, _ = up.communicate(timeout=60)
+            output, _ = up.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             up.kill()
-            rest, _ = up.communicate()
+            output, _ = up.communicate()
+        rest = output.decode(errors="replace")
         print(rest)
     assert up.returncode == 0, rest
     assert "embedded PostgreSQL stopped" in rest
