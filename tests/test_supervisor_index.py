@@ -28,6 +28,8 @@ async def load_terminal_jobs(url: str, n: int, loaders: int = 2) -> None:
         async with conn:
             for _ in range(batches):
                 await enqueue_many(conn, [NewJob(kind) for _ in range(BATCH)], TEST_ACTOR)
+                # Statistics as a live table has them, so batches of this size get hash joins.
+                await conn.execute("ANALYZE jobs")
                 claimed = await queue.claim(conn, "loader", [kind], BATCH)
                 started = await queue.start_many(conn, claimed, LOADER)
                 done = await queue.finish_many(conn, [(r, {"result": "ok"}) for r in started.moved], LOADER)
