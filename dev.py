@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,16 @@ def ensure_venv() -> None:
 
 
 def run(argv: list[str]) -> int:
+    """Run `argv` in the venv; Ctrl-C is the child's to handle (it stops cleanly), not ours."""
     env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
-    return subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+    with subprocess.Popen(argv, cwd=ROOT, env=env) as child:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:
+                # A terminal's Ctrl-C reaches the child too; a signal sent to us alone is passed on.
+                if child.poll() is None:
+                    child.send_signal(signal.SIGINT)
 
 
 def checks() -> int:
