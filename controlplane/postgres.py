@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,12 +284,3 @@ def url(user: str, password: str, host: str, port: int, dbname: str) -> str:
     from urllib.parse import quote
 
     return f"postgresql://{quote(user)}:{quote(password, safe='')}@{host}:{port}/{quote(dbname)}"
-
-
-@contextlib.contextmanager
-def running(server: PostgresServer) -> Iterator[PostgresServer]:
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
