@@ -28,7 +28,13 @@ class LeaderElection:
         return self._conn is not None and not self._conn.closed
 
     async def ensure(self) -> bool:
-        """Check we still lead (the connection answers), else try to take the lock. Never blocks."""
+        """Check we still lead (the connection answers), else try to take the lock. Never blocks.
+
+        A leader whose connection broke stands down for this round and contends again only at
+        its next call: a standby, which tries once per interval, gets the lock first, instead of
+        the replica whose session was just cut (by a network fault or an operator) taking it back
+        at once.
+        """
         if self._conn is not None:
             try:
                 await self._conn.execute("SELECT 1")
@@ -36,6 +42,7 @@ class LeaderElection:
             except psycopg.Error:
                 log.warning("reconciler lost its leader connection; standing down")
                 await self._drop()
+                return False
         try:
             conn = await db.connect(self.url)
         except psycopg.OperationalError as exc:

@@ -72,6 +72,21 @@ async def test_one_election_leads_and_the_standby_takes_over_when_its_connection
         await second.release()
 
 
+async def test_a_leader_whose_connection_broke_stands_down_for_one_round(
+    conn: AsyncConn, fresh_database: str
+) -> None:
+    alone = LeaderElection(fresh_database)
+    try:
+        assert await alone.ensure() is True
+        assert alone._conn is not None
+        await backend_gone(conn, alone._conn.info.backend_pid)
+        # The lock is free, but the replica whose session was cut leaves it to a standby this round.
+        assert await alone.ensure() is False and not alone.is_leader
+        assert await alone.ensure() is True and alone.is_leader
+    finally:
+        await alone.release()
+
+
 class Counting(Reconciler):
     """A Reconciler that counts its passes and wakes the test after each."""
 
@@ -132,6 +147,9 @@ async def test_of_two_reconciler_loops_only_the_leader_runs_passes(
 
         conn_of_leader = elections[leader]._conn
         assert conn_of_leader is not None
+        # The leader is cut off: its session is terminated and it can no longer reach the server
+        # (a network partition), so only the standby can take the lock.
+        elections[leader].url = "postgresql://nobody@127.0.0.1:1/unreachable?connect_timeout=1"
         cut = time.monotonic()
         await backend_gone(conn, conn_of_leader.info.backend_pid)
         await until_passes([recs[standby]], 1)
