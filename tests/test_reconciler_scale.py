@@ -92,4 +92,3 @@ async def test_a_pass_over_200000_terminal_instances_touches_only_the_100_live_o
     assert (summary.scanned, summary.observed, summary.actions) == (LIVE, LIVE, {})
     touched = await scalar(conn, "SELECT array_agg(id) FROM instances WHERE last_reconciled_at IS NOT NULL")
     assert sorted(touched) == sorted(live)
-    assert took < 2.0
