@@ -33,7 +33,7 @@ from controlplane.handlers import (
 )
 from controlplane.retry import ErrorKind, RetryPolicy
 from controlplane.settings import Settings
-from controlplane.transitions import Actor, BatchResult, Conflict
+from controlplane.transitions import Actor, BatchResult
 
 log = logging.getLogger(__name__)
 
@@ -262,65 +262,34 @@ class Worker:
                 await asyncio.wait_for(self._kick.wait(), timeout=remaining)
 
     async def _claim_and_start(self, free: int) -> int:
-        """Claim up to `free` jobs and start them; returns how many were claimed."""
-        claimed: list[DictRow] = []
+        """Claim up to `free` jobs and start them in one transaction; returns how many were claimed.
 
-        async def claim_and_start(conn: AsyncConn) -> BatchResult:
-            claimed[:] = await queue.claim(conn, self.worker_id, self.kinds, free)
-            for row in claimed:
-                self._held[row["id"]] = Held(row)
-            if not claimed:
-                return BatchResult([], [])
-            return await self._start(conn, claimed)
-
+        One commit per batch on the path to the handlers. The jobs become this worker's (heartbeated,
+        handed back at shutdown) only once that commit is known: a heartbeat that ran while the
+        transaction was open would still see them queued and take them for lost.
+        """
         try:
-            async with self._claiming.connection() as conn:
-                started = await claim_and_start(conn)
+            async with self._claiming.connection() as conn, conn.transaction():
+                claimed = await queue.claim(conn, self.worker_id, self.kinds, free)
+                started = (
+                    await queue.start_many(conn, claimed, self.actor) if claimed else BatchResult([], [])
+                )
         except DATABASE_GONE as exc:
-            # A claim whose reply was lost is unknown here: its jobs go stale and are reclaimed.
+            # Rolled back, or committed with its reply lost: then its jobs go stale and are reclaimed.
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
-            if not claimed:
-                await self._pause_after_failure()
-                return 0
-            result = await self._with_retry("start", lambda conn: self._start(conn, claimed), self._claiming)
-            if result is None:
-                for row in claimed:
-                    held = self._held.get(row["id"])
-                    if held is not None:
-                        self._forget(held)
-                return 0
-            started = result
+            await self._pause_after_failure()
+            return 0
         self.counts["claimed"] += len(claimed)
         for row in started.moved:
-            held = self._held.get(row["id"])
-            if held is None or held.lost:
-                continue
-            held.job = row
+            held = Held(row)
+            self._held[held.id] = held
             self._launch(held)
         for failure in started.failed:
-            held = self._held.get(queue.move_of(failure).id) if isinstance(failure, Conflict) else None
-            if held is not None:
-                log.info("worker %s: job %s was taken before it started", self.worker_id, held.id)
-                self._forget(held)
+            # The claim holds the rows' locks until the commit: a start cannot lose a race to
+            # anyone. Should it fail anyway, the job stays claimed and the supervisor reclaims it.
+            log.error("worker %s: a job it claimed did not start: %s", self.worker_id, failure)
+            self.counts["not_started"] += 1
         return len(claimed)
-
-    async def _start(self, conn: AsyncConn, claimed: list[DictRow]) -> BatchResult:
-        """claimed -> running for the batch, counting our own earlier (reply-lost) start as done."""
-        pending = [self._held[r["id"]].job for r in claimed if r["id"] in self._held]
-        result = await queue.start_many(conn, pending, self.actor)
-        if not result.failed:
-            return result
-        applied = await queue.applied_earlier(
-            conn, result.failed, {j["id"]: int(j["fence"]) for j in pending}
-        )
-        if applied:
-            cursor = await conn.execute(
-                "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])", {"ids": list(applied)}
-            )
-            again = await cursor.fetchall()
-            failed = [f for f in result.failed if queue.move_of(f).id not in applied]
-            return BatchResult(result.moved + again, failed)
-        return result
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
