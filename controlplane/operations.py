@@ -241,13 +241,23 @@ class Operations:
     async def update_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
         """updating -> degraded: a failed plan change must not destroy a database that holds data.
 
-        The instance keeps its data and its old plan; the reconciler heals it and, while the
-        spec stays ahead of what was observed, tries the update again once it is ready.
+        The instance keeps its data and its old plan; the reconciler heals it if it is broken and
+        recovers it to ready. The generation given up is recorded (`failed_generation`) and not
+        tried again by the reconciler: asking for a plan again makes a new generation.
         """
         inst = await _lock_instance(conn, job)
         if inst is None or inst["state"] != "updating":
             return
-        await _transition_in(conn, inst, "degrade", actor, _failure_reason(job, inst))
+        reason = _failure_reason(job, inst)
+        generation = int(job["payload"].get("spec_generation") or inst["spec_generation"])
+        await _transition(
+            conn,
+            inst,
+            "degrade",
+            actor,
+            reason=reason,
+            patch={"failure_reason": reason, "progress": None, "failed_generation": generation},
+        )
 
     # ---- suspend and resume -----------------------------------------------------------------
 

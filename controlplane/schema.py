@@ -83,6 +83,8 @@ instances = Table(
     Column("spec", JSONB, nullable=False),
     Column("spec_generation", BigInteger, nullable=False, server_default=text("1")),
     Column("observed_generation", BigInteger, nullable=False, server_default=text("0")),
+    # The spec generation whose update was given up: not applied again unless asked again.
+    Column("failed_generation", BigInteger),
     Column("state", Text, nullable=False),
     Column("state_version", BigInteger, nullable=False, server_default=text("0")),
     Column("state_entered_at", TZ, nullable=False, server_default=NOW),

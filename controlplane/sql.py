@@ -67,6 +67,7 @@ INSTANCE_TABLE = EntityTable(
         "deadline_retries = COALESCE((m.patch->>'deadline_retries')::int, 0)",
         _keep_unless("failure_reason", "m.patch->>'failure_reason'"),
         _keep_unless("observed_generation", "(m.patch->>'observed_generation')::bigint"),
+        _keep_unless("failed_generation", "(m.patch->>'failed_generation')::bigint"),
         _keep_unless("connection", "m.patch->'connection'"),
         _keep_unless("secret", "decode(m.patch->>'secret', 'base64')"),
         _keep_unless("suspended_by_billing", "(m.patch->>'suspended_by_billing')::boolean"),
@@ -266,7 +267,8 @@ FOR UPDATE SKIP LOCKED
 # (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
 SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
-       i.deadline_at, i.deadline_retries, i.deletion_requested_at IS NOT NULL AS deletion_requested,
+       i.failed_generation, i.deadline_at, i.deadline_retries,
+       i.deletion_requested_at IS NOT NULL AS deletion_requested,
        i.suspended_by_billing, o.billing_hold,
        ARRAY(SELECT j.kind FROM jobs j
              WHERE j.instance_id = i.id AND j.state NOT IN ('completed', 'abandoned')) AS live_jobs,

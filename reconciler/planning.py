@@ -49,6 +49,8 @@ class InstanceView:
     suspended_by_billing: bool
     live_jobs: Collection[str]
     observed: Observed | None = None
+    # The spec generation whose update was given up: not tried again until the spec changes.
+    failed_generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def plan_intents(view: InstanceView) -> list[Action]:
     if view.state == "ready" and not busy:
         if view.billing_hold:
             return [Enqueue(SUSPEND, "billing hold")]
-        if view.spec_generation > view.observed_generation:
+        if view.spec_generation > view.observed_generation and view.spec_generation != view.failed_generation:
             return [Enqueue(UPDATE, f"spec generation {view.spec_generation} not applied")]
     if view.state == "suspended" and view.suspended_by_billing and not view.billing_hold and not busy:
         return [Enqueue(RESUME, "billing hold released")]

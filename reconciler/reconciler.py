@@ -64,6 +64,7 @@ def _view(row: Mapping[str, Any], observed: planning.Observed | None) -> plannin
         suspended_by_billing=row["suspended_by_billing"],
         live_jobs=tuple(row["live_jobs"]),
         observed=observed,
+        failed_generation=row["failed_generation"],
     )
 
 
@@ -180,6 +181,10 @@ class Reconciler:
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
+            patch: dict[str, Any] = {"failure_reason": action.reason if failing else None}
+            if row["state"] == "updating" and failing:
+                # An update past its deadline and its retries is given up, as an abandoned one is.
+                patch["failed_generation"] = row["spec_generation"]
             await transition(
                 conn,
                 "instance",
@@ -189,7 +194,7 @@ class Reconciler:
                 expected_state=row["state"],
                 actor=self.actor,
                 reason=action.reason,
-                patch={"failure_reason": action.reason if failing else None},
+                patch=patch,
             )
             summary.count(action.event)
             log.info("instance %s: %s (%s)", row["id"], action.event, action.reason)

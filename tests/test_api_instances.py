@@ -181,6 +181,32 @@ async def test_patch_plan_bumps_generation_and_enqueues_update_only_when_ready(
     assert (await cursor.fetchone()) == {"payload": {"spec_generation": 3}}
     same = await client.patch(f"/v1/instances/{made['id']}", json={"plan": "medium"}, headers=tenant.headers)
     assert same.status_code == 202 and same.json()["spec_generation"] == 3  # no change, no bump
+    assert same.json()["failed_generation"] is None
+
+
+async def test_patch_asks_again_for_a_plan_whose_update_was_given_up(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"])
+    # Generation 2 (plan small) was given up: the update job abandoned, the instance recovered.
+    await conn.execute(
+        'UPDATE instances SET spec = spec || \'{"plan": "small"}\', spec_generation = 2,'
+        " failed_generation = 2 WHERE id = %s",
+        (made["id"],),
+    )
+    shown = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()
+    assert (shown["plan"], shown["spec_generation"], shown["failed_generation"]) == ("small", 2, 2)
+    again = await client.patch(f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers)
+    assert again.status_code == 202
+    assert (again.json()["spec_generation"], again.json()["failed_generation"]) == (3, 2)
+    cursor = await conn.execute(
+        "SELECT payload FROM jobs WHERE instance_id = %s AND kind = 'update'", (made["id"],)
+    )
+    assert (await cursor.fetchone()) == {"payload": {"spec_generation": 3}}
+    # Generation 3 is not given up: the same plan once more changes nothing.
+    same = await client.patch(f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers)
+    assert same.json()["spec_generation"] == 3
 
 
 async def test_patch_if_match_mismatch_is_412(client: httpx.AsyncClient, tenant: Tenant) -> None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import pytest
 
 from controlplane import db, tenants
 from controlplane.api import watch
+from tests.factories import walk
+from tests.queue_kinds import until
+from tests.reconciler_support import to_ready
 
 SERVE = (
     "import sys; from controlplane.api.app import serve; from controlplane.settings import load;"
@@ -101,3 +105,63 @@ def test_served_by_uvicorn_and_a_watcher_that_leaves_frees_its_connection(
             assert _eventually(fresh_database, 1)
         assert _eventually(fresh_database, 0)  # the client hung up: the stream ended, its connection closed
         assert http.get("/healthz").json()["status"] == "ok"
+
+
+async def _to_ready(url: str, instance_id: uuid.UUID) -> None:
+    conn = await db.connect(url)
+    async with conn:
+        await to_ready(conn, instance_id)
+
+
+async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
+    """Once the resize's update job is queued, the update runs and is given up (as the abandoned
+    job's hook does)."""
+
+    async def resized(conn: db.AsyncConn) -> bool:
+        cursor = await conn.execute("SELECT count(*) AS n FROM jobs WHERE kind = 'update'")
+        row = await cursor.fetchone()
+        return bool(row and row["n"])
+
+    await until(url, resized, channels=("cp_job_queued",))
+    conn = await db.connect(url)
+    async with conn:
+        await walk(conn, instance_id, "update")
+        reason = "update failed after 1 attempt(s): apply_plan: plan small cannot be applied here"
+        await walk(conn, instance_id, "degrade", patch={"failure_reason": reason, "failed_generation": 2})
+
+
+def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
+    served: str, fresh_database: str
+) -> None:
+    key = asyncio.run(_org_key(fresh_database))
+    with httpx.Client(base_url=served, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+        iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
+    asyncio.run(_to_ready(fresh_database, iid))
+    env = {**os.environ, "CONTROLPLANE_URL": served, "CONTROLPLANE_API_KEY": key}
+    resize = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "controlplane.cli",
+            "instances",
+            "resize",
+            str(iid),
+            "--plan",
+            "small",
+            "--wait",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        asyncio.run(_update_given_up(fresh_database, iid))
+        out, err = resize.communicate(timeout=30)
+    finally:
+        resize.kill()
+    assert resize.returncode == 1, (out, err)
+    assert err.strip().splitlines() == [
+        "controlplane: error: resize to small did not complete: instance is degraded"
+        " (update failed after 1 attempt(s): apply_plan: plan small cannot be applied here)"
+    ]

@@ -108,7 +108,7 @@ async def test_pending_past_its_deadline_is_re_enqueued_a_bounded_number_of_time
     assert await audit.verify(conn) == []
 
 
-async def test_updating_past_its_deadline_is_degraded_not_failed_then_updated_again(
+async def test_updating_past_its_deadline_is_degraded_not_failed_and_not_retried_until_asked_again(
     conn: AsyncConn, settings: Settings
 ) -> None:
     settings = settings.replace(deadline_max_retries=1)
@@ -130,8 +130,13 @@ async def test_updating_past_its_deadline_is_degraded_not_failed_then_updated_ag
             "timeout: updating exceeded its deadline after 1 re-enqueue(s)",
         )
         assert (await instance_events(conn, iid))[-1] == ("updating", "degraded", "degrade", RECONCILER)
-        # Observed healthy, it recovers; its spec is still ahead, so the update is tried again.
+        assert row["failed_generation"] == 2
+        # Observed healthy, it recovers; the generation given up is not tried again by itself.
         assert (await rec.run_once()).actions == {"recover": 1}
+        assert (await rec.run_once()).actions == {}
+        assert await live_jobs(conn, iid) == []
+        # The customer asks again (a new generation): that one is applied.
+        await conn.execute("UPDATE instances SET spec_generation = 3 WHERE id = %s", (iid,))
         assert (await rec.run_once()).actions == {"enqueue_update": 1}
     assert [j["kind"] for j in await live_jobs(conn, iid)] == [UPDATE]
     assert await audit.verify(conn) == []

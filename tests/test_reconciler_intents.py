@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from controlplane import audit, db
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, PROVISION, RESUME, SUSPEND
+from controlplane.handlers import DEPROVISION, PROVISION, RESUME, SUSPEND, UPDATE, PermanentError
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner
@@ -23,8 +23,10 @@ from tests.operations_support import (
     enqueue,
     instance,
     instance_in,
+    job_finished,
     ready_instance,
     registry_for,
+    run_until,
 )
 from tests.provisioning_support import credentials
 from tests.reconciler_support import (
@@ -204,3 +206,58 @@ async def test_holds_and_releases_pick_the_right_instances(conn: AsyncConn, sett
         paying_suspended_by_customer: [],
         paying_released: [RESUME],
     }
+
+
+class RefusesPlans(ScriptedProvisioner):
+    """`apply_plan` fails for good while `refusing` is set."""
+
+    refusing = True
+
+    async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        if self.refusing:
+            raise PermanentError(f"plan {spec.plan} cannot be applied here")
+        return await super().apply_plan(instance_id, spec, fence)
+
+
+def runs_generation(instance_id: uuid.UUID, generation: int) -> Condition:
+    async def check(conn: AsyncConn) -> bool:
+        row = await instance(conn, instance_id)
+        return bool(row["state"] == "ready" and row["observed_generation"] == generation)
+
+    return check
+
+
+async def test_an_update_given_up_is_not_retried_until_the_plan_is_asked_for_again(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    provisioner = RefusesPlans()
+    registry = registry_for(provisioner)
+    iid = await ready_instance(conn, settings, registry)
+    await conn.execute(
+        'UPDATE instances SET spec = spec || \'{"plan": "small"}\', spec_generation = 2 WHERE id = %s',
+        (iid,),
+    )
+    update = await enqueue(conn, UPDATE, iid, spec_generation=2)
+    await run_until(settings, registry, job_finished(update["id"]))
+    row = await instance(conn, iid)
+    assert (row["state"], row["failed_generation"], row["observed_generation"]) == ("degraded", 2, 1)
+    assert row["failure_reason"].startswith("update failed after 1 attempt(s)")
+    async with reconciling(settings, provisioner, registry=registry) as rec:
+        # Healthy, it recovers to ready; generation 2 is not tried again, pass after pass.
+        assert (await rec.run_once()).actions == {"recover": 1}
+        for _ in range(3):
+            assert (await rec.run_once()).actions == {}
+        assert await live_jobs(conn, iid) == []
+        # The customer asks again (the API makes generation 3): that one is applied.
+        provisioner.refusing = False
+        await conn.execute("UPDATE instances SET spec_generation = 3 WHERE id = %s", (iid,))
+        assert (await rec.run_once()).actions == {"enqueue_update": 1}
+    await run_until(settings, registry, runs_generation(iid, 3))
+    kinds = await conn.execute(
+        "SELECT kind, state FROM jobs WHERE instance_id = %s AND kind = 'update' ORDER BY created_at", (iid,)
+    )
+    assert [(r["kind"], r["state"]) for r in await kinds.fetchall()] == [
+        (UPDATE, "abandoned"),
+        (UPDATE, "completed"),
+    ]
+    assert await audit.verify(conn) == []

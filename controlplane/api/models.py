@@ -91,6 +91,10 @@ class Instance(BaseModel):
     allowed_actions: list[str]
     spec_generation: int
     observed_generation: int
+    failed_generation: int | None = Field(
+        description="the spec generation whose update was given up;"
+        " not retried unless the plan is asked for again"
+    )
     state_entered_at: datetime
     time_in_state_s: float
     deadline_at: datetime | None

@@ -241,7 +241,11 @@ async def update_instance(
                 "its deletion has been requested" if row["deletion_requested_at"] else f"it is {row['state']}"
             )
             raise _refuse_state(row, f"instance {instance_id} cannot be changed: {why}")
-        new_plan = body.plan is not None and body.plan != row["spec"].get("plan")
+        # A plan other than the declared one, or the declared one again after its update was
+        # given up (a retry): either makes a new spec generation.
+        new_plan = body.plan is not None and (
+            body.plan != row["spec"].get("plan") or row["failed_generation"] == row["spec_generation"]
+        )
         protection = body.deletion_protection
         if new_plan or (protection is not None and protection != row["deletion_protection"]):
             await conn.execute(

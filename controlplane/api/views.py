@@ -111,6 +111,7 @@ def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) ->
         "allowed_actions": row_actions(row),
         "spec_generation": row["spec_generation"],
         "observed_generation": row["observed_generation"],
+        "failed_generation": row["failed_generation"],
         "state_entered_at": row["state_entered_at"],
         "time_in_state_s": max(0.0, round(float(row["time_in_state_s"]), 3)),
         "deadline_at": row["deadline_at"],

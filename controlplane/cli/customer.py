@@ -204,7 +204,14 @@ def cmd_resize(args: argparse.Namespace) -> int:
     api = Api(args)
     instance = api.request("PATCH", f"/v1/instances/{args.id}", json={"plan": args.plan})
     if args.wait:
-        instance = wait_for_generation(api, args.id, int(instance["spec_generation"]), args.json)
+        generation = int(instance["spec_generation"])
+        instance = wait_for_generation(api, args.id, generation, args.json)
+        if instance["observed_generation"] < generation or instance["state"] != "ready":
+            show_instance(instance, args.json)
+            raise CommandError(
+                f"resize to {args.plan} did not complete: instance is {instance['state']}"
+                f" ({instance.get('failure_reason') or 'no reason recorded'})"
+            )
     show_instance(instance, args.json)
     return 0
 
@@ -221,7 +228,8 @@ def wait_for_generation(api: Api, instance_id: str, generation: int, as_json: bo
                 + (f" ({instance.get('progress')})" if instance.get("progress") else "")
             )
         done = instance["observed_generation"] >= generation and instance["state"] == "ready"
-        if done or instance["state"] in (*TERMINAL, "degraded"):
+        given_up = (instance.get("failed_generation") or 0) >= generation
+        if done or given_up or instance["state"] in (*TERMINAL, "degraded"):
             break
     return instance
 
