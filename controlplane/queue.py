@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -226,6 +227,42 @@ async def applied_earlier(
         ):
             applied.add(move.id)
     return applied
+
+
+async def still_held(
+    conn: AsyncConn, failures: Iterable[TransitionError], fences: Mapping[uuid.UUID, int], worker_id: str
+) -> list[Move]:
+    """Of these conflicts, the moves whose job is still this holder's, a few versions on.
+
+    An operator who pauses and resumes a running job between two of its worker's heartbeats leaves
+    it `running`, claimed by the same worker with the same fence, but its version has moved: the
+    worker's outcome is still the job's. Returned with the current version, to be applied again.
+    """
+    conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
+    if not conflicts:
+        return []
+    cursor = await conn.execute(
+        "SELECT id, state, state_version, fence, claimed_by FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
+        {"ids": [c.move.id for c in conflicts]},
+    )
+    rows = {row["id"]: row for row in await cursor.fetchall()}
+    again = []
+    for conflict in conflicts:
+        move, row = conflict.move, rows.get(conflict.move.id)
+        if (
+            row is not None
+            and row["state"] == move.expected_state
+            and row["state_version"] > move.expected_version
+            and row["fence"] == fences[move.id]
+            and row["claimed_by"] == worker_id
+        ):
+            again.append(dataclasses.replace(move, expected_version=row["state_version"]))
+    return again
+
+
+async def apply_again(conn: AsyncConn, moves: list[Move], actor: Actor) -> BatchResult:
+    """Moves of `still_held`, in one statement."""
+    return await _batch(conn, moves, actor)
 
 
 def move_of(failure: TransitionError) -> Move:

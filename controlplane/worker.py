@@ -431,19 +431,29 @@ class Worker:
     async def _settle(
         self, conn: AsyncConn, result: BatchResult, fences: Mapping[uuid.UUID, int]
     ) -> BatchResult:
-        """Count conflicts that are our own earlier write (its reply lost with the connection) as done."""
+        """Resolve conflicts that do not mean the job was taken from us.
+
+        Our own earlier write (its reply lost with the connection) counts as done; a job still ours
+        at a later version (paused and resumed by an operator between two heartbeats) gets the move
+        again at its current version.
+        """
         if not result.failed:
             return result
         applied = await queue.applied_earlier(conn, result.failed, fences)
-        if not applied:
-            return result
-        cursor = await conn.execute(
-            "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])", {"ids": list(applied)}
-        )
-        rows = await cursor.fetchall()
-        return BatchResult(
-            result.moved + rows, [f for f in result.failed if queue.move_of(f).id not in applied]
-        )
+        rows: list[DictRow] = []
+        if applied:
+            cursor = await conn.execute(
+                "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])", {"ids": list(applied)}
+            )
+            rows = await cursor.fetchall()
+        failed = [f for f in result.failed if queue.move_of(f).id not in applied]
+        again = await queue.still_held(conn, failed, fences, self.worker_id)
+        if again:
+            retried = await queue.apply_again(conn, again, self.actor)
+            ids = {move.id for move in again}
+            rows += retried.moved
+            failed = [f for f in failed if queue.move_of(f).id not in ids] + retried.failed
+        return BatchResult(result.moved + rows, failed)
 
     async def _with_retry(
         self, what: str, operation: Callable[[AsyncConn], Awaitable[T]], lease: Lease

@@ -164,6 +164,34 @@ async def test_heartbeat_loss_cancels_the_handler_and_reports_nothing(
     ]
 
 
+async def test_a_job_paused_and_resumed_between_two_heartbeats_is_finished_by_its_worker(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    gates = Gates()
+    job = (await enqueue(conn, NewJob("gate"), TEST_ACTOR)).job
+    # No heartbeat runs while the test acts: the worker never sees the job paused.
+    running = start_worker("w1", settings, pool, gate_registry(), {"gates": gates}, heartbeat_interval_s=3600)
+    try:
+        ctx = await asyncio.wait_for(gates.contexts.get(), timeout=10)
+        await queue.pause(conn, job["id"], "alice", "hold on")
+        await queue.resume(conn, job["id"], "alice", "carry on")
+        gates.open(ctx.job_id)
+        await until(fresh_database, count_in("completed", 1), channels=("cp_job_completed",))
+    finally:
+        await running.stop()
+    assert running.worker.counts["conflicts"] == 0 and running.worker.counts["completed"] == 1
+    assert await events_of(conn, job["id"]) == [
+        ("enqueue", "system", "tests"),
+        ("claim", "worker", "w1"),
+        ("start", "worker", "w1"),
+        ("pause", "operator", "alice"),
+        ("resume", "operator", "alice"),
+        ("finish", "worker", "w1"),
+    ]
+    finished = await (await conn.execute("SELECT verdict FROM jobs WHERE id = %s", (job["id"],))).fetchone()
+    assert finished == {"verdict": {"result": "gate opened"}}
+
+
 async def test_a_hung_worker_is_fenced_off_after_reclaim(
     fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn, tmp_path: Path
 ) -> None:
