@@ -12,8 +12,9 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 PEERS_VENV = BENCH_DIR / ".venv"
-# The peers are installed here only, never as dependencies of the project.
-PEER_REQUIREMENTS = ("procrastinate==3.10.0", "pgqueuer[asyncpg]==1.6.0", "psycopg[binary]")
+# The peers are installed here only, never as dependencies of the project. Every Python
+# variant, ours and theirs, runs on uvloop, the loop the control plane's processes use.
+PEER_REQUIREMENTS = ("procrastinate==3.10.0", "pgqueuer[asyncpg]==1.6.0", "psycopg[binary]", "uvloop==0.23.0")
 PROFILER_REQUIREMENTS = ("py-spy",)
 
 

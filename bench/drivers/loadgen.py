@@ -19,6 +19,7 @@ from collections import Counter
 from urllib.parse import urlsplit
 
 from bench.drivers.common import emit, quiet_logs
+from controlplane import aio
 
 
 class Connection:
@@ -140,4 +141,4 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--connections", type=int, default=32)
-    asyncio.run(main(parser.parse_args()))
+    aio.run(main(parser.parse_args()))

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from bench.drivers.common import emit, quiet_logs
-from controlplane import db
+from controlplane import aio, db
 from controlplane.handlers import JobContext, JobKind, JobRegistry, Verdict
 from controlplane.jobs import NewJob, enqueue_many
 from controlplane.settings import Settings
@@ -225,4 +225,4 @@ if __name__ == "__main__":
     parser.add_argument("--job-seconds", type=float, default=2.0)
     parser.add_argument("--interval", type=float, default=None)
     parsed = parser.parse_args()
-    asyncio.run(COMMANDS[parsed.command](parsed))
+    aio.run(COMMANDS[parsed.command](parsed))

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from bench.drivers.common import emit, quiet_logs, sleep_until
-from controlplane import db
+from controlplane import aio, db
 from controlplane.transitions import Actor, transition
 
 ACTOR = Actor("system", "bench")
@@ -62,4 +62,4 @@ if __name__ == "__main__":
     parser.add_argument("--version", type=int, required=True)
     parser.add_argument("--start-at", type=float, required=True)
     parser.add_argument("--seconds", type=float, required=True)
-    asyncio.run(main(parser.parse_args()))
+    aio.run(main(parser.parse_args()))

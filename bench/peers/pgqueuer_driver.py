@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 
 import asyncpg
+import uvloop
 from pgqueuer import AsyncpgDriver, Job, QueueManager
 from pgqueuer.domain.types import QueueExecutionMode
 from pgqueuer.queries import Queries
@@ -141,11 +142,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     args = parser.parse_args()
     if args.command == "install":
-        asyncio.run(install(args.dsn))
+        uvloop.run(install(args.dsn))
     elif args.command == "drain":
-        asyncio.run(drain(args.dsn, args.jobs, args.batch_size))
+        uvloop.run(drain(args.dsn, args.jobs, args.batch_size))
     else:
-        asyncio.run(pickup(args.dsn, args.rate, args.seconds, args.batch_size))
+        uvloop.run(pickup(args.dsn, args.rate, args.seconds, args.batch_size))
 
 
 if __name__ == "__main__":

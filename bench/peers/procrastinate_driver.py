@@ -6,13 +6,13 @@ Prints one JSON object on the last line of stdout. The app module starts no work
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
 import time
 
 import psycopg
+import uvloop
 from procrastinate import App, PsycopgConnector
 
 
@@ -73,9 +73,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=10)
     args = parser.parse_args()
     if args.command == "install":
-        asyncio.run(install(args.dsn))
+        uvloop.run(install(args.dsn))
     else:
-        asyncio.run(drain(args.dsn, args.jobs, args.concurrency))
+        uvloop.run(drain(args.dsn, args.jobs, args.concurrency))
 
 
 if __name__ == "__main__":

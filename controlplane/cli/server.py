@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import db, logs, roles
+from controlplane import aio, db, logs, roles
 from controlplane.cli.common import add_settings_flags, settings_from
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         roles.stop_on_signals(stop)
         await roles.run_api(settings, url, registry, stop)
 
-    asyncio.run(run())
+    aio.run(run())
     return 0
 
 
@@ -148,7 +148,7 @@ def _run_role(args: argparse.Namespace, role: Role) -> int:
         finally:
             await provisioner.close()
 
-    asyncio.run(run())
+    aio.run(run())
     return 0
 
 
@@ -176,4 +176,4 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     settings = _configured(args, default_format="text")
-    return asyncio.run(roles.up(settings, leave_instances_running=args.leave_instances_running))
+    return aio.run(roles.up(settings, leave_instances_running=args.leave_instances_running))
