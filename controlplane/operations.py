@@ -316,9 +316,13 @@ class Operations:
         if inst["state"] == "ready":
             await _transition_in(conn, inst, "degrade", actor, reason)
         elif inst["state"] == "degraded":
+            # A heal given up is counted: the reconciler waits longer before each next one.
             await conn.execute(
-                "UPDATE instances SET failure_reason = %s, progress = NULL, updated_at = now() WHERE id = %s",
-                (reason, inst["id"]),
+                "UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = now(),"
+                " heal_failures = heal_failures + CASE WHEN %(heal)s THEN 1 ELSE 0 END,"
+                " heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END"
+                " WHERE id = %(id)s",
+                {"reason": reason, "heal": job["kind"] == HEAL, "id": inst["id"]},
             )
 
     # ---- heal -------------------------------------------------------------------------------

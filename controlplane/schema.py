@@ -99,6 +99,9 @@ instances = Table(
     Column("connection", JSONB),
     Column("secret", LargeBinary),
     Column("deadline_retries", Integer, nullable=False, server_default=text("0")),
+    # Heals given up in a row (reset when ready again) and when the last was: the heal backoff.
+    Column("heal_failures", Integer, nullable=False, server_default=text("0")),
+    Column("heal_given_up_at", TZ),
     Column("last_reconciled_at", TZ),
     Column("created_at", TZ, nullable=False, server_default=NOW),
     Column("updated_at", TZ, nullable=False, server_default=NOW),

@@ -44,6 +44,8 @@ class Settings:
     deadline_updating_s: float = 600.0
     deadline_deprovisioning_s: float = 600.0
     deadline_max_retries: int = 2
+    heal_backoff_base_s: float = 30.0
+    heal_backoff_max_s: float = 3600.0
     provisioner: str = "local"
     local_port_min: int = 15432
     local_port_max: int = 15931
@@ -130,6 +132,10 @@ def validate(settings: Settings) -> None:
         raise SettingsError("CONTROLPLANE_LOCAL_PORT_MIN is above CONTROLPLANE_LOCAL_PORT_MAX")
     if settings.worker_concurrency < 1:
         raise SettingsError("CONTROLPLANE_WORKER_CONCURRENCY must be at least 1")
+    if settings.heal_backoff_base_s < 0 or settings.heal_backoff_max_s < settings.heal_backoff_base_s:
+        raise SettingsError(
+            "CONTROLPLANE_HEAL_BACKOFF_BASE_S must be at least 0 and at most CONTROLPLANE_HEAL_BACKOFF_MAX_S"
+        )
     if settings.heartbeat_interval_s <= 0:
         raise SettingsError("CONTROLPLANE_HEARTBEAT_INTERVAL_S must be positive")
     if settings.provisioner not in {"local", "kubernetes", "noop"}:

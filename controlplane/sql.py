@@ -68,6 +68,9 @@ INSTANCE_TABLE = EntityTable(
         _keep_unless("failure_reason", "m.patch->>'failure_reason'"),
         _keep_unless("observed_generation", "(m.patch->>'observed_generation')::bigint"),
         _keep_unless("failed_generation", "(m.patch->>'failed_generation')::bigint"),
+        # Ready again: the heal backoff starts over.
+        "heal_failures = CASE WHEN m.to_state = 'ready' THEN 0 ELSE t.heal_failures END",
+        "heal_given_up_at = CASE WHEN m.to_state = 'ready' THEN NULL ELSE t.heal_given_up_at END",
         _keep_unless("connection", "m.patch->'connection'"),
         _keep_unless("secret", "decode(m.patch->>'secret', 'base64')"),
         _keep_unless("suspended_by_billing", "(m.patch->>'suspended_by_billing')::boolean"),
@@ -267,7 +270,7 @@ FOR UPDATE SKIP LOCKED
 # (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
 SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
-       i.failed_generation, i.deadline_at, i.deadline_retries,
+       i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
        i.suspended_by_billing, o.billing_hold,
        ARRAY(SELECT j.kind FROM jobs j

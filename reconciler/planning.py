@@ -51,6 +51,8 @@ class InstanceView:
     observed: Observed | None = None
     # The spec generation whose update was given up: not tried again until the spec changes.
     failed_generation: int | None = None
+    # After heals were given up, no new heal before this time (the reconciler's heal backoff).
+    heal_not_before: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[A
     return [Transition(event, timeout_reason(view.state, view.deadline_retries))]
 
 
-def plan_observed(view: InstanceView) -> list[Action]:
+def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
     """Health and drift of a ready, degraded or suspended instance from the provisioner's view."""
     seen = view.observed
     if seen is None or view.state not in OBSERVED_STATES:
@@ -108,7 +110,8 @@ def plan_observed(view: InstanceView) -> list[Action]:
         return [Transition("degrade", f"observed {why}"), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
         if broken:
-            return [] if HEAL in view.live_jobs else [Enqueue(HEAL, f"heal: {why}")]
+            backing_off = view.heal_not_before is not None and now < view.heal_not_before
+            return [] if HEAL in view.live_jobs or backing_off else [Enqueue(HEAL, f"heal: {why}")]
         if not view.live_jobs:
             return [Transition("recover", "observed healthy again")]
         return []
@@ -140,6 +143,13 @@ def plan_intents(view: InstanceView) -> list[Action]:
     return []
 
 
+def heal_backoff_s(failures: int, base_s: float, max_s: float) -> float:
+    """The pause before the next heal after `failures` heals in a row were given up."""
+    if failures <= 0:
+        return 0.0
+    return float(min(max_s, base_s * 2 ** min(failures - 1, 32)))
+
+
 def plan(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
     """Everything to do about one instance this pass, most urgent first; at most one kind of move."""
-    return plan_deadline(view, now, max_retries) or plan_observed(view) or plan_intents(view)
+    return plan_deadline(view, now, max_retries) or plan_observed(view, now) or plan_intents(view)

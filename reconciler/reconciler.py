@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -52,7 +52,15 @@ class PassSummary:
         metrics.RECONCILE_ACTIONS.labels(action).inc()
 
 
-def _view(row: Mapping[str, Any], observed: planning.Observed | None) -> planning.InstanceView:
+def _view(
+    row: Mapping[str, Any], observed: planning.Observed | None, settings: Settings
+) -> planning.InstanceView:
+    heal_not_before = None
+    if row["heal_given_up_at"] is not None:
+        pause = planning.heal_backoff_s(
+            row["heal_failures"], settings.heal_backoff_base_s, settings.heal_backoff_max_s
+        )
+        heal_not_before = row["heal_given_up_at"] + timedelta(seconds=pause)
     return planning.InstanceView(
         state=row["state"],
         spec_generation=row["spec_generation"],
@@ -65,6 +73,7 @@ def _view(row: Mapping[str, Any], observed: planning.Observed | None) -> plannin
         live_jobs=tuple(row["live_jobs"]),
         observed=observed,
         failed_generation=row["failed_generation"],
+        heal_not_before=heal_not_before,
     )
 
 
@@ -105,7 +114,7 @@ class Reconciler:
         summary.scanned = len(rows)
         observations = await self._observe_all(rows, summary)
         for row in rows:
-            view = _view(row, observations.get(row["id"]))
+            view = _view(row, observations.get(row["id"]), self.settings)
             actions = planning.plan(view, row["now"], self.settings.deadline_max_retries)
             if actions:
                 await self._apply(row, actions, summary)

@@ -7,12 +7,13 @@ import os
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
 from controlplane import audit, db
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, PROVISION, RESUME, SUSPEND, UPDATE, PermanentError
+from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE, PermanentError
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner
@@ -260,4 +261,57 @@ async def test_an_update_given_up_is_not_retried_until_the_plan_is_asked_for_aga
         (UPDATE, "abandoned"),
         (UPDATE, "completed"),
     ]
+    assert await audit.verify(conn) == []
+
+
+class CannotHeal(ScriptedProvisioner):
+    """While `broken`, the first step of every heal (and provision) fails for good."""
+
+    broken = False
+
+    async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        if self.broken:
+            raise PermanentError("the volume cannot be attached")
+        await super().allocate_storage(instance_id, spec, fence)
+
+
+async def live_heal(conn: AsyncConn, instance_id: uuid.UUID) -> uuid.UUID:
+    (heal,) = [j for j in await live_jobs(conn, instance_id) if j["kind"] == HEAL]
+    heal_id: uuid.UUID = heal["id"]
+    return heal_id
+
+
+async def test_heals_given_up_in_a_row_are_retried_after_a_doubling_pause_and_reset_once_ready(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    settings = settings.replace(heal_backoff_base_s=60.0, heal_backoff_max_s=600.0)
+    provisioner = CannotHeal()
+    registry = registry_for(provisioner)
+    iid = await ready_instance(conn, settings, registry)
+    provisioner.broken = True
+    provisioner.seen[iid] = Observation(True, detail="server not running")
+    async with reconciling(settings, provisioner, registry=registry) as rec:
+        assert (await rec.run_once()).actions == {"degrade": 1, "enqueue_heal": 1}
+        await run_until(settings, registry, job_finished(await live_heal(conn, iid)))
+        row = await instance(conn, iid)
+        assert (row["state"], row["heal_failures"]) == ("degraded", 1)
+        assert row["failure_reason"].startswith("heal failed after 1 attempt(s)")
+        given_up = row["heal_given_up_at"]
+        # One heal given up: no new heal for 60 s, pass after pass.
+        for now in (None, given_up + timedelta(seconds=30), given_up + timedelta(seconds=59)):
+            assert (await rec.run_once(now)).actions == {}
+        assert (await rec.run_once(given_up + timedelta(seconds=60))).actions == {"enqueue_heal": 1}
+        await run_until(settings, registry, job_finished(await live_heal(conn, iid)))
+        row = await instance(conn, iid)
+        assert row["heal_failures"] == 2
+        given_up = row["heal_given_up_at"]
+        # Two in a row: the pause doubles.
+        assert (await rec.run_once(given_up + timedelta(seconds=119))).actions == {}
+        assert (await rec.run_once(given_up + timedelta(seconds=120))).actions == {"enqueue_heal": 1}
+        # This heal repairs it.
+        provisioner.broken = False
+        del provisioner.seen[iid]
+        await run_until(settings, registry, instance_in(iid, "ready"))
+    row = await instance(conn, iid)
+    assert (row["heal_failures"], row["heal_given_up_at"], row["failure_reason"]) == (0, None, None)
     assert await audit.verify(conn) == []

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from reconciler.planning import Enqueue, ExtendDeadline, InstanceView, Observed, Transition, plan
+from reconciler.planning import (
+    Enqueue,
+    ExtendDeadline,
+    InstanceView,
+    Observed,
+    Transition,
+    heal_backoff_s,
+    plan,
+)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 HEALTHY = Observed(exists=True, running=True, healthy=True, read_only=False)
@@ -113,3 +121,27 @@ def test_intents() -> None:
     suspended = view("suspended", suspended_by_billing=True, observed=replace(HEALTHY, read_only=True))
     assert plan(suspended, NOW, 2) == [Enqueue("resume", "billing hold released")]
     assert plan(replace(suspended, billing_hold=True), NOW, 2) == []
+
+
+def test_a_degraded_instance_is_not_healed_again_before_its_heal_backoff_ends() -> None:
+    down = Observed(True, False, False, False, "server not running")
+    waiting = view("degraded", observed=down, heal_not_before=NOW + timedelta(seconds=1))
+    assert plan(waiting, NOW, 2) == []
+    due = replace(waiting, heal_not_before=NOW)
+    assert plan(due, NOW, 2) == [Enqueue("heal", "heal: server not running")]
+    # Healthy again, it recovers whatever the backoff says.
+    assert plan(replace(waiting, observed=HEALTHY), NOW, 2) == [
+        Transition("recover", "observed healthy again")
+    ]
+
+
+def test_the_heal_backoff_doubles_up_to_its_ceiling() -> None:
+    assert [heal_backoff_s(n, 30.0, 3600.0) for n in (0, 1, 2, 3, 7, 8, 1000)] == [
+        0.0,
+        30.0,
+        60.0,
+        120.0,
+        1920.0,
+        3600.0,
+        3600.0,
+    ]

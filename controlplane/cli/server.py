@@ -47,6 +47,8 @@ RECONCILER = (
     "deadline_updating_s",
     "deadline_deprovisioning_s",
     "deadline_max_retries",
+    "heal_backoff_base_s",
+    "heal_backoff_max_s",
     "heartbeat_interval_s",
     "reclaim_after_intervals",
     "retry_base_delay_s",
