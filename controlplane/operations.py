@@ -197,7 +197,11 @@ class Operations:
             "provisioned",
             reason="provisioned",
             detail={"endpoint": f"{info.host}:{info.port}", "plan": spec.plan},
-            patch={**self._credentials_patch(ctx, inst, info), "observed_generation": spec.generation},
+            patch={
+                **self._credentials_patch(ctx, inst, info),
+                "observed_generation": spec.generation,
+                "observed_spec": inst["spec"],
+            },
         )
         return {"result": "ready", "endpoint": f"{info.host}:{info.port}"}
 
@@ -234,7 +238,7 @@ class Operations:
             "updated",
             reason=f"plan {spec.plan} applied",
             detail={"plan": spec.plan, "generation": spec.generation, "restarted_or_changed": changed},
-            patch={"observed_generation": spec.generation},
+            patch={"observed_generation": spec.generation, "observed_spec": inst["spec"]},
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
 
@@ -334,7 +338,16 @@ class Operations:
         """degraded -> ready after re-running every step: each adopts what is there, repairs the rest."""
         if inst["state"] != "degraded":
             return NOTHING_TO_DO
+        declared = inst["spec"]
         spec = self._spec(inst)
+        rolled_back = (
+            inst["failed_generation"] == inst["spec_generation"] and inst["observed_spec"] is not None
+        )
+        if rolled_back:
+            # The latest plan change was given up: heal to the plan it last ran, not to the one that
+            # may have broken it. The declared spec stays, for the customer to change again.
+            declared = inst["observed_spec"]
+            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]))
         iid, fence, p = inst["id"], ctx.fence, self.provisioner
         before = await p.observe(iid)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
@@ -354,15 +367,21 @@ class Operations:
             ctx,
             inst,
             "recover",
-            reason=f"repaired ({before.detail})",
-            detail={"before": before.as_dict(), "endpoint": f"{info.host}:{info.port}"},
+            reason=f"repaired ({before.detail})" + (f", back on plan {spec.plan}" if rolled_back else ""),
+            detail={
+                "before": before.as_dict(),
+                "endpoint": f"{info.host}:{info.port}",
+                "plan": spec.plan,
+                "rolled_back": rolled_back,
+            },
             patch={
                 **self._credentials_patch(ctx, inst, info),
                 "observed_generation": spec.generation,
+                "observed_spec": declared,
                 "failure_reason": None,
             },
         )
-        return {"result": "ready", "repaired": before.detail}
+        return {"result": "ready", "repaired": before.detail, "plan": spec.plan}
 
     # ---- deprovision ------------------------------------------------------------------------
 

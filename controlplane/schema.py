@@ -85,6 +85,8 @@ instances = Table(
     Column("observed_generation", BigInteger, nullable=False, server_default=text("0")),
     # The spec generation whose update was given up: not applied again unless asked again.
     Column("failed_generation", BigInteger),
+    # The spec last applied (at observed_generation): what a heal rolls back to.
+    Column("observed_spec", JSONB),
     Column("state", Text, nullable=False),
     Column("state_version", BigInteger, nullable=False, server_default=text("0")),
     Column("state_entered_at", TZ, nullable=False, server_default=NOW),

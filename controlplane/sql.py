@@ -68,6 +68,7 @@ INSTANCE_TABLE = EntityTable(
         _keep_unless("failure_reason", "m.patch->>'failure_reason'"),
         _keep_unless("observed_generation", "(m.patch->>'observed_generation')::bigint"),
         _keep_unless("failed_generation", "(m.patch->>'failed_generation')::bigint"),
+        _keep_unless("observed_spec", "m.patch->'observed_spec'"),
         # Ready again: the heal backoff starts over.
         "heal_failures = CASE WHEN m.to_state = 'ready' THEN 0 ELSE t.heal_failures END",
         "heal_given_up_at = CASE WHEN m.to_state = 'ready' THEN NULL ELSE t.heal_given_up_at END",

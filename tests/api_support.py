@@ -60,6 +60,7 @@ def ready_patch(settings: Settings, password: str, port: int = 15432) -> dict[st
         "connection": {"host": "127.0.0.1", "port": port, "dbname": "app", "user": "app_owner"},
         "secret": base64.b64encode(secret).decode(),
         "observed_generation": 1,
+        "observed_spec": {"plan": "dev", "region": "local"},
     }
 
 

@@ -39,6 +39,7 @@ async def test_create_returns_pending_with_location_and_provision_job(
     assert body["connection"] is None and body["deletion_protection"] is True
     assert body["allowed_actions"] == ["resize", "set_deletion_protection"]
     assert body["spec_generation"] == 1 and body["observed_generation"] == 0
+    assert body["observed_plan"] is None and body["failed_generation"] is None  # nothing applied yet
     assert body["deadline_at"] is not None and body["time_in_state_s"] >= 0
     assert await _jobs(conn, body["id"]) == [("provision", "queued")]
     cursor = await conn.execute(
@@ -197,6 +198,7 @@ async def test_patch_asks_again_for_a_plan_whose_update_was_given_up(
     )
     shown = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()
     assert (shown["plan"], shown["spec_generation"], shown["failed_generation"]) == ("small", 2, 2)
+    assert shown["observed_plan"] == "dev"  # what it runs
     again = await client.patch(f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers)
     assert again.status_code == 202
     assert (again.json()["spec_generation"], again.json()["failed_generation"]) == (3, 2)

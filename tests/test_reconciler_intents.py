@@ -315,3 +315,50 @@ async def test_heals_given_up_in_a_row_are_retried_after_a_doubling_pause_and_re
     row = await instance(conn, iid)
     assert (row["heal_failures"], row["heal_given_up_at"], row["failure_reason"]) == (0, None, None)
     assert await audit.verify(conn) == []
+
+
+class BreaksOnSmall(ScriptedProvisioner):
+    """Applying plan `small` fails for good and leaves the server down; any other plan repairs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: list[str] = []
+
+    async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        self.applied.append(spec.plan)
+        if spec.plan == "small":
+            self.seen[instance_id] = Observation(True, detail="server not running")
+            raise PermanentError("the server does not start with plan small")
+        self.seen.pop(instance_id, None)
+        return await super().apply_plan(instance_id, spec, fence)
+
+
+async def test_a_plan_change_that_broke_the_server_is_healed_back_to_the_plan_it_ran(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    provisioner = BreaksOnSmall()
+    registry = registry_for(provisioner)
+    iid = await ready_instance(conn, settings, registry)
+    assert (await instance(conn, iid))["observed_spec"]["plan"] == "dev"
+    await conn.execute(
+        'UPDATE instances SET spec = spec || \'{"plan": "small"}\', spec_generation = 2 WHERE id = %s',
+        (iid,),
+    )
+    update = await enqueue(conn, UPDATE, iid, spec_generation=2)
+    await run_until(settings, registry, job_finished(update["id"]))
+    row = await instance(conn, iid)
+    assert (row["state"], row["failed_generation"]) == ("degraded", 2)
+    async with reconciling(settings, provisioner, registry=registry) as rec:
+        assert (await rec.run_once()).actions == {"enqueue_heal": 1}
+        await run_until(settings, registry, instance_in(iid, "ready"))
+        assert (await rec.run_once()).actions == {}  # the plan given up is not tried again
+    assert provisioner.applied[-2:] == ["small", "dev"]
+    row = await instance(conn, iid)
+    assert (row["spec"]["plan"], row["observed_spec"]["plan"]) == ("small", "dev")
+    assert (row["spec_generation"], row["observed_generation"], row["failed_generation"]) == (2, 1, 2)
+    cursor = await conn.execute(
+        "SELECT reason, detail FROM instance_events WHERE instance_id = %s AND event = 'recover'", (iid,)
+    )
+    (recovered,) = await cursor.fetchall()
+    assert recovered["reason"].endswith("back on plan dev") and recovered["detail"]["rolled_back"] is True
+    assert await audit.verify(conn) == []

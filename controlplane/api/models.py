@@ -84,6 +84,10 @@ class Instance(BaseModel):
     id: uuid.UUID
     name: str
     plan: str
+    observed_plan: str | None = Field(
+        description="the plan the instance runs (last applied); differs from `plan` while a change"
+        " is pending or after it was given up"
+    )
     region: str
     state: InstanceState
     state_version: int

@@ -104,6 +104,7 @@ def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) ->
         "id": row["id"],
         "name": row["name"],
         "plan": spec.get("plan"),
+        "observed_plan": (row["observed_spec"] or {}).get("plan"),
         "region": spec.get("region"),
         "state": row["state"],
         "state_version": row["state_version"],
