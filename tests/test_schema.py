@@ -301,3 +301,30 @@ async def test_enqueue_of_a_duplicate_live_job_returns_the_live_one(conn: AsyncC
     assert claimed is not None and claimed["id"] == first.job["id"]
     # Still live while claimed: no second job.
     assert not (await enqueue(conn, NewJob("provision", inst["id"]), TEST_ACTOR)).created
+
+
+def test_0004_fills_in_the_applied_spec_of_instances_that_run_their_declared_one(empty_database: str) -> None:
+    config = alembic_config(empty_database)
+    command.upgrade(config, "0003")
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        org = conn.execute("INSERT INTO organisations (name) VALUES ('o') RETURNING id").fetchone()
+        assert org is not None
+        for name, generations in (("current", (2, 2)), ("pending-change", (3, 2)), ("never", (1, 0))):
+            row = conn.execute(
+                "INSERT INTO instances (org_id, name, spec, state)"
+                " VALUES (%s, %s, '{\"plan\": \"small\"}', 'pending') RETURNING id",
+                (org[0], name),
+            ).fetchone()
+            assert row is not None
+            # As years of transitions would have left them (the guard trigger allows no shortcut).
+            conn.execute("SET session_replication_role = replica")
+            conn.execute(
+                "UPDATE instances SET state = 'ready', spec_generation = %s, observed_generation = %s"
+                " WHERE id = %s",
+                (*generations, row[0]),
+            )
+            conn.execute("SET session_replication_role = DEFAULT")
+    command.upgrade(config, "0004")
+    with psycopg.connect(empty_database) as conn:
+        rows: dict[str, object] = dict(conn.execute("SELECT name, observed_spec FROM instances").fetchall())
+    assert rows == {"current": {"plan": "small"}, "pending-change": None, "never": None}
