@@ -11,9 +11,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
+from psycopg.rows import DictRow
+
 from controlplane import audit, db
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE, PermanentError
+from controlplane.handlers import (
+    DEPROVISION,
+    HEAL,
+    PROVISION,
+    RESUME,
+    SUSPEND,
+    UPDATE,
+    JobRegistry,
+    PermanentError,
+)
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner
@@ -228,19 +239,26 @@ def runs_generation(instance_id: uuid.UUID, generation: int) -> Condition:
     return check
 
 
+async def resize_to_small(
+    conn: AsyncConn, settings: Settings, registry: JobRegistry, instance_id: uuid.UUID
+) -> DictRow:
+    """Plan small as generation 2, its update run by a worker to the end; the instance after it."""
+    await conn.execute(
+        'UPDATE instances SET spec = spec || \'{"plan": "small"}\', spec_generation = 2 WHERE id = %s',
+        (instance_id,),
+    )
+    update = await enqueue(conn, UPDATE, instance_id, spec_generation=2)
+    await run_until(settings, registry, job_finished(update["id"]))
+    return await instance(conn, instance_id)
+
+
 async def test_an_update_given_up_is_not_retried_until_the_plan_is_asked_for_again(
     conn: AsyncConn, settings: Settings
 ) -> None:
     provisioner = RefusesPlans()
     registry = registry_for(provisioner)
     iid = await ready_instance(conn, settings, registry)
-    await conn.execute(
-        'UPDATE instances SET spec = spec || \'{"plan": "small"}\', spec_generation = 2 WHERE id = %s',
-        (iid,),
-    )
-    update = await enqueue(conn, UPDATE, iid, spec_generation=2)
-    await run_until(settings, registry, job_finished(update["id"]))
-    row = await instance(conn, iid)
+    row = await resize_to_small(conn, settings, registry, iid)
     assert (row["state"], row["failed_generation"], row["observed_generation"]) == ("degraded", 2, 1)
     assert row["failure_reason"].startswith("update failed after 1 attempt(s)")
     async with reconciling(settings, provisioner, registry=registry) as rec:
@@ -340,13 +358,7 @@ async def test_a_plan_change_that_broke_the_server_is_healed_back_to_the_plan_it
     registry = registry_for(provisioner)
     iid = await ready_instance(conn, settings, registry)
     assert (await instance(conn, iid))["observed_spec"]["plan"] == "dev"
-    await conn.execute(
-        'UPDATE instances SET spec = spec || \'{"plan": "small"}\', spec_generation = 2 WHERE id = %s',
-        (iid,),
-    )
-    update = await enqueue(conn, UPDATE, iid, spec_generation=2)
-    await run_until(settings, registry, job_finished(update["id"]))
-    row = await instance(conn, iid)
+    row = await resize_to_small(conn, settings, registry, iid)
     assert (row["state"], row["failed_generation"]) == ("degraded", 2)
     async with reconciling(settings, provisioner, registry=registry) as rec:
         assert (await rec.run_once()).actions == {"enqueue_heal": 1}
