@@ -200,68 +200,57 @@ async def abandon_job(
     return row
 
 
-async def applied_earlier(
-    conn: AsyncConn, failures: Iterable[TransitionError], fences: Mapping[uuid.UUID, int]
-) -> set[uuid.UUID]:
-    """Of these conflicts, the moves that had in fact been applied by this holder already.
+@dataclass(frozen=True)
+class OwnConflicts:
+    """Conflicts of a holder's writes that do not mean the job was taken from it."""
 
-    After a write whose reply was lost (the connection dropped), retrying it conflicts with
-    itself: the row is at the target state, one version on, with the same fence.
-    """
-    conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
-    if not conflicts:
-        return set()
-    cursor = await conn.execute(
-        "SELECT id, state, state_version, fence FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
-        {"ids": [c.move.id for c in conflicts]},
-    )
-    rows = {row["id"]: row for row in await cursor.fetchall()}
-    applied = set()
-    for conflict in conflicts:
-        move, row = conflict.move, rows.get(conflict.move.id)
-        if (
-            row is not None
-            and row["state"] == lifecycle.JOB.apply(move.expected_state, move.event)
-            and row["state_version"] == move.expected_version + 1
-            and row["fence"] == fences[move.id]
-        ):
-            applied.add(move.id)
-    return applied
+    # Its own earlier writes, applied although the reply was lost with the connection: the rows.
+    applied: dict[uuid.UUID, DictRow]
+    # Moves whose job is still its own a few versions on, with the current version to retry at.
+    again: list[Move]
 
 
-async def still_held(
+async def own_conflicts(
     conn: AsyncConn, failures: Iterable[TransitionError], fences: Mapping[uuid.UUID, int], worker_id: str
-) -> list[Move]:
-    """Of these conflicts, the moves whose job is still this holder's, a few versions on.
+) -> OwnConflicts:
+    """Of these conflicts, the ones the holder (`worker_id`, `fences`) can settle itself.
 
-    An operator who pauses and resumes a running job between two of its worker's heartbeats leaves
-    it `running`, claimed by the same worker with the same fence, but its version has moved: the
-    worker's outcome is still the job's. Returned with the current version, to be applied again.
+    - After a write whose reply was lost, retrying it conflicts with itself: the row is at the
+      target state, one version on, with the same fence. That move is done.
+    - An operator who pauses and resumes a running job between two of its worker's heartbeats
+      leaves it in the same state, claimed by the same worker with the same fence, a few versions
+      on: the worker's outcome is still the job's, to be applied again at the current version.
     """
     conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
     if not conflicts:
-        return []
+        return OwnConflicts({}, [])
     cursor = await conn.execute(
-        "SELECT id, state, state_version, fence, claimed_by FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
+        "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
         {"ids": [c.move.id for c in conflicts]},
     )
     rows = {row["id"]: row for row in await cursor.fetchall()}
-    again = []
+    applied: dict[uuid.UUID, DictRow] = {}
+    again: list[Move] = []
     for conflict in conflicts:
         move, row = conflict.move, rows.get(conflict.move.id)
+        if row is None or row["fence"] != fences[move.id]:
+            continue
         if (
-            row is not None
-            and row["state"] == move.expected_state
+            row["state"] == lifecycle.JOB.apply(move.expected_state, move.event)
+            and row["state_version"] == move.expected_version + 1
+        ):
+            applied[move.id] = row
+        elif (
+            row["state"] == move.expected_state
             and row["state_version"] > move.expected_version
-            and row["fence"] == fences[move.id]
             and row["claimed_by"] == worker_id
         ):
             again.append(dataclasses.replace(move, expected_version=row["state_version"]))
-    return again
+    return OwnConflicts(applied, again)
 
 
 async def apply_again(conn: AsyncConn, moves: list[Move], actor: Actor) -> BatchResult:
-    """Moves of `still_held`, in one statement."""
+    """The `again` moves of `own_conflicts`, in one statement."""
     return await _batch(conn, moves, actor)
 
 

@@ -439,20 +439,14 @@ class Worker:
         """
         if not result.failed:
             return result
-        applied = await queue.applied_earlier(conn, result.failed, fences)
-        rows: list[DictRow] = []
-        if applied:
-            cursor = await conn.execute(
-                "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])", {"ids": list(applied)}
-            )
-            rows = await cursor.fetchall()
-        failed = [f for f in result.failed if queue.move_of(f).id not in applied]
-        again = await queue.still_held(conn, failed, fences, self.worker_id)
-        if again:
-            retried = await queue.apply_again(conn, again, self.actor)
-            ids = {move.id for move in again}
+        own = await queue.own_conflicts(conn, result.failed, fences, self.worker_id)
+        rows = list(own.applied.values())
+        settled = own.applied.keys() | {move.id for move in own.again}
+        failed = [f for f in result.failed if queue.move_of(f).id not in settled]
+        if own.again:
+            retried = await queue.apply_again(conn, own.again, self.actor)
             rows += retried.moved
-            failed = [f for f in failed if queue.move_of(f).id not in ids] + retried.failed
+            failed += retried.failed
         return BatchResult(result.moved + rows, failed)
 
     async def _with_retry(
