@@ -92,3 +92,22 @@ def test_migrate_brings_an_empty_database_to_head(empty_database: str) -> None:
     # Running it again is a no-op.
     again = migrate()
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--heal-backoff-base-s", "60", "--heal-backoff-max-s", "30"],
+            "CONTROLPLANE_HEAL_BACKOFF_BASE_S must be at least 0 and at most CONTROLPLANE_HEAL_BACKOFF_MAX_S",
+        ),
+        (["--worker-concurrency", "0"], "CONTROLPLANE_WORKER_CONCURRENCY must be at least 1"),
+    ],
+)
+def test_settings_out_of_range_are_refused_in_one_line_before_anything_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    command = "reconcile" if "--heal-backoff-base-s" in flags else "worker"
+    url = "postgresql://nobody@127.0.0.1:1/unreachable"
+    assert main([command, "--database-url", url, "--data-dir", str(tmp_path), *flags]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"controlplane: error: {message}"]
