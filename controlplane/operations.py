@@ -4,33 +4,19 @@ from __future__ import annotations
 
 import base64
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from psycopg.rows import DictRow
 
-from controlplane import jobs
-from controlplane.db import AsyncConn
-from controlplane.handlers import (
-    DEPROVISION,
-    HEAL,
-    PROVISION,
-    RESUME,
-    SUSPEND,
-    UPDATE,
-    AbandonHook,
-    Handler,
-    JobContext,
-    JobKind,
-    JobRegistry,
-    PermanentError,
-    TemporaryError,
-    Verdict,
-)
+from controlplane import abandonment, kinds
+from controlplane.errors import PermanentError, TemporaryError
+from controlplane.instances import transition_instance
+from controlplane.kinds import DEPROVISION, HEAL, INSTANCE_JOB_KINDS, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
 from controlplane.secretbox import SecretBox, load_box
-from controlplane.transitions import Actor, Conflict, transition
+from controlplane.transitions import Conflict
 from provisioners.base import (
     JOB_ATTEMPT,
     PROVISIONING_STEPS,
@@ -45,8 +31,6 @@ T = TypeVar("T")
 # How often a handler re-reads and decides again when other actors keep moving the instance.
 MAX_DECISIONS = 8
 NOTHING_TO_DO: Verdict = {"result": "nothing to do"}
-# Cleanup after a failure: the instance stays failed, its resources go.
-CLEANUP = "cleanup"
 
 
 class Moved(Exception):
@@ -65,7 +49,8 @@ def _not_now(inst: Mapping[str, Any]) -> Verdict:
 
 @dataclass
 class Operations:
-    """The six instance operations over one provisioner."""
+    """The six instance operations over one provisioner (their abandonment hooks need none:
+    `controlplane.abandonment`)."""
 
     provisioner: Provisioner
 
@@ -94,7 +79,9 @@ class Operations:
         patch: Mapping[str, Any] | None = None,
     ) -> DictRow:
         async with ctx.pool.connection() as conn:
-            return await _transition(conn, inst, event, ctx.actor, reason=reason, detail=detail, patch=patch)
+            return await transition_instance(
+                conn, inst, event, ctx.actor, reason=reason, detail=detail, patch=patch
+            )
 
     async def _progress(self, ctx: JobContext, inst: Mapping[str, Any], text: str | None) -> None:
         """Show what runs now on the instance (progress is outside the guarded columns)."""
@@ -205,15 +192,6 @@ class Operations:
         )
         return {"result": "ready", "endpoint": f"{info.host}:{info.port}"}
 
-    async def provision_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
-        """pending/provisioning -> failed with the step and error; a cleanup job removes what exists."""
-        inst = await _lock_instance(conn, job)
-        if inst is None or inst["state"] not in ("pending", "provisioning"):
-            return
-        reason = _failure_reason(job, inst)
-        await _transition_in(conn, inst, "fail", actor, reason)
-        await _enqueue_cleanup(conn, inst, actor, skip_backup=True)
-
     # ---- update -----------------------------------------------------------------------------
 
     async def update(self, ctx: JobContext) -> Verdict:
@@ -242,27 +220,6 @@ class Operations:
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
 
-    async def update_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
-        """updating -> degraded: a failed plan change must not destroy a database that holds data.
-
-        The instance keeps its data and its old plan; the reconciler heals it if it is broken and
-        recovers it to ready. The generation given up is recorded (`failed_generation`) and not
-        tried again by the reconciler: asking for a plan again makes a new generation.
-        """
-        inst = await _lock_instance(conn, job)
-        if inst is None or inst["state"] != "updating":
-            return
-        reason = _failure_reason(job, inst)
-        generation = int(job["payload"].get("spec_generation") or inst["spec_generation"])
-        await _transition(
-            conn,
-            inst,
-            "degrade",
-            actor,
-            reason=reason,
-            patch={"failure_reason": reason, "progress": None, "failed_generation": generation},
-        )
-
     # ---- suspend and resume -----------------------------------------------------------------
 
     async def suspend(self, ctx: JobContext) -> Verdict:
@@ -270,7 +227,8 @@ class Operations:
 
     async def _suspend(self, ctx: JobContext, inst: DictRow) -> Verdict:
         """Read-only first, then ready -> suspended: the record never claims more than is true."""
-        by_billing = bool(ctx.payload.get("billing", inst["suspended_by_billing"]))
+        payload = ctx.typed_payload(kinds.SuspendPayload)
+        by_billing = inst["suspended_by_billing"] if payload.billing is None else payload.billing
         spec = self._spec(inst)
         if inst["state"] == "suspended":
             changed = await self.provisioner.suspend(inst["id"], spec, ctx.fence)
@@ -284,7 +242,7 @@ class Operations:
             ctx,
             inst,
             "suspend",
-            reason=str(ctx.payload.get("reason") or ("billing hold" if by_billing else "suspended")),
+            reason=payload.reason or ("billing hold" if by_billing else "suspended"),
             patch={"suspended_by_billing": by_billing},
         )
         return {"result": "suspended"}
@@ -300,7 +258,7 @@ class Operations:
                 ctx,
                 inst,
                 "resume",
-                reason=str(ctx.payload.get("reason") or "resumed"),
+                reason=ctx.typed_payload(kinds.ResumePayload).reason or "resumed",
                 patch={"progress": "resume", "suspended_by_billing": False},
             )
         elif inst["state"] != "ready":
@@ -310,24 +268,6 @@ class Operations:
         )
         await self._progress(ctx, inst, None)
         return {"result": "ready"} if changed else NOTHING_TO_DO
-
-    async def degrade_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
-        """A failed suspend, resume or heal: ready -> degraded with the reason (never failed)."""
-        inst = await _lock_instance(conn, job)
-        if inst is None:
-            return
-        reason = _failure_reason(job, inst)
-        if inst["state"] == "ready":
-            await _transition_in(conn, inst, "degrade", actor, reason)
-        elif inst["state"] == "degraded":
-            # A heal given up is counted: the reconciler waits longer before each next one.
-            await conn.execute(
-                "UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = now(),"
-                " heal_failures = heal_failures + CASE WHEN %(heal)s THEN 1 ELSE 0 END,"
-                " heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END"
-                " WHERE id = %(id)s",
-                {"reason": reason, "heal": job["kind"] == HEAL, "id": inst["id"]},
-            )
 
     # ---- heal -------------------------------------------------------------------------------
 
@@ -390,7 +330,9 @@ class Operations:
 
     async def _deprovision(self, ctx: JobContext, inst: DictRow) -> Verdict:
         state = inst["state"]
-        skip_backup = bool(ctx.payload.get("skip_final_backup", inst["skip_final_backup"]))
+        payload = ctx.typed_payload(kinds.DeprovisionPayload)
+        asked = payload.skip_final_backup
+        skip_backup = bool(inst["skip_final_backup"] if asked is None else asked)
         if state == "failed":
             return await self._cleanup(ctx, inst, skip_backup)
         if state in ("ready", "degraded", "suspended"):
@@ -398,7 +340,7 @@ class Operations:
                 ctx,
                 inst,
                 "deprovision",
-                reason=str(ctx.payload.get("reason") or "deletion requested"),
+                reason=payload.reason or "deletion requested",
                 patch={"progress": "deprovision", **self._deadline(ctx, "deprovisioning")},
             )
         elif state != "deprovisioning":
@@ -431,101 +373,31 @@ class Operations:
         )
         return {"result": "cleaned up", "backup": result.backup, "removed": result.removed}
 
-    async def deprovision_abandoned(self, conn: AsyncConn, job: DictRow, actor: Actor) -> None:
-        """deprovisioning -> failed; what remains is left to the orphan sweep and the SREs."""
-        inst = await _lock_instance(conn, job)
-        if inst is None or inst["state"] != "deprovisioning":
-            return
-        await _transition_in(conn, inst, "fail", actor, _failure_reason(job, inst))
 
-    # ---- registry ---------------------------------------------------------------------------
-
-    def kinds(self) -> list[JobKind]:
-        table: list[tuple[str, Handler, AbandonHook]] = [
-            (PROVISION, self.provision, self.provision_abandoned),
-            (UPDATE, self.update, self.update_abandoned),
-            (SUSPEND, self.suspend, self.degrade_abandoned),
-            (RESUME, self.resume, self.degrade_abandoned),
-            (HEAL, self.heal, self.degrade_abandoned),
-            (DEPROVISION, self.deprovision, self.deprovision_abandoned),
-        ]
-        return [JobKind(name, handler, on_abandoned=hook) for name, handler, hook in table]
-
-
-def operation_kinds(provisioner: Provisioner) -> list[JobKind]:
-    """The instance operations over `provisioner`, for a worker's JobRegistry."""
-    return Operations(provisioner).kinds()
+def kind_table(operations: Operations | None) -> list[JobKind]:
+    """The six instance job kinds: handlers over `operations` (none without), abandonment hooks."""
+    hooks: dict[str, AbandonHook] = {
+        PROVISION: abandonment.provision_abandoned,
+        UPDATE: abandonment.update_abandoned,
+        SUSPEND: abandonment.degrade_abandoned,
+        RESUME: abandonment.degrade_abandoned,
+        HEAL: abandonment.degrade_abandoned,
+        DEPROVISION: abandonment.deprovision_abandoned,
+    }
+    handlers: dict[str, Handler] = {}
+    if operations is not None:
+        handlers = {
+            PROVISION: operations.provision,
+            UPDATE: operations.update,
+            SUSPEND: operations.suspend,
+            RESUME: operations.resume,
+            HEAL: operations.heal,
+            DEPROVISION: operations.deprovision,
+        }
+    return [JobKind(name, handlers.get(name), on_abandoned=hooks[name]) for name in INSTANCE_JOB_KINDS]
 
 
-def default_registry() -> JobRegistry:
-    """A JobRegistry of the operations over the provisioner the environment configures.
-
-    For `CONTROLPLANE_JOB_REGISTRY=controlplane.operations:default_registry`.
-    """
-    import provisioners
-    from controlplane import settings as settings_module
-
-    return JobRegistry(operation_kinds(provisioners.build(settings_module.load())))
-
-
-# ---- helpers of the abandonment hooks (they run in the abandoning transaction) -------------------
-
-
-async def _lock_instance(conn: AsyncConn, job: Mapping[str, Any]) -> DictRow | None:
-    if job["instance_id"] is None:
-        return None
-    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s FOR UPDATE", (job["instance_id"],))
-    return await cursor.fetchone()
-
-
-def _failure_reason(job: Mapping[str, Any], inst: Mapping[str, Any]) -> str:
-    """The job's last error, with the step it happened in when the error does not say."""
-    error = str(job["last_error"] or "no error recorded")
-    step = inst["progress"]
-    if step and not error.startswith(f"{step}:"):
-        error = f"at {step}: {error}"
-    return f"{job['kind']} failed after {job['attempt']} attempt(s): {error}"[:1000]
-
-
-async def _transition_in(
-    conn: AsyncConn, inst: Mapping[str, Any], event: str, actor: Actor, reason: str
-) -> None:
-    await _transition(
-        conn, inst, event, actor, reason=reason, patch={"failure_reason": reason, "progress": None}
-    )
-
-
-async def _transition(
-    conn: AsyncConn,
-    inst: Mapping[str, Any],
-    event: str,
-    actor: Actor,
-    *,
-    reason: str | None = None,
-    detail: Mapping[str, Any] | None = None,
-    patch: Mapping[str, Any] | None = None,
-) -> DictRow:
-    """`event` on the instance as it was read: guarded by the state and version read."""
-    return await transition(
-        conn,
-        "instance",
-        inst["id"],
-        event,
-        inst["state_version"],
-        expected_state=inst["state"],
-        actor=actor,
-        reason=reason,
-        detail=detail,
-        patch=patch,
-    )
-
-
-async def _enqueue_cleanup(
-    conn: AsyncConn, inst: Mapping[str, Any], actor: Actor, *, skip_backup: bool
-) -> None:
-    instance_id: uuid.UUID = inst["id"]
-    await jobs.enqueue(
-        conn,
-        jobs.NewJob(DEPROVISION, instance_id, payload={CLEANUP: True, "skip_final_backup": skip_backup}),
-        actor,
-    )
+def registry(provisioner: Provisioner | None = None) -> JobRegistry:
+    """The job registry of a process: the instance operations over `provisioner`, or, without one
+    (the API, an operator's command), their abandonment hooks only: such a process runs no job."""
+    return JobRegistry(kind_table(None if provisioner is None else Operations(provisioner)))

@@ -13,8 +13,8 @@ from psycopg.rows import DictRow
 
 from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry, Verdict
 from controlplane.jobs import get_job
+from controlplane.registry import JobRegistry, Verdict
 from controlplane.retry import Decision, ErrorKind
 from controlplane.transitions import (
     Actor,

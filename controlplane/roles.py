@@ -16,10 +16,9 @@ import uvicorn
 from prometheus_client import start_http_server
 
 import provisioners
-from controlplane import db, tenants
+from controlplane import db, operations, tenants
 from controlplane.api.app import create_app
-from controlplane.handlers import JobRegistry
-from controlplane.operations import operation_kinds
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.worker import Worker, default_worker_id
 from provisioners.base import Provisioner
@@ -50,10 +49,6 @@ def serve_metrics(settings: Settings) -> None:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.api_host)
         log.info("metrics on %s:%d/metrics", settings.api_host, settings.metrics_port)
-
-
-def registry_for(provisioner: Provisioner) -> JobRegistry:
-    return JobRegistry(operation_kinds(provisioner))
 
 
 async def run_api(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
@@ -168,7 +163,7 @@ async def up(settings: Settings, *, leave_instances_running: bool = False) -> in
             data_dir=data_dir,
         )
         await _adopt_instances(url, provisioner)
-        registry = registry_for(provisioner)
+        registry = operations.registry(provisioner)
         services = [
             asyncio.create_task(run_api(settings, url, registry, stop), name="api"),
             asyncio.create_task(run_worker_role(settings, url, registry, stop), name="worker"),

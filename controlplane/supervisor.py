@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from controlplane import queue, sql
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.retry import Decision, RetryPolicy
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, BatchResult, Conflict

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -23,14 +22,8 @@ from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from controlplane import db, metrics, queue, transitions
 from controlplane.db import AsyncConn
-from controlplane.handlers import (
-    JobContext,
-    JobRegistry,
-    PermanentError,
-    StaleFence,
-    TemporaryError,
-    Verdict,
-)
+from controlplane.errors import PermanentError, StaleFence, TemporaryError
+from controlplane.registry import JobContext, JobRegistry, Verdict
 from controlplane.retry import ErrorKind, RetryPolicy
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, BatchResult
@@ -127,8 +120,8 @@ class Worker:
         services: Mapping[str, Any] | None = None,
         policy: RetryPolicy | None = None,
     ) -> None:
-        if not registry.names():
-            raise ValueError("a worker needs at least one registered job kind")
+        if not registry.runnable():
+            raise ValueError("a worker needs at least one job kind with a handler")
         self.worker_id = worker_id
         self.settings = settings
         self.pool = pool
@@ -138,7 +131,7 @@ class Worker:
         self.actor = Actor("worker", worker_id)
         # Dedicated connections (heartbeat, LISTEN) go to the pool's database.
         self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
-        self.kinds = registry.names()
+        self.kinds = registry.runnable()
         self.concurrency = settings.worker_concurrency
         # With a backlog, claim when at least this many slots are free (or after CLAIM_LINGER_S).
         self._batch_min = max(1, self.concurrency // 2)
@@ -309,7 +302,7 @@ class Worker:
 
     async def _run_handler(self, held: Held) -> None:
         kind = self.registry.get(held.job["kind"])
-        assert kind is not None, "claimed a job of a kind this worker does not run"
+        assert kind is not None and kind.handler is not None, "claimed a job of a kind this worker cannot run"
         context = JobContext(
             job=held.job,
             worker_id=self.worker_id,
@@ -528,18 +521,6 @@ def _not_a_verdict(verdict: object) -> str | None:
     except (TypeError, ValueError) as exc:
         return f"handler returned a verdict that is not JSON: {exc}"
     return None
-
-
-def load_registry(spec: str) -> JobRegistry:
-    """A registry named "module:attribute": a JobRegistry, or a function returning one."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"job registry {spec!r}: expected 'module:attribute'")
-    value = getattr(importlib.import_module(module_name), attribute)
-    registry = value() if callable(value) and not isinstance(value, JobRegistry) else value
-    if not isinstance(registry, JobRegistry):
-        raise TypeError(f"job registry {spec!r} is a {type(registry).__name__}, not a JobRegistry")
-    return registry
 
 
 async def run_worker(

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from controlplane import plans
+from controlplane.errors import PermanentError
 from controlplane.fencing import FileFences
-from controlplane.handlers import PermanentError
 
 # The attempt of the job whose handler is calling the provisioner (set by the operations);
 # fault injection uses it to fire on a chosen attempt only.

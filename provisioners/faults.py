@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from controlplane.handlers import PermanentError, TemporaryError
+from controlplane.errors import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,

@@ -17,7 +17,7 @@ import kubernetes
 import urllib3
 
 from controlplane import fencing
-from controlplane.handlers import PermanentError, StaleFence, TemporaryError
+from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.settings import Settings
 from provisioners.base import (
     ConnectionInfo,

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
-from controlplane.handlers import PermanentError, TemporaryError
+from controlplane.errors import PermanentError, TemporaryError
 from controlplane.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
 from controlplane.secretbox import SecretBox, load_box
 from controlplane.settings import Settings

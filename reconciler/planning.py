@@ -6,7 +6,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
-from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.kinds import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
 
 # The operation that drives each transitional state forward, re-enqueued when it stalls.
 DRIVING_JOB = {

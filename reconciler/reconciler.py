@@ -18,7 +18,8 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from controlplane import jobs, lifecycle, metrics, sql
 from controlplane.db import AsyncConn
-from controlplane.handlers import RESUME, SUSPEND, JobRegistry
+from controlplane.kinds import RESUME, SUSPEND
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.supervisor import PassResult, Supervisor
 from controlplane.transitions import Actor, Conflict, InvariantViolation, transition

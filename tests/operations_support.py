@@ -10,10 +10,10 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import db, jobs
+from controlplane import db, jobs, operations
 from controlplane.db import AsyncConn
-from controlplane.handlers import PROVISION, JobRegistry
-from controlplane.operations import operation_kinds
+from controlplane.kinds import PROVISION
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
 from controlplane.worker import Worker
@@ -24,7 +24,7 @@ Condition = Callable[[AsyncConn], Awaitable[bool]]
 
 
 def registry_for(provisioner: Provisioner) -> JobRegistry:
-    return JobRegistry(operation_kinds(provisioner))
+    return operations.registry(provisioner)
 
 
 async def run_until(

@@ -107,6 +107,9 @@ def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str
 # A worker subprocess running the instance operations, configured by worker_env.
 WORKER_SCRIPT = (
     "import asyncio\n"
+    "import provisioners\n"
     "from controlplane import operations, settings, worker\n"
-    "asyncio.run(worker.run_worker(settings.load(), operations.default_registry()))\n"
+    "configured = settings.load()\n"
+    "registry = operations.registry(provisioners.build(configured))\n"
+    "asyncio.run(worker.run_worker(configured, registry))\n"
 )

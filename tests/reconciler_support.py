@@ -23,7 +23,7 @@ from psycopg.rows import DictRow
 
 from controlplane import db, queue
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.worker import Worker
 from provisioners.base import ConnectionInfo, Observation, Provisioner

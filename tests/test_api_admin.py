@@ -14,7 +14,7 @@ from psycopg.rows import DictRow
 from controlplane import audit, queue
 from controlplane.api.app import create_app
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobKind, JobRegistry
+from controlplane.registry import JobKind, JobRegistry
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, transition
 from tests.api_support import WORKER, Tenant, create, drive

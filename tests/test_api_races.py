@@ -120,8 +120,8 @@ async def test_patch_and_billing_suspension_through_the_real_operations(
 ) -> None:
     """The same race, run by the instance operations: one moves first, the other defers or follows."""
     from controlplane import queue
-    from controlplane.handlers import JobContext
     from controlplane.operations import Operations
+    from controlplane.registry import JobContext
     from provisioners.noop import NoopProvisioner
 
     made = await create(client, tenant, "orders")

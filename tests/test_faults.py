@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.handlers import PermanentError, TemporaryError
+from controlplane.errors import PermanentError, TemporaryError
 from controlplane.settings import Settings
 from provisioners import build
 from provisioners.base import JOB_ATTEMPT, InstanceSpec

@@ -9,7 +9,7 @@ import pytest
 
 from controlplane import audit
 from controlplane.db import AsyncConn
-from controlplane.handlers import PROVISION
+from controlplane.kinds import PROVISION
 from controlplane.settings import Settings
 from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 
 from controlplane import plans
-from controlplane.handlers import PermanentError, StaleFence, TemporaryError
+from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.settings import Settings
 from provisioners import build
 from provisioners.base import InstanceSpec

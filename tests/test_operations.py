@@ -13,7 +13,7 @@ import pytest
 
 from controlplane import audit, db
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.kinds import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, transition
 from provisioners.faults import FaultyProvisioner, parse_faults

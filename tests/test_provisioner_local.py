@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from controlplane.handlers import StaleFence, TemporaryError
+from controlplane.errors import StaleFence, TemporaryError
 from controlplane.postgres import port_in_use
 from provisioners.base import ConnectionInfo, InstanceSpec
 from provisioners.local import LocalProvisioner, owner_role

@@ -11,9 +11,9 @@ import pytest
 
 from controlplane import audit, db, queue
 from controlplane.cli import main as cli_main
-from controlplane.handlers import JobKind, JobRegistry
 from controlplane.jobs import NewJob, enqueue, get_job
 from controlplane.lifecycle import IllegalTransition
+from controlplane.registry import JobKind, JobRegistry
 from controlplane.retry import Decision
 from controlplane.transitions import Actor
 from tests.factories import TEST_ACTOR

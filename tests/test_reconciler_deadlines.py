@@ -14,9 +14,9 @@ from psycopg.rows import DictRow
 
 from controlplane import audit, queue
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, PROVISION, UPDATE
 from controlplane.instances import create_instance
 from controlplane.jobs import NewJob, enqueue
+from controlplane.kinds import DEPROVISION, PROVISION, UPDATE
 from controlplane.retry import Decision
 from controlplane.settings import Settings
 from controlplane.transitions import heartbeat

@@ -14,8 +14,8 @@ import pytest
 
 from controlplane import audit
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, PROVISION
 from controlplane.jobs import NewJob, enqueue
+from controlplane.kinds import DEPROVISION, PROVISION
 from controlplane.settings import Settings
 from provisioners.faults import FaultyProvisioner, parse_faults
 from provisioners.local import LocalProvisioner

@@ -10,7 +10,7 @@ import uuid
 
 from controlplane import audit
 from controlplane.db import AsyncConn
-from controlplane.handlers import HEAL, RESUME, UPDATE
+from controlplane.kinds import HEAL, RESUME, UPDATE
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner

@@ -15,16 +15,9 @@ from psycopg.rows import DictRow
 
 from controlplane import audit, db
 from controlplane.db import AsyncConn
-from controlplane.handlers import (
-    DEPROVISION,
-    HEAL,
-    PROVISION,
-    RESUME,
-    SUSPEND,
-    UPDATE,
-    JobRegistry,
-    PermanentError,
-)
+from controlplane.errors import PermanentError
+from controlplane.kinds import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION
+from controlplane.kinds import DEPROVISION
 from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, Resource
 from provisioners.local import LocalProvisioner

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from controlplane import audit, db, queue
-from controlplane.handlers import JobKind, JobRegistry
 from controlplane.jobs import NewJob, enqueue, get_job
+from controlplane.registry import JobKind, JobRegistry
 from controlplane.retry import RetryPolicy
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor

@@ -13,8 +13,8 @@ import pytest
 
 from controlplane import audit, db, queue
 from controlplane.fencing import FileFences
-from controlplane.handlers import JobRegistry
 from controlplane.jobs import NewJob, enqueue, enqueue_many, get_job
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
 from controlplane.transitions import Conflict

@@ -14,7 +14,7 @@ from controlplane import db
 from controlplane.api import errors, routes_admin, routes_instances, routes_orgs, routes_public, webhooks
 from controlplane.api.errors import Problem
 from controlplane.api.state import AppState, KeyCache
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
 
@@ -29,8 +29,8 @@ def create_app(
     """A new application; its database pool opens and closes with the lifespan.
 
     `database_url` overrides the settings' (e.g. the embedded server's URL resolved by the caller);
-    `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (else
-    CONTROLPLANE_JOB_REGISTRY names them, loaded at the first abandon).
+    `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (the
+    process's one registry, built where it starts; without it, abandon is refused).
     """
 
     @asynccontextmanager

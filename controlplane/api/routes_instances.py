@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from psycopg.rows import DictRow
 
-from controlplane import handlers, jobs, lifecycle
+from controlplane import jobs, kinds, lifecycle
 from controlplane.api import errors, idempotency, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.errors import ProblemError
@@ -116,7 +116,7 @@ async def create(
                 )
                 await jobs.enqueue(
                     conn,
-                    jobs.NewJob(handlers.PROVISION, row["id"], max_attempts=state.settings.job_max_attempts),
+                    jobs.NewJob(kinds.PROVISION, row["id"], max_attempts=state.settings.job_max_attempts),
                     who.actor,
                     request_id=who.request_id,
                 )
@@ -269,7 +269,7 @@ async def update_instance(
             await jobs.enqueue(
                 conn,
                 jobs.NewJob(
-                    handlers.UPDATE,
+                    kinds.UPDATE,
                     instance_id,
                     payload={"spec_generation": row["spec_generation"]},
                     max_attempts=app.settings.job_max_attempts,
@@ -317,7 +317,7 @@ async def delete_instance(
                 await jobs.enqueue(
                     conn,
                     jobs.NewJob(
-                        handlers.DEPROVISION,
+                        kinds.DEPROVISION,
                         instance_id,
                         payload={"skip_final_backup": skip_final_backup},
                         max_attempts=app.settings.job_max_attempts,

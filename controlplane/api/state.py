@@ -11,7 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.secretbox import SecretBox
 from controlplane.settings import Settings
 from controlplane.tenants import Principal

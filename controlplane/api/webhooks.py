@@ -10,7 +10,7 @@ from typing import Any
 import stripe
 from fastapi import APIRouter, Request
 
-from controlplane import billing, handlers, jobs, metrics
+from controlplane import billing, jobs, kinds, metrics
 from controlplane.api import errors
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import WebhookAck
@@ -71,10 +71,10 @@ async def _apply(
         (hold, event.status, event.created, org["id"]),
     )
     if hold:
-        kind = handlers.SUSPEND
+        kind = kinds.SUSPEND
         query = "SELECT id FROM instances WHERE org_id = %s AND state = 'ready'"
     else:
-        kind = handlers.RESUME
+        kind = kinds.RESUME
         query = "SELECT id FROM instances WHERE org_id = %s AND state = 'suspended' AND suspended_by_billing"
     targets = [row["id"] for row in await (await conn.execute(query, (org["id"],))).fetchall()]
     await jobs.enqueue_many(

@@ -11,12 +11,12 @@ from typing import Any, TypeVar
 from controlplane import dwell, lifecycle, queue
 from controlplane.cli.common import CommandError, add_settings_flags, print_json, print_table, run_with_db
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry, load_registry
 
 DB_FLAGS = ("database_url", "data_dir")
 REGISTRY_ENV = "CONTROLPLANE_JOB_REGISTRY"
-# The instance operations over the configured provisioner: their hooks fail or degrade the instance.
-DEFAULT_REGISTRY = "controlplane.operations:default_registry"
+# The instance job kinds: their abandonment hooks fail or degrade the instance (no provisioner needed).
+DEFAULT_REGISTRY = "controlplane.operations:registry"
 T = TypeVar("T")
 
 
@@ -48,7 +48,7 @@ def register(commands: Any) -> None:
         if action == "abandon":
             steer.add_argument(
                 "--registry",
-                default=os.environ.get(REGISTRY_ENV, "controlplane.operations:default_registry"),
+                default=os.environ.get(REGISTRY_ENV, DEFAULT_REGISTRY),
                 help=f"job kinds as module:attribute, for the abandonment hook (env {REGISTRY_ENV}, "
                 f"default {DEFAULT_REGISTRY})",
             )
@@ -112,8 +112,6 @@ def cmd_steer(args: argparse.Namespace) -> int:
     operator = args.operator or getpass.getuser()
     registry: JobRegistry | None = None
     if args.action == "abandon" and not args.force:
-        from controlplane.worker import load_registry
-
         spec = args.registry or DEFAULT_REGISTRY
         try:
             registry = load_registry(spec)

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import aio, db, logs, roles
+from controlplane import aio, db, logs, operations, roles
 from controlplane.cli.common import add_settings_flags, settings_from
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
@@ -120,7 +120,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
-    registry = roles.registry_for(provisioners.build(settings))
+    # The API runs no job, so it needs no provisioner: only the kinds' abandonment hooks.
+    registry = operations.registry()
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -156,7 +157,7 @@ def _run_role(args: argparse.Namespace, role: Role) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     async def worker(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
-        await roles.run_worker_role(settings, url, roles.registry_for(provisioner), stop)
+        await roles.run_worker_role(settings, url, operations.registry(provisioner), stop)
 
     return _run_role(args, worker)
 
@@ -167,7 +168,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             settings,
             url,
             provisioner,
-            roles.registry_for(provisioner),
+            operations.registry(provisioner),
             stop,
             once=args.once,
             dry_run_orphans=args.dry_run_orphans,

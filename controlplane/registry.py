@@ -1,7 +1,8 @@
-"""The contract between the job queue and the work it runs: context, verdicts, errors, job kinds."""
+"""The contract between the job queue and the work it runs: context, verdicts, job kinds, the registry."""
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -11,40 +12,9 @@ from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane.db import AsyncConn
+from controlplane.kinds import P
 from controlplane.settings import Settings
 from controlplane.transitions import Actor
-
-# Job kinds of the instance operations (one live job per instance and kind).
-PROVISION = "provision"
-UPDATE = "update"
-SUSPEND = "suspend"
-RESUME = "resume"
-HEAL = "heal"
-DEPROVISION = "deprovision"
-INSTANCE_JOB_KINDS = (PROVISION, UPDATE, SUSPEND, RESUME, HEAL, DEPROVISION)
-
-
-class TemporaryError(Exception):
-    """The step failed but may work later: the job is retried after `delay_s` (or the backoff)."""
-
-    def __init__(self, message: str, delay_s: float | None = None) -> None:
-        super().__init__(message)
-        self.delay_s = delay_s
-
-
-class PermanentError(Exception):
-    """The step can never succeed: the job is abandoned at once."""
-
-
-class StaleFence(Exception):
-    """A resource has seen a higher fence: this worker no longer owns the job and must stop."""
-
-    def __init__(self, resource: str, fence: int, highest: int) -> None:
-        super().__init__(f"{resource}: fence {fence} is lower than {highest}, already seen")
-        self.resource = resource
-        self.fence = fence
-        self.highest = highest
-
 
 # What a completion records on the result axis, e.g. {"result": "ready"} or {"result": "nothing to do"}.
 Verdict = Mapping[str, Any]
@@ -83,6 +53,10 @@ class JobContext:
         value: Mapping[str, Any] = self.job["payload"]
         return value
 
+    def typed_payload(self, cls: type[P]) -> P:
+        """The payload as its kind's dataclass (a payload of the wrong shape is a PermanentError)."""
+        return cls.from_json(self.payload)
+
     @property
     def actor(self) -> Actor:
         return Actor("worker", self.worker_id)
@@ -95,14 +69,17 @@ AbandonHook = Callable[[AsyncConn, DictRow, Actor], Awaitable[None]]
 
 @dataclass(frozen=True)
 class JobKind:
+    """One kind of job: how a worker runs it (none where no worker runs here, e.g. in the API) and
+    what its abandonment must also do."""
+
     name: str
-    handler: Handler
+    handler: Handler | None = None
     on_abandoned: AbandonHook | None = None
     max_attempts: int = 5
 
 
 class JobRegistry:
-    """Handlers by job kind: what a worker can run and what an abandonment must also do."""
+    """Job kinds by name: what a worker can run and what an abandonment must also do."""
 
     def __init__(self, kinds: list[JobKind] | None = None) -> None:
         self._kinds: dict[str, JobKind] = {}
@@ -119,3 +96,19 @@ class JobRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._kinds)
+
+    def runnable(self) -> list[str]:
+        """The kinds that have a handler here: what a worker claims."""
+        return sorted(name for name, kind in self._kinds.items() if kind.handler is not None)
+
+
+def load_registry(spec: str) -> JobRegistry:
+    """A registry named "module:attribute": a JobRegistry, or a function returning one."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"job registry {spec!r}: expected 'module:attribute'")
+    value = getattr(importlib.import_module(module_name), attribute)
+    registry = value() if callable(value) and not isinstance(value, JobRegistry) else value
+    if not isinstance(registry, JobRegistry):
+        raise TypeError(f"job registry {spec!r} is a {type(registry).__name__}, not a JobRegistry")
+    return registry
