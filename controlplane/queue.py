@@ -13,6 +13,7 @@ from psycopg.rows import DictRow
 
 from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
+from controlplane.domain_errors import InvalidRequest, InvalidState, NotFound
 from controlplane.jobs import get_job
 from controlplane.registry import JobRegistry, Verdict
 from controlplane.retry import Decision, ErrorKind
@@ -35,13 +36,17 @@ OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
 MAX_ERROR_CHARS = 4000
 
 
-class JobNotFound(LookupError):
+class JobNotFound(NotFound):
     def __init__(self, job_id: uuid.UUID) -> None:
         super().__init__(f"job {job_id} does not exist")
         self.job_id = job_id
 
+    @property
+    def detail(self) -> str:
+        return f"no job {self.job_id}"
 
-class ActionRefused(Exception):
+
+class ActionRefused(InvalidState):
     """An operator action the job's current state does not allow (or cannot be done safely)."""
 
     def __init__(self, job_id: uuid.UUID, action: str, state: str, why: str | None = None) -> None:
@@ -51,7 +56,11 @@ class ActionRefused(Exception):
         self.state = state
         self.allowed = allowed
         detail = why or f"allowed from {state!r}: {', '.join(allowed) or 'nothing (it is final)'}"
-        super().__init__(f"cannot {action} job {job_id}: it is {state!r}; {detail}")
+        super().__init__(
+            f"cannot {action} job {job_id}: it is {state!r}; {detail}",
+            current_state=state,
+            allowed_actions=allowed,
+        )
 
 
 def _move(job: Mapping[str, Any], event: str, **kwargs: Any) -> Move:
@@ -263,7 +272,7 @@ def move_of(failure: TransitionError) -> Move:
 def _require_reason(reason: str | None) -> str:
     text = (reason or "").strip()
     if not text:
-        raise ValueError("an operator action needs a reason")
+        raise InvalidRequest("reason", "an operator action needs a reason")
     return text
 
 

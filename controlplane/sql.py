@@ -348,3 +348,75 @@ WHERE state IN ('claimed', 'running')
   AND heartbeat_at < now() - make_interval(secs => %(stale_after_s)s::float8)
 ORDER BY heartbeat_at
 """
+
+# ---- instances as the customer sees them (the use cases and the API) --------------------------
+
+# The row, its organisation's billing hold and its time in state (the table is `i`, its organisation `o`).
+_CUSTOMER_INSTANCE = """
+SELECT i.*, o.billing_hold,
+       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
+FROM instances i JOIN organisations o ON o.id = i.org_id
+"""
+
+# One instance of an organisation (scoped in SQL: another organisation's id finds nothing).
+ORG_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s AND i.org_id = %(org)s"
+# The same, locked for a change (plan, deletion protection, deletion request).
+LOCK_ORG_INSTANCE = ORG_INSTANCE + " FOR UPDATE OF i"
+
+# A page of an organisation's instances, oldest first, after a (created_at, id) cursor.
+LIST_ORG_INSTANCES = (
+    _CUSTOMER_INSTANCE
+    + """WHERE i.org_id = %(org)s
+  AND (%(state)s::text IS NULL OR i.state = %(state)s::text)
+  AND (%(after_created)s::timestamptz IS NULL
+       OR (i.created_at, i.id) > (%(after_created)s::timestamptz, %(after_id)s::uuid))
+ORDER BY i.created_at, i.id LIMIT %(limit)s
+"""
+)
+
+# A page of one instance's audit log, oldest first, after an event id.
+ORG_INSTANCE_EVENTS = """
+SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE e.instance_id = %(id)s AND i.org_id = %(org)s AND e.id > %(after)s ORDER BY e.id LIMIT %(limit)s
+"""
+
+# Change: a new plan is a new spec generation; deletion protection takes effect at once.
+CHANGE_INSTANCE_SPEC = """
+UPDATE instances SET
+    spec = CASE WHEN %(new_plan)s THEN spec || jsonb_build_object('plan', %(plan)s::text) ELSE spec END,
+    spec_generation = spec_generation + CASE WHEN %(new_plan)s THEN 1 ELSE 0 END,
+    deletion_protection = COALESCE(%(protection)s, deletion_protection),
+    updated_at = now()
+WHERE id = %(id)s AND org_id = %(org)s
+"""
+
+# Delete: record the request (carried out now or as soon as the instance can be deprovisioned).
+REQUEST_DELETION = """
+UPDATE instances SET deletion_requested_at = now(), skip_final_backup = %(skip_final_backup)s,
+    updated_at = now()
+WHERE id = %(id)s AND org_id = %(org)s
+"""
+
+# ---- billing (Stripe events) ------------------------------------------------------------------
+
+# Store a verified event by id; a duplicate returns nothing (and is a no-op).
+RECORD_STRIPE_EVENT = """
+INSERT INTO stripe_events (id, type, customer_id, created, outcome)
+VALUES (%(id)s, %(type)s, %(customer)s, %(created)s, 'received') ON CONFLICT (id) DO NOTHING RETURNING id
+"""
+SET_STRIPE_EVENT_OUTCOME = "UPDATE stripe_events SET outcome = %(outcome)s WHERE id = %(id)s"
+
+# The organisation of a Stripe customer, locked while its hold is decided.
+LOCK_ORGANISATION_OF_CUSTOMER = """
+SELECT id, billing_event_created FROM organisations WHERE stripe_customer_id = %(customer)s FOR UPDATE
+"""
+SET_BILLING_HOLD = """
+UPDATE organisations SET billing_hold = %(hold)s, billing_status = %(status)s,
+    billing_event_created = %(created)s
+WHERE id = %(id)s
+"""
+
+# An organisation's instances in some states (a hold suspends those that can be suspended).
+ORG_INSTANCES_IN = "SELECT id FROM instances WHERE org_id = %(org)s AND state = ANY(%(states)s::text[])"
+# Those the billing hold suspended (a release resumes them, and only them).
+ORG_INSTANCES_SUSPENDED_BY_BILLING = ORG_INSTANCES_IN + " AND suspended_by_billing"

@@ -8,10 +8,11 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-import psycopg
 from psycopg.rows import DictRow
 
+from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
+from controlplane.domain_errors import OrgExists as OrgExists  # raised by create_org
 
 KEY_SCHEME = "cpk"
 # The public part of a key (looked up in the database) and the secret part (256 random bits).
@@ -23,10 +24,6 @@ ADMIN_KEY_LOCK = 0x6370_6B65_7900_0001
 
 class TenantError(Exception):
     """A tenant operation that cannot be carried out as asked."""
-
-
-class OrgExists(TenantError):
-    """An organisation with this name or Stripe customer already exists."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +85,9 @@ async def create_key(
 async def create_org(
     conn: AsyncConn, name: str, stripe_customer_id: str | None = None
 ) -> tuple[DictRow, NewKey]:
-    """Create an organisation and its first key in one transaction."""
-    try:
+    """Create an organisation and its first key in one transaction (OrgExists if the name or the
+    Stripe customer is taken)."""
+    with unique_violations(name=name):
         async with conn.transaction():
             cursor = await conn.execute(
                 "INSERT INTO organisations (name, stripe_customer_id) VALUES (%s, %s) RETURNING *",
@@ -98,9 +96,6 @@ async def create_org(
             org = await cursor.fetchone()
             assert org is not None
             key = await create_key(conn, org["id"], name="first key")
-    except psycopg.errors.UniqueViolation as exc:
-        what = "Stripe customer" if "stripe_customer" in str(exc.diag.constraint_name) else "name"
-        raise OrgExists(f"an organisation with this {what} already exists") from None
     return org, key
 
 

@@ -16,6 +16,7 @@ from controlplane.api.errors import Problem
 from controlplane.api.state import AppState, KeyCache
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
+from controlplane.services.policy import Policy
 from controlplane.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def create_app(
             database_url=url,
             pool=pool,
             box=load_box(settings),
+            policy=Policy.from_settings(settings),
             job_registry=job_registry,
             keys=KeyCache(settings.api_key_cache_s),
         )

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Query, Request
 from controlplane import dwell, events, queue
 from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey
-from controlplane.api.errors import ProblemError
 from controlplane.api.models import (
     AdminEventPage,
     DwellStats,
@@ -113,20 +112,7 @@ async def admin_job_action(
     app = app_state(request)
     registry = app.job_registry if action == "abandon" else None
     async with app.pool.connection() as conn:
-        try:
-            row = await queue.operator_action(
-                conn, job_id, action, who.actor.id, body.reason, registry=registry
-            )
-        except queue.JobNotFound:
-            raise ProblemError("not-found", f"no job {job_id}") from None
-        except queue.ActionRefused as exc:
-            raise ProblemError(
-                "invalid-state", str(exc), current_state=exc.state, allowed_actions=exc.allowed
-            ) from None
-        except ValueError as exc:
-            raise ProblemError(
-                "validation", f"body.reason: {exc}", errors=[{"field": "body.reason", "message": str(exc)}]
-            ) from None
+        row = await queue.operator_action(conn, job_id, action, who.actor.id, body.reason, registry=registry)
     return _job(row)
 
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane import db, lifecycle, plans
-from controlplane.api import errors, views
+from controlplane import actions, db, lifecycle, plans
+from controlplane.api import errors
 from controlplane.api.models import Health, Lifecycles, PlanList
 from controlplane.api.state import app_state
 
@@ -72,7 +72,7 @@ async def lifecycle_tables() -> JSONResponse:
         {
             "instance": lifecycle.INSTANCE.as_dict(),
             "job": lifecycle.JOB.as_dict(),
-            "customer_actions": views.CUSTOMER_ACTIONS,
+            "customer_actions": actions.CUSTOMER_ACTIONS,
         }
     )
 

@@ -11,10 +11,11 @@ import anyio
 from psycopg.conninfo import make_conninfo
 from starlette.requests import Request
 
-from controlplane import db, lifecycle
+from controlplane import db, lifecycle, sql
 from controlplane.api import views
 from controlplane.api.state import AppState
 from controlplane.db import AsyncConn
+from controlplane.records import Instance
 
 CHANNEL_PREFIX = "cp_instance_"
 KEEPALIVE_S = 15.0
@@ -43,12 +44,9 @@ def parse_notification(channel: str, payload: str) -> tuple[str, str, int] | Non
 
 
 async def _snapshot(conn: AsyncConn, app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID) -> Any:
-    cursor = await conn.execute(
-        f"SELECT {views.INSTANCE_COLUMNS} FROM {views.INSTANCE_FROM} WHERE i.id = %s AND i.org_id = %s",
-        (instance_id, org_id),
-    )
+    cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
     row = await cursor.fetchone()
-    return None if row is None else views.instance(row, app.box)
+    return None if row is None else views.instance(Instance.from_row(row), app.box)
 
 
 async def instance_stream(
