@@ -11,6 +11,7 @@ from psycopg.rows import DictRow
 
 from controlplane import sql
 from controlplane.db import AsyncConn
+from controlplane.records import Instance, InstancePatch
 from controlplane.transitions import Actor, transition
 
 
@@ -52,24 +53,25 @@ async def get_instance(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow | Non
 
 async def transition_instance(
     conn: AsyncConn,
-    inst: Mapping[str, Any],
+    inst: Instance,
     event: str,
     actor: Actor,
     *,
     reason: str | None = None,
     detail: Mapping[str, Any] | None = None,
-    patch: Mapping[str, Any] | None = None,
-) -> DictRow:
+    patch: InstancePatch | None = None,
+) -> Instance:
     """`event` on the instance as it was read: guarded by the state and version read."""
-    return await transition(
+    row = await transition(
         conn,
         "instance",
-        inst["id"],
+        inst.id,
         event,
-        inst["state_version"],
-        expected_state=inst["state"],
+        inst.state_version,
+        expected_state=inst.state,
         actor=actor,
         reason=reason,
         detail=detail,
         patch=patch,
     )
+    return Instance.from_row(row)

@@ -187,6 +187,29 @@ JOB = Lifecycle(
 LIFECYCLES: Mapping[str, Lifecycle] = MappingProxyType({"instance": INSTANCE, "job": JOB})
 
 
+def _in_table_order(table: Lifecycle, states: frozenset[str] | tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(s for s in table.states if s in states)
+
+
+# ---- state sets derived from the tables: the code names these, it never retypes the states ----
+
+# Instances a deletion can start from now: the sources of `deprovision`.
+DEPROVISIONABLE = INSTANCE.states_allowing("deprovision")
+# Instances that stay where they are until someone acts (not transitional, not terminal): the
+# reconciler observes their health.
+SETTLED = INSTANCE.settled_states()
+# Instances the provision job drives: the sources of its two events.
+PROVISIONING = INSTANCE.states_allowing("start_provisioning", "provisioned")
+# Instances gone or going away: terminal, or deprovisioning.
+GONE_OR_GOING = _in_table_order(INSTANCE, INSTANCE.terminal | frozenset(INSTANCE.targets_of("deprovision")))
+# Live instances that have had a server (every live state reachable from `ready`).
+WITH_SERVER = _in_table_order(INSTANCE, frozenset(INSTANCE.live_states()) & INSTANCE.reachable_from("ready"))
+# Terminal job states, in table order (the partial indexes' predicate).
+JOB_TERMINAL = _in_table_order(JOB, JOB.terminal)
+# Jobs a worker holds: claimed or running, heartbeated, watched by the supervisor.
+JOB_HELD = JOB.targets_of("claim", "start")
+
+
 def lifecycle(entity: str) -> Lifecycle:
     try:
         return LIFECYCLES[entity]

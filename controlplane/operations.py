@@ -5,15 +5,14 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from psycopg.rows import DictRow
-
-from controlplane import abandonment, kinds
+from controlplane import abandonment, kinds, lifecycle, sql
 from controlplane.errors import PermanentError, TemporaryError
 from controlplane.instances import transition_instance
 from controlplane.kinds import DEPROVISION, HEAL, INSTANCE_JOB_KINDS, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.records import Instance, InstancePatch
 from controlplane.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
 from controlplane.secretbox import SecretBox, load_box
 from controlplane.transitions import Conflict
@@ -37,14 +36,14 @@ class Moved(Exception):
     """The instance changed under the handler (a progress write matched nothing): decide again."""
 
 
-def _deferred(inst: Mapping[str, Any]) -> Verdict:
+def _deferred(inst: Instance) -> Verdict:
     """Not now: the intent stays recorded on the instance and the reconciler re-enqueues later."""
-    return {"result": "deferred", "state": inst["state"]}
+    return {"result": "deferred", "state": inst.state}
 
 
-def _not_now(inst: Mapping[str, Any]) -> Verdict:
+def _not_now(inst: Instance) -> Verdict:
     """Nothing to do for an instance that is gone or going, else deferred."""
-    return NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
+    return NOTHING_TO_DO if inst.state in lifecycle.GONE_OR_GOING else _deferred(inst)
 
 
 @dataclass
@@ -56,47 +55,40 @@ class Operations:
 
     # ---- plumbing ---------------------------------------------------------------------------
 
-    async def _load(self, ctx: JobContext) -> DictRow:
+    async def _load(self, ctx: JobContext) -> Instance:
         async with ctx.pool.connection() as conn:
-            cursor = await conn.execute(
-                "SELECT i.*, o.billing_hold FROM instances i JOIN organisations o ON o.id = i.org_id"
-                " WHERE i.id = %s",
-                (ctx.instance_id,),
-            )
+            cursor = await conn.execute(sql.INSTANCE_WITH_HOLD, {"id": ctx.instance_id})
             row = await cursor.fetchone()
         if row is None:
             raise PermanentError(f"instance {ctx.instance_id} does not exist")
-        return row
+        return Instance.from_row(row)
 
     async def _move(
         self,
         ctx: JobContext,
-        inst: Mapping[str, Any],
+        inst: Instance,
         event: str,
         *,
         reason: str | None = None,
         detail: Mapping[str, Any] | None = None,
-        patch: Mapping[str, Any] | None = None,
-    ) -> DictRow:
+        patch: InstancePatch | None = None,
+    ) -> Instance:
         async with ctx.pool.connection() as conn:
             return await transition_instance(
                 conn, inst, event, ctx.actor, reason=reason, detail=detail, patch=patch
             )
 
-    async def _progress(self, ctx: JobContext, inst: Mapping[str, Any], text: str | None) -> None:
+    async def _progress(self, ctx: JobContext, inst: Instance, text: str | None) -> None:
         """Show what runs now on the instance (progress is outside the guarded columns)."""
         async with ctx.pool.connection() as conn:
             cursor = await conn.execute(
-                "UPDATE instances SET progress = %s, updated_at = now()"
-                " WHERE id = %s AND state = %s AND state_version = %s",
-                (text, inst["id"], inst["state"], inst["state_version"]),
+                sql.SET_PROGRESS,
+                {"progress": text, "id": inst.id, "state": inst.state, "state_version": inst.state_version},
             )
         if cursor.rowcount == 0:
-            raise Moved(f"instance {inst['id']} left {inst['state']!r} v{inst['state_version']}")
+            raise Moved(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
 
-    async def _step(
-        self, ctx: JobContext, inst: Mapping[str, Any], step: str, work: Callable[[], Awaitable[T]]
-    ) -> T:
+    async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one provisioner step with its progress shown; its errors name the step."""
         await self._progress(ctx, inst, step)
         try:
@@ -107,7 +99,7 @@ class Operations:
             raise TemporaryError(f"{step}: {exc}", exc.delay_s) from exc
 
     async def _drive(
-        self, ctx: JobContext, decide: Callable[[JobContext, DictRow], Awaitable[Verdict]]
+        self, ctx: JobContext, decide: Callable[[JobContext, Instance], Awaitable[Verdict]]
     ) -> Verdict:
         """Decide from where the instance is; when someone else moved it, re-read and decide again."""
         token = JOB_ATTEMPT.set(ctx.attempt)
@@ -123,8 +115,8 @@ class Operations:
             JOB_ATTEMPT.reset(token)
 
     @staticmethod
-    def _spec(inst: Mapping[str, Any]) -> InstanceSpec:
-        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]))
+    def _spec(inst: Instance) -> InstanceSpec:
+        return InstanceSpec.from_row(inst.spec, int(inst.spec_generation))
 
     @staticmethod
     def _box(ctx: JobContext) -> SecretBox:
@@ -132,47 +124,41 @@ class Operations:
         return box if isinstance(box, SecretBox) else load_box(ctx.settings)
 
     def _credentials_patch(
-        self, ctx: JobContext, inst: Mapping[str, Any], info: ConnectionInfo
-    ) -> dict[str, Any]:
-        """connection (never the password) and secret, when they differ from what is recorded."""
-        patch: dict[str, Any] = {}
-        if inst["connection"] != info.public():
-            patch["connection"] = info.public()
+        self, ctx: JobContext, inst: Instance, info: ConnectionInfo, patch: InstancePatch
+    ) -> InstancePatch:
+        """`patch` with connection (never the password) and secret, when they differ from what is recorded."""
+        if inst.connection != info.public():
+            patch = replace(patch, connection=info.public())
         if self._password(ctx, inst) != info.password:
-            patch["secret"] = base64.b64encode(self._box(ctx).encrypt(info.password)).decode()
+            patch = replace(patch, secret=base64.b64encode(self._box(ctx).encrypt(info.password)).decode())
         return patch
 
-    def _password(self, ctx: JobContext, inst: Mapping[str, Any]) -> str | None:
-        if inst["secret"] is None:
+    def _password(self, ctx: JobContext, inst: Instance) -> str | None:
+        if inst.secret is None:
             return None
         try:
-            return self._box(ctx).decrypt(bytes(inst["secret"]))
+            return self._box(ctx).decrypt(bytes(inst.secret))
         except ValueError:
-            log.warning("instance %s: recorded credential cannot be decrypted; issuing a new one", inst["id"])
+            log.warning("instance %s: recorded credential cannot be decrypted; issuing a new one", inst.id)
             return None
-
-    @staticmethod
-    def _deadline(ctx: JobContext, state: str) -> dict[str, Any]:
-        seconds = ctx.settings.deadline_s(state)
-        return {} if seconds is None else {"deadline_s": seconds}
 
     # ---- provision --------------------------------------------------------------------------
 
     async def provision(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._provision)
 
-    async def _provision(self, ctx: JobContext, inst: DictRow) -> Verdict:
-        if inst["state"] == "pending":
+    async def _provision(self, ctx: JobContext, inst: Instance) -> Verdict:
+        if inst.state == "pending":
             inst = await self._move(
                 ctx,
                 inst,
                 "start_provisioning",
-                patch={"progress": PROVISIONING_STEPS[0], **self._deadline(ctx, "provisioning")},
+                patch=InstancePatch(PROVISIONING_STEPS[0], ctx.settings.deadline_s("provisioning")),
             )
-        if inst["state"] != "provisioning":
+        if inst.state != "provisioning":
             return NOTHING_TO_DO
         spec = self._spec(inst)
-        iid, fence, p = inst["id"], ctx.fence, self.provisioner
+        iid, fence, p = inst.id, ctx.fence, self.provisioner
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         info = await self._step(
@@ -184,11 +170,9 @@ class Operations:
             "provisioned",
             reason="provisioned",
             detail={"endpoint": f"{info.host}:{info.port}", "plan": spec.plan},
-            patch={
-                **self._credentials_patch(ctx, inst, info),
-                "observed_generation": spec.generation,
-                "observed_spec": inst["spec"],
-            },
+            patch=self._credentials_patch(
+                ctx, inst, info, InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec)
+            ),
         )
         return {"result": "ready", "endpoint": f"{info.host}:{info.port}"}
 
@@ -197,18 +181,18 @@ class Operations:
     async def update(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._update)
 
-    async def _update(self, ctx: JobContext, inst: DictRow) -> Verdict:
-        if inst["state"] == "ready":
-            if inst["observed_generation"] >= inst["spec_generation"]:
+    async def _update(self, ctx: JobContext, inst: Instance) -> Verdict:
+        if inst.state == "ready":
+            if inst.observed_generation >= inst.spec_generation:
                 return NOTHING_TO_DO
             inst = await self._move(
-                ctx, inst, "update", patch={"progress": "apply_plan", **self._deadline(ctx, "updating")}
+                ctx, inst, "update", patch=InstancePatch("apply_plan", ctx.settings.deadline_s("updating"))
             )
-        if inst["state"] != "updating":
+        if inst.state != "updating":
             return _not_now(inst)
         spec = self._spec(inst)
         changed = await self._step(
-            ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst["id"], spec, ctx.fence)
+            ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst.id, spec, ctx.fence)
         )
         await self._move(
             ctx,
@@ -216,7 +200,7 @@ class Operations:
             "updated",
             reason=f"plan {spec.plan} applied",
             detail={"plan": spec.plan, "generation": spec.generation, "restarted_or_changed": changed},
-            patch={"observed_generation": spec.generation, "observed_spec": inst["spec"]},
+            patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
 
@@ -225,46 +209,46 @@ class Operations:
     async def suspend(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._suspend)
 
-    async def _suspend(self, ctx: JobContext, inst: DictRow) -> Verdict:
+    async def _suspend(self, ctx: JobContext, inst: Instance) -> Verdict:
         """Read-only first, then ready -> suspended: the record never claims more than is true."""
         payload = ctx.typed_payload(kinds.SuspendPayload)
-        by_billing = inst["suspended_by_billing"] if payload.billing is None else payload.billing
+        by_billing = inst.suspended_by_billing if payload.billing is None else payload.billing
         spec = self._spec(inst)
-        if inst["state"] == "suspended":
-            changed = await self.provisioner.suspend(inst["id"], spec, ctx.fence)
+        if inst.state == "suspended":
+            changed = await self.provisioner.suspend(inst.id, spec, ctx.fence)
             return {"result": "suspended (repaired)"} if changed else NOTHING_TO_DO
-        if inst["state"] != "ready":
+        if inst.state != "ready":
             return _not_now(inst)
-        if by_billing and not inst["billing_hold"]:
+        if by_billing and not inst.billing_hold:
             return {"result": "nothing to do", "why": "the billing hold was released before it ran"}
-        await self._step(ctx, inst, "suspend", lambda: self.provisioner.suspend(inst["id"], spec, ctx.fence))
+        await self._step(ctx, inst, "suspend", lambda: self.provisioner.suspend(inst.id, spec, ctx.fence))
         await self._move(
             ctx,
             inst,
             "suspend",
             reason=payload.reason or ("billing hold" if by_billing else "suspended"),
-            patch={"suspended_by_billing": by_billing},
+            patch=InstancePatch(suspended_by_billing=by_billing),
         )
         return {"result": "suspended"}
 
     async def resume(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._resume)
 
-    async def _resume(self, ctx: JobContext, inst: DictRow) -> Verdict:
+    async def _resume(self, ctx: JobContext, inst: Instance) -> Verdict:
         """suspended -> ready first, then writes back on: a failure from ready can land in degraded."""
         spec = self._spec(inst)
-        if inst["state"] == "suspended":
+        if inst.state == "suspended":
             inst = await self._move(
                 ctx,
                 inst,
                 "resume",
                 reason=ctx.typed_payload(kinds.ResumePayload).reason or "resumed",
-                patch={"progress": "resume", "suspended_by_billing": False},
+                patch=InstancePatch("resume", suspended_by_billing=False),
             )
-        elif inst["state"] != "ready":
+        elif inst.state != "ready":
             return _not_now(inst)
         changed = await self._step(
-            ctx, inst, "resume", lambda: self.provisioner.resume(inst["id"], spec, ctx.fence)
+            ctx, inst, "resume", lambda: self.provisioner.resume(inst.id, spec, ctx.fence)
         )
         await self._progress(ctx, inst, None)
         return {"result": "ready"} if changed else NOTHING_TO_DO
@@ -274,21 +258,20 @@ class Operations:
     async def heal(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._heal)
 
-    async def _heal(self, ctx: JobContext, inst: DictRow) -> Verdict:
+    async def _heal(self, ctx: JobContext, inst: Instance) -> Verdict:
         """degraded -> ready after re-running every step: each adopts what is there, repairs the rest."""
-        if inst["state"] != "degraded":
+        if inst.state != "degraded":
             return NOTHING_TO_DO
-        declared = inst["spec"]
+        declared = inst.spec
         spec = self._spec(inst)
-        rolled_back = (
-            inst["failed_generation"] == inst["spec_generation"] and inst["observed_spec"] is not None
-        )
-        if rolled_back:
+        rolled_back = False
+        if inst.observed_spec is not None and inst.failed_generation == inst.spec_generation:
             # The latest plan change was given up: heal to the plan it last ran, not to the one that
             # may have broken it. The declared spec stays, for the customer to change again.
-            declared = inst["observed_spec"]
-            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]))
-        iid, fence, p = inst["id"], ctx.fence, self.provisioner
+            rolled_back = True
+            declared = inst.observed_spec
+            spec = InstanceSpec.from_row(declared, int(inst.observed_generation))
+        iid, fence, p = inst.id, ctx.fence, self.provisioner
         before = await p.observe(iid)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
@@ -314,12 +297,14 @@ class Operations:
                 "plan": spec.plan,
                 "rolled_back": rolled_back,
             },
-            patch={
-                **self._credentials_patch(ctx, inst, info),
-                "observed_generation": spec.generation,
-                "observed_spec": declared,
-                "failure_reason": None,
-            },
+            patch=self._credentials_patch(
+                ctx,
+                inst,
+                info,
+                InstancePatch(
+                    observed_generation=spec.generation, observed_spec=declared, failure_reason=None
+                ),
+            ),
         )
         return {"result": "ready", "repaired": before.detail, "plan": spec.plan}
 
@@ -328,20 +313,20 @@ class Operations:
     async def deprovision(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._deprovision)
 
-    async def _deprovision(self, ctx: JobContext, inst: DictRow) -> Verdict:
-        state = inst["state"]
+    async def _deprovision(self, ctx: JobContext, inst: Instance) -> Verdict:
+        state = inst.state
         payload = ctx.typed_payload(kinds.DeprovisionPayload)
         asked = payload.skip_final_backup
-        skip_backup = bool(inst["skip_final_backup"] if asked is None else asked)
+        skip_backup = bool(inst.skip_final_backup if asked is None else asked)
         if state == "failed":
             return await self._cleanup(ctx, inst, skip_backup)
-        if state in ("ready", "degraded", "suspended"):
+        if state in lifecycle.DEPROVISIONABLE:
             inst = await self._move(
                 ctx,
                 inst,
                 "deprovision",
                 reason=payload.reason or "deletion requested",
-                patch={"progress": "deprovision", **self._deadline(ctx, "deprovisioning")},
+                patch=InstancePatch("deprovision", ctx.settings.deadline_s("deprovisioning")),
             )
         elif state != "deprovisioning":
             return NOTHING_TO_DO if state == "deleted" else _deferred(inst)
@@ -350,7 +335,7 @@ class Operations:
             inst,
             "deprovision",
             lambda: self.provisioner.deprovision(
-                inst["id"], self._spec(inst), ctx.fence, skip_backup=skip_backup
+                inst.id, self._spec(inst), ctx.fence, skip_backup=skip_backup
             ),
         )
         await self._move(
@@ -359,15 +344,15 @@ class Operations:
             "deprovisioned",
             reason="final backup skipped" if skip_backup else f"final backup {result.backup}",
             detail={"backup": result.backup, "skip_backup": skip_backup},
-            patch={"secret": None},
+            patch=InstancePatch(secret=None),
         )
         return {"result": "deleted", "backup": result.backup}
 
-    async def _cleanup(self, ctx: JobContext, inst: DictRow, skip_backup: bool) -> Verdict:
+    async def _cleanup(self, ctx: JobContext, inst: Instance, skip_backup: bool) -> Verdict:
         """Remove what a failed instance still has; the instance stays failed."""
         result = await self.provisioner.deprovision(
-            inst["id"],
-            InstanceSpec.for_removal(inst["spec"], int(inst["spec_generation"])),
+            inst.id,
+            InstanceSpec.for_removal(inst.spec, int(inst.spec_generation)),
             ctx.fence,
             skip_backup=skip_backup,
         )

@@ -15,6 +15,7 @@ from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import InvalidRequest, InvalidState, NotFound
 from controlplane.jobs import get_job
+from controlplane.records import JobPatch
 from controlplane.registry import JobRegistry, Verdict
 from controlplane.retry import Decision, ErrorKind
 from controlplane.transitions import (
@@ -108,7 +109,7 @@ async def finish_many(
     conn: AsyncConn, done: Sequence[tuple[Mapping[str, Any], Verdict]], actor: Actor
 ) -> BatchResult:
     """running -> completed, each with its verdict ("nothing to do" is a completion too)."""
-    moves = [_move(job, "finish", patch={"verdict": dict(verdict)}) for job, verdict in done]
+    moves = [_move(job, "finish", patch=JobPatch(verdict=dict(verdict))) for job, verdict in done]
     return await _batch(conn, moves, actor)
 
 
@@ -138,12 +139,9 @@ class JobFailure:
                 "why": self.decision.why,
             },
             # delay_s sets run_at: the moment the supervisor retries (or abandons) the job.
-            patch={
-                "attempt": attempt,
-                "last_error": message,
-                "error_kind": self.kind,
-                "delay_s": self.decision.delay_s,
-            },
+            patch=JobPatch(
+                attempt=attempt, last_error=message, error_kind=self.kind, delay_s=self.decision.delay_s
+            ),
         )
 
 
@@ -171,7 +169,7 @@ async def retry_many(
     conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor, reason: str
 ) -> BatchResult:
     """failed -> queued, due now (run_at = now())."""
-    moves = [_move(job, "retry", reason=reason, patch={"delay_s": 0}) for job in jobs]
+    moves = [_move(job, "retry", reason=reason, patch=JobPatch(delay_s=0)) for job in jobs]
     return await _batch(conn, moves, actor)
 
 
@@ -317,7 +315,7 @@ async def operator_action(
                         "cannot run (force to abandon without it)",
                     )
                 return await abandon_job(conn, job, actor, why, registry)
-            patch = {"delay_s": 0} if action == "retry" else {}
+            patch = JobPatch(delay_s=0) if action == "retry" else JobPatch()
             result = await transition_many(conn, "job", [_move(job, action, reason=why, patch=patch)], actor)
             if result.failed:
                 raise result.failed[0]

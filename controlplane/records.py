@@ -73,6 +73,34 @@ class Instance(_Record):
 
 
 @dataclass(frozen=True)
+class ScannedInstance(_Record):
+    """A live instance as the reconciler's scan reads it (sql.SCAN_LIVE_INSTANCES)."""
+
+    id: uuid.UUID
+    state: str
+    state_version: int
+    spec: Mapping[str, Any]
+    spec_generation: int
+    observed_generation: int
+    failed_generation: int | None
+    deadline_at: datetime | None
+    deadline_retries: int
+    heal_failures: int
+    heal_given_up_at: datetime | None
+    deletion_requested: bool
+    suspended_by_billing: bool
+    billing_hold: bool
+    # The kinds of its live jobs.
+    live_jobs: tuple[str, ...]
+    # The time of the scan: the injected `now`, else the database's.
+    now: datetime
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ScannedInstance:
+        return super().from_row({**row, "live_jobs": tuple(row["live_jobs"])})
+
+
+@dataclass(frozen=True)
 class Job(_Record):
     """One row of `jobs`."""
 

@@ -16,7 +16,7 @@ import uvicorn
 from prometheus_client import start_http_server
 
 import provisioners
-from controlplane import db, operations, tenants
+from controlplane import db, lifecycle, operations, tenants
 from controlplane.api.app import create_app
 from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
@@ -28,7 +28,7 @@ from reconciler.reconciler import Reconciler
 log = logging.getLogger(__name__)
 
 # Instances whose servers `up` brings back after a restart of the host or of `up` itself.
-ADOPTED_STATES = ("ready", "updating", "degraded", "suspended", "deprovisioning")
+ADOPTED_STATES = lifecycle.WITH_SERVER
 
 
 class _QuietServer(uvicorn.Server):

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.lifecycle import INSTANCE, JOB
+from controlplane.lifecycle import INSTANCE, JOB, JOB_HELD, JOB_TERMINAL
+
+
+def state_list(states: tuple[str, ...]) -> str:
+    """A state set as an SQL list literal, e.g. ('claimed', 'running')."""
+    return "(" + ", ".join(f"'{s}'" for s in states) + ")"
+
+
+# Jobs a worker holds, and finished jobs (the partial indexes' predicates use the same lists).
+HELD = state_list(JOB_HELD)
+FINISHED = state_list(JOB_TERMINAL)
 
 
 def _live_states(table: str, terminal: frozenset[str], states: tuple[str, ...]) -> str:
@@ -85,7 +95,7 @@ JOB_TABLE = EntityTable(
     fk="job_id",
     sets=(
         "updated_at = now()",
-        "heartbeat_at = CASE WHEN m.to_state IN ('claimed', 'running') THEN now() END",
+        f"heartbeat_at = CASE WHEN m.to_state IN {HELD} THEN now() END",
         "claimed_by = CASE WHEN m.to_state = 'queued' THEN NULL ELSE t.claimed_by END",
         "run_at = CASE WHEN m.patch ? 'delay_s'"
         " THEN now() + make_interval(secs => (m.patch->>'delay_s')::float8) ELSE t.run_at END",
@@ -177,16 +187,16 @@ WITH picked AS (
 """
 
 # Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.
-HEARTBEAT_JOBS = """
+HEARTBEAT_JOBS = f"""
 UPDATE jobs SET heartbeat_at = now()
-WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN ('claimed', 'running')
+WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN {HELD}
   AND fence = ANY(%(fences)s::bigint[])
 RETURNING id, fence
 """
 
 # Enqueue jobs (one or many) with their creation events; a second live job of the same
 # (instance, kind) is not created: the partial unique index turns it into a no-op.
-ENQUEUE_JOBS = """
+ENQUEUE_JOBS = f"""
 WITH input AS (
     SELECT * FROM unnest(
         %(kinds)s::text[], %(instance_ids)s::uuid[], %(payloads)s::jsonb[], %(priorities)s::int[],
@@ -197,7 +207,7 @@ WITH input AS (
     SELECT kind, instance_id, payload, 'queued', priority, max_attempts,
            now() + make_interval(secs => delay_s)
     FROM input
-    ON CONFLICT (instance_id, kind) WHERE state NOT IN ('completed', 'abandoned') DO NOTHING
+    ON CONFLICT (instance_id, kind) WHERE state NOT IN {FINISHED} DO NOTHING
     RETURNING *
 ), audit AS (
     INSERT INTO job_events
@@ -215,10 +225,10 @@ FROM created
 """
 
 # The live job of each (instance, kind) pair: what a de-duplicated enqueue found instead.
-LIVE_JOBS_FOR = """
+LIVE_JOBS_FOR = f"""
 SELECT * FROM jobs
 WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(kinds)s::text[]))
-  AND state NOT IN ('completed', 'abandoned')
+  AND state NOT IN {FINISHED}
 """
 
 # Create an instance in its initial state with its creation event.
@@ -247,9 +257,9 @@ FROM created JOIN organisations o ON o.id = created.org_id
 # Supervisor: claimed or running jobs whose heartbeat is older than the threshold (as of `now`,
 # injected by the caller or the database's own), locked so two supervisors do not both act.
 # Served by the partial index ix_jobs_live_heartbeat.
-SCAN_STALE_JOBS = """
+SCAN_STALE_JOBS = f"""
 SELECT * FROM jobs
-WHERE state IN ('claimed', 'running')
+WHERE state IN {HELD}
   AND heartbeat_at < COALESCE(%(now)s::timestamptz, now()) - make_interval(secs => %(stale_after_s)s::float8)
 ORDER BY heartbeat_at
 LIMIT %(limit)s
@@ -275,7 +285,7 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
        i.suspended_by_billing, o.billing_hold,
        ARRAY(SELECT j.kind FROM jobs j
-             WHERE j.instance_id = i.id AND j.state NOT IN ('completed', 'abandoned')) AS live_jobs,
+             WHERE j.instance_id = i.id AND j.state NOT IN {FINISHED}) AS live_jobs,
        COALESCE(%(now)s::timestamptz, now()) AS now
 FROM instances i JOIN organisations o ON o.id = i.org_id
 WHERE {LIVE_INSTANCE}
@@ -305,10 +315,10 @@ SELECT state, count(*) AS n FROM jobs WHERE {_live_states("", JOB.terminal, JOB.
 """
 
 # Orphan sweep: what the database knows of the instances the provisioner's inventory names.
-INSTANCES_BY_ID = """
+INSTANCES_BY_ID = f"""
 SELECT i.id, i.state, i.spec, i.spec_generation,
        EXISTS (SELECT 1 FROM jobs j WHERE j.instance_id = i.id
-               AND j.state NOT IN ('completed', 'abandoned')) AS has_live_job
+               AND j.state NOT IN {FINISHED}) AS has_live_job
 FROM instances i WHERE i.id = ANY(%(ids)s::uuid[])
 """
 
@@ -341,10 +351,10 @@ ORDER BY deadline_at
 """
 
 # Stuck: claimed or running jobs whose heartbeat is older than the reclaim threshold.
-SILENT_JOBS = """
+SILENT_JOBS = f"""
 SELECT id, kind, instance_id, state, claimed_by, heartbeat_at, attempt, now() - heartbeat_at AS silent_for
 FROM jobs
-WHERE state IN ('claimed', 'running')
+WHERE state IN {HELD}
   AND heartbeat_at < now() - make_interval(secs => %(stale_after_s)s::float8)
 ORDER BY heartbeat_at
 """
@@ -420,3 +430,28 @@ WHERE id = %(id)s
 ORG_INSTANCES_IN = "SELECT id FROM instances WHERE org_id = %(org)s AND state = ANY(%(states)s::text[])"
 # Those the billing hold suspended (a release resumes them, and only them).
 ORG_INSTANCES_SUSPENDED_BY_BILLING = ORG_INSTANCES_IN + " AND suspended_by_billing"
+
+# ---- instances as the operations see them (job handlers and abandonment hooks) ----------------
+
+# One instance with its organisation's billing hold (what a handler decides from).
+INSTANCE_WITH_HOLD = """
+SELECT i.*, o.billing_hold FROM instances i JOIN organisations o ON o.id = i.org_id WHERE i.id = %(id)s
+"""
+
+# One instance, locked (an abandonment hook, in the abandoning transaction).
+LOCK_INSTANCE = "SELECT * FROM instances WHERE id = %(id)s FOR UPDATE"
+
+# The step a handler runs now; matches nothing once the instance has moved (the handler decides again).
+SET_PROGRESS = """
+UPDATE instances SET progress = %(progress)s, updated_at = now()
+WHERE id = %(id)s AND state = %(state)s AND state_version = %(state_version)s
+"""
+
+# A degraded instance whose suspend, resume or heal was given up: the reason, and for a heal the
+# count and time the reconciler's heal backoff reads (not a state change).
+RECORD_DEGRADED_FAILURE = """
+UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = now(),
+    heal_failures = heal_failures + CASE WHEN %(heal)s THEN 1 ELSE 0 END,
+    heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END
+WHERE id = %(id)s
+"""
