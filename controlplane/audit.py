@@ -6,13 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane import lifecycle
+from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
-
-_EVENTS = {
-    "instance": ("instances", "instance_events", "instance_id"),
-    "job": ("jobs", "job_events", "job_id"),
-}
 
 
 @dataclass(frozen=True)
@@ -62,15 +57,8 @@ class Replay:
 
 
 async def _rows(conn: AsyncConn, entity: str) -> AsyncIterator[dict[str, Any]]:
-    table, events, fk = _EVENTS[entity]
-    query = f"""
-        SELECT r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
-               e.id, e.from_state, e.to_state, e.event, e.state_version
-        FROM {table} r LEFT JOIN {events} e ON e.{fk} = r.id
-        ORDER BY r.id, e.id
-    """
     async with conn.cursor(name=f"replay_{entity}") as cursor:
-        await cursor.execute(query)
+        await cursor.execute(sql.REPLAY_LOG[entity])
         async for row in cursor:
             yield row
 
@@ -97,7 +85,7 @@ async def verify(conn: AsyncConn) -> list[Mismatch]:
     """
     mismatches: list[Mismatch] = []
     async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        await conn.execute(sql.READ_ONLY_SNAPSHOT)
         for entity, table in lifecycle.LIFECYCLES.items():
             current_id: Any = None
             current: tuple[str, int] = ("", 0)

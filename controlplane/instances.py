@@ -47,7 +47,7 @@ async def create_instance(
 
 
 async def get_instance(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow | None:
-    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (instance_id,))
+    cursor = await conn.execute(sql.INSTANCE_BY_ID, {"id": instance_id})
     return await cursor.fetchone()
 
 

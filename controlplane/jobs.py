@@ -100,5 +100,5 @@ async def enqueue(conn: AsyncConn, job: NewJob, actor: Actor, *, request_id: str
 
 
 async def get_job(conn: AsyncConn, job_id: uuid.UUID) -> DictRow | None:
-    cursor = await conn.execute("SELECT * FROM jobs WHERE id = %s", (job_id,))
+    cursor = await conn.execute(sql.JOB_BY_ID, {"id": job_id})
     return await cursor.fetchone()

@@ -231,10 +231,7 @@ async def own_conflicts(
     conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
     if not conflicts:
         return OwnConflicts({}, [])
-    cursor = await conn.execute(
-        "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
-        {"ids": [c.move.id for c in conflicts]},
-    )
+    cursor = await conn.execute(sql.JOBS_BY_IDS, {"ids": [c.move.id for c in conflicts]})
     rows = {row["id"]: row for row in await cursor.fetchall()}
     applied: dict[uuid.UUID, DictRow] = {}
     again: list[Move] = []
@@ -361,17 +358,6 @@ async def list_jobs(
     if state is not None and state not in lifecycle.JOB.states:
         raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(lifecycle.JOB.states)}")
     cursor = await conn.execute(
-        """
-        SELECT id, kind, instance_id, state, state_version, attempt, max_attempts, priority, run_at,
-               claimed_by, fence, heartbeat_at, error_kind, last_error, verdict, created_at,
-               state_entered_at
-        FROM jobs
-        WHERE (%(state)s::text IS NULL OR state = %(state)s)
-          AND (%(kind)s::text IS NULL OR kind = %(kind)s)
-          AND (%(instance)s::uuid IS NULL OR instance_id = %(instance)s::uuid)
-        ORDER BY created_at DESC, id
-        LIMIT %(limit)s
-        """,
-        {"state": state, "kind": kind, "instance": instance_id, "limit": limit},
+        sql.LIST_JOBS, {"state": state, "kind": kind, "instance": instance_id, "limit": limit}
     )
     return await cursor.fetchall()

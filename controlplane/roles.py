@@ -16,7 +16,7 @@ import uvicorn
 from prometheus_client import start_http_server
 
 import provisioners
-from controlplane import db, lifecycle, operations, tenants
+from controlplane import db, lifecycle, operations, sql, tenants
 from controlplane.api.app import create_app
 from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
@@ -199,7 +199,7 @@ async def _first_admin_key(url: str) -> str | None:
 async def _adopt_instances(url: str, provisioner: Provisioner) -> None:
     conn = await db.connect(url)
     async with conn:
-        cursor = await conn.execute("SELECT id FROM instances WHERE state = ANY(%s)", (list(ADOPTED_STATES),))
+        cursor = await conn.execute(sql.INSTANCE_IDS_IN, {"states": list(ADOPTED_STATES)})
         ids = [row["id"] for row in await cursor.fetchall()]
     started = await provisioner.start_all(ids)
     if started:

@@ -1,7 +1,10 @@
-"""Hot-path SQL: every statement that moves state, heartbeats or scans, each named for what it does.
+"""Every statement on the control plane's database, each named for what it does, in sections by area.
 
 The transition statements are built from one template so that instances and jobs share one path:
 guarded UPDATE (id + state_version + state), version bump, event row, pg_notify, in one statement.
+Every write to `instances` and `jobs` is here. (The servers the control plane runs, its embedded
+database and the local provisioner's instances, are administered in `postgres.py`, `embedded.py`
+and `provisioners/local.py`.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def _live_states(table: str, terminal: frozenset[str], states: tuple[str, ...]) 
 
 
 LIVE_INSTANCE = _live_states("i.", INSTANCE.terminal, INSTANCE.states)
+
+# ---- the one transition path (instances and jobs) -------------------------------------------------
 
 # The per-row input of every transition: which row, from where, by which event, with what patch.
 _MOVES_INPUT = """
@@ -158,6 +163,8 @@ CURRENT_STATES = {
     for entity, spec in ENTITY_TABLES.items()
 }
 
+# ---- jobs: the queue's hot path (claim, heartbeat, enqueue) ---------------------------------------
+
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
 CLAIM_JOBS = f"""
 WITH picked AS (
@@ -231,6 +238,8 @@ WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(k
   AND state NOT IN {FINISHED}
 """
 
+# ---- instances: creation ---------------------------------------------------------------------------
+
 # Create an instance in its initial state with its creation event.
 CREATE_INSTANCE = """
 WITH created AS (
@@ -254,6 +263,8 @@ SELECT created.*, o.billing_hold, 0::float8 AS time_in_state_s,
 FROM created JOIN organisations o ON o.id = created.org_id
 """
 
+# ---- the supervisor's scans -------------------------------------------------------------------------
+
 # Supervisor: claimed or running jobs whose heartbeat is older than the threshold (as of `now`,
 # injected by the caller or the database's own), locked so two supervisors do not both act.
 # Served by the partial index ix_jobs_live_heartbeat.
@@ -275,6 +286,8 @@ ORDER BY run_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
+
+# ---- the reconciler ---------------------------------------------------------------------------------
 
 # Reconciler: a batch of live instances, least recently reconciled first, with the kinds of
 # their live jobs and their organisation's hold. Served by the partial index ix_instances_live_state
@@ -324,6 +337,8 @@ FROM instances i WHERE i.id = ANY(%(ids)s::uuid[])
 
 # A fence for work done outside a job (the orphan sweep): higher than every claim so far.
 NEXT_FENCE = "SELECT nextval('job_fence_seq') AS fence"
+
+# ---- SRE views: the audit log of all instances, stuck instances, silent jobs -------------------------
 
 # The audit log of all instances, filtered, oldest first after a cursor (SRE views: API and CLI).
 SEARCH_INSTANCE_EVENTS = """
@@ -431,7 +446,11 @@ ORG_INSTANCES_IN = "SELECT id FROM instances WHERE org_id = %(org)s AND state = 
 # Those the billing hold suspended (a release resumes them, and only them).
 ORG_INSTANCES_SUSPENDED_BY_BILLING = ORG_INSTANCES_IN + " AND suspended_by_billing"
 
-# ---- instances as the operations see them (job handlers and abandonment hooks) ----------------
+# ---- instances: look-ups, and as the operations see them (job handlers, abandonment hooks) ----------
+
+INSTANCE_BY_ID = "SELECT * FROM instances WHERE id = %(id)s"
+# The ids of the instances in some states (`up` starts their servers again after a restart).
+INSTANCE_IDS_IN = "SELECT id FROM instances WHERE state = ANY(%(states)s::text[])"
 
 # One instance with its organisation's billing hold (what a handler decides from).
 INSTANCE_WITH_HOLD = """
@@ -455,3 +474,135 @@ UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = 
     heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END
 WHERE id = %(id)s
 """
+
+# ---- jobs: look-ups and the operator's list -------------------------------------------------------
+
+JOB_BY_ID = "SELECT * FROM jobs WHERE id = %(id)s"
+# The current rows of jobs whose moves conflicted (did the holder's own earlier write land?).
+JOBS_BY_IDS = "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])"
+
+# Jobs newest first, optionally of one state, kind and/or instance (SRE views: API and CLI).
+LIST_JOBS = """
+SELECT id, kind, instance_id, state, state_version, attempt, max_attempts, priority, run_at,
+       claimed_by, fence, heartbeat_at, error_kind, last_error, verdict, created_at,
+       state_entered_at
+FROM jobs
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(kind)s::text IS NULL OR kind = %(kind)s)
+  AND (%(instance)s::uuid IS NULL OR instance_id = %(instance)s::uuid)
+ORDER BY created_at DESC, id
+LIMIT %(limit)s
+"""
+
+# ---- notifications: the channels the transition path notifies, and who listens -------------------
+
+# `cp_<entity>_<state>` carries '<id>:<state_version>' of each move into that state (see _audit_tail).
+INSTANCE_CHANNEL_PREFIX = "cp_instance_"
+JOB_QUEUED_CHANNEL = "cp_job_queued"
+# A worker wakes on every enqueued or re-queued job.
+LISTEN_JOB_QUEUED = f"LISTEN {JOB_QUEUED_CHANNEL}"
+# A watch follows every state an instance can reach.
+INSTANCE_CHANNELS = tuple(INSTANCE_CHANNEL_PREFIX + state for state in INSTANCE.states)
+LISTEN_INSTANCE_CHANNELS = "; ".join(f"LISTEN {channel}" for channel in INSTANCE_CHANNELS)
+
+# ---- organisations and API keys ---------------------------------------------------------------------
+
+CREATE_ORGANISATION = """
+INSERT INTO organisations (name, stripe_customer_id) VALUES (%(name)s, %(stripe_customer_id)s) RETURNING *
+"""
+ORGANISATION_BY_ID = "SELECT * FROM organisations WHERE id = %(id)s"
+
+CREATE_API_KEY = """
+INSERT INTO api_keys (org_id, is_admin, prefix, key_hash, name)
+VALUES (%(org_id)s, %(is_admin)s, %(prefix)s, %(key_hash)s, %(name)s) RETURNING id
+"""
+# Serialises the first start's admin key across replicas (a transaction-scoped advisory lock).
+LOCK_ADMIN_KEY_CREATION = "SELECT pg_advisory_xact_lock(%(key)s)"
+ANY_LIVE_ADMIN_KEY = "SELECT 1 FROM api_keys WHERE is_admin AND revoked_at IS NULL LIMIT 1"
+LIVE_KEY_BY_PREFIX = """
+SELECT id, org_id, is_admin, key_hash FROM api_keys WHERE prefix = %(prefix)s AND revoked_at IS NULL
+"""
+# Revoke a live key of an organisation (any organisation's when org is NULL: an admin).
+REVOKE_API_KEY = """
+UPDATE api_keys SET revoked_at = now()
+WHERE id = %(id)s AND revoked_at IS NULL AND (%(org)s::uuid IS NULL OR org_id = %(org)s::uuid)
+RETURNING id
+"""
+LIST_API_KEYS = """
+SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %(org)s ORDER BY created_at, id
+"""
+
+# ---- idempotency keys (the API's creating requests) ----------------------------------------------
+
+# Claim an (organisation, key) pair for this transaction; false while another request holds it.
+TRY_IDEMPOTENCY_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock)s, 0)) AS locked"
+# The response stored for a key within its retention.
+STORED_RESPONSE = """
+SELECT request_hash, status_code, response, headers FROM idempotency_keys
+WHERE org_id = %(org)s AND key = %(key)s AND created_at >= now() - make_interval(secs => %(retention_s)s)
+"""
+SAVE_RESPONSE = """
+INSERT INTO idempotency_keys (org_id, key, request_hash, status_code, response, headers)
+VALUES (%(org)s, %(key)s, %(hash)s, %(status)s, %(response)s, %(headers)s)
+ON CONFLICT (org_id, key) DO UPDATE SET request_hash = EXCLUDED.request_hash,
+    status_code = EXCLUDED.status_code, response = EXCLUDED.response,
+    headers = EXCLUDED.headers, created_at = now()
+"""
+# Delete a bounded batch of expired keys (skipping rows another purge holds).
+PURGE_IDEMPOTENCY_KEYS = """
+DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM idempotency_keys WHERE created_at < now() - make_interval(secs => %(retention_s)s)
+    LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+"""
+
+# ---- the audit log: replay check and dwell times ---------------------------------------------------
+
+# Rows and logs read at one moment: the replay check's transaction.
+READ_ONLY_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
+
+# Every row of an entity with its events in order (rows without events too), for the replay check.
+REPLAY_LOG = {
+    entity: f"""
+SELECT r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
+       e.id, e.from_state, e.to_state, e.event, e.state_version
+FROM {spec.table} r LEFT JOIN {spec.events_table} e ON e.{spec.fk} = r.id
+ORDER BY r.id, e.id
+"""
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# Time in each state, per entity. Each event opens a stay in its to_state; the entity's next
+# event (by id) closes it. A stay not yet closed is measured up to now(). Terminal states are
+# never left, so they are not stays.
+DWELL_STATS = {
+    entity: f"""
+WITH stays AS (
+    SELECT e.to_state AS state, e.at AS entered_at,
+           lead(e.at) OVER (PARTITION BY e.{spec.fk} ORDER BY e.id) AS left_at
+    FROM {spec.events_table} e
+), measured AS (
+    SELECT state, left_at IS NULL AS open,
+           extract(epoch FROM COALESCE(left_at, now()) - entered_at)::float8 AS seconds
+    FROM stays
+    WHERE state = ANY(%(states)s::text[])
+      AND (%(since)s::timestamptz IS NULL OR COALESCE(left_at, now()) >= %(since)s::timestamptz)
+)
+SELECT state,
+       count(*) AS count,
+       count(*) FILTER (WHERE open) AS current,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds) AS p50_s,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds) AS p95_s,
+       max(seconds) AS max_s
+FROM measured
+GROUP BY state
+"""
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# ---- the schema's revision (readiness) and the reconciler's leader lock ----------------------------
+
+SCHEMA_REVISION = "SELECT version_num FROM alembic_version"
+
+PING = "SELECT 1"
+TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s) AS locked"
+RELEASE_LEADER_LOCK = "SELECT pg_advisory_unlock(%(key)s)"

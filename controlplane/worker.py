@@ -20,7 +20,7 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
-from controlplane import db, metrics, queue, transitions
+from controlplane import db, metrics, queue, sql, transitions
 from controlplane.db import AsyncConn
 from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.registry import JobContext, JobRegistry, Verdict
@@ -35,7 +35,6 @@ T = TypeVar("T")
 DATABASE_GONE = (psycopg.OperationalError, PoolTimeout)
 # How long to wait for a pooled connection before counting the database as unreachable.
 CONNECTION_TIMEOUT_S = 5.0
-WAKE_CHANNEL = "cp_job_queued"
 # Longest wait for more free slots before claiming into a backlog (bigger, fewer claim batches).
 CLAIM_LINGER_S = 0.05
 
@@ -499,7 +498,7 @@ class Worker:
             try:
                 conn = await db.connect(self._url)
                 async with conn:
-                    await conn.execute(f"LISTEN {WAKE_CHANNEL}")
+                    await conn.execute(sql.LISTEN_JOB_QUEUED)
                     delay = 0.1
                     self._kick.set()  # jobs may have been queued while we were not listening
                     async for _ in conn.notifies():

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane import actions, db, lifecycle, plans
+from controlplane import actions, db, lifecycle, plans, sql
 from controlplane.api import errors
 from controlplane.api.models import Health, Lifecycles, PlanList
 from controlplane.api.state import app_state
@@ -34,7 +34,7 @@ async def readyz(request: Request) -> Any:
         app.head_revision = db.head_revision()
     try:
         async with app.pool.connection(timeout=5) as conn:
-            cursor = await conn.execute("SELECT version_num FROM alembic_version")
+            cursor = await conn.execute(sql.SCHEMA_REVISION)
             rows = [r["version_num"] for r in await cursor.fetchall()]
     except Exception as exc:
         return errors.problem_response(
