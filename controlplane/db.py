@@ -61,11 +61,11 @@ def head_revision() -> str:
 
 def resolve_database_url(settings: Settings) -> str:
     """The configured URL, or the embedded server's (started, and its database created)."""
-    if settings.database_url:
-        return libpq_url(settings.database_url)
+    if settings.database.url_value:
+        return libpq_url(settings.database.url_value)
     from controlplane.embedded import open_embedded
 
-    return open_embedded(settings.data_dir / "db").create_database()
+    return open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir).create_database()
 
 
 async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:

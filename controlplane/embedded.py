@@ -64,8 +64,13 @@ class EmbeddedDatabase:
         self.server.stop()
 
 
-def open_embedded(root: Path, settings: dict[str, str] | None = None) -> EmbeddedDatabase:
-    """Initialise (first time) and start the server under `root`; reuse it on later calls."""
+def open_embedded(
+    root: Path, settings: dict[str, str] | None = None, *, bindir: Path | None = None
+) -> EmbeddedDatabase:
+    """Initialise (first time) and start the server under `root`; reuse it on later calls.
+
+    `bindir` is where to look for the server binaries first (CONTROLPLANE_PG_BINDIR).
+    """
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     run_as = server_user()
@@ -78,7 +83,9 @@ def open_embedded(root: Path, settings: dict[str, str] | None = None) -> Embedde
         state = {"port": free_port(), "password": secrets.token_urlsafe(32)}
         state_file.write_text(json.dumps(state))
         os.chmod(state_file, 0o600)
-    server = PostgresServer(datadir=root / "pg", port=int(state["port"]), run_as=run_as)
+    server = PostgresServer(
+        datadir=root / "pg", port=int(state["port"]), run_as=run_as, preferred_bindir=bindir
+    )
     if not server.initialised:
         make_owned_dir(root / "pg", run_as)
         server.initdb(SUPERUSER, state["password"], settings or SERVER_SETTINGS)

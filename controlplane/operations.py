@@ -153,7 +153,9 @@ class Operations:
                 ctx,
                 inst,
                 "start_provisioning",
-                patch=InstancePatch(PROVISIONING_STEPS[0], ctx.settings.deadline_s("provisioning")),
+                patch=InstancePatch(
+                    PROVISIONING_STEPS[0], ctx.settings.reconciler.deadline_s("provisioning")
+                ),
             )
         if inst.state != "provisioning":
             return NOTHING_TO_DO
@@ -186,7 +188,10 @@ class Operations:
             if inst.observed_generation >= inst.spec_generation:
                 return NOTHING_TO_DO
             inst = await self._move(
-                ctx, inst, "update", patch=InstancePatch("apply_plan", ctx.settings.deadline_s("updating"))
+                ctx,
+                inst,
+                "update",
+                patch=InstancePatch("apply_plan", ctx.settings.reconciler.deadline_s("updating")),
             )
         if inst.state != "updating":
             return _not_now(inst)
@@ -326,7 +331,7 @@ class Operations:
                 inst,
                 "deprovision",
                 reason=payload.reason or "deletion requested",
-                patch=InstancePatch("deprovision", ctx.settings.deadline_s("deprovisioning")),
+                patch=InstancePatch("deprovision", ctx.settings.reconciler.deadline_s("deprovisioning")),
             )
         elif state != "deprovisioning":
             return NOTHING_TO_DO if state == "deleted" else _deferred(inst)

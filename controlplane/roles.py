@@ -47,14 +47,14 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 
 def serve_metrics(settings: Settings) -> None:
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.api_host)
-        log.info("metrics on %s:%d/metrics", settings.api_host, settings.metrics_port)
+        start_http_server(settings.metrics_port, addr=settings.api.host)
+        log.info("metrics on %s:%d/metrics", settings.api.host, settings.metrics_port)
 
 
 async def run_api(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
     app = create_app(settings, database_url=url, job_registry=registry)
     config = uvicorn.Config(
-        app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True
+        app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True
     )
     server = _QuietServer(config)
     serving = asyncio.create_task(server.serve())
@@ -64,12 +64,12 @@ async def run_api(settings: Settings, url: str, registry: JobRegistry, stop: asy
     await serving
     stopping.cancel()
     if not server.started:
-        raise RuntimeError(f"the API could not listen on {settings.api_host}:{settings.api_port}")
+        raise RuntimeError(f"the API could not listen on {settings.api.host}:{settings.api.port}")
 
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
-    worker_id = settings.worker_id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker_concurrency + 3, name=f"worker-{worker_id}")
+    worker_id = settings.worker.id or default_worker_id()
+    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
     await pool.open(wait=True, timeout=30)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
@@ -96,7 +96,7 @@ async def run_reconciler_role(
     dry_run_orphans: bool = False,
 ) -> None:
     reconciler_id = f"reconciler-{socket.gethostname()}-{os.getpid()}"
-    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconcile_concurrency + 1), name=reconciler_id)
+    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconciler.concurrency + 1), name=reconciler_id)
     await pool.open(wait=True, timeout=30)
     reconciler = Reconciler(
         settings,
@@ -143,12 +143,12 @@ async def up(settings: Settings, *, leave_instances_running: bool = False) -> in
     """Embedded PostgreSQL (unless a URL is set), migrations, API, worker and reconciler together."""
     data_dir = Path(settings.data_dir).resolve()  # noqa: ASYNC240 (once, before anything runs)
     embedded = None
-    if settings.database_url:
-        url = db.libpq_url(settings.database_url)
+    if settings.database.url_value:
+        url = db.libpq_url(settings.database.url_value)
     else:
         from controlplane.embedded import open_embedded
 
-        embedded = open_embedded(settings.data_dir / "db")
+        embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
         url = embedded.create_database()
     stop = asyncio.Event()
     stop_on_signals(stop)
@@ -156,7 +156,7 @@ async def up(settings: Settings, *, leave_instances_running: bool = False) -> in
     try:
         await asyncio.to_thread(db.migrate, url)
         report = UpReport(
-            url=settings.api_url,
+            url=settings.api.url,
             admin_key=await _first_admin_key(url),
             admin_key_file=Path(settings.data_dir) / "admin.key",
             embedded=embedded is not None,
@@ -212,7 +212,7 @@ async def _announce_when_listening(
     """Wait until the API accepts connections (or a service died), then tell the person what to do."""
     while not any(task.done() for task in services):
         try:
-            _, writer = await asyncio.open_connection(settings.api_host, settings.api_port)
+            _, writer = await asyncio.open_connection(settings.api.host, settings.api.port)
         except OSError:
             await asyncio.sleep(0.05)
             continue

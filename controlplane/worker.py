@@ -102,7 +102,7 @@ class Outcome:
 
 
 class Worker:
-    """Runs up to `settings.worker_concurrency` jobs at once, of the kinds in `registry`.
+    """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`.
 
     Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), starts the claimed
     batch in one statement, heartbeats all held jobs in one statement on its own connection,
@@ -126,12 +126,14 @@ class Worker:
         self.pool = pool
         self.registry = registry
         self.services = services or {}
-        self.policy = policy or RetryPolicy(settings.retry_base_delay_s, settings.retry_max_delay_s)
+        self.policy = policy or RetryPolicy(
+            settings.worker.retry_base_delay_s, settings.worker.retry_max_delay_s
+        )
         self.actor = Actor("worker", worker_id)
         # Dedicated connections (heartbeat, LISTEN) go to the pool's database.
         self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
         self.kinds = registry.runnable()
-        self.concurrency = settings.worker_concurrency
+        self.concurrency = settings.worker.concurrency
         # With a backlog, claim when at least this many slots are free (or after CLAIM_LINGER_S).
         self._batch_min = max(1, self.concurrency // 2)
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
@@ -156,7 +158,9 @@ class Worker:
         if not self._stop.is_set():
             log.info("worker %s stopping", self.worker_id)
             self._give_up_at = (
-                time.monotonic() + self.settings.shutdown_grace_s + self.settings.reclaim_after_s
+                time.monotonic()
+                + self.settings.worker.shutdown_grace_s
+                + self.settings.worker.reclaim_after_s
             )
         self._stop.set()
         self._kick.set()
@@ -189,7 +193,7 @@ class Worker:
     async def _shutdown(self, writer: asyncio.Task[None]) -> None:
         tasks = set(self._tasks)
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.worker.shutdown_grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -240,7 +244,7 @@ class Worker:
             if self.concurrency - len(self._tasks) <= 0:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=self.settings.poll_interval_s)
+                await asyncio.wait_for(self._kick.wait(), timeout=self.settings.worker.poll_interval_s)
 
     async def _gather_slots(self) -> None:
         """With a backlog, let up to half the slots free up (briefly) so claims come in batches."""
@@ -285,7 +289,7 @@ class Worker:
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, self.settings.poll_interval_s))
+            await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, self.settings.worker.poll_interval_s))
 
     def _launch(self, held: Held) -> None:
         task = asyncio.create_task(self._run_handler(held), name=f"job-{held.id}")
@@ -465,7 +469,7 @@ class Worker:
         conn: AsyncConn | None = None
         try:
             while True:
-                await asyncio.sleep(self.settings.heartbeat_interval_s)
+                await asyncio.sleep(self.settings.worker.heartbeat_interval_s)
                 holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
                 if not holdings:
                     continue
@@ -531,8 +535,8 @@ async def run_worker(
 ) -> int:
     """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
     url = db.resolve_database_url(settings)
-    worker_id = settings.worker_id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker_concurrency + 3, name=f"worker-{worker_id}")
+    worker_id = settings.worker.id or default_worker_id()
+    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
     await pool.open(wait=True, timeout=30)
     worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
     loop = asyncio.get_running_loop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -10,28 +9,30 @@ if TYPE_CHECKING:
     from provisioners.base import Provisioner
 
 
-def build(settings: Settings, environ: Mapping[str, str] | None = None) -> Provisioner:
-    """The provisioner `settings.provisioner` names (local, kubernetes, noop).
+def build(settings: Settings) -> Provisioner:
+    """The provisioner `settings.provisioner.kind` names (local, kubernetes, noop).
 
-    Wrapped in fault injection when faults are configured (settings.extra["faults"] or the
-    CONTROLPLANE_FAULTS variable): how a test tells a worker process where to fail or die.
+    Wrapped in fault injection when faults are configured (CONTROLPLANE_FAULTS, read with the
+    other settings at start): how a test tells a worker process where to fail or die.
     """
-    from provisioners.faults import FaultyProvisioner, faults_from
+    from provisioners.faults import FaultyProvisioner, parse_faults
 
     inner: Provisioner
-    if settings.provisioner == "local":
+    if settings.provisioner.kind == "local":
         from provisioners.local import LocalProvisioner
 
         inner = LocalProvisioner(settings)
-    elif settings.provisioner == "kubernetes":
+    elif settings.provisioner.kind == "kubernetes":
         from provisioners.kubernetes import KubernetesProvisioner
 
         inner = KubernetesProvisioner.from_settings(settings)
-    elif settings.provisioner == "noop":
+    elif settings.provisioner.kind == "noop":
         from provisioners.noop import NoopProvisioner
 
         inner = NoopProvisioner()
     else:
-        raise ValueError(f"unknown provisioner {settings.provisioner!r}: expected local, kubernetes or noop")
-    faults = faults_from(settings.extra, environ)
+        raise ValueError(
+            f"unknown provisioner {settings.provisioner.kind!r}: expected local, kubernetes or noop"
+        )
+    faults = parse_faults(settings.provisioner.faults)
     return FaultyProvisioner(inner, faults) if faults else inner

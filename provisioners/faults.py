@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -22,7 +22,6 @@ from provisioners.base import (
     Resource,
 )
 
-ENV_VAR = "CONTROLPLANE_FAULTS"
 Action = Literal["fail", "fail_permanent", "hang", "kill"]
 ACTIONS: tuple[Action, ...] = ("fail", "fail_permanent", "hang", "kill")
 T = TypeVar("T")
@@ -86,12 +85,6 @@ def parse_faults(text: str | None) -> list[Fault]:
                 raise FaultSpecError(f"fault {item!r}: when is before, after or seconds") from None
         faults.append(Fault(step, action, attempt, when))
     return faults
-
-
-def faults_from(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> list[Fault]:
-    """Faults from settings (extra["faults"]) or the environment (CONTROLPLANE_FAULTS)."""
-    env = os.environ if environ is None else environ
-    return parse_faults(extra.get("faults") or env.get(ENV_VAR))
 
 
 def kill_this_process() -> None:

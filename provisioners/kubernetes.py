@@ -516,21 +516,24 @@ class KubernetesProvisioner(Provisioner):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubernetesProvisioner:
-        """The API at settings.kubernetes_host, else in-cluster, else the kubeconfig."""
+        """The API at settings.provisioner.kubernetes_host, else in-cluster, else the kubeconfig."""
         configuration = kubernetes.client.Configuration()
-        host = settings.kubernetes_host or settings.extra.get("kubernetes_host")
+        host = settings.provisioner.kubernetes_host
         if host:
             configuration.host = host
-            token = settings.extra.get("kubernetes_token")
-            if token:
-                configuration.api_key = {"BearerToken": token}
+            token = settings.provisioner.kubernetes_token
+            if token is not None:
+                configuration.api_key = {"BearerToken": token.get_secret_value()}
                 configuration.api_key_prefix = {"BearerToken": "Bearer"}
         else:
             try:
                 kubernetes.config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return cls(KubernetesApi(kubernetes.client.ApiClient(configuration)), settings.kubernetes_namespace)
+        return cls(
+            KubernetesApi(kubernetes.client.ApiClient(configuration)),
+            settings.provisioner.kubernetes_namespace,
+        )
 
     async def _run(self, work: Callable[[], T]) -> T:
         try:

@@ -184,14 +184,17 @@ class LocalProvisioner(Provisioner):
         self.settings = settings
         self.root = Path(settings.data_dir).resolve() / "instances"
         self.backups = Path(settings.data_dir).resolve() / "backups"
-        self.listen_host = settings.local_listen_host
+        self.listen_host = settings.provisioner.local_listen_host
         self.connect_host = "127.0.0.1" if self.listen_host in WILDCARD_HOSTS else self.listen_host
         self.advertise_host = socket.gethostname() if self.listen_host in WILDCARD_HOSTS else self.listen_host
         self._run_as = run_as
         self._box = box
         self.fences = fences_for(Path(settings.data_dir).resolve())
         self.ports = PortAllocator(
-            self.root / "ports.json", settings.local_port_min, settings.local_port_max, self.listen_host
+            self.root / "ports.json",
+            settings.provisioner.local_port_min,
+            settings.provisioner.local_port_max,
+            self.listen_host,
         )
 
     # ---- paths, state, helpers -------------------------------------------------------------
@@ -237,7 +240,11 @@ class LocalProvisioner(Provisioner):
         if port is None:
             port = self.ports.port_of(instance_id) or 0
         return InstanceServer(
-            datadir=self.datadir(instance_id), port=port, host=self.listen_host, run_as=self.run_as
+            datadir=self.datadir(instance_id),
+            port=port,
+            host=self.listen_host,
+            run_as=self.run_as,
+            preferred_bindir=self.settings.database.pg_bindir,
         )
 
     def _prepare_root(self) -> None:
@@ -327,7 +334,13 @@ class LocalProvisioner(Provisioner):
         for password_file in directory.glob(".pgdata.partial-*.pw"):  # and its password file
             password_file.unlink(missing_ok=True)
         partial = directory / f"pgdata.partial-{fence}"
-        builder = InstanceServer(datadir=partial, port=0, host=self.listen_host, run_as=self.run_as)
+        builder = InstanceServer(
+            datadir=partial,
+            port=0,
+            host=self.listen_host,
+            run_as=self.run_as,
+            preferred_bindir=self.settings.database.pg_bindir,
+        )
         builder.initdb(
             ADMIN_USER, self._unseal(state["admin_password"]), {**BASE_SETTINGS, **spec.server_settings()}
         )

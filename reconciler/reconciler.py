@@ -57,7 +57,9 @@ def _view(
     heal_not_before = None
     if inst.heal_given_up_at is not None:
         pause = planning.heal_backoff_s(
-            inst.heal_failures, settings.heal_backoff_base_s, settings.heal_backoff_max_s
+            inst.heal_failures,
+            settings.reconciler.heal_backoff_base_s,
+            settings.reconciler.heal_backoff_max_s,
         )
         heal_not_before = inst.heal_given_up_at + timedelta(seconds=pause)
     return planning.InstanceView(
@@ -115,7 +117,7 @@ class Reconciler:
         async with self.pool.connection() as conn:
             cursor = await conn.execute(
                 sql.SCAN_LIVE_INSTANCES,
-                {"now": now, "limit": self.settings.reconcile_batch_size},
+                {"now": now, "limit": self.settings.reconciler.batch_size},
                 prepare=True,
             )
             scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
@@ -123,7 +125,7 @@ class Reconciler:
         observations = await self._observe_all(scanned, summary)
         for inst in scanned:
             view = _view(inst, observations.get(inst.id), self.settings)
-            actions = planning.plan(view, inst.now, self.settings.deadline_max_retries)
+            actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
             if actions:
                 await self._apply(inst, actions, summary)
         async with self.pool.connection() as conn:
@@ -156,7 +158,7 @@ class Reconciler:
         self, scanned: list[ScannedInstance], summary: PassSummary
     ) -> dict[uuid.UUID, planning.Observed]:
         """Observe the settled instances (ready, degraded, suspended), a bounded number at a time."""
-        limit = asyncio.Semaphore(max(1, self.settings.reconcile_concurrency))
+        limit = asyncio.Semaphore(max(1, self.settings.reconciler.concurrency))
         targets = [inst.id for inst in scanned if inst.state in planning.OBSERVED_STATES]
 
         async def observe(instance_id: uuid.UUID) -> tuple[uuid.UUID, planning.Observed | None]:
@@ -224,7 +226,7 @@ class Reconciler:
                 summary.count(f"enqueue_{action.kind}")
                 log.info("instance %s: enqueued %s (%s)", inst.id, action.kind, action.reason)
         else:
-            deadline_s = self.settings.deadline_s(inst.state) or 0.0
+            deadline_s = self.settings.reconciler.deadline_s(inst.state) or 0.0
             await conn.execute(
                 sql.EXTEND_DEADLINE,
                 {"id": inst.id, "state_version": inst.state_version, "deadline_s": deadline_s},
@@ -292,7 +294,7 @@ class Reconciler:
 
     async def run(self, stop: asyncio.Event, election: LeaderElection | None = None) -> None:
         """Pass after pass while leading; a standby checks for the lock every interval."""
-        interval = self.settings.reconcile_interval_s
+        interval = self.settings.reconciler.interval_s
         while not stop.is_set():
             leading = election is None or await election.ensure()
             metrics.RECONCILER_LEADER.set(1 if leading else 0)

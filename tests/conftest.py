@@ -16,7 +16,7 @@ from controlplane import db
 from controlplane.db import AsyncConn
 from controlplane.embedded import FAST_SETTINGS, EmbeddedDatabase, open_embedded
 from controlplane.settings import Settings
-from tests.provisioning_support import QUICK_RETRIES, real_instances
+from tests.provisioning_support import QUICK_RETRIES, pg_bindir, real_instances
 
 TEMPLATE = "cp_template"
 _counter = itertools.count()
@@ -68,7 +68,7 @@ def test_server(pg_root: Path) -> Iterator[TestServer]:
     if external:
         yield TestServer(external, None)
         return
-    embedded = open_embedded(pg_root / "db", FAST_SETTINGS)
+    embedded = open_embedded(pg_root / "db", FAST_SETTINGS, bindir=pg_bindir())
     try:
         yield TestServer(embedded.admin_url, embedded)
     finally:
@@ -112,7 +112,9 @@ def settings(fresh_database: str, tmp_path: Path) -> Settings:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     os.chmod(tmp_path, 0o755)
-    return Settings(database_url=fresh_database, data_dir=data_dir, heartbeat_interval_s=0.2)
+    return Settings(
+        database_url=fresh_database, data_dir=data_dir, heartbeat_interval_s=0.2, pg_bindir=pg_bindir()
+    )
 
 
 @pytest.fixture

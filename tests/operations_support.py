@@ -36,8 +36,8 @@ async def run_until(
     worker: bool = True,
 ) -> None:
     """Run a worker and supervisor passes until `done` holds (or fail after `timeout_s`)."""
-    assert settings.database_url is not None
-    pool = db.pool(settings.database_url, min_size=1, max_size=8, name="ops-test")
+    assert settings.database.url_value is not None
+    pool = db.pool(settings.database.url_value, min_size=1, max_size=8, name="ops-test")
     await pool.open(wait=True)
     runner = Worker(f"test-{uuid.uuid4().hex[:6]}", settings, pool, registry) if worker else None
     task = asyncio.create_task(runner.run()) if runner else None

@@ -52,7 +52,7 @@ async def _keys(url: str) -> tuple[str, str]:
 
 @pytest.fixture
 def keys(settings: Settings) -> tuple[str, str]:
-    return asyncio.run(_keys(settings.database_url or ""))
+    return asyncio.run(_keys(settings.database.url_value or ""))
 
 
 @pytest.fixture

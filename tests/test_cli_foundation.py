@@ -99,9 +99,10 @@ def test_migrate_brings_an_empty_database_to_head(empty_database: str) -> None:
     [
         (
             ["--heal-backoff-base-s", "60", "--heal-backoff-max-s", "30"],
-            "CONTROLPLANE_HEAL_BACKOFF_BASE_S must be at least 0 and at most CONTROLPLANE_HEAL_BACKOFF_MAX_S",
+            "CONTROLPLANE_HEAL_BACKOFF_BASE_S must be at least 0 and at most CONTROLPLANE_HEAL_BACKOFF_MAX_S"
+            " (30.0), not '60.0'",
         ),
-        (["--worker-concurrency", "0"], "CONTROLPLANE_WORKER_CONCURRENCY must be at least 1"),
+        (["--worker-concurrency", "0"], "CONTROLPLANE_WORKER_CONCURRENCY must be at least 1, not '0'"),
     ],
 )
 def test_settings_out_of_range_are_refused_in_one_line_before_anything_starts(
@@ -109,5 +110,5 @@ def test_settings_out_of_range_are_refused_in_one_line_before_anything_starts(
 ) -> None:
     command = "reconcile" if "--heal-backoff-base-s" in flags else "worker"
     url = "postgresql://nobody@127.0.0.1:1/unreachable"
-    assert main([command, "--database-url", url, "--data-dir", str(tmp_path), *flags]) == 1
+    assert main([command, "--database-url", url, "--data-dir", str(tmp_path), *flags]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"controlplane: error: {message}"]

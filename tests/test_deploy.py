@@ -8,7 +8,6 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 # Oldest supported Kubernetes minor, and the newest the installed schemas know.
 KUBERNETES_VERSIONS = sorted({"1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2])})
 IMAGE_UID = 10001
-SETTING_VARIABLES = {env_name(f.name) for f in fields(Settings) if f.name != "extra"}
+SETTING_VARIABLES = {entry.env for entry in settings_module.SETTINGS.values()}
 SECRET_VARIABLES = {
     "CONTROLPLANE_DATABASE_URL",
     "CONTROLPLANE_STRIPE_WEBHOOK_SECRET",
@@ -285,15 +284,15 @@ def kubernetes_settings() -> Settings:
 
 def test_config_map_and_secret_load_as_settings() -> None:
     settings = kubernetes_settings()
-    assert settings.provisioner == "kubernetes"
-    assert settings.api_host == "0.0.0.0" and settings.log_format == "json"
-    assert settings.database_url and settings.secret_key and settings.stripe_webhook_secret
+    assert settings.provisioner.kind == "kubernetes"
+    assert settings.api.host == "0.0.0.0" and settings.logging.format == "json"
+    assert settings.database.url_value and settings.secret_key and settings.billing.stripe_webhook_secret
 
 
 def stop_budget(settings: Settings) -> float:
     """Longest graceful stop of a worker: running steps' grace, then hand-back writes retried
     until the jobs would be reclaimed anyway, plus a margin."""
-    return settings.shutdown_grace_s + settings.reclaim_after_s + 5
+    return settings.worker.shutdown_grace_s + settings.worker.reclaim_after_s + 5
 
 
 def test_worker_grace_period_outlasts_the_graceful_shutdown() -> None:
@@ -421,8 +420,8 @@ def test_metrics_roles_serve_the_port_they_declare(component: str) -> None:
     # What the process sees: the ConfigMap and the Secret, then the container's own env.
     settings = settings_module.load({**config_map()["data"], **secret_values(secret()), **env})
     assert settings.metrics_port == port
-    assert settings.api_host == "0.0.0.0", "the metrics server binds CONTROLPLANE_API_HOST"
-    assert port != settings.api_port
+    assert settings.api.host == "0.0.0.0", "the metrics server binds CONTROLPLANE_API_HOST"
+    assert port != settings.api.port
     annotations = pod_annotations(workload)
     assert annotations.get("prometheus.io/scrape") == "true", component
     assert annotations.get("prometheus.io/port") == str(port), component
@@ -751,8 +750,11 @@ def test_units_serving_metrics_have_ports_of_their_own() -> None:
         ports[name] = unit_settings.metrics_port
     assert set(ports) == set(UNIT_METRICS)
     assert len(set(ports.values())) == len(ports), "two roles on one host would share a port"
-    assert settings.api_port not in ports.values()
-    assert not any(settings.local_port_min <= port <= settings.local_port_max for port in ports.values())
+    assert settings.api.port not in ports.values()
+    assert not any(
+        settings.provisioner.local_port_min <= port <= settings.provisioner.local_port_max
+        for port in ports.values()
+    )
 
 
 def test_worker_unit_waits_for_the_graceful_shutdown() -> None:
@@ -763,7 +765,7 @@ def test_worker_unit_waits_for_the_graceful_shutdown() -> None:
 def test_env_example_names_the_secrets_as_placeholders() -> None:
     settings = dict(line.split("=", 1) for line in env_example_lines())
     assert set(settings) >= SECRET_VARIABLES
-    assert env_example_settings().database_url == settings["CONTROLPLANE_DATABASE_URL"]
+    assert env_example_settings().database.url_value == settings["CONTROLPLANE_DATABASE_URL"]
     assert all("REPLACE_ME" in settings[name] for name in SECRET_VARIABLES)
 
 
@@ -834,7 +836,7 @@ def test_image_runs_as_a_fixed_non_root_user() -> None:
     assert user not in {"root", "0"}
     assert user == str(IMAGE_UID)
     assert instructions(runtime, "ENTRYPOINT") == ['["controlplane"]']
-    api_port = str(Settings().api_port)
+    api_port = str(Settings().api.port)
     assert api_port in " ".join(instructions(runtime, "EXPOSE"))
 
 

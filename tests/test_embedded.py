@@ -63,9 +63,9 @@ def test_embedded_server_starts_stops_and_is_reused(pg_root: Path) -> None:
 
 def test_data_dir_defaults_to_dot_controlplane() -> None:
     assert load({}).data_dir == Path(".controlplane")
-    assert load({}).database_url is None
+    assert load({}).database.url_value is None
     assert load({"CONTROLPLANE_DATA_DIR": "/srv/cp"}).data_dir == Path("/srv/cp")
-    assert load({"CONTROLPLANE_DATABASE_URL": "postgresql://h/db"}).database_url == "postgresql://h/db"
+    assert load({"CONTROLPLANE_DATABASE_URL": "postgresql://h/db"}).database.url_value == "postgresql://h/db"
 
 
 def test_server_binaries_are_found() -> None:

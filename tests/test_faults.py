@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.errors import PermanentError, TemporaryError
-from controlplane.settings import Settings
+from controlplane.settings import Settings, load
 from provisioners import build
 from provisioners.base import JOB_ATTEMPT, InstanceSpec
 from provisioners.faults import Fault, FaultSpecError, FaultyProvisioner, parse_faults
@@ -28,11 +28,11 @@ def test_fault_descriptions_parse() -> None:
 
 
 def test_build_picks_the_provisioner_and_wraps_it_in_faults(tmp_path: Path) -> None:
-    assert isinstance(build(Settings(provisioner="noop"), environ={}), NoopProvisioner)
-    assert isinstance(build(Settings(provisioner="local", data_dir=tmp_path), environ={}), LocalProvisioner)
-    faulty = build(Settings(provisioner="noop"), environ={"CONTROLPLANE_FAULTS": "suspend:fail"})
+    assert isinstance(build(Settings(provisioner="noop")), NoopProvisioner)
+    assert isinstance(build(Settings(provisioner="local", data_dir=tmp_path)), LocalProvisioner)
+    faulty = build(load({"CONTROLPLANE_PROVISIONER": "noop", "CONTROLPLANE_FAULTS": "suspend:fail"}))
     assert isinstance(faulty, FaultyProvisioner) and isinstance(faulty.inner, NoopProvisioner)
-    from_settings = build(Settings(provisioner="noop", extra={"faults": "resume:kill"}), environ={})
+    from_settings = build(Settings(provisioner="noop", faults="resume:kill"))
     assert isinstance(from_settings, FaultyProvisioner)
 
 

@@ -64,9 +64,7 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas(plan: str, versi
 @pytest.fixture
 def cluster() -> Iterator[tuple[KubernetesProvisioner, FakeCluster]]:
     with fake_api() as (url, state):
-        settings = Settings(
-            provisioner="kubernetes", kubernetes_namespace=NAMESPACE, extra={"kubernetes_host": url}
-        )
+        settings = Settings(provisioner="kubernetes", kubernetes_namespace=NAMESPACE, kubernetes_host=url)
         provisioner = build(settings)
         assert isinstance(provisioner, KubernetesProvisioner)
         provisioner.poll_s = 0.01

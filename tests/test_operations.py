@@ -66,9 +66,9 @@ async def events(conn: AsyncConn, instance_id: uuid.UUID) -> list[tuple[str | No
 async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     conn: AsyncConn, local_settings: Settings
 ) -> None:
-    assert local_settings.database_url is not None
+    assert local_settings.database.url_value is not None
     local = LocalProvisioner(local_settings)
-    watching = Watching(local, local_settings.database_url)
+    watching = Watching(local, local_settings.database.url_value)
     registry = registry_for(watching)
     inst = await make_instance(conn)
     iid = inst["id"]
@@ -77,7 +77,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     await run_until(local_settings, registry, instance_in(iid, "ready"))
     row = await instance(conn, iid)
     assert row["connection"]["port"] in range(
-        local_settings.local_port_min, local_settings.local_port_max + 1
+        local_settings.provisioner.local_port_min, local_settings.provisioner.local_port_max + 1
     )
     assert "password" not in row["connection"] and row["secret"] is not None
     assert (row["observed_generation"], row["progress"], row["deadline_at"]) == (1, None, None)

@@ -42,7 +42,9 @@ def cannot_write(conn: psycopg.Connection[object]) -> None:
 async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> None:
     iid = uuid.uuid4()
     info = await provision(local, iid, fence=10)
-    assert info.port in range(local.settings.local_port_min, local.settings.local_port_max + 1)
+    assert info.port in range(
+        local.settings.provisioner.local_port_min, local.settings.provisioner.local_port_max + 1
+    )
     assert info.user == owner_role(iid) and len(info.password) >= 24
 
     # Every step run again creates nothing twice and adopts the same credentials.

@@ -61,7 +61,7 @@ async def test_a_pass_runs_the_supervisor_as_the_reconciler(conn: AsyncConn, set
         now = await db_now(conn)
         first = await rec.run_once(now)
         assert (first.jobs.reclaimed, first.jobs.retried) == ([], [])  # fresh heartbeat, backoff not over
-        later = now + timedelta(seconds=settings.reclaim_after_s + 10)
+        later = now + timedelta(seconds=settings.worker.reclaim_after_s + 10)
         summary = await rec.run_once(later)
     assert summary.jobs.reclaimed == [stale["id"]]
     assert summary.jobs.retried == [failing["id"]]
@@ -159,7 +159,7 @@ async def test_a_live_heartbeating_job_keeps_an_instance_from_failing_for_time_a
             assert (summary.actions, summary.jobs.reclaimed) == ({}, [])
         assert (await instance(conn, iid))["state"] == "provisioning"
         # Its worker goes silent: the job is reclaimed (still live), the instance still not failed.
-        silent = await db_now(conn) + timedelta(seconds=settings.reclaim_after_s + 1)
+        silent = await db_now(conn) + timedelta(seconds=settings.worker.reclaim_after_s + 1)
         summary = await rec.run_once(silent)
         assert summary.jobs.reclaimed == [provision["id"]] and summary.actions == {}
         assert (await instance(conn, iid))["state"] == "provisioning"
@@ -225,8 +225,8 @@ async def test_each_transitional_state_gets_its_configured_deadline_on_entry(
         deadline_deprovisioning_s=44,
         poll_interval_s=0.1,
     )
-    assert settings.database_url is not None
-    url = settings.database_url
+    assert settings.database.url_value is not None
+    url = settings.database.url_value
     gated = Gated()
 
     async def deadline_of(state: str) -> float | None:
@@ -244,7 +244,7 @@ async def test_each_transitional_state_gets_its_configured_deadline_on_entry(
             "db",
             {"plan": "dev"},
             TEST_ACTOR,
-            deadline_s=settings.deadline_pending_s,
+            deadline_s=settings.reconciler.deadline_pending_s,
         )
     )["id"]
     assert await deadline_of("pending") == 11

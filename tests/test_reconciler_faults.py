@@ -56,8 +56,8 @@ async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_
     conn: AsyncConn, fault_settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="reconciler.reconciler")
-    assert fault_settings.database_url is not None
-    url = fault_settings.database_url
+    assert fault_settings.database.url_value is not None
+    url = fault_settings.database.url_value
     local = LocalProvisioner(fault_settings)
     iid = (await make_instance(conn))["id"]
     provision = (await enqueue(conn, NewJob(PROVISION, iid), TEST_ACTOR)).job
@@ -89,15 +89,15 @@ async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_
     (reclaim,) = await cursor.fetchall()
     assert (reclaim["actor_kind"], reclaim["actor_id"]) == ("supervisor", RECONCILER_ID)
     to_reclaim = (reclaim["at"] - killed_at).total_seconds()
-    bound = fault_settings.reclaim_after_s + INTERVAL_S
+    bound = fault_settings.worker.reclaim_after_s + INTERVAL_S
     print(
         f"\nkill -9 mid-provision: reclaimed by the reconciler after {to_reclaim:.2f}s,"
-        f" ready after {to_ready:.2f}s (reclaim threshold {fault_settings.reclaim_after_s:g}s"
+        f" ready after {to_ready:.2f}s (reclaim threshold {fault_settings.worker.reclaim_after_s:g}s"
         f" + one pass interval {INTERVAL_S}s = {bound:g}s)"
     )
     # The first pass that could see the heartbeat stale reclaimed the job: no pass started after
     # the threshold and finished before the reclaim without doing it (the loop's own clock).
-    stale_at = (last_heartbeat + timedelta(seconds=fault_settings.reclaim_after_s)).timestamp()
+    stale_at = (last_heartbeat + timedelta(seconds=fault_settings.worker.reclaim_after_s)).timestamp()
     passes = [r for r in caplog.records if r.getMessage() == "reconciler pass"]
     (reclaiming,) = [r for r in passes if r.__dict__["jobs_reclaimed"]]
     missed = [
@@ -117,7 +117,7 @@ async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_
 async def test_a_job_that_always_fails_is_retried_with_backoff_abandoned_and_fails_its_instance(
     conn: AsyncConn, fault_settings: Settings
 ) -> None:
-    assert fault_settings.database_url is not None
+    assert fault_settings.database.url_value is not None
     faulty = FaultyProvisioner(LocalProvisioner(fault_settings), parse_faults("allocate_storage:fail:*"))
     iid = (await make_instance(conn))["id"]
     provision = (await enqueue(conn, NewJob(PROVISION, iid, max_attempts=3), TEST_ACTOR)).job
@@ -127,7 +127,7 @@ async def test_a_job_that_always_fails_is_retried_with_backoff_abandoned_and_fai
         working(fault_settings, registry_for(faulty)),
     ):
         await until(
-            fault_settings.database_url,
+            fault_settings.database.url_value,
             instance_in(iid, "failed"),
             channels=("cp_instance_failed",),
             timeout=30,
@@ -140,7 +140,7 @@ async def test_a_job_that_always_fails_is_retried_with_backoff_abandoned_and_fai
         async def cleaned(c: AsyncConn) -> bool:
             return bool((await job(c, cleanup["id"]))["state"] == "completed")
 
-        await until(fault_settings.database_url, cleaned, channels=("cp_job_completed",), timeout=30)
+        await until(fault_settings.database.url_value, cleaned, channels=("cp_job_completed",), timeout=30)
 
     cursor = await conn.execute(
         "SELECT event, actor_kind, actor_id, detail, at FROM job_events WHERE job_id = %s ORDER BY id",

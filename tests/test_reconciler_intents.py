@@ -88,9 +88,9 @@ class DeletedMidway(FaultyProvisioner):
 async def test_a_deletion_requested_while_provisioning_runs_once_the_instance_is_ready(
     conn: AsyncConn, local_settings: Settings
 ) -> None:
-    assert local_settings.database_url is not None
+    assert local_settings.database.url_value is not None
     local = LocalProvisioner(local_settings)
-    midway = DeletedMidway(local, local_settings.database_url)
+    midway = DeletedMidway(local, local_settings.database.url_value)
     iid = (await make_instance(conn))["id"]
     await enqueue(conn, PROVISION, iid)
     async with reconciling(local_settings, midway) as rec, working(local_settings, registry_for(midway)):

@@ -50,7 +50,7 @@ def reconcile_once_dry_run(settings: Settings) -> subprocess.CompletedProcess[st
             "--once",
             "--dry-run-orphans",
             "--database-url",
-            str(settings.database_url),
+            str(settings.database.url_value),
             "--data-dir",
             str(settings.data_dir),
             "--log-format",
@@ -92,8 +92,8 @@ async def test_orphans_are_listed_in_dry_run_and_removed_with_a_final_backup_oth
 
     # The CLI's dry run lists them and leaves everything in place, even while another
     # reconciler leads (listing needs no lock; a pass would).
-    assert local_settings.database_url is not None
-    leader = LeaderElection(local_settings.database_url)
+    assert local_settings.database.url_value is not None
+    leader = LeaderElection(local_settings.database.url_value)
     assert await leader.ensure()
     try:
         listed = await asyncio.to_thread(reconcile_once_dry_run, local_settings)

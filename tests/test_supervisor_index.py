@@ -63,8 +63,8 @@ async def test_supervisor_scans_use_the_partial_indexes(
 
     params = {
         "now": await db_now(conn) + timedelta(seconds=60),
-        "stale_after_s": settings.reclaim_after_s,
-        "limit": settings.reconcile_batch_size,
+        "stale_after_s": settings.worker.reclaim_after_s,
+        "limit": settings.reconciler.batch_size,
     }
     for statement, index in [
         (sql.SCAN_STALE_JOBS, "ix_jobs_live_heartbeat"),

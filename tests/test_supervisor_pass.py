@@ -43,7 +43,7 @@ async def test_stale_claimed_and_running_jobs_are_reclaimed(conn: db.AsyncConn, 
     now = await db_now(conn)
     assert (await sup.run_once(now)).reclaimed == []
     assert (await sup.run_once()).reclaimed == []  # the database's own clock: heartbeats are fresh
-    later = now + timedelta(seconds=settings.reclaim_after_s + 0.1)
+    later = now + timedelta(seconds=settings.worker.reclaim_after_s + 0.1)
     result = await sup.run_once(later)
     assert sorted(result.reclaimed) == sorted([running["id"], claimed["id"]])
     for job_id in result.reclaimed:

@@ -211,7 +211,7 @@ async def test_a_hung_worker_is_fenced_off_after_reclaim(
     )
     ctx_a = await asyncio.wait_for(hung.contexts.get(), timeout=10)
     sup = Supervisor(conn, settings, gate_registry(), supervisor_id="sup")
-    later = await db_now(conn) + timedelta(seconds=settings.reclaim_after_s + 1)
+    later = await db_now(conn) + timedelta(seconds=settings.worker.reclaim_after_s + 1)
     assert (await sup.run_once(later)).reclaimed == [job["id"]]
 
     b = start_worker(

@@ -186,10 +186,10 @@ async def test_kill_9_jobs_are_reclaimed_and_completed_by_another_worker(
     reclaim_s = (reclaim_at - killed_at).total_seconds()
     print(
         f"\nkill -9: all 6 jobs reclaimed {reclaim_s:.2f}s after the kill "
-        f"(threshold {settings.reclaim_after_s:g}s), all completed by another worker "
+        f"(threshold {settings.worker.reclaim_after_s:g}s), all completed by another worker "
         f"after {completed_after:.2f}s"
     )
-    assert reclaim_s >= settings.reclaim_after_s - 0.5
+    assert reclaim_s >= settings.worker.reclaim_after_s - 0.5
     assert workers.terminate_all() == {"w-victim": -signal.SIGKILL, "w-rescue": 0}
 
     assert await finishes_per_job(conn) == {1: 6}  # none lost, none completed twice

@@ -100,7 +100,7 @@ async def one_pass(url: str, work_dir: Path) -> float:
     settings = Settings(database_url=url, provisioner="noop", data_dir=work_dir / "reconciler")
     provisioner = provisioners.build(settings)
     pool = db.pool(
-        url, min_size=1, max_size=max(2, settings.reconcile_concurrency + 1), name="bench-reconciler"
+        url, min_size=1, max_size=max(2, settings.reconciler.concurrency + 1), name="bench-reconciler"
     )
     await pool.open(wait=True, timeout=30)
     try:

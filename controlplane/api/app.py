@@ -46,7 +46,7 @@ def create_app(
             box=load_box(settings),
             policy=Policy.from_settings(settings),
             job_registry=job_registry,
-            keys=KeyCache(settings.api_key_cache_s),
+            keys=KeyCache(settings.api.key_cache_s),
         )
         try:
             yield
@@ -70,7 +70,7 @@ def create_app(
         routes_public.router,
     ):
         app.include_router(router)
-    app.add_middleware(errors.BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(errors.BodySizeLimit, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(errors.CatchAll)
     app.add_middleware(errors.RequestId)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -95,9 +95,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 def serve(
     settings: Settings, *, database_url: str | None = None, job_registry: JobRegistry | None = None
 ) -> None:
-    """Run the API with uvicorn on settings.api_host:api_port until interrupted."""
+    """Run the API with uvicorn on settings.api.host:api_port until interrupted."""
     import uvicorn
 
     app = create_app(settings, database_url=database_url, job_registry=job_registry)
-    log.info("API listening on %s", settings.api_url)
-    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True)
+    log.info("API listening on %s", settings.api.url)
+    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True)

@@ -43,7 +43,8 @@ router = APIRouter(tags=["webhooks"])
 )
 async def stripe_webhook(request: Request) -> Any:
     app = app_state(request)
-    secret = app.settings.stripe_webhook_secret
+    configured = app.settings.billing.stripe_webhook_secret
+    secret = None if configured is None else configured.get_secret_value()
     if not secret:
         raise ProblemError("unavailable", "Stripe webhooks are not configured (no webhook secret)")
     payload = await request.body()

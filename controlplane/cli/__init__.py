@@ -29,7 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code = args.handler(args)
-    except (common.CommandError, SettingsError, PostgresError) as exc:
+    except SettingsError as exc:
+        # A setting that cannot be used: refused before anything starts, as a usage error.
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return 2
+    except (common.CommandError, PostgresError) as exc:
         print(f"controlplane: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

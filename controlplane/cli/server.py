@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
 from controlplane import aio, db, logs, operations, roles
 from controlplane.cli.common import add_settings_flags, settings_from
+from controlplane.registry import load_registry
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
-DATABASE = ("database_url", "data_dir")
+DATABASE = ("database_url", "data_dir", "pg_bindir")
 LOGGING = ("log_level", "log_format")
-API = ("api_host", "api_port", "public_url", "max_body_bytes", "stripe_webhook_secret", "secret_key")
+API = (
+    "api_host",
+    "api_port",
+    "public_url",
+    "max_body_bytes",
+    "api_key_cache_s",
+    "stripe_webhook_secret",
+    "secret_key",
+    "job_registry",
+)
 PROVISIONER = (
     "provisioner",
     "local_port_min",
@@ -24,6 +33,8 @@ PROVISIONER = (
     "local_listen_host",
     "kubernetes_namespace",
     "kubernetes_host",
+    "kubernetes_token",
+    "faults",
     "secret_key",
 )
 METRICS = ("metrics_port", "api_host")
@@ -95,19 +106,18 @@ def register(commands: Any) -> None:
 
 def _configured(args: argparse.Namespace, default_format: str = "json") -> Settings:
     settings = settings_from(args)
-    explicit = args.setting_log_format is not None or "CONTROLPLANE_LOG_FORMAT" in os.environ
-    logs.configure(settings.log_level, settings.log_format if explicit else default_format)
+    logs.configure(settings.logging.level, settings.logging.format or default_format)
     return settings
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if settings.database_url:
-        db.migrate(db.libpq_url(settings.database_url))
+    if settings.database.url_value:
+        db.migrate(db.libpq_url(settings.database.url_value))
     else:
         from controlplane.embedded import open_embedded
 
-        embedded = open_embedded(settings.data_dir / "db")
+        embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
         try:
             db.migrate(embedded.create_database())
         finally:
@@ -120,8 +130,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
-    # The API runs no job, so it needs no provisioner: only the kinds' abandonment hooks.
-    registry = operations.registry()
+    # The API runs no job, so it needs no provisioner: only the kinds' abandonment hooks (of the
+    # instance operations, or of the kinds CONTROLPLANE_JOB_REGISTRY names).
+    spec = settings.worker.job_registry
+    registry = load_registry(spec) if spec else operations.registry()
 
     async def run() -> None:
         stop = asyncio.Event()

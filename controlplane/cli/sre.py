@@ -116,7 +116,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_stuck(args: argparse.Namespace) -> int:
-    stale_after_s = settings_from(args).reclaim_after_s
+    stale_after_s = settings_from(args).worker.reclaim_after_s
 
     async def find(conn: AsyncConn) -> tuple[list[Any], list[Any]]:
         instances = await (await conn.execute(sql.STUCK_INSTANCES)).fetchall()

@@ -17,6 +17,6 @@ class Policy:
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
         return cls(
-            job_max_attempts=settings.job_max_attempts,
-            pending_deadline_s=settings.deadline_s("pending") or 300.0,
+            job_max_attempts=settings.worker.job_max_attempts,
+            pending_deadline_s=settings.reconciler.deadline_s("pending") or 300.0,
         )
