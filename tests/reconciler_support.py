@@ -291,6 +291,8 @@ class ReconcilerProcess:
         self.proc.wait(timeout=30)
         if self._reader is not None:
             self._reader.join(timeout=5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 @contextlib.contextmanager

@@ -18,9 +18,9 @@ from prometheus_client import REGISTRY
 
 import controlplane.metrics
 from controlplane import settings as settings_module
+from controlplane.db import ROOT
 from controlplane.settings import Settings, env_name
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"

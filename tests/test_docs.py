@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from controlplane.cli import build_parser
+from controlplane.db import ROOT
 from controlplane.settings import SETTINGS, reference_table
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = ROOT / "docs"
 
 
 def test_every_setting_is_in_the_configuration_reference() -> None:

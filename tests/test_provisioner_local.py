@@ -98,7 +98,8 @@ async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> N
     assert resized.execute("SHOW shared_buffers").fetchone() == ("128MB",)
     observed = await local.observe(iid)
     assert (observed.plan_applied, observed.generation) == ("small", 2)
-    resized.close()
+    for session in (owner, reader, writer, resized):
+        session.close()
 
     # A lower fence than one already seen is refused, by every step.
     with pytest.raises(StaleFence):

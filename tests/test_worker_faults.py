@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from controlplane import audit, db
+from controlplane.db import ROOT
 from controlplane.jobs import NewJob, enqueue_many
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
@@ -25,7 +26,6 @@ from tests.queue_kinds import build_registry, count_in, create_tables, events_of
 if TYPE_CHECKING:
     from tests.conftest import TestServer
 
-ROOT = Path(__file__).resolve().parent.parent
 # A fault that leaves something hanging fails its test instead of stalling the run.
 pytestmark = pytest.mark.timeout(150)
 

@@ -84,18 +84,9 @@ async def create(
                 deletion_protection=request.deletion_protection,
                 request_id=request_id,
             )
-            await jobs.enqueue(
-                conn,
-                jobs.NewJob(
-                    kinds.PROVISION,
-                    row["id"],
-                    payload=kinds.ProvisionPayload(),
-                    max_attempts=policy.job_max_attempts,
-                ),
-                actor,
-                request_id=request_id,
-            )
-    return InstanceResult(Instance.from_row(row), kinds.PROVISION)
+            inst = Instance.from_row(row)
+            enqueued = await _enqueue(conn, actor, request_id, policy, inst, kinds.ProvisionPayload())
+    return InstanceResult(inst, enqueued)
 
 
 async def change(
@@ -132,18 +123,8 @@ async def change(
         inst = await load(conn, request.org_id, request.instance_id)
         enqueued = None
         if new_plan and "update" in lifecycle.INSTANCE.allowed_events(inst.state):
-            await jobs.enqueue(
-                conn,
-                jobs.NewJob(
-                    kinds.UPDATE,
-                    inst.id,
-                    payload=kinds.UpdatePayload(spec_generation=inst.spec_generation),
-                    max_attempts=policy.job_max_attempts,
-                ),
-                actor,
-                request_id=request_id,
-            )
-            enqueued = kinds.UPDATE
+            payload = kinds.UpdatePayload(spec_generation=inst.spec_generation)
+            enqueued = await _enqueue(conn, actor, request_id, policy, inst, payload)
     return InstanceResult(inst, enqueued)
 
 
@@ -173,18 +154,8 @@ async def request_deletion(
                 {"skip_final_backup": request.skip_final_backup, "id": inst.id, "org": request.org_id},
             )
             if inst.state in DEPROVISIONABLE_NOW:
-                await jobs.enqueue(
-                    conn,
-                    jobs.NewJob(
-                        kinds.DEPROVISION,
-                        inst.id,
-                        payload=kinds.DeprovisionPayload(skip_final_backup=request.skip_final_backup),
-                        max_attempts=policy.job_max_attempts,
-                    ),
-                    actor,
-                    request_id=request_id,
-                )
-                enqueued = kinds.DEPROVISION
+                payload = kinds.DeprovisionPayload(skip_final_backup=request.skip_final_backup)
+                enqueued = await _enqueue(conn, actor, request_id, policy, inst, payload)
             inst = await load(conn, request.org_id, request.instance_id)
     return InstanceResult(inst, enqueued)
 
@@ -197,6 +168,20 @@ async def load(conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID, *, lo
     if row is None:
         raise NotFound(f"no instance {instance_id}")
     return Instance.from_row(row)
+
+
+async def _enqueue(
+    conn: AsyncConn,
+    actor: Actor,
+    request_id: str | None,
+    policy: Policy,
+    inst: Instance,
+    payload: kinds.Payload,
+) -> str:
+    """The job that carries the request out, in the use case's transaction; returns its kind."""
+    job = jobs.NewJob(payload.kind, inst.id, payload=payload, max_attempts=policy.job_max_attempts)
+    await jobs.enqueue(conn, job, actor, request_id=request_id)
+    return payload.kind
 
 
 async def _load_to_change(
