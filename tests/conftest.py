@@ -1,4 +1,5 @@
-"""Test harness: one real PostgreSQL server per run, a migrated template, a fresh database per test."""
+"""Test harness: one real PostgreSQL server per run, a migrated template, a fresh database per test;
+the group markers (unit, integration, e2e) from the directories."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from tests.provisioning_support import QUICK_RETRIES, pg_bindir, real_instances
 
 TEMPLATE = "cp_template"
 _counter = itertools.count()
+# The test groups: each directory of tests/ is a marker (registered in pyproject.toml).
+GROUPS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its group, the directory it lives in."""
+    for item in items:
+        group = item.path.parent.name
+        if group in GROUPS:
+            item.add_marker(getattr(pytest.mark, group))
 
 
 class TestServer:
