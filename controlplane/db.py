@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -66,6 +69,17 @@ def resolve_database_url(settings: Settings) -> str:
     from controlplane.embedded import open_embedded
 
     return open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir).create_database()
+
+
+@contextlib.asynccontextmanager
+async def transaction(conn: AsyncConn) -> AsyncIterator[None]:
+    """The caller's transaction when one is open (a use case inside the API's idempotent request
+    joins it: no savepoint, no extra round trips), else a transaction of its own."""
+    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        yield
+        return
+    async with conn.transaction():
+        yield
 
 
 async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from controlplane import billing, jobs, kinds, lifecycle, sql
+from controlplane import billing, db, jobs, kinds, lifecycle, sql
 from controlplane.db import AsyncConn
 from controlplane.services.policy import Policy
 from controlplane.transitions import Actor
@@ -39,7 +39,7 @@ async def apply_stripe_event(
     policy: Policy,
 ) -> StripeEventApplied:
     """Store a verified Stripe event and apply its effect in one transaction."""
-    async with conn.transaction():
+    async with db.transaction(conn):
         cursor = await conn.execute(
             sql.RECORD_STRIPE_EVENT,
             {"id": event.id, "type": event.type, "customer": event.customer_id, "created": event.created},

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from controlplane import actions, instances, jobs, kinds, lifecycle, sql
+from controlplane import actions, db, instances, jobs, kinds, lifecycle, sql
 from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import DeletionProtected, InvalidState, NotFound, PreconditionFailed
@@ -73,7 +73,7 @@ async def create(
 ) -> InstanceResult:
     """A new instance in `pending` and its `provision` job; NameTaken if a live one has the name."""
     with unique_violations(name=request.name):
-        async with conn.transaction():
+        async with db.transaction(conn):
             row = await instances.create_instance(
                 conn,
                 request.org_id,
@@ -94,7 +94,7 @@ async def change(
 ) -> InstanceResult:
     """Record a new plan (a new spec generation) and/or deletion protection; enqueue the update
     when the instance can take it now (else the reconciler does once it is ready)."""
-    async with conn.transaction():
+    async with db.transaction(conn):
         inst = await _load_to_change(conn, request.org_id, request.instance_id, request.if_versions)
         if inst.deletion_requested or not actions.can_still_update(inst.state):
             why = "its deletion has been requested" if inst.deletion_requested else f"it is {inst.state}"
@@ -133,7 +133,7 @@ async def request_deletion(
 ) -> InstanceResult:
     """Record the deletion request; enqueue the deprovision when it can start now (else as soon as
     it can). Asking again while the deletion is recorded or running changes nothing."""
-    async with conn.transaction():
+    async with db.transaction(conn):
         inst = await _load_to_change(conn, request.org_id, request.instance_id, request.if_versions)
         if inst.state in lifecycle.INSTANCE.terminal:
             raise InvalidState(
