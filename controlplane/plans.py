@@ -1,8 +1,10 @@
-"""The plans a customer can choose (pure data): the PostgreSQL settings each one provisions."""
+"""The plans a customer can choose (pure data): the PostgreSQL settings each one provisions, and
+how often its instances are backed up."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -11,6 +13,24 @@ PLANS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "dev": MappingProxyType({"max_connections": 20, "shared_buffers": "32MB"}),
         "small": MappingProxyType({"max_connections": 50, "shared_buffers": "128MB"}),
         "medium": MappingProxyType({"max_connections": 100, "shared_buffers": "256MB"}),
+    }
+)
+
+
+@dataclass(frozen=True)
+class BackupSchedule:
+    """A backup every `interval_s` seconds; the newest `keep` are kept."""
+
+    interval_s: float
+    keep: int
+
+
+HOUR = 3600.0
+BACKUPS: Mapping[str, BackupSchedule] = MappingProxyType(
+    {
+        "dev": BackupSchedule(interval_s=24 * HOUR, keep=3),
+        "small": BackupSchedule(interval_s=12 * HOUR, keep=7),
+        "medium": BackupSchedule(interval_s=6 * HOUR, keep=14),
     }
 )
 
@@ -31,5 +51,13 @@ def get_plan(name: str) -> Mapping[str, Any]:
     """The settings of plan `name`, or UnknownPlan."""
     try:
         return PLANS[name]
+    except KeyError:
+        raise UnknownPlan(name) from None
+
+
+def backup_schedule(name: str) -> BackupSchedule:
+    """The backup schedule of plan `name`, or UnknownPlan."""
+    try:
+        return BACKUPS[name]
     except KeyError:
         raise UnknownPlan(name) from None

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ STEPS = (
     "suspend",
     "resume",
     "deprovision",
+    "take_backup",
+    "restore",
 )
 PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_database")
 
@@ -69,6 +72,18 @@ class InstanceSpec:
         """The PostgreSQL settings the plan fixes, as configuration-file values."""
         return {key: str(value) for key, value in plans.get_plan(self.plan).items()}
 
+    def backup_schedule(self) -> plans.BackupSchedule:
+        """How often the plan's instances are backed up, and how many backups are kept."""
+        return plans.backup_schedule(self.plan)
+
+
+class DataLost(PermanentError):
+    """The instance's storage is gone: re-running the steps would make an empty database.
+
+    Raised by a step instead of re-creating storage for an instance that had some; only
+    `restore` (from a backup, or empty once someone accepted the loss) brings it back.
+    """
+
 
 @dataclass(frozen=True)
 class ConnectionInfo:
@@ -79,10 +94,21 @@ class ConnectionInfo:
     dbname: str
     user: str
     password: str = field(repr=False)
+    # The libpq sslmode clients must use (verify-full: the server's certificate is checked against
+    # the CA the provisioner publishes in `ca_certificate()`); None says nothing about TLS.
+    sslmode: str | None = None
 
     def public(self) -> dict[str, Any]:
         """The connection details that may be stored in the clear and shown (no password)."""
-        return {"host": self.host, "port": self.port, "dbname": self.dbname, "user": self.user}
+        shown: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "dbname": self.dbname,
+            "user": self.user,
+        }
+        if self.sslmode is not None:
+            shown["sslmode"] = self.sslmode
+        return shown
 
 
 @dataclass(frozen=True)
@@ -97,10 +123,13 @@ class Observation:
     plan_applied: str | None = None
     generation: int | None = None
     detail: str = ""
+    # The instance had storage and it is gone (not merely stopped): only a restore brings it back.
+    data_lost: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "exists": self.exists,
+            "data_lost": self.data_lost,
             "running": self.running,
             "healthy": self.healthy,
             "read_only": self.read_only,
@@ -118,6 +147,23 @@ class Resource:
     kind: str
     name: str
     instance_id: uuid.UUID | None
+
+
+# Kinds of backup: taken by the plan's schedule, or asked for (by a customer or an SRE).
+BACKUP_KINDS = ("scheduled", "on_demand")
+
+
+@dataclass(frozen=True)
+class Backup:
+    """One backup of an instance that its provisioner holds and can restore from."""
+
+    # The provisioner's name for it, unique per instance and stable (restore names it).
+    id: str
+    taken_at: datetime
+    kind: str = "scheduled"
+    size_bytes: int | None = None
+    # Where the provisioner keeps it (a path, an object name): shown to SREs, never to customers.
+    location: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,6 +241,48 @@ class Provisioner(abc.ABC):
     async def stop_all(self) -> list[uuid.UUID]:
         """Stop every server this host runs for its instances (on shutdown); returns their ids."""
         return []
+
+    # ---- backups and restore ----------------------------------------------------------------
+    #
+    # A provisioner that takes backups says so in `supports_backups`; the reconciler then
+    # schedules a `backup` job per the plan's schedule (`spec.backup_schedule()`), and the worker
+    # records what `list_backups` returns after each one. The defaults below are those of a
+    # provisioner that takes none.
+
+    @property
+    def supports_backups(self) -> bool:
+        """Whether `take_backup`, `list_backups` and `restore` work (the schedule applies)."""
+        return False
+
+    async def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "scheduled"
+    ) -> Backup:
+        """Back the running instance up now (consistent, self-contained: restorable on its own).
+
+        Afterwards the oldest backups beyond `spec.backup_schedule().keep` are removed (retention).
+        Fenced like every step; returns the new backup.
+        """
+        raise PermanentError(f"the {self.name} provisioner takes no backups")
+
+    async def list_backups(self, instance_id: uuid.UUID) -> list[Backup]:
+        """The instance's backups this provisioner holds now, oldest first (takes no fence)."""
+        return []
+
+    async def restore(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
+    ) -> None:
+        """Put the instance's storage back from backup `backup_id` (one `list_backups` names).
+
+        `backup_id=None` re-creates the storage empty: only when someone accepted that the data
+        is lost. Existing storage is never destroyed (it is set aside). The operations then run
+        `configure_network`, `initialize_database` and `apply_plan` as a heal does.
+        """
+        raise PermanentError(f"the {self.name} provisioner cannot restore")
+
+    async def ca_certificate(self) -> str | None:
+        """The PEM certificate of the CA that signs the instances' server certificates (what a
+        client verifies a server with, `sslmode=verify-full`); None when it issues none."""
+        return None
 
 
 def fence_key(instance_id: uuid.UUID) -> str:

@@ -14,6 +14,7 @@ from controlplane.handlers import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,
+    Backup,
     ConnectionInfo,
     DeprovisionResult,
     InstanceSpec,
@@ -183,6 +184,30 @@ class FaultyProvisioner(Provisioner):
 
     async def observe(self, instance_id: uuid.UUID) -> Observation:
         return await self._around("observe", lambda: self.inner.observe(instance_id))
+
+    @property
+    def supports_backups(self) -> bool:
+        return self.inner.supports_backups
+
+    async def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "scheduled"
+    ) -> Backup:
+        return await self._around(
+            "take_backup", lambda: self.inner.take_backup(instance_id, spec, fence, kind=kind)
+        )
+
+    async def list_backups(self, instance_id: uuid.UUID) -> list[Backup]:
+        return await self.inner.list_backups(instance_id)
+
+    async def restore(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
+    ) -> None:
+        await self._around(
+            "restore", lambda: self.inner.restore(instance_id, spec, fence, backup_id=backup_id)
+        )
+
+    async def ca_certificate(self) -> str | None:
+        return await self.inner.ca_certificate()
 
     async def inventory(self) -> list[Resource]:
         return await self.inner.inventory()

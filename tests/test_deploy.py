@@ -585,6 +585,8 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert "> 0" in over_deadline["expr"]
     stale = rule_using("time() - max(controlplane_reconciler_last_success_timestamp_seconds)")
     assert stale["labels"]["severity"] == "warning" and "> 120" in stale["expr"]
+    data_lost = rule_using("controlplane_data_loss_total")
+    assert data_lost["labels"]["severity"] == "page" and "for" not in data_lost
     failed = rule_using('controlplane_entities{entity="job", state="failed"}')
     assert failed["labels"]["severity"] == "warning" and failed["for"] == "15m"
 

@@ -77,6 +77,11 @@ class Connection(BaseModel):
     dbname: str
     user: str
     password: str | None = Field(description="shown by GET /v1/instances/{id} only")
+    sslmode: str | None = Field(
+        None,
+        description="verify-full: check the server's certificate against the CA of GET /v1/ca.pem"
+        " (libpq's sslrootcert)",
+    )
     uri: str
 
 
@@ -103,6 +108,9 @@ class Instance(BaseModel):
     time_in_state_s: float
     deadline_at: datetime | None
     failure_reason: str | None
+    failure_code: str | None = Field(
+        description="a stable code of what is wrong: data_lost (restore it: POST /v1/instances/{id}/restore)"
+    )
     deletion_protection: bool
     billing_hold: bool
     deletion_requested: bool
@@ -232,9 +240,66 @@ class DwellStats(BaseModel):
     states: list[DwellStat]
 
 
+class BackupSchedule(BaseModel):
+    interval_s: float = Field(description="a backup every this many seconds")
+    keep: int = Field(description="how many backups are kept (the newest)")
+
+
 class Plan(BaseModel):
     name: str
     settings: dict[str, Any]
+    backups: BackupSchedule
+
+
+class Backup(BaseModel):
+    id: str = Field(description="the backup's name, unique per instance: what a restore names")
+    kind: Literal["scheduled", "on_demand"]
+    taken_at: datetime
+    size_bytes: int | None
+
+
+class AdminBackup(Backup):
+    location: str = Field(description="where the provisioner keeps it")
+    recorded_at: datetime
+
+
+class BackupPage(BaseModel):
+    items: list[Backup]
+    next_cursor: str | None
+
+
+class AdminBackupPage(BaseModel):
+    items: list[AdminBackup]
+    next_cursor: str | None
+
+
+class BackupRequested(BaseModel):
+    instance_id: uuid.UUID
+    job_id: uuid.UUID
+    created: bool = Field(description="false when a backup of the instance was already under way")
+
+
+class RestoreFromBackup(Strict):
+    """Bring back an instance whose data is lost from one of its backups (the newest by default)."""
+
+    backup_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$",
+        description="a backup listed by GET /v1/instances/{id}/backups; omitted: the newest one",
+    )
+    reason: str | None = Field(None, max_length=500, description="why, for the audit log")
+
+
+class RestoreEmpty(Strict):
+    """Re-create an instance whose data is lost empty: the loss is accepted (no backup is used)."""
+
+    empty: Literal[True]
+    reason: str | None = Field(None, max_length=500, description="why, for the audit log")
+
+
+RestoreRequest = RestoreFromBackup | RestoreEmpty
 
 
 class PlanList(BaseModel):

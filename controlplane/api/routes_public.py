@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -79,4 +80,13 @@ async def lifecycle_tables() -> JSONResponse:
 
 @router.get("/v1/plans", response_model=PlanList, tags=["reference"], summary="The plans on offer")
 async def list_plans() -> dict[str, Any]:
-    return {"items": [{"name": name, "settings": dict(plans.PLANS[name])} for name in plans.plan_names()]}
+    return {
+        "items": [
+            {
+                "name": name,
+                "settings": dict(plans.PLANS[name]),
+                "backups": dataclasses.asdict(plans.backup_schedule(name)),
+            }
+            for name in plans.plan_names()
+        ]
+    }

@@ -1,0 +1,35 @@
+"""The CA that signs the databases' server certificates, for clients to verify them (no key needed)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+import provisioners
+from controlplane.api import errors
+from controlplane.api.errors import ProblemError
+from controlplane.api.state import app_state
+
+router = APIRouter(tags=["reference"])
+
+PEM_MEDIA_TYPE = "application/x-pem-file"
+
+
+@router.get(
+    "/v1/ca.pem",
+    response_class=Response,
+    responses={
+        200: {"content": {PEM_MEDIA_TYPE: {"schema": {"type": "string"}}}},
+        **errors.responses(404),
+    },
+    summary="The CA certificate to verify the databases with (libpq sslmode=verify-full, sslrootcert)",
+)
+async def ca_certificate(request: Request) -> Response:
+    app = app_state(request)
+    if app.provisioner is None:
+        app.provisioner = provisioners.build(app.settings)
+    pem = await app.provisioner.ca_certificate()
+    if pem is None:
+        raise ProblemError(
+            "not-found", f"the {app.provisioner.name} provisioner issues no server certificates"
+        )
+    return Response(pem, media_type=PEM_MEDIA_TYPE, headers={"Cache-Control": "public, max-age=3600"})
