@@ -1,17 +1,15 @@
-"""End to end: `controlplane up` on a fresh data directory, driven through the CLI as a person would."""
+"""End to end: `python3 dev.py up` on a fresh data directory, driven through the CLI as a person would."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,50 +17,7 @@ import psycopg
 import pytest
 
 from controlplane.postgres import free_port
-
-CLI = [sys.executable, "-m", "controlplane.cli"]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Pids of live processes whose command line mentions `text` (e.g. a data directory)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        if text in cmdline and "State:\tZ" not in status:
-            found.append(int(entry.name))
-    return found
-
-
-def read_until(proc: subprocess.Popen[bytes], pattern: str, timeout: float) -> str:
-    """`proc`'s output up to the first line matching `pattern` (fails on timeout or exit).
-
-    Reads the pipe's file descriptor directly: a buffered reader could hold lines that select()
-    no longer reports.
-    """
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    text = ""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if not ready:
-            if proc.poll() is not None:
-                break
-            continue
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        text += chunk.decode(errors="replace")
-        for line in text.splitlines():
-            if re.search(pattern, line):
-                return text
-    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{text}")
+from tests.up_support import CLI, ROOT, drain, processes_mentioning, read_until
 
 
 @pytest.fixture
@@ -82,12 +37,16 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
         "CONTROLPLANE_LOCAL_PORT_MAX": str(instance_port + 20),
         "CONTROLPLANE_RECONCILE_INTERVAL_S": "0.5",
         "PYTHONUNBUFFERED": "1",
+        "XDG_CONFIG_HOME": str(up_dir.parent / "config"),
     }
+    # Through the launcher, as the README says; a Ctrl-C sent to it alone is passed on.
     up = subprocess.Popen(
-        [*CLI, "up", "--data-dir", str(up_dir), "--api-port", str(api_port)],
+        [sys.executable, "dev.py", "up", "--data-dir", str(up_dir), "--api-port", str(api_port)],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
+        start_new_session=True,
     )
     try:
         banner = read_until(up, r"Ctrl-C stops everything", timeout=300)
@@ -115,10 +74,18 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
         uri = created.stdout.strip().splitlines()[-1]
         assert uri.startswith("postgresql://")
         assert "ready" in created.stdout
+        # TLS, the server's certificate checked against the control plane's CA (from the API).
+        ca = cli("ca").stdout
+        assert ca.startswith("-----BEGIN CERTIFICATE-----")
+        assert "?sslmode=verify-full&sslrootcert=" in uri
+        assert Path(uri.rpartition("sslrootcert=")[2]).read_text() == ca
         with psycopg.connect(uri, connect_timeout=10) as conn:
             conn.execute("CREATE TABLE orders (id int PRIMARY KEY)")
             conn.execute("INSERT INTO orders VALUES (1)")
             assert conn.execute("SELECT count(*) FROM orders").fetchone() == (1,)
+            assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (
+                True,
+            )
 
         listed = cli("instances", "list", "--json")
         (instance,) = json.loads(listed.stdout)
@@ -135,11 +102,11 @@ def test_up_create_connect_delete_and_stop(up_dir: Path) -> None:
     finally:
         up.send_signal(signal.SIGINT)
         try:
-            output, _ = up.communicate(timeout=60)
+            up.wait(timeout=60)
         except subprocess.TimeoutExpired:
             up.kill()
-            output, _ = up.communicate()
-        rest = output.decode(errors="replace")
+            up.wait()
+        rest = drain(up)
         print(rest)
     assert up.returncode == 0, rest
     assert "embedded PostgreSQL stopped" in rest

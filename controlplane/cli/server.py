@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import aio, db, logs, roles
+from controlplane import aio, datadir, db, logs, roles
 from controlplane.cli.common import add_settings_flags, settings_from
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
@@ -102,16 +102,17 @@ def _configured(args: argparse.Namespace, default_format: str = "json") -> Setti
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if settings.database_url:
-        db.migrate(db.libpq_url(settings.database_url))
+    if settings.database_url or datadir.holder(settings.data_dir) is not None:
+        db.migrate(db.resolve_database_url(settings))  # the configured URL, or the running `up`'s
     else:
         from controlplane.embedded import open_embedded
 
-        embedded = open_embedded(settings.data_dir / "db")
-        try:
-            db.migrate(embedded.create_database())
-        finally:
-            if embedded.started_here:
+        # No `up` runs here: the embedded server is started for the migration only, under the lock.
+        with datadir.held(settings.data_dir):
+            embedded = open_embedded(settings.data_dir / "db")
+            try:
+                db.migrate(embedded.create_database())
+            finally:
                 embedded.stop()
     print(f"database migrated to revision {db.head_revision()}")
     return 0
