@@ -290,15 +290,27 @@ class LocalProvisioner(Provisioner):
             sslrootcert=str(self.ca_store.cert_path),
         )
 
-    def _client_env(self, instance_id: uuid.UUID) -> dict[str, str]:
-        """The environment of a client tool (pg_dump, pg_basebackup) connecting as the admin."""
+    def _client_tool(
+        self, instance_id: uuid.UUID, server: InstanceServer, tool: str, args: list[str]
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a client tool (pg_dump, pg_basebackup) against the server as the admin, over TLS."""
         self._authority()
-        return dict(
+        env = dict(
             os.environ,
             PGPASSWORD=self._unseal(self._load_state(instance_id)["admin_password"]),
             PGSSLMODE=SSLMODE,
             PGSSLROOTCERT=str(self.ca_store.cert_path),
             LC_ALL="C",
+        )
+        connection = [f"--host={self.connect_host}", f"--port={server.port}", f"--username={ADMIN_USER}"]
+        return subprocess.run(
+            [server.bin(tool), *connection, "--no-password", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=False,
+            stdin=subprocess.DEVNULL,
         )
 
     def _tls_hosts(self) -> list[str]:
@@ -589,24 +601,8 @@ class LocalProvisioner(Provisioner):
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         final = self.backups / f"{instance_id}-{stamp}.dump"
         partial = final.with_name(final.name + ".partial")
-        env = self._client_env(instance_id)
-        result = subprocess.run(
-            [
-                server.bin("pg_dump"),
-                "--format=custom",
-                f"--file={partial}",
-                f"--host={self.connect_host}",
-                f"--port={server.port}",
-                f"--username={ADMIN_USER}",
-                "--no-password",
-                DBNAME,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=3600,
-            check=False,
-            stdin=subprocess.DEVNULL,
+        result = self._client_tool(
+            instance_id, server, "pg_dump", ["--format=custom", f"--file={partial}", DBNAME]
         )
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
@@ -738,26 +734,13 @@ class LocalProvisioner(Provisioner):
             shutil.rmtree(stale, ignore_errors=True)
         partial = root / f".partial-{backup_id}"
         partial.mkdir(mode=0o700)
-        result = subprocess.run(
-            [
-                server.bin("pg_basebackup"),
-                f"--pgdata={partial}",
-                "--format=tar",
-                "--wal-method=fetch",
-                "--checkpoint=fast",
-                "--compress=client-gzip:1",
-                f"--label=controlplane {backup_id}",
-                f"--host={self.connect_host}",
-                f"--port={port}",
-                f"--username={ADMIN_USER}",
-                "--no-password",
-            ],
-            env=self._client_env(instance_id),
-            capture_output=True,
-            text=True,
-            timeout=3600,
-            check=False,
-            stdin=subprocess.DEVNULL,
+        server.port = port
+        options = ["--format=tar", "--wal-method=fetch", "--checkpoint=fast", "--compress=client-gzip:1"]
+        result = self._client_tool(
+            instance_id,
+            server,
+            "pg_basebackup",
+            [f"--pgdata={partial}", *options, f"--label=controlplane {backup_id}"],
         )
         if result.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)

@@ -4,16 +4,13 @@ and the client commands never start a database server of their own."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,18 +19,15 @@ import pytest
 
 from controlplane.postgres import free_port
 from tests.up_support import (
-    CLI,
-    ROOT,
     clean_env,
-    drain,
     processes_mentioning,
     read_until,
     run_cli,
+    running_up,
     scratch_dir,
+    up_env,
     wait_until_gone,
 )
-
-BANNER_END = r"Ctrl-C stops everything"
 
 
 def one_line(text: str) -> str:
@@ -54,50 +48,6 @@ def until(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"not within {timeout}s: {what}")
-
-
-@contextlib.contextmanager
-def running_up(
-    data_dir: Path, env: dict[str, str], *, launcher: bool
-) -> Iterator[tuple[subprocess.Popen[bytes], list[str]]]:
-    """`python3 dev.py up` (launcher) or `controlplane up`, in a session of its own (so that only
-    it gets the signals the test sends, as from `timeout`, systemd or a plain `kill`), until the
-    banner is out. Stopped with SIGTERM after the block unless the block stopped it."""
-    command = [sys.executable, "dev.py"] if launcher else CLI
-    api_port = env["CONTROLPLANE_API_PORT"]
-    process = subprocess.Popen(
-        [*command, "up", "--data-dir", str(data_dir), "--api-port", api_port],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    output: list[str] = []
-    try:
-        read_until(process, BANNER_END, timeout=300, seen=output)
-        yield process, output
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        output.append(drain(process))
-        print("".join(output))
-
-
-def up_env(root: Path) -> dict[str, str]:
-    instance_port = free_port()
-    return clean_env(
-        api_port=str(free_port()),
-        local_port_min=str(instance_port),
-        local_port_max=str(instance_port + 20),
-        reconcile_interval_s="0.5",
-        shutdown_grace_s="2",
-    ) | {"XDG_CONFIG_HOME": str(root / "config")}
 
 
 def org_client(data_dir: Path, env: dict[str, str]) -> httpx.Client:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -32,7 +33,19 @@ router = APIRouter(tags=["backups"])
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 100
 Caller = Annotated[Customer, Depends(customer)]
-Limit = Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")]
+
+
+@dataclass(frozen=True)
+class Paging:
+    """The query parameters of a page: where it starts, and how long it is."""
+
+    cursor: str | None = None
+    limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
+        DEFAULT_LIMIT
+    )
+
+
+Page = Annotated[Paging, Depends()]
 
 
 async def _instance(
@@ -47,23 +60,23 @@ async def _instance(
 
 
 async def _page(
-    request: Request, instance_id: uuid.UUID, org_id: uuid.UUID | None, cursor: str | None, limit: int
-) -> tuple[list[DictRow], str | None]:
+    request: Request, instance_id: uuid.UUID, org_id: uuid.UUID | None, paging: Paging, *, sre: bool = False
+) -> dict[str, Any]:
     before = None
-    if cursor:
-        taken_s, backup_id = views.decode_cursor(cursor, 2)
+    if paging.cursor:
+        taken_s, backup_id = views.decode_cursor(paging.cursor, 2)
         try:
             before = (datetime.fromisoformat(taken_s), backup_id)
         except ValueError:
             raise views.bad_cursor() from None
-    limit = min(limit, MAX_LIMIT)
+    limit = min(paging.limit, MAX_LIMIT)
     async with app_state(request).pool.connection() as conn:
         await _instance(conn, instance_id, org_id)
         rows = await backups.held(conn, instance_id, limit=limit + 1, before=before)
     page, next_cursor = views.page_of(
         rows, limit, lambda last: views.encode_cursor(last["taken_at"].isoformat(), last["backup_id"])
     )
-    return list(page), next_cursor
+    return {"items": [_backup(row, sre=sre) for row in page], "next_cursor": next_cursor}
 
 
 def _backup(row: DictRow, *, sre: bool = False) -> dict[str, Any]:
@@ -126,15 +139,8 @@ async def _restore(
     responses=errors.responses(401, 403, 404, 422),
     summary="The backups held of an instance, newest first (cursor paginated)",
 )
-async def list_backups(
-    instance_id: uuid.UUID,
-    request: Request,
-    who: Caller,
-    cursor: str | None = None,
-    limit: Limit = DEFAULT_LIMIT,
-) -> dict[str, Any]:
-    page, next_cursor = await _page(request, instance_id, who.org_id, cursor, limit)
-    return {"items": [_backup(row) for row in page], "next_cursor": next_cursor}
+async def list_backups(instance_id: uuid.UUID, request: Request, who: Caller, paging: Page) -> dict[str, Any]:
+    return await _page(request, instance_id, who.org_id, paging)
 
 
 @router.post(
@@ -180,14 +186,9 @@ async def restore(
     summary="The backups held of any instance, newest first, with where they are kept",
 )
 async def admin_list_backups(
-    instance_id: uuid.UUID,
-    request: Request,
-    _: AdminKey,
-    cursor: str | None = None,
-    limit: Limit = DEFAULT_LIMIT,
+    instance_id: uuid.UUID, request: Request, _: AdminKey, paging: Page
 ) -> dict[str, Any]:
-    page, next_cursor = await _page(request, instance_id, None, cursor, limit)
-    return {"items": [_backup(row, sre=True) for row in page], "next_cursor": next_cursor}
+    return await _page(request, instance_id, None, paging, sre=True)
 
 
 @router.post(
