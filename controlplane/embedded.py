@@ -131,7 +131,7 @@ async def keep_running(database: EmbeddedDatabase, stop: asyncio.Event, *, inter
             try:
                 await asyncio.to_thread(database.server.start, 30)
             except PostgresError as exc:
-                log.warning("embedded PostgreSQL did not start yet: %s", str(exc)[:300])
+                log.warning("embedded PostgreSQL did not start yet: %s", " ".join(str(exc).split())[:300])
             else:
                 log.warning(
                     "embedded PostgreSQL is back (pid %s) after %.1fs",

@@ -22,7 +22,8 @@ from controlplane.handlers import HEAL, RESTORE
 from controlplane.settings import Settings
 from provisioners.base import DataLost, InstanceSpec
 from provisioners.local import LocalProvisioner
-from tests.api_support import Tenant, make_tenant
+from tests.api_support import Tenant, make_ready, make_tenant
+from tests.factories import make_instance
 from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
 from tests.provisioning_support import connect, credentials, real_instances
 from tests.reconciler_support import instance_events, live_jobs, passes_until, reconciling, working
@@ -83,9 +84,19 @@ async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_schedu
         assert (await rec.run_once(due)).actions == {"enqueue_backup": 1}
         async with working(local_settings, registry):
             await passes_until(rec, held_backups(iid, 1))
-        listed = (await local_app.get(f"/v1/instances/{iid}/backups", headers=who.headers)).json()["items"]
-        assert [b["kind"] for b in listed] == ["scheduled"] and listed[0]["size_bytes"] > 0
+            # And one on demand (asked twice: one backup job).
+            path = f"/v1/instances/{iid}/backups"
+            asked = [(await local_app.post(path, headers=who.headers)).json() for _ in range(2)]
+            assert [a["created"] for a in asked] == [True, False] and asked[0]["job_id"] == asked[1]["job_id"]
+            await passes_until(rec, held_backups(iid, 2))
+        listed = (await local_app.get(path, headers=who.headers)).json()["items"]
+        assert [b["kind"] for b in listed] == ["on_demand", "scheduled"] and listed[0]["size_bytes"] > 0
         assert "location" not in listed[0]  # where it is kept is for SREs only
+        paged = (await local_app.get(path, params={"limit": 1}, headers=who.headers)).json()
+        rest = (
+            await local_app.get(path, params={"cursor": paged["next_cursor"]}, headers=who.headers)
+        ).json()
+        assert [b["id"] for b in paged["items"] + rest["items"]] == [b["id"] for b in listed]
 
         with connect(info) as customer:
             customer.execute("CREATE TABLE written_after_the_backup (x int)")
@@ -102,6 +113,7 @@ async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_schedu
         assert await reasons(conn, iid, "degrade") == ["data lost: data directory missing"]
         (restore,) = await live_jobs(conn, iid)
         assert restore["kind"] == RESTORE
+        assert (await local_app.post(path, headers=who.headers)).status_code == 409  # nothing to back up
 
         async with working(local_settings, registry):
             await passes_until(rec, recovered(iid))
@@ -239,3 +251,19 @@ async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instanc
         result = await local.deprovision(iid, DEV, 4)
         assert result.backup is not None and result.backup.endswith(".dump")
         assert not local.backup_dir(iid).exists()
+
+
+async def test_backups_are_refused_where_the_provisioner_takes_none(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    who = await make_tenant(conn)
+    iid = (await make_instance(conn, who.org_id))["id"]
+    await make_ready(conn, local_settings, iid)
+    application = create_app(local_settings.replace(provisioner="noop"))
+    async with application.router.lifespan_context(application):
+        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            refused = await http.post(f"/v1/instances/{iid}/backups", headers=who.headers)
+            assert refused.status_code == 409 and "takes no backups" in refused.json()["detail"]
+            assert (await http.get("/v1/ca.pem")).status_code == 404  # and issues no certificates
+    assert await live_jobs(conn, iid) == []

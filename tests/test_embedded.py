@@ -90,3 +90,17 @@ def test_configured_url_skips_the_embedded_server(tmp_path: Path) -> None:
 def test_only_postgres_urls_are_accepted(bad: str) -> None:
     with pytest.raises(ValueError, match="not a PostgreSQL URL"):
         db.sqlalchemy_url(bad)
+
+
+def test_pools_retry_at_least_every_second_and_never_give_up() -> None:
+    """psycopg_pool's own backoff doubles without bound and gives up after 300 s; ours does neither."""
+    pool = db.pool("postgresql://nobody@127.0.0.1:1/none")
+    assert pool.reconnect_timeout == float("inf")
+    attempt = db._CappedBackoff(timeout=pool.reconnect_timeout)
+    now = 0.0
+    for _ in range(40):  # forty failed attempts in a row: over half a minute of outage
+        attempt.update_delay(now)
+        assert attempt.delay <= db.RECONNECT_MAX_DELAY_S
+        now += attempt.delay
+        assert not attempt.time_to_give_up(now)
+    assert now > 30

@@ -10,10 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from cryptography import x509
 
+from controlplane.api.app import create_app
+from controlplane.settings import Settings
 from controlplane.tls import CertificateAuthority, needs_new_certificate
 from provisioners.base import InstanceSpec
 from provisioners.local import SERVER_CERT, LocalProvisioner
@@ -95,3 +98,15 @@ def test_a_server_certificate_is_issued_again_for_other_hosts_another_ca_or_near
     assert needs_new_certificate(issued.cert_pem, CertificateAuthority.create(now), ["127.0.0.1"], now)
     assert needs_new_certificate(issued.cert_pem, ca, ["127.0.0.1"], now + dt.timedelta(days=380))
     assert not needs_new_certificate(issued.cert_pem, ca, ["127.0.0.1"], now + dt.timedelta(days=300))
+
+
+async def test_the_api_publishes_the_ca_without_a_key(local_settings: Settings, tmp_path: Path) -> None:
+    application = create_app(local_settings)
+    async with application.router.lifespan_context(application):
+        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            served = await http.get("/v1/ca.pem")  # no key needed: a certificate is public
+    assert served.status_code == 200 and served.headers["content-type"] == "application/x-pem-file"
+    local = LocalProvisioner(local_settings)
+    assert served.text == await local.ca_certificate()
+    assert served.text.encode() == local.ca_store.cert_path.read_bytes()

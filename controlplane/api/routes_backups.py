@@ -24,7 +24,7 @@ from controlplane.api.models import (
     RestoreEmpty,
     RestoreRequest,
 )
-from controlplane.api.state import app_state
+from controlplane.api.state import app_state, provisioner_of
 from controlplane.db import AsyncConn
 from controlplane.transitions import Actor
 
@@ -152,6 +152,8 @@ async def list_backups(instance_id: uuid.UUID, request: Request, who: Caller, pa
 )
 async def take_backup(instance_id: uuid.UUID, request: Request, who: Caller) -> dict[str, Any]:
     app = app_state(request)
+    if not provisioner_of(app).supports_backups:
+        raise ProblemError("conflict", f"the {provisioner_of(app).name} provisioner takes no backups")
     async with app.pool.connection() as conn, conn.transaction():
         row = await _instance(conn, instance_id, who.org_id, lock=True)
         try:

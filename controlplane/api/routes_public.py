@@ -34,12 +34,16 @@ async def readyz(request: Request) -> Any:
     if app.head_revision is None:
         app.head_revision = db.head_revision()
     try:
-        async with app.pool.connection(timeout=5) as conn:
+        # The pool's own wait: short while the database is known to be unreachable.
+        async with app.pool.connection() as conn:
             cursor = await conn.execute("SELECT version_num FROM alembic_version")
             rows = [r["version_num"] for r in await cursor.fetchall()]
     except Exception as exc:
         return errors.problem_response(
-            "unavailable", f"database not reachable: {type(exc).__name__}", instance="/readyz"
+            "unavailable",
+            f"database not reachable: {type(exc).__name__}",
+            instance="/readyz",
+            headers={"Retry-After": "1"},
         )
     if rows != [app.head_revision]:
         return errors.problem_response(

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-import provisioners
 from controlplane.api import errors
 from controlplane.api.errors import ProblemError
-from controlplane.api.state import app_state
+from controlplane.api.state import app_state, provisioner_of
 
 router = APIRouter(tags=["reference"])
 
@@ -24,12 +23,8 @@ PEM_MEDIA_TYPE = "application/x-pem-file"
     summary="The CA certificate to verify the databases with (libpq sslmode=verify-full, sslrootcert)",
 )
 async def ca_certificate(request: Request) -> Response:
-    app = app_state(request)
-    if app.provisioner is None:
-        app.provisioner = provisioners.build(app.settings)
-    pem = await app.provisioner.ca_certificate()
+    provisioner = provisioner_of(app_state(request))
+    pem = await provisioner.ca_certificate()
     if pem is None:
-        raise ProblemError(
-            "not-found", f"the {app.provisioner.name} provisioner issues no server certificates"
-        )
+        raise ProblemError("not-found", f"the {provisioner.name} provisioner issues no server certificates")
     return Response(pem, media_type=PEM_MEDIA_TYPE, headers={"Cache-Control": "public, max-age=3600"})

@@ -63,6 +63,15 @@ class AppState:
     provisioner: Provisioner | None = None
 
 
+def provisioner_of(state: AppState) -> Provisioner:
+    """The application's provisioner: the one it was given, else one built from its settings."""
+    if state.provisioner is None:
+        import provisioners
+
+        state.provisioner = provisioners.build(state.settings)
+    return state.provisioner
+
+
 def app_state(request: HTTPConnection) -> AppState:
     state = getattr(request.app.state, "controlplane", None)
     if not isinstance(state, AppState):

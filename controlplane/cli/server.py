@@ -121,12 +121,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
-    registry = roles.registry_for(provisioners.build(settings))
+    provisioner = provisioners.build(settings)
+    registry = roles.registry_for(provisioner)
 
     async def run() -> None:
         stop = asyncio.Event()
         roles.stop_on_signals(stop)
-        await roles.run_api(settings, url, registry, stop)
+        try:
+            await roles.run_api(settings, url, registry, stop, provisioner=provisioner)
+        finally:
+            await provisioner.close()
 
     aio.run(run())
     return 0
