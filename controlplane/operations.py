@@ -137,7 +137,7 @@ class Operations:
 
     @staticmethod
     def _spec(inst: Mapping[str, Any]) -> InstanceSpec:
-        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]))
+        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]), org_id=inst["org_id"])
 
     @staticmethod
     def _box(ctx: JobContext) -> SecretBox:
@@ -186,6 +186,7 @@ class Operations:
             return NOTHING_TO_DO
         spec = self._spec(inst)
         iid, fence, p = inst["id"], ctx.fence, self.provisioner
+        p.refuse_unsupported_restore(spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         info = await self._step(
@@ -347,7 +348,7 @@ class Operations:
             # The latest plan change was given up: heal to the plan it last ran, not to the one that
             # may have broken it. The declared spec stays, for the customer to change again.
             declared = inst["observed_spec"]
-            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]))
+            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]), org_id=inst["org_id"])
         iid, fence, p = inst["id"], ctx.fence, self.provisioner
         before = await p.observe(iid)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +34,79 @@ PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_datab
 
 
 @dataclass(frozen=True)
+class RestoreSource:
+    """Where a new instance's data comes from: another instance's backups.
+
+    `backup` names one backup of that instance; `point_in_time` (RFC 3339) replays its archived
+    WAL up to that moment; neither restores everything archived (the latest state).
+    """
+
+    instance_id: uuid.UUID
+    backup: str | None = None
+    point_in_time: str | None = None
+
+    @classmethod
+    def from_spec(cls, value: Any) -> RestoreSource:
+        """From the `restore_from` of an instance's spec; a malformed one can never be provisioned."""
+        if not isinstance(value, Mapping):
+            raise PermanentError(f"restore_from must be an object, not {value!r}")
+        try:
+            source = uuid.UUID(str(value.get("instance_id")))
+        except ValueError:
+            raise PermanentError(f"restore_from.instance_id {value.get('instance_id')!r} is no id") from None
+        backup = value.get("backup")
+        point = value.get("point_in_time")
+        if backup is not None and point is not None:
+            raise PermanentError("restore_from takes a backup or a point in time, not both")
+        if point is not None:
+            try:
+                moment = datetime.fromisoformat(str(point))
+            except ValueError:
+                raise PermanentError(f"restore_from.point_in_time {point!r} is not RFC 3339") from None
+            if moment.tzinfo is None:
+                raise PermanentError(f"restore_from.point_in_time {point!r} has no time zone")
+        return cls(source, None if backup is None else str(backup), None if point is None else str(point))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "instance_id": str(self.instance_id),
+            "backup": self.backup,
+            "point_in_time": self.point_in_time,
+        }
+
+
+@dataclass(frozen=True)
 class InstanceSpec:
     """What the provisioner is asked to build: the instance's declared spec at one generation."""
 
     plan: str = "dev"
     generation: int = 1
     version: str | None = None
-    storage_gb: int = 1
+    # The volume of each server; by default the plan's (a spec may ask for more).
+    storage_gb: int | None = None
     region: str | None = None
+    # The organisation the instance belongs to (labels of what the provisioner creates).
+    org_id: uuid.UUID | None = None
+    restore_from: RestoreSource | None = None
 
     @classmethod
-    def from_row(cls, spec: Mapping[str, Any], generation: int = 1) -> InstanceSpec:
+    def from_row(
+        cls, spec: Mapping[str, Any], generation: int = 1, *, org_id: uuid.UUID | None = None
+    ) -> InstanceSpec:
         """From the instance's `spec` column; an unknown plan can never be provisioned."""
         plan = str(spec.get("plan", "dev"))
         if not plans.is_plan(plan):
             raise PermanentError(f"unknown plan {plan!r}; plans are {', '.join(plans.plan_names())}")
-        storage = spec.get("storage_gb", spec.get("storage", 1))
+        storage = spec.get("storage_gb", spec.get("storage"))
+        restore = spec.get("restore_from")
         return cls(
             plan=plan,
             generation=generation,
             version=None if spec.get("version") is None else str(spec["version"]),
-            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else 1,
+            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else None,
             region=None if spec.get("region") is None else str(spec["region"]),
+            org_id=org_id,
+            restore_from=None if restore is None else RestoreSource.from_spec(restore),
         )
 
     @classmethod
@@ -64,6 +116,15 @@ class InstanceSpec:
             return cls.from_row(spec, generation)
         except PermanentError:
             return cls(generation=generation)
+
+    @property
+    def shape(self) -> plans.Shape:
+        return plans.get_shape(self.plan)
+
+    @property
+    def volume_gb(self) -> int:
+        """The volume each server gets: what the spec asks for, at least the plan's."""
+        return max(self.storage_gb or 0, self.shape.storage_gb)
 
     def server_settings(self) -> dict[str, str]:
         """The PostgreSQL settings the plan fixes, as configuration-file values."""
@@ -79,10 +140,24 @@ class ConnectionInfo:
     dbname: str
     user: str
     password: str = field(repr=False)
+    # When TLS is required: the libpq sslmode to connect with, and the CA that signs the server's
+    # certificate (PEM; public, served by the API so clients can verify the server).
+    sslmode: str | None = None
+    ca_certificate: str | None = None
 
     def public(self) -> dict[str, Any]:
         """The connection details that may be stored in the clear and shown (no password)."""
-        return {"host": self.host, "port": self.port, "dbname": self.dbname, "user": self.user}
+        shown: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "dbname": self.dbname,
+            "user": self.user,
+        }
+        if self.sslmode is not None:
+            shown["sslmode"] = self.sslmode
+        if self.ca_certificate is not None:
+            shown["ca_certificate"] = self.ca_certificate
+        return shown
 
 
 @dataclass(frozen=True)
@@ -121,6 +196,16 @@ class Resource:
 
 
 @dataclass(frozen=True)
+class BackupInfo:
+    """One completed backup of an instance: its name (what a restore names) and when it ended."""
+
+    name: str
+    instance_id: uuid.UUID
+    completed_at: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class DeprovisionResult:
     """What deprovision left behind: the final backup, unless skipped or nothing was there."""
 
@@ -137,6 +222,8 @@ class Provisioner(abc.ABC):
     """
 
     name: str = "abstract"
+    # Whether allocate_storage can fill a new instance from another's backups (spec.restore_from).
+    supports_restore: bool = False
 
     @abc.abstractmethod
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
@@ -181,6 +268,15 @@ class Provisioner(abc.ABC):
     @abc.abstractmethod
     async def inventory(self) -> list[Resource]:
         """Every resource this provisioner manages, with the instance id it carries."""
+
+    async def take_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> BackupInfo:
+        """Take an on-demand backup of the running instance and wait until it is complete."""
+        raise PermanentError(f"on-demand backups are not supported by the {self.name} provisioner")
+
+    def refuse_unsupported_restore(self, spec: InstanceSpec) -> None:
+        """A restore this provisioner cannot do must fail, never quietly create an empty database."""
+        if spec.restore_from is not None and not self.supports_restore:
+            raise PermanentError(f"restoring from a backup is not supported by the {self.name} provisioner")
 
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release clients and connections."""

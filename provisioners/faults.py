@@ -14,6 +14,7 @@ from controlplane.handlers import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,
+    BackupInfo,
     ConnectionInfo,
     DeprovisionResult,
     InstanceSpec,
@@ -71,7 +72,7 @@ def parse_faults(text: str | None) -> list[Fault]:
         if len(parts) < 2 or len(parts) > 4:
             raise FaultSpecError(f"fault {item!r}: expected step:action[:attempt[:when]]")
         step, action = parts[0], parts[1]
-        if step not in (*STEPS, "observe"):
+        if step not in (*STEPS, "observe", "take_backup"):
             raise FaultSpecError(f"fault {item!r}: unknown step {step!r}")
         if action not in ACTIONS:
             raise FaultSpecError(f"fault {item!r}: action must be one of {', '.join(ACTIONS)}")
@@ -112,6 +113,7 @@ class FaultyProvisioner(Provisioner):
         self.inner = inner
         self.faults = faults
         self.name = f"faulty-{inner.name}"
+        self.supports_restore = inner.supports_restore
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.
         self.fired: list[tuple[str, int]] = []
@@ -183,6 +185,9 @@ class FaultyProvisioner(Provisioner):
 
     async def observe(self, instance_id: uuid.UUID) -> Observation:
         return await self._around("observe", lambda: self.inner.observe(instance_id))
+
+    async def take_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> BackupInfo:
+        return await self._around("take_backup", lambda: self.inner.take_backup(instance_id, spec, fence))
 
     async def inventory(self) -> list[Resource]:
         return await self.inner.inventory()
