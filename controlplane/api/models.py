@@ -7,7 +7,7 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from controlplane import lifecycle, plans
 
@@ -47,6 +47,28 @@ def _known_plan(value: str | None) -> str | None:
     return value
 
 
+class RestoreFrom(Strict):
+    instance_id: uuid.UUID = Field(description="an instance of this organisation, live or deleted")
+    backup: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="one of that instance's backups (its final backup is named in the audit log)",
+    )
+    point_in_time: Timestamp | None = Field(
+        None, description="RFC 3339, with a time zone: replay that instance's archive up to this moment"
+    )
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RestoreFrom:
+        if self.backup is not None and self.point_in_time is not None:
+            raise ValueError("restore_from takes a backup or a point_in_time, not both")
+        if self.point_in_time is not None and self.point_in_time.tzinfo is None:
+            raise ValueError("restore_from.point_in_time needs a time zone")
+        return self
+
+
 class InstanceCreate(Strict):
     name: str = Field(
         min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
@@ -58,6 +80,9 @@ class InstanceCreate(Strict):
     )
     region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
     deletion_protection: bool = False
+    restore_from: RestoreFrom | None = Field(
+        None, description="fill the new instance from another's backup or point in time (kubernetes)"
+    )
 
     _plan = field_validator("plan")(_known_plan)
 
@@ -77,6 +102,10 @@ class Connection(BaseModel):
     dbname: str
     user: str
     password: str | None = Field(description="shown by GET /v1/instances/{id} only")
+    sslmode: str | None = Field(None, description="the libpq sslmode to connect with, when TLS is required")
+    ca_certificate: str | None = Field(
+        None, description="PEM of the CA that signs the server's certificate (sslrootcert)"
+    )
     uri: str
 
 
@@ -89,6 +118,9 @@ class Instance(BaseModel):
         " is pending or after it was given up"
     )
     region: str
+    instances: int | None = Field(description="PostgreSQL servers of the plan (a primary and standbys)")
+    storage_gb: int | None = Field(description="the volume of each server, GiB")
+    restore_from: RestoreFrom | None = Field(None, description="where its data came from, if restored")
     state: InstanceState
     state_version: int
     progress: str | None
@@ -235,6 +267,10 @@ class DwellStats(BaseModel):
 class Plan(BaseModel):
     name: str
     settings: dict[str, Any]
+    instances: int = Field(description="PostgreSQL servers: one primary, the rest standbys it fails over to")
+    storage_gb: int
+    cpu: str
+    memory: str
 
 
 class PlanList(BaseModel):

@@ -79,4 +79,9 @@ async def lifecycle_tables() -> JSONResponse:
 
 @router.get("/v1/plans", response_model=PlanList, tags=["reference"], summary="The plans on offer")
 async def list_plans() -> dict[str, Any]:
-    return {"items": [{"name": name, "settings": dict(plans.PLANS[name])} for name in plans.plan_names()]}
+    return {
+        "items": [
+            {"name": name, "settings": dict(plans.PLANS[name]), **plans.get_shape(name).as_dict()}
+            for name in plans.plan_names()
+        ]
+    }

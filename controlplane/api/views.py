@@ -10,7 +10,7 @@ from functools import cache
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from controlplane import lifecycle
+from controlplane import lifecycle, plans
 from controlplane.api.errors import ProblemError
 from controlplane.secretbox import SecretBox
 
@@ -87,25 +87,33 @@ def connection(row: Mapping[str, Any], box: SecretBox, *, reveal: bool) -> dict[
     dbname, user = str(info.get("dbname", "postgres")), str(info.get("user", "postgres"))
     password = box.decrypt(row["secret"]) if reveal and row.get("secret") else None
     credentials = quote(user, safe="") + (f":{quote(password, safe='')}" if password is not None else "")
+    sslmode = info.get("sslmode")
+    query = f"?sslmode={quote(str(sslmode), safe='')}" if sslmode else ""
     return {
         "host": host,
         "port": port,
         "dbname": dbname,
         "user": user,
         "password": password,
-        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}",
+        "sslmode": sslmode,
+        "ca_certificate": info.get("ca_certificate"),
+        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}{query}",
     }
 
 
 def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) -> dict[str, Any]:
     """The API representation of an instance row (joined with its organisation's billing hold)."""
     spec = row["spec"] or {}
+    shape = plans.SHAPES.get(str(spec.get("plan")))
     return {
         "id": row["id"],
         "name": row["name"],
         "plan": spec.get("plan"),
         "observed_plan": (row["observed_spec"] or {}).get("plan"),
         "region": spec.get("region"),
+        "instances": None if shape is None else shape.instances,
+        "storage_gb": None if shape is None else max(shape.storage_gb, int(spec.get("storage_gb") or 0)),
+        "restore_from": spec.get("restore_from"),
         "state": row["state"],
         "state_version": row["state_version"],
         "progress": row["progress"],
