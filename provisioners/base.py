@@ -37,8 +37,9 @@ PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_datab
 class RestoreSource:
     """Where a new instance's data comes from: another instance's backups.
 
-    `backup` names one backup of that instance; `point_in_time` (RFC 3339) replays its archived
-    WAL up to that moment; neither restores everything archived (the latest state).
+    `backup` names one backup of that instance to start from; `point_in_time` (RFC 3339) replays
+    its archived WAL up to that moment (from the backup, or from the last one before it); neither
+    restores everything archived (the latest state).
     """
 
     instance_id: uuid.UUID
@@ -56,8 +57,6 @@ class RestoreSource:
             raise PermanentError(f"restore_from.instance_id {value.get('instance_id')!r} is no id") from None
         backup = value.get("backup")
         point = value.get("point_in_time")
-        if backup is not None and point is not None:
-            raise PermanentError("restore_from takes a backup or a point in time, not both")
         if point is not None:
             try:
                 moment = datetime.fromisoformat(str(point))

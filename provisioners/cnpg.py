@@ -254,12 +254,13 @@ def restore_reference(options: ClusterOptions, source: RestoreSource) -> dict[st
 
 
 def recovery_target(source: RestoreSource, backup_id: str | None) -> dict[str, Any]:
-    """What to recover to: one backup (by its id), a point in time, or the end of the archive."""
+    """What to recover: from one backup (by its id) and/or up to a point in time; else everything."""
+    target: dict[str, Any] = {}
     if backup_id is not None:
-        return {"recoveryTarget": {"backupID": backup_id}}
+        target["backupID"] = backup_id
     if source.point_in_time is not None:
-        return {"recoveryTarget": {"targetTime": source.point_in_time}}
-    return {}
+        target["targetTime"] = source.point_in_time
+    return {"recoveryTarget": target} if target else {}
 
 
 def gib(quantity: str | None) -> int:

@@ -7,7 +7,7 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from controlplane import lifecycle, plans
 
@@ -54,19 +54,19 @@ class RestoreFrom(Strict):
         min_length=1,
         max_length=253,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="one of that instance's backups (its final backup is named in the audit log)",
+        description="one of that instance's backups (its final backup is named in the audit log);"
+        " with point_in_time, the base the replay starts from",
     )
     point_in_time: Timestamp | None = Field(
         None, description="RFC 3339, with a time zone: replay that instance's archive up to this moment"
     )
 
-    @model_validator(mode="after")
-    def _one_target(self) -> RestoreFrom:
-        if self.backup is not None and self.point_in_time is not None:
-            raise ValueError("restore_from takes a backup or a point_in_time, not both")
-        if self.point_in_time is not None and self.point_in_time.tzinfo is None:
-            raise ValueError("restore_from.point_in_time needs a time zone")
-        return self
+    @field_validator("point_in_time")
+    @classmethod
+    def _with_time_zone(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("point_in_time needs a time zone (RFC 3339)")
+        return value
 
 
 class InstanceCreate(Strict):

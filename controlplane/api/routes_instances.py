@@ -69,15 +69,14 @@ async def _load(conn: AsyncConn, who: Customer, instance_id: uuid.UUID, *, lock:
 
 
 async def _check_restore_source(conn: AsyncConn, who: Customer, source: uuid.UUID, provisioner: str) -> None:
-    """A restore names an instance of the caller's own organisation, on a provisioner that restores."""
+    """A restore names an instance of the caller's own organisation (404 otherwise, as for a read),
+    on a provisioner that restores (422 otherwise)."""
+    cursor = await conn.execute("SELECT 1 FROM instances WHERE id = %s AND org_id = %s", (source, who.org_id))
+    if await cursor.fetchone() is None:
+        raise ProblemError("not-found", f"restore_from.instance_id: no instance {source}")
     if not provisioners.supports_restore(provisioner):
         raise ProblemError(
             "validation", f"restore_from is not supported by the {provisioner} provisioner of this service"
-        )
-    cursor = await conn.execute("SELECT 1 FROM instances WHERE id = %s AND org_id = %s", (source, who.org_id))
-    if await cursor.fetchone() is None:
-        raise ProblemError(
-            "validation", f"restore_from.instance_id: no instance {source} in this organisation"
         )
 
 
@@ -96,7 +95,7 @@ def _refuse_state(row: DictRow, detail: str, kind: str = "invalid-state") -> Pro
     response_model=Instance,
     responses={
         202: {"headers": {"Location": {"schema": {"type": "string"}}}},
-        **errors.responses(400, 401, 403, 409, 413, 422),
+        **errors.responses(400, 401, 403, 404, 409, 413, 422),
     },
     summary="Create an instance (provisioned in the background)",
 )
