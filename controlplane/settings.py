@@ -161,6 +161,11 @@ def validate(settings: Settings) -> None:
         raise SettingsError(
             f"CONTROLPLANE_KUBERNETES_EXPOSE={settings.kubernetes_expose!r}: expected cluster or loadbalancer"
         )
+    if settings.kubernetes_expose == "loadbalancer" and not settings.kubernetes_external_domain:
+        raise SettingsError(
+            "CONTROLPLANE_KUBERNETES_EXPOSE=loadbalancer needs CONTROLPLANE_KUBERNETES_EXTERNAL_DOMAIN:"
+            " the name clients verify the server's certificate against"
+        )
     for cidr in client_cidrs(settings):
         try:
             ipaddress.ip_network(cidr, strict=False)

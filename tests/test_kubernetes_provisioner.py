@@ -400,3 +400,26 @@ def test_the_fake_counts_only_what_it_serves(tmp_path: Any) -> None:
     assert not role.allows("default", ("postgresql.cnpg.io", "clusters", "patch"))
     assert not role.allows(NAMESPACE, ("postgresql.cnpg.io", "clusters", "watch"))
     assert isinstance(FakeCluster().settle_reads, int)
+
+
+@pytest.mark.parametrize(
+    ("environ", "error"),
+    [
+        ({"CONTROLPLANE_KUBERNETES_EXPOSE": "nodeport"}, "expected cluster or loadbalancer"),
+        ({"CONTROLPLANE_KUBERNETES_EXPOSE": "loadbalancer"}, "needs CONTROLPLANE_KUBERNETES_EXTERNAL_DOMAIN"),
+        ({"CONTROLPLANE_KUBERNETES_CLIENT_CIDRS": "10.0.0.0/8, nonsense"}, "'nonsense' is not a CIDR"),
+    ],
+)
+def test_bad_kubernetes_settings_are_refused_in_one_line(environ: dict[str, str], error: str) -> None:
+    from controlplane import settings
+
+    with pytest.raises(settings.SettingsError, match=error):
+        settings.load(environ)
+    exposed = settings.load(
+        {
+            "CONTROLPLANE_KUBERNETES_EXPOSE": "loadbalancer",
+            "CONTROLPLANE_KUBERNETES_EXTERNAL_DOMAIN": "db.example.com",
+            "CONTROLPLANE_KUBERNETES_CLIENT_CIDRS": "10.0.0.0/8, 192.0.2.0/24",
+        }
+    )
+    assert cnpg.ClusterOptions.from_settings(exposed).client_cidrs == ("10.0.0.0/8", "192.0.2.0/24")
