@@ -183,17 +183,24 @@ class Replica:
         return cls("demoted")
 
 
+def _streaming_source(name: str, host: str, **parameters: str) -> dict[str, Any]:
+    """An external cluster reached by streaming replication, as the operator's replica clusters are."""
+    return {
+        "name": name,
+        "connectionParameters": {
+            "host": host,
+            "user": "streaming_replica",
+            "dbname": "postgres",
+            **parameters,
+        },
+    }
+
+
 def _self_reference(instance_id: uuid.UUID, namespace: str) -> dict[str, Any]:
     """This cluster as an external cluster (the distributed topology names its members this way)."""
     name = resource_name(instance_id)
     return {
-        "name": name,
-        "connectionParameters": {
-            "host": f"{name}-rw.{namespace}.svc",
-            "user": "streaming_replica",
-            "dbname": "postgres",
-            "sslmode": SSLMODE,
-        },
+        **_streaming_source(name, f"{name}-rw.{namespace}.svc", sslmode=SSLMODE),
         "sslKey": {"name": f"{name}-replication", "key": "tls.key"},
         "sslCert": {"name": f"{name}-replication", "key": "tls.crt"},
         "sslRootCert": {"name": f"{name}-ca", "key": "ca.crt"},
@@ -203,14 +210,7 @@ def _self_reference(instance_id: uuid.UUID, namespace: str) -> dict[str, Any]:
 def _suspension_source(instance_id: uuid.UUID) -> dict[str, Any]:
     """A primary that does not exist (.invalid never resolves): a demoted cluster follows nothing."""
     name = suspended_source(instance_id)
-    return {
-        "name": name,
-        "connectionParameters": {
-            "host": f"{name}.invalid",
-            "user": "streaming_replica",
-            "dbname": "postgres",
-        },
-    }
+    return _streaming_source(name, f"{name}.invalid")
 
 
 def replica_stanza(instance_id: uuid.UUID, replica: Replica) -> dict[str, Any] | None:
