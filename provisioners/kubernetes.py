@@ -31,7 +31,6 @@ from provisioners.base import (
 )
 from provisioners.cnpg import (
     APPLY_CONTENT_TYPE,
-    BACKUP_OF_LABEL,
     CNPG_API_VERSION,
     CNPG_CLUSTER_LABEL,
     DBNAME,
@@ -41,7 +40,6 @@ from provisioners.cnpg import (
     INSTANCE_LABEL,
     MANAGED_BY,
     MERGE_CONTENT_TYPE,
-    ORG_LABEL,
     OWNER,
     PLAN_ANNOTATION,
     PORT,
@@ -50,7 +48,6 @@ from provisioners.cnpg import (
     ClusterOptions,
     Credentials,
     Replica,
-    all_manifests,
     backup_manifest,
     bootstrap_stanza,
     cluster_health,
@@ -69,19 +66,6 @@ from provisioners.cnpg import (
     servers_lag,
     status_of,
 )
-
-__all__ = [
-    "BACKUP_OF_LABEL",
-    "FIELD_MANAGER",
-    "INSTANCE_LABEL",
-    "MANAGED_BY",
-    "ORG_LABEL",
-    "ClusterOptions",
-    "KubernetesApi",
-    "KubernetesProvisioner",
-    "all_manifests",
-    "resource_name",
-]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -359,12 +343,27 @@ class KubernetesProvisioner(Provisioner):
                 log.info("cluster of %s changed while being applied; reading it again", instance_id)
         raise AssertionError("unreachable")
 
-    def _record_fence(self, kind: Kind, current: Mapping[str, Any], fence: int) -> None:
-        """Mark an object with the step's fence without declaring anything else about it."""
-        meta = current["metadata"]
-        self.api.annotate(
-            kind, self.namespace, meta["name"], {FENCE_ANNOTATION: str(fence)}, meta["resourceVersion"]
-        )
+    def _record_fence(self, instance_id: uuid.UUID, fence: int) -> dict[str, Any] | None:
+        """Admit the fence and mark the Cluster with it, declaring nothing else (a merge patch of one
+        annotation over the version read, re-read on a 409 as the fenced apply is). None: no Cluster."""
+        for attempt in range(APPLY_TRIES):
+            current = self._cluster(instance_id)
+            self._admit(instance_id, current, fence)
+            if current is None:
+                return None
+            meta = current["metadata"]
+            try:
+                return self.api.annotate(
+                    CLUSTER,
+                    self.namespace,
+                    meta["name"],
+                    {FENCE_ANNOTATION: str(fence)},
+                    meta["resourceVersion"],
+                )
+            except kubernetes.client.exceptions.ApiException as exc:
+                if exc.status != 409 or attempt == APPLY_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _first_bootstrap(
         self, instance_id: uuid.UUID, spec: InstanceSpec
@@ -530,29 +529,24 @@ class KubernetesProvisioner(Provisioner):
 
     async def take_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> BackupInfo:
         def work() -> BackupInfo:
-            current = self._require_backups(instance_id, fence)
+            self._require_backups(instance_id, fence)
             name = f"{resource_name(instance_id)}-backup-{fence}"
-            return self._backup(instance_id, spec.org_id, current, name, "on-demand", fence)
+            return self._backup(instance_id, spec.org_id, name, "on-demand", fence)
 
         return await self._run(work)
 
-    def _require_backups(self, instance_id: uuid.UUID, fence: int) -> dict[str, Any]:
+    def _require_backups(self, instance_id: uuid.UUID, fence: int) -> None:
         if not self.options.object_store:
             raise PermanentError(
                 "no backup object store is configured (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE)"
             )
-        current = self._cluster(instance_id)
-        if current is None:
+        if self._record_fence(instance_id, fence) is None:
             raise PermanentError(f"instance {instance_id} has no cluster to back up")
-        self._admit(instance_id, current, fence)
-        self._record_fence(CLUSTER, current, fence)
-        return current
 
     def _backup(
         self,
         instance_id: uuid.UUID,
         org_id: uuid.UUID | None,
-        cluster: Mapping[str, Any],
         name: str,
         purpose: str,
         fence: int,
@@ -597,12 +591,11 @@ class KubernetesProvisioner(Provisioner):
                             " (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE); delete with"
                             " skip_final_backup to remove the instance without one"
                         )
-                    current = self._require_backups(instance_id, fence)
+                    self._require_backups(instance_id, fence)
                     name = final_backup_name(instance_id)
-                    backup = self._backup(instance_id, spec.org_id, current, name, "final", fence).name
+                    backup = self._backup(instance_id, spec.org_id, name, "final", fence).name
                 else:
-                    self._admit(instance_id, current, fence)
-                    self._record_fence(CLUSTER, current, fence)
+                    self._record_fence(instance_id, fence)
             removed = False
             for kind in DELETION_ORDER:
                 for item in self.api.list(kind, self.namespace, owned_selector(instance_id)):

@@ -423,3 +423,26 @@ def test_bad_kubernetes_settings_are_refused_in_one_line(environ: dict[str, str]
         }
     )
     assert cnpg.ClusterOptions.from_settings(exposed).client_cidrs == ("10.0.0.0/8", "192.0.2.0/24")
+
+
+async def test_a_status_write_racing_the_fence_mark_is_read_again() -> None:
+    with provisioner_on_fake() as (k8s, state):
+        iid = uuid.uuid4()
+        await ready(k8s, iid, InstanceSpec(), fence=3)
+        original_get = k8s.api.get
+        races: list[str] = []
+
+        def get_then_race_once(*args: Any) -> Any:
+            seen = original_get(*args)
+            if seen is not None and args[0].plural == "clusters" and not races:
+                races.append("raced")  # the operator writes its status right after our read
+                state.objects[("clusters", NAMESPACE, f"pg-{iid}")]["metadata"]["resourceVersion"] = "race"
+            return seen
+
+        k8s.api.get = get_then_race_once  # type: ignore[method-assign,assignment]
+        result = await k8s.deprovision(iid, InstanceSpec(), 4, skip_backup=True)
+        assert races == ["raced"] and result.removed
+        conflicts = [
+            r for r in state.requests if r.method == "PATCH" and r.content_type == cnpg.MERGE_CONTENT_TYPE
+        ]
+        assert len(conflicts) == 2  # refused once with 409, then applied over the version read again
