@@ -12,12 +12,14 @@ import pytest
 from fastapi import FastAPI
 
 from controlplane.db import AsyncConn
+from controlplane.handlers import RESUME, SUSPEND
 from controlplane.settings import Settings
 from provisioners.kubernetes import KubernetesProvisioner
 from tests.api_support import WEBHOOK_SECRET, Tenant, create
 from tests.kubernetes_fake import FakeCluster
 from tests.kubernetes_support import NAMESPACE, OBJECT_STORE, provisioner_on_fake, role_from
-from tests.operations_support import instance_in, registry_for, run_until, scalar
+from tests.operations_support import enqueue, instance, instance_in, registry_for, run_until, scalar
+from tests.reconciler_support import reconciling
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -138,3 +140,41 @@ async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
         headers=tenant.headers,
     )
     assert naive.status_code == 422 and "time zone" in naive.text
+
+
+async def test_a_failover_is_degraded_then_healed_and_a_suspension_is_read_only(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders", plan="small")
+    iid = uuid.UUID(made["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+
+    # The primary's server dies: the reconciler sees the operator failing over and degrades the
+    # instance; the heal waits for the operator and brings it back to ready.
+    state.fail_primary(NAMESPACE, f"pg-{iid}")
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+        row = await instance(conn, iid)
+        assert row["state"] == "degraded" and "Failing over" in row["failure_reason"]
+        await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None and cluster["status"]["currentPrimary"] == f"pg-{iid}-2"
+
+    # Suspension demotes the Cluster; resumption promotes it with its own demotion token.
+    await enqueue(conn, SUSPEND, iid, suspended_by_billing=False)
+    await run_until(api_settings, registry, instance_in(iid, "suspended"))
+    assert (await provisioner.observe(iid)).read_only is True
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None and cluster["spec"]["replica"]["primary"] == f"pg-{iid}-suspended"
+    await enqueue(conn, RESUME, iid)
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None
+    assert cluster["spec"]["replica"]["promotionToken"] == cluster["status"]["lastPromotionToken"]
+    assert (await provisioner.observe(iid)).read_only is False
