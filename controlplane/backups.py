@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from psycopg.rows import DictRow
@@ -22,7 +22,7 @@ from controlplane.db import AsyncConn
 from controlplane.failures import DATA_LOST
 from controlplane.handlers import BACKUP, RESTORE
 from controlplane.transitions import Actor
-from provisioners.base import Backup
+from provisioners.base import BackupInfo
 
 # States an instance can be backed up in: its server runs (read-only while suspended).
 BACKUP_STATES = ("ready", "suspended")
@@ -96,21 +96,21 @@ async def newest(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow | None:
     return rows[0] if rows else None
 
 
-async def record(conn: AsyncConn, instance_id: uuid.UUID, listing: Sequence[Backup]) -> None:
+async def record(conn: AsyncConn, instance_id: uuid.UUID, listing: Sequence[BackupInfo]) -> None:
     """Make the record what the provisioner holds now: new backups added, removed ones marked."""
     async with conn.transaction():
         await conn.execute(
             sql.RECORD_BACKUPS,
             {
                 "instance_id": instance_id,
-                "ids": [b.id for b in listing],
+                "ids": [b.name for b in listing],
                 "kinds": [b.kind for b in listing],
-                "taken": [b.taken_at for b in listing],
+                "taken": [b.taken_at or datetime.now(UTC) for b in listing],
                 "sizes": [b.size_bytes for b in listing],
                 "locations": [b.location for b in listing],
             },
         )
-        await conn.execute(sql.FORGET_BACKUPS, {"instance_id": instance_id, "ids": [b.id for b in listing]})
+        await conn.execute(sql.FORGET_BACKUPS, {"instance_id": instance_id, "ids": [b.name for b in listing]})
 
 
 async def request_backup(

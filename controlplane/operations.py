@@ -155,7 +155,7 @@ class Operations:
 
     @staticmethod
     def _spec(inst: Mapping[str, Any]) -> InstanceSpec:
-        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]))
+        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]), org_id=inst["org_id"])
 
     @staticmethod
     def _box(ctx: JobContext) -> SecretBox:
@@ -204,6 +204,7 @@ class Operations:
             return NOTHING_TO_DO
         spec = self._spec(inst)
         iid, fence, p = inst["id"], ctx.fence, self.provisioner
+        p.refuse_unsupported_restore(spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         info = await self._step(
@@ -393,7 +394,8 @@ class Operations:
             # The latest plan change was given up: back to the plan it last ran, not to the one that
             # may have broken it. The declared spec stays, for the customer to change again.
             declared = inst["observed_spec"]
-            return Target(declared, InstanceSpec.from_row(declared, int(inst["observed_generation"])), True)
+            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]), org_id=inst["org_id"])
+            return Target(declared, spec, True)
         return Target(inst["spec"], self._spec(inst), False)
 
     async def _bring_up(self, ctx: JobContext, inst: DictRow, target: Target) -> ConnectionInfo:
@@ -445,7 +447,7 @@ class Operations:
         listing = await self.provisioner.list_backups(inst["id"])
         async with ctx.pool.connection() as conn:
             await backups.record(conn, inst["id"], listing)
-        return {"result": "backed up", "backup": taken.id, "held": len(listing)}
+        return {"result": "backed up", "backup": taken.name, "held": len(listing)}
 
     async def restore(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._restore)

@@ -36,28 +36,78 @@ PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_datab
 
 
 @dataclass(frozen=True)
+class RestoreSource:
+    """Where a new instance's data comes from: another instance's backups.
+
+    `backup` names one backup of that instance to start from; `point_in_time` (RFC 3339) replays
+    its archived WAL up to that moment (from the backup, or from the last one before it); neither
+    restores everything archived (the latest state).
+    """
+
+    instance_id: uuid.UUID
+    backup: str | None = None
+    point_in_time: str | None = None
+
+    @classmethod
+    def from_spec(cls, value: Any) -> RestoreSource:
+        """From the `restore_from` of an instance's spec; a malformed one can never be provisioned."""
+        if not isinstance(value, Mapping):
+            raise PermanentError(f"restore_from must be an object, not {value!r}")
+        try:
+            source = uuid.UUID(str(value.get("instance_id")))
+        except ValueError:
+            raise PermanentError(f"restore_from.instance_id {value.get('instance_id')!r} is no id") from None
+        backup = value.get("backup")
+        point = value.get("point_in_time")
+        if point is not None:
+            try:
+                moment = datetime.fromisoformat(str(point))
+            except ValueError:
+                raise PermanentError(f"restore_from.point_in_time {point!r} is not RFC 3339") from None
+            if moment.tzinfo is None:
+                raise PermanentError(f"restore_from.point_in_time {point!r} has no time zone")
+        return cls(source, None if backup is None else str(backup), None if point is None else str(point))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "instance_id": str(self.instance_id),
+            "backup": self.backup,
+            "point_in_time": self.point_in_time,
+        }
+
+
+@dataclass(frozen=True)
 class InstanceSpec:
     """What the provisioner is asked to build: the instance's declared spec at one generation."""
 
     plan: str = "dev"
     generation: int = 1
     version: str | None = None
-    storage_gb: int = 1
+    # The volume of each server; by default the plan's (a spec may ask for more).
+    storage_gb: int | None = None
     region: str | None = None
+    # The organisation the instance belongs to (labels of what the provisioner creates).
+    org_id: uuid.UUID | None = None
+    restore_from: RestoreSource | None = None
 
     @classmethod
-    def from_row(cls, spec: Mapping[str, Any], generation: int = 1) -> InstanceSpec:
+    def from_row(
+        cls, spec: Mapping[str, Any], generation: int = 1, *, org_id: uuid.UUID | None = None
+    ) -> InstanceSpec:
         """From the instance's `spec` column; an unknown plan can never be provisioned."""
         plan = str(spec.get("plan", "dev"))
         if not plans.is_plan(plan):
             raise PermanentError(f"unknown plan {plan!r}; plans are {', '.join(plans.plan_names())}")
-        storage = spec.get("storage_gb", spec.get("storage", 1))
+        storage = spec.get("storage_gb", spec.get("storage"))
+        restore = spec.get("restore_from")
         return cls(
             plan=plan,
             generation=generation,
             version=None if spec.get("version") is None else str(spec["version"]),
-            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else 1,
+            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else None,
             region=None if spec.get("region") is None else str(spec["region"]),
+            org_id=org_id,
+            restore_from=None if restore is None else RestoreSource.from_spec(restore),
         )
 
     @classmethod
@@ -67,6 +117,15 @@ class InstanceSpec:
             return cls.from_row(spec, generation)
         except PermanentError:
             return cls(generation=generation)
+
+    @property
+    def shape(self) -> plans.Shape:
+        return plans.get_shape(self.plan)
+
+    @property
+    def volume_gb(self) -> int:
+        """The volume each server gets: what the spec asks for, at least the plan's."""
+        return max(self.storage_gb or 0, self.shape.storage_gb)
 
     def server_settings(self) -> dict[str, str]:
         """The PostgreSQL settings the plan fixes, as configuration-file values."""
@@ -94,9 +153,11 @@ class ConnectionInfo:
     dbname: str
     user: str
     password: str = field(repr=False)
-    # The libpq sslmode clients must use (verify-full: the server's certificate is checked against
-    # the CA the provisioner publishes in `ca_certificate()`); None says nothing about TLS.
+    # When TLS is required: the libpq sslmode to connect with (verify-full: the server's certificate
+    # is checked), and the CA that signs the server's certificate (PEM; public, served by the API so
+    # clients can verify the server).
     sslmode: str | None = None
+    ca_certificate: str | None = None
 
     def public(self) -> dict[str, Any]:
         """The connection details that may be stored in the clear and shown (no password)."""
@@ -108,6 +169,8 @@ class ConnectionInfo:
         }
         if self.sslmode is not None:
             shown["sslmode"] = self.sslmode
+        if self.ca_certificate is not None:
+            shown["ca_certificate"] = self.ca_certificate
         return shown
 
 
@@ -154,16 +217,23 @@ BACKUP_KINDS = ("scheduled", "on_demand")
 
 
 @dataclass(frozen=True)
-class Backup:
-    """One backup of an instance that its provisioner holds and can restore from."""
+class BackupInfo:
+    """One completed backup of an instance: its name (what a restore names) and when it ended."""
 
-    # The provisioner's name for it, unique per instance and stable (restore names it).
-    id: str
-    taken_at: datetime
-    kind: str = "scheduled"
+    # The provisioner's name for it, unique per instance and stable.
+    name: str
+    instance_id: uuid.UUID
+    # When it completed (RFC 3339): the point its data is from.
+    completed_at: str | None = None
+    detail: str = ""
+    kind: str = "on_demand"
     size_bytes: int | None = None
     # Where the provisioner keeps it (a path, an object name): shown to SREs, never to customers.
     location: str = ""
+
+    @property
+    def taken_at(self) -> datetime | None:
+        return None if self.completed_at is None else datetime.fromisoformat(self.completed_at)
 
 
 @dataclass(frozen=True)
@@ -183,6 +253,8 @@ class Provisioner(abc.ABC):
     """
 
     name: str = "abstract"
+    # Whether allocate_storage can fill a new instance from another's backups (spec.restore_from).
+    supports_restore: bool = False
 
     @abc.abstractmethod
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
@@ -228,6 +300,11 @@ class Provisioner(abc.ABC):
     async def inventory(self) -> list[Resource]:
         """Every resource this provisioner manages, with the instance id it carries."""
 
+    def refuse_unsupported_restore(self, spec: InstanceSpec) -> None:
+        """A restore this provisioner cannot do must fail, never quietly create an empty database."""
+        if spec.restore_from is not None and not self.supports_restore:
+            raise PermanentError(f"restoring from a backup is not supported by the {self.name} provisioner")
+
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release clients and connections."""
 
@@ -244,27 +321,30 @@ class Provisioner(abc.ABC):
 
     # ---- backups and restore ----------------------------------------------------------------
     #
-    # A provisioner that takes backups says so in `supports_backups`; the reconciler then
-    # schedules a `backup` job per the plan's schedule (`spec.backup_schedule()`), and the worker
-    # records what `list_backups` returns after each one. The defaults below are those of a
-    # provisioner that takes none.
+    # A provisioner whose backups the control plane schedules and records says so in
+    # `supports_backups`: the reconciler then enqueues a `backup` job per the plan's schedule
+    # (`spec.backup_schedule()`), the worker records what `list_backups` returns after each one,
+    # and an instance whose data is lost is restored in place with `restore`. (A provisioner may
+    # take on-demand backups without that, its own schedule running elsewhere: the kubernetes one,
+    # whose operator schedules them.) The defaults below are those of a provisioner that takes none.
 
     @property
     def supports_backups(self) -> bool:
-        """Whether `take_backup`, `list_backups` and `restore` work (the schedule applies)."""
+        """Whether `take_backup`, `list_backups` and `restore` work, on the control plane's schedule."""
         return False
 
     async def take_backup(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "scheduled"
-    ) -> Backup:
-        """Back the running instance up now (consistent, self-contained: restorable on its own).
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
+        """Back the running instance up now and wait until it is complete (consistent and
+        restorable on its own); `kind` is `scheduled` or `on_demand`.
 
-        Afterwards the oldest backups beyond `spec.backup_schedule().keep` are removed (retention).
-        Fenced like every step; returns the new backup.
+        Afterwards the oldest backups beyond `spec.backup_schedule().keep` may be removed
+        (retention, where the provisioner keeps them). Fenced like every step.
         """
-        raise PermanentError(f"the {self.name} provisioner takes no backups")
+        raise PermanentError(f"on-demand backups are not supported by the {self.name} provisioner")
 
-    async def list_backups(self, instance_id: uuid.UUID) -> list[Backup]:
+    async def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
         """The instance's backups this provisioner holds now, oldest first (takes no fence)."""
         return []
 

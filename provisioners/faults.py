@@ -14,7 +14,7 @@ from controlplane.handlers import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,
-    Backup,
+    BackupInfo,
     ConnectionInfo,
     DeprovisionResult,
     InstanceSpec,
@@ -113,6 +113,7 @@ class FaultyProvisioner(Provisioner):
         self.inner = inner
         self.faults = faults
         self.name = f"faulty-{inner.name}"
+        self.supports_restore = inner.supports_restore
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.
         self.fired: list[tuple[str, int]] = []
@@ -190,13 +191,13 @@ class FaultyProvisioner(Provisioner):
         return self.inner.supports_backups
 
     async def take_backup(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "scheduled"
-    ) -> Backup:
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
         return await self._around(
             "take_backup", lambda: self.inner.take_backup(instance_id, spec, fence, kind=kind)
         )
 
-    async def list_backups(self, instance_id: uuid.UUID) -> list[Backup]:
+    async def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
         return await self.inner.list_backups(instance_id)
 
     async def restore(

@@ -33,7 +33,7 @@ from controlplane.settings import Settings
 from controlplane.tls import CaStore, CertificateAuthority, needs_new_certificate
 from provisioners.base import (
     BACKUP_KINDS,
-    Backup,
+    BackupInfo,
     ConnectionInfo,
     DataLost,
     DeprovisionResult,
@@ -491,7 +491,10 @@ class LocalProvisioner(Provisioner):
         if "plan" not in state:
             state.update(plan=spec.plan, generation=spec.generation)
             self._save_state(instance_id, state)
-        return ConnectionInfo(self.advertise_host, port, DBNAME, role, password, sslmode=SSLMODE)
+        ca = self._authority().cert_pem.decode()
+        return ConnectionInfo(
+            self.advertise_host, port, DBNAME, role, password, sslmode=SSLMODE, ca_certificate=ca
+        )
 
     async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return await self._step(instance_id, fence, lambda: self._apply_plan(instance_id, spec))
@@ -714,11 +717,11 @@ class LocalProvisioner(Provisioner):
         return True
 
     async def take_backup(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "scheduled"
-    ) -> Backup:
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
         return await self._step(instance_id, fence, lambda: self._take_backup(instance_id, spec, kind))
 
-    def _take_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, kind: str) -> Backup:
+    def _take_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, kind: str) -> BackupInfo:
         """pg_basebackup (tar, gzip, the WAL it needs included) into a partial directory, renamed."""
         if kind not in BACKUP_KINDS:
             raise PermanentError(f"unknown backup kind {kind!r}; kinds are {', '.join(BACKUP_KINDS)}")
@@ -749,7 +752,8 @@ class LocalProvisioner(Provisioner):
         meta = {
             "id": backup_id,
             "instance_id": str(instance_id),
-            "taken_at": taken.isoformat(),
+            # The end of the backup: the point its data is from (the WAL it holds reaches it).
+            "completed_at": dt.datetime.now(dt.UTC).isoformat(),
             "kind": kind,
             "size_bytes": sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()),
             "plan": spec.plan,
@@ -768,10 +772,10 @@ class LocalProvisioner(Provisioner):
         for old in held[: -max(1, keep)]:
             shutil.rmtree(old.location, ignore_errors=True)
 
-    async def list_backups(self, instance_id: uuid.UUID) -> list[Backup]:
+    async def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
         return await asyncio.to_thread(self._list_backups, instance_id)
 
-    def _list_backups(self, instance_id: uuid.UUID) -> list[Backup]:
+    def _list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
         root = self.backup_dir(instance_id)
         if not root.exists():
             return []
@@ -781,7 +785,7 @@ class LocalProvisioner(Provisioner):
             if entry.name.startswith(".") or not meta_path.exists():
                 continue
             held.append(_backup_of(entry, json.loads(meta_path.read_text())))
-        return sorted(held, key=lambda backup: backup.taken_at)
+        return sorted(held, key=lambda backup: backup.completed_at or "")
 
     async def restore(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
@@ -828,7 +832,7 @@ class LocalProvisioner(Provisioner):
             instance_id,
             {
                 **state,
-                "cluster_created_at": state.get("cluster_created_at") or meta["taken_at"],
+                "cluster_created_at": state.get("cluster_created_at") or meta["completed_at"],
                 "restored_from": backup_id,
             },
         )
@@ -853,10 +857,11 @@ class LocalProvisioner(Provisioner):
         return [row[0] for row in rows]
 
 
-def _backup_of(path: Path, meta: Mapping[str, Any]) -> Backup:
-    return Backup(
-        id=str(meta["id"]),
-        taken_at=dt.datetime.fromisoformat(str(meta["taken_at"])),
+def _backup_of(path: Path, meta: Mapping[str, Any]) -> BackupInfo:
+    return BackupInfo(
+        name=str(meta["id"]),
+        instance_id=uuid.UUID(str(meta["instance_id"])),
+        completed_at=str(meta["completed_at"]),
         kind=str(meta.get("kind", "scheduled")),
         size_bytes=None if meta.get("size_bytes") is None else int(meta["size_bytes"]),
         location=str(path),

@@ -117,6 +117,7 @@ async def test_get_shows_connection_with_password_once_ready(
         "user": "app_owner",
         "password": "s3cret/with:chars",
         "sslmode": None,
+        "ca_certificate": None,
         "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
     }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
@@ -344,5 +345,8 @@ async def test_lifecycle_and_plans_are_public(client: httpx.AsyncClient) -> None
     }
     plans = (await client.get("/v1/plans")).json()["items"]
     assert {"dev", "small"} <= {p["name"] for p in plans}
+    by_name = {p["name"]: p for p in plans}
+    assert (by_name["dev"]["instances"], by_name["dev"]["storage_gb"]) == (1, 1)
+    assert by_name["medium"]["instances"] == 3 and by_name["medium"]["memory"] == "1Gi"
     dev = next(p for p in plans if p["name"] == "dev")
     assert dev["backups"] == {"interval_s": 86400.0, "keep": 3}

@@ -218,14 +218,14 @@ async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instanc
         info = await local.initialize_database(iid, DEV, 1)
         with connect(info) as customer:
             customer.execute("CREATE TABLE t1 (x int)")
-        first = await local.take_backup(iid, DEV, 2)
+        first = await local.take_backup(iid, DEV, 2, kind="scheduled")
         with connect(info) as customer:
             customer.execute("CREATE TABLE t2 (x int)")
         second = await local.take_backup(iid, DEV, 2, kind="on_demand")
-        later = [await local.take_backup(iid, DEV, 2) for _ in range(2)]
+        later = [await local.take_backup(iid, DEV, 2, kind="scheduled") for _ in range(2)]
         # Retention: the plan keeps 3, the oldest goes.
         held = await local.list_backups(iid)
-        assert [b.id for b in held] == [second.id, *(b.id for b in later)]
+        assert [b.name for b in held] == [second.name, *(b.name for b in later)]
         assert held[0].kind == "on_demand" and not Path(first.location).exists()
         with connect(info) as customer:
             customer.execute("CREATE TABLE t3 (x int)")
@@ -236,7 +236,7 @@ async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instanc
         assert seen.data_lost and not seen.exists
         with pytest.raises(DataLost):
             await local.allocate_storage(iid, DEV, 3)
-        await local.restore(iid, DEV, 3, backup_id=second.id)
+        await local.restore(iid, DEV, 3, backup_id=second.name)
         await local.configure_network(iid, DEV, 3)
         again = await local.initialize_database(iid, DEV, 3, password=info.password)
         assert (again.port, again.user, again.password) == (info.port, info.user, info.password)

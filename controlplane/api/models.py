@@ -47,6 +47,28 @@ def _known_plan(value: str | None) -> str | None:
     return value
 
 
+class RestoreFrom(Strict):
+    instance_id: uuid.UUID = Field(description="an instance of this organisation, live or deleted")
+    backup: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="one of that instance's backups (its final backup is named in the audit log);"
+        " with point_in_time, the base the replay starts from",
+    )
+    point_in_time: Timestamp | None = Field(
+        None, description="RFC 3339, with a time zone: replay that instance's archive up to this moment"
+    )
+
+    @field_validator("point_in_time")
+    @classmethod
+    def _with_time_zone(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("point_in_time needs a time zone (RFC 3339)")
+        return value
+
+
 class InstanceCreate(Strict):
     name: str = Field(
         min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
@@ -58,6 +80,9 @@ class InstanceCreate(Strict):
     )
     region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
     deletion_protection: bool = False
+    restore_from: RestoreFrom | None = Field(
+        None, description="fill the new instance from another's backup or point in time (kubernetes)"
+    )
 
     _plan = field_validator("plan")(_known_plan)
 
@@ -79,8 +104,11 @@ class Connection(BaseModel):
     password: str | None = Field(description="shown by GET /v1/instances/{id} only")
     sslmode: str | None = Field(
         None,
-        description="verify-full: check the server's certificate against the CA of GET /v1/ca.pem"
-        " (libpq's sslrootcert)",
+        description="the libpq sslmode to connect with, when TLS is required (verify-full: check the"
+        " server's certificate against ca_certificate, or the CA of GET /v1/ca.pem)",
+    )
+    ca_certificate: str | None = Field(
+        None, description="PEM of the CA that signs the server's certificate (sslrootcert)"
     )
     uri: str
 
@@ -94,6 +122,9 @@ class Instance(BaseModel):
         " is pending or after it was given up"
     )
     region: str
+    instances: int | None = Field(description="PostgreSQL servers of the plan (a primary and standbys)")
+    storage_gb: int | None = Field(description="the volume of each server, GiB")
+    restore_from: RestoreFrom | None = Field(None, description="where its data came from, if restored")
     state: InstanceState
     state_version: int
     progress: str | None
@@ -248,6 +279,10 @@ class BackupSchedule(BaseModel):
 class Plan(BaseModel):
     name: str
     settings: dict[str, Any]
+    instances: int = Field(description="PostgreSQL servers: one primary, the rest standbys it fails over to")
+    storage_gb: int
+    cpu: str
+    memory: str
     backups: BackupSchedule
 
 

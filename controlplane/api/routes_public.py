@@ -89,6 +89,7 @@ async def list_plans() -> dict[str, Any]:
             {
                 "name": name,
                 "settings": dict(plans.PLANS[name]),
+                **plans.get_shape(name).as_dict(),
                 "backups": dataclasses.asdict(plans.backup_schedule(name)),
             }
             for name in plans.plan_names()

@@ -10,7 +10,7 @@ from functools import cache
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from controlplane import backups, lifecycle
+from controlplane import backups, lifecycle, plans
 from controlplane.api.errors import ProblemError
 from controlplane.secretbox import SecretBox
 
@@ -105,6 +105,7 @@ def connection(row: Mapping[str, Any], box: SecretBox, *, reveal: bool) -> dict[
         "user": user,
         "password": password,
         "sslmode": sslmode,
+        "ca_certificate": info.get("ca_certificate"),
         "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}{query}",
     }
 
@@ -112,12 +113,16 @@ def connection(row: Mapping[str, Any], box: SecretBox, *, reveal: bool) -> dict[
 def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) -> dict[str, Any]:
     """The API representation of an instance row (joined with its organisation's billing hold)."""
     spec = row["spec"] or {}
+    shape = plans.SHAPES.get(str(spec.get("plan")))
     return {
         "id": row["id"],
         "name": row["name"],
         "plan": spec.get("plan"),
         "observed_plan": (row["observed_spec"] or {}).get("plan"),
         "region": spec.get("region"),
+        "instances": None if shape is None else shape.instances,
+        "storage_gb": None if shape is None else max(shape.storage_gb, int(spec.get("storage_gb") or 0)),
+        "restore_from": spec.get("restore_from"),
         "state": row["state"],
         "state_version": row["state_version"],
         "progress": row["progress"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -10,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import httpx
 
@@ -147,17 +148,16 @@ def problem_line(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {detail}{extra}"
 
 
-def ca_file(api: Api) -> Path:
-    """The API's CA certificate in a file of this user's (CONTROLPLANE_CA_FILE, else one per API
-    under $XDG_CONFIG_HOME/controlplane), written when it is missing or differs."""
+def ca_file(api: Api, pem: str | None = None) -> Path:
+    """A CA certificate (`pem`, else the API's) in a file of this user's: CONTROLPLANE_CA_FILE, else
+    one per certificate under $XDG_CONFIG_HOME/controlplane; written when missing or different."""
+    pem = pem or api.ca_pem()
     configured = os.environ.get("CONTROLPLANE_CA_FILE")
     if configured:
         path = Path(configured).expanduser()
     else:
         base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-        where = urlsplit(str(api.client.base_url))
-        path = base / "controlplane" / f"ca-{where.hostname}-{where.port or 'default'}.pem"
-    pem = api.ca_pem()
+        path = base / "controlplane" / f"ca-{hashlib.sha256(pem.encode()).hexdigest()[:16]}.pem"
     if not path.exists() or path.read_text() != pem:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(pem)
@@ -165,11 +165,13 @@ def ca_file(api: Api) -> Path:
 
 
 def connection_uri(api: Api, connection: dict[str, Any]) -> str:
-    """The URI to give libpq (psql): with `sslrootcert` naming the CA when the server is verified."""
+    """The URI to give libpq (psql): with `sslrootcert` naming the CA when the server is verified
+    (the instance's own CA when its connection names one, else the API's)."""
     uri = str(connection["uri"])
     if connection.get("sslmode") not in ("verify-full", "verify-ca"):
         return uri
-    return f"{uri}&sslrootcert={quote(str(ca_file(api)), safe='/')}"
+    path = ca_file(api, connection.get("ca_certificate"))
+    return f"{uri}&sslrootcert={quote(str(path), safe='/')}"
 
 
 def show_instance(instance: dict[str, Any], as_json: bool, api: Api | None = None) -> None:

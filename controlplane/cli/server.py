@@ -24,6 +24,14 @@ PROVISIONER = (
     "local_listen_host",
     "kubernetes_namespace",
     "kubernetes_host",
+    "kubernetes_storage_class",
+    "kubernetes_image",
+    "kubernetes_backup_object_store",
+    "kubernetes_backup_schedule",
+    "kubernetes_expose",
+    "kubernetes_external_domain",
+    "kubernetes_client_cidrs",
+    "kubernetes_operator_namespace",
     "secret_key",
 )
 METRICS = ("metrics_port", "api_host")
