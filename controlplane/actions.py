@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from controlplane import lifecycle
+from controlplane.failures import DATA_LOST
 from controlplane.records import Instance
 
 # The customer actions an instance can list in `allowed_actions`, and what each one does.
@@ -10,6 +11,8 @@ CUSTOMER_ACTIONS: dict[str, str] = {
     "resize": "PATCH {plan}: runs now when ready, otherwise as soon as the instance is ready",
     "set_deletion_protection": "PATCH {deletion_protection}: takes effect at once",
     "delete": "DELETE: starts now when ready, degraded or suspended, otherwise as soon as it can",
+    "backup": "POST /backups: a backup now, beside the plan's schedule (ready or suspended)",
+    "restore": "POST /restore {backup_id | empty}: bring back an instance whose data is lost",
 }
 
 
@@ -26,7 +29,19 @@ def can_deprovision_now(state: str) -> bool:
     return "deprovision" in lifecycle.INSTANCE.allowed_events(state)
 
 
-def allowed_actions(state: str, *, deletion_protection: bool, deletion_requested: bool) -> list[str]:
+def can_back_up(state: str) -> bool:
+    """A backup can be taken: the instance's server runs (read-only while suspended)."""
+    return state in lifecycle.BACKED_UP
+
+
+def can_restore(state: str, failure_code: str | None) -> bool:
+    """A restore is for an instance whose data is lost (and that is waiting for it)."""
+    return state in lifecycle.RESTORABLE and failure_code == DATA_LOST
+
+
+def allowed_actions(
+    state: str, *, deletion_protection: bool, deletion_requested: bool, failure_code: str | None = None
+) -> list[str]:
     """Customer actions the instance accepts now, from the lifecycle and the recorded intents."""
     if deletion_requested:
         return []
@@ -35,6 +50,10 @@ def allowed_actions(state: str, *, deletion_protection: bool, deletion_requested
         actions += ["resize", "set_deletion_protection"]
     if can_still_deprovision(state) and not deletion_protection:
         actions.append("delete")
+    if can_back_up(state):
+        actions.append("backup")
+    if can_restore(state, failure_code):
+        actions.append("restore")
     return actions
 
 
@@ -44,4 +63,5 @@ def of(instance: Instance) -> list[str]:
         instance.state,
         deletion_protection=instance.deletion_protection,
         deletion_requested=instance.deletion_requested,
+        failure_code=instance.failure_code,
     )

@@ -55,6 +55,10 @@ class PreconditionFailed(DomainError):
         self.current_version = current_version
 
 
+class Unsupported(DomainError):
+    """Something this installation cannot do (its provisioner does not): a request to change, not retry."""
+
+
 class InvalidRequest(DomainError, ValueError):
     """A field of the request cannot be used as given."""
 

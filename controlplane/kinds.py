@@ -23,7 +23,9 @@ SUSPEND = "suspend"
 RESUME = "resume"
 HEAL = "heal"
 DEPROVISION = "deprovision"
-INSTANCE_JOB_KINDS = (PROVISION, UPDATE, SUSPEND, RESUME, HEAL, DEPROVISION)
+BACKUP = "backup"
+RESTORE = "restore"
+INSTANCE_JOB_KINDS = (PROVISION, UPDATE, SUSPEND, RESUME, HEAL, DEPROVISION, BACKUP, RESTORE)
 
 P = TypeVar("P", bound="Payload")
 
@@ -107,6 +109,26 @@ class DeprovisionPayload(Payload):
         return value
 
 
+@dataclass(frozen=True)
+class BackupPayload(Payload):
+    kind: ClassVar[str] = BACKUP
+    # Why the backup is taken (provisioners.base.BACKUP_KINDS: scheduled, on_demand), kept with it.
+    backup_kind: str = "scheduled"
+
+
+@dataclass(frozen=True)
+class RestorePayload(Payload):
+    """A restore of an instance whose data is lost, as someone (or the policy) decided it."""
+
+    kind: ClassVar[str] = RESTORE
+    # The held backup to restore; None: the newest one held (unless `empty`).
+    backup_id: str | None = None
+    # Re-initialise empty: the loss of the data was accepted.
+    empty: bool = False
+    # Who decided (an actor); None: the reconciler, by policy (the newest backup).
+    accepted_by: str | None = None
+
+
 PAYLOADS: Mapping[str, type[Payload]] = MappingProxyType(
     {
         cls.kind: cls
@@ -117,6 +139,8 @@ PAYLOADS: Mapping[str, type[Payload]] = MappingProxyType(
             ResumePayload,
             HealPayload,
             DeprovisionPayload,
+            BackupPayload,
+            RestorePayload,
         )
     }
 )

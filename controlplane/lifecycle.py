@@ -204,6 +204,13 @@ PROVISIONING = INSTANCE.states_allowing("start_provisioning", "provisioned")
 GONE_OR_GOING = _in_table_order(INSTANCE, INSTANCE.terminal | frozenset(INSTANCE.targets_of("deprovision")))
 # Live instances that have had a server (every live state reachable from `ready`).
 WITH_SERVER = _in_table_order(INSTANCE, frozenset(INSTANCE.live_states()) & INSTANCE.reachable_from("ready"))
+# Instances whose server runs and serves their data (read-only while suspended): the sources and
+# the target of `suspend`. They are backed up, by the plan's schedule or on demand.
+BACKED_UP = _in_table_order(
+    INSTANCE, frozenset(INSTANCE.states_allowing("suspend")) | frozenset(INSTANCE.targets_of("suspend"))
+)
+# Instances a restore can bring back to ready (with `recover`), once their data is lost.
+RESTORABLE = INSTANCE.states_allowing("recover")
 # Terminal job states, in table order (the partial indexes' predicate).
 JOB_TERMINAL = _in_table_order(JOB, JOB.terminal)
 # Jobs a worker holds: claimed or running, heartbeated, watched by the supervisor.

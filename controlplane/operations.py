@@ -8,13 +8,26 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from controlplane import abandonment, kinds, lifecycle, sql
+from controlplane import abandonment, actions, kinds, lifecycle, sql
+from controlplane.domain_errors import NotFound
 from controlplane.errors import PermanentError, TemporaryError
+from controlplane.failures import DATA_LOST
 from controlplane.instances import transition_instance
-from controlplane.kinds import DEPROVISION, HEAL, INSTANCE_JOB_KINDS, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.kinds import (
+    BACKUP,
+    DEPROVISION,
+    HEAL,
+    INSTANCE_JOB_KINDS,
+    PROVISION,
+    RESTORE,
+    RESUME,
+    SUSPEND,
+    UPDATE,
+)
 from controlplane.records import Instance, InstancePatch
 from controlplane.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
 from controlplane.secretbox import SecretBox, load_box
+from controlplane.services import backups
 from controlplane.transitions import Conflict
 from provisioners.base import (
     JOB_ATTEMPT,
@@ -46,9 +59,29 @@ def _not_now(inst: Instance) -> Verdict:
     return NOTHING_TO_DO if inst.state in lifecycle.GONE_OR_GOING else _deferred(inst)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a heal or a restore brings an instance back to: the declared spec, or the one it last
+    ran when the declared generation was given up (rolled back)."""
+
+    declared: Mapping[str, Any]
+    spec: InstanceSpec
+    rolled_back: bool
+
+
+async def _named(step: str, work: Callable[[], Awaitable[T]]) -> T:
+    """Run one provisioner call; its errors name the step."""
+    try:
+        return await work()
+    except PermanentError as exc:
+        raise PermanentError(f"{step}: {exc}") from exc
+    except TemporaryError as exc:
+        raise TemporaryError(f"{step}: {exc}", exc.delay_s) from exc
+
+
 @dataclass
 class Operations:
-    """The six instance operations over one provisioner (their abandonment hooks need none:
+    """The instance operations over one provisioner (their abandonment hooks need none:
     `controlplane.abandonment`)."""
 
     provisioner: Provisioner
@@ -91,12 +124,7 @@ class Operations:
     async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one provisioner step with its progress shown; its errors name the step."""
         await self._progress(ctx, inst, step)
-        try:
-            return await work()
-        except PermanentError as exc:
-            raise PermanentError(f"{step}: {exc}") from exc
-        except TemporaryError as exc:
-            raise TemporaryError(f"{step}: {exc}", exc.delay_s) from exc
+        return await _named(step, work)
 
     async def _drive(
         self, ctx: JobContext, decide: Callable[[JobContext, Instance], Awaitable[Verdict]]
@@ -116,7 +144,7 @@ class Operations:
 
     @staticmethod
     def _spec(inst: Instance) -> InstanceSpec:
-        return InstanceSpec.from_row(inst.spec, int(inst.spec_generation))
+        return InstanceSpec.from_row(inst.spec, int(inst.spec_generation), org_id=inst.org_id)
 
     @staticmethod
     def _box(ctx: JobContext) -> SecretBox:
@@ -161,6 +189,7 @@ class Operations:
             return NOTHING_TO_DO
         spec = self._spec(inst)
         iid, fence, p = inst.id, ctx.fence, self.provisioner
+        p.refuse_unsupported_restore(spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         info = await self._step(
@@ -264,21 +293,50 @@ class Operations:
         return await self._drive(ctx, self._heal)
 
     async def _heal(self, ctx: JobContext, inst: Instance) -> Verdict:
-        """degraded -> ready after re-running every step: each adopts what is there, repairs the rest."""
+        """degraded -> ready after re-running every step: each adopts what is there, repairs the rest.
+
+        Never over lost data: re-running the steps would make an empty database that says ready.
+        """
         if inst.state != "degraded":
             return NOTHING_TO_DO
-        declared = inst.spec
-        spec = self._spec(inst)
-        rolled_back = False
-        if inst.observed_spec is not None and inst.failed_generation == inst.spec_generation:
-            # The latest plan change was given up: heal to the plan it last ran, not to the one that
-            # may have broken it. The declared spec stays, for the customer to change again.
-            rolled_back = True
-            declared = inst.observed_spec
-            spec = InstanceSpec.from_row(declared, int(inst.observed_generation))
         iid, fence, p = inst.id, ctx.fence, self.provisioner
         before = await p.observe(iid)
-        await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
+        if inst.failure_code == DATA_LOST or before.data_lost:
+            raise PermanentError(
+                "heal: the instance's data is lost; it comes back only with a restore (from a backup, "
+                "or empty once that is accepted)"
+            )
+        target = self._target(inst)
+        await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
+        info = await self._bring_up(ctx, inst, target)
+        rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
+        await self._move(
+            ctx,
+            inst,
+            "recover",
+            reason=f"repaired ({before.detail})" + rolled,
+            detail={
+                "before": before.as_dict(),
+                "endpoint": f"{info.host}:{info.port}",
+                "plan": target.spec.plan,
+                "rolled_back": target.rolled_back,
+            },
+            patch=self._recovered(ctx, inst, info, target),
+        )
+        return {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+
+    def _target(self, inst: Instance) -> Target:
+        if inst.observed_spec is not None and inst.failed_generation == inst.spec_generation:
+            # The latest plan change was given up: back to the plan it last ran, not to the one that
+            # may have broken it. The declared spec stays, for the customer to change again.
+            declared = inst.observed_spec
+            spec = InstanceSpec.from_row(declared, int(inst.observed_generation), org_id=inst.org_id)
+            return Target(declared, spec, True)
+        return Target(inst.spec, self._spec(inst), False)
+
+    async def _bring_up(self, ctx: JobContext, inst: Instance, target: Target) -> ConnectionInfo:
+        """The steps after storage, as a heal and a restore both need them; the server healthy."""
+        iid, fence, p, spec = inst.id, ctx.fence, self.provisioner, target.spec
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         await self._step(ctx, inst, "resume", lambda: p.resume(iid, spec, fence))
         info = await self._step(
@@ -290,28 +348,91 @@ class Operations:
         await self._step(ctx, inst, "apply_plan", lambda: p.apply_plan(iid, spec, fence))
         after = await p.observe(iid)
         if not after.healthy:
-            raise TemporaryError(f"heal: instance still unhealthy: {after.detail}")
+            raise TemporaryError(f"{ctx.job['kind']}: instance still unhealthy: {after.detail}")
+        return info
+
+    def _recovered(
+        self, ctx: JobContext, inst: Instance, info: ConnectionInfo, target: Target
+    ) -> InstancePatch:
+        """The patch of a `recover`: credentials if changed, the spec applied, nothing wrong any more."""
+        return self._credentials_patch(
+            ctx,
+            inst,
+            info,
+            InstancePatch(
+                observed_generation=target.spec.generation,
+                observed_spec=target.declared,
+                failure_reason=None,
+                failure_code=None,
+            ),
+        )
+
+    # ---- backup and restore -----------------------------------------------------------------
+
+    async def backup(self, ctx: JobContext) -> Verdict:
+        """A backup of a running instance (ready or suspended); the record then follows the provisioner's."""
+        inst = await self._load(ctx)
+        if not actions.can_back_up(inst.state):
+            return {"result": "nothing to do", "why": f"instance is {inst.state}"}
+        payload = ctx.typed_payload(kinds.BackupPayload)
+        token = JOB_ATTEMPT.set(ctx.attempt)
+        try:
+            taken = await _named(
+                "take_backup",
+                lambda: self.provisioner.take_backup(
+                    inst.id, self._spec(inst), ctx.fence, kind=payload.backup_kind
+                ),
+            )
+        finally:
+            JOB_ATTEMPT.reset(token)
+        listing = await self.provisioner.list_backups(inst.id)
+        async with ctx.pool.connection() as conn:
+            await backups.record(conn, inst.id, listing)
+        return {"result": "backed up", "backup": taken.name, "held": len(listing)}
+
+    async def restore(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._restore)
+
+    async def _restore(self, ctx: JobContext, inst: Instance) -> Verdict:
+        """degraded (data lost) -> ready with the data of a held backup, or empty once accepted."""
+        if not actions.can_restore(inst.state, inst.failure_code):
+            return {"result": "nothing to do", "why": f"instance is {inst.state}, its data not lost"}
+        payload = ctx.typed_payload(kinds.RestorePayload)
+        async with ctx.pool.connection() as conn:
+            try:
+                source = await backups.backup_to_restore(conn, inst.id, payload)
+            except NotFound as exc:
+                raise PermanentError(f"restore: {exc}") from exc
+        iid, fence, p, target = inst.id, ctx.fence, self.provisioner, self._target(inst)
+        backup_id = None if source is None else source.backup_id
+        await self._step(
+            ctx, inst, "restore", lambda: p.restore(iid, target.spec, fence, backup_id=backup_id)
+        )
+        info = await self._bring_up(ctx, inst, target)
+        accepted_by = payload.accepted_by
+        if source is None:
+            reason = "re-initialised empty: the loss of its data was accepted"
+        else:
+            taken = source.taken_at.isoformat(timespec="seconds")
+            reason = f"restored from backup {backup_id} taken at {taken}; changes made after it are lost"
         await self._move(
             ctx,
             inst,
             "recover",
-            reason=f"repaired ({before.detail})" + (f", back on plan {spec.plan}" if rolled_back else ""),
+            reason=reason
+            + (f" (decided by {accepted_by})" if accepted_by else " (the newest backup, by policy)"),
             detail={
-                "before": before.as_dict(),
+                "code": DATA_LOST,
+                "restored_from": backup_id,
+                "taken_at": None if source is None else source.taken_at.isoformat(),
+                "empty": source is None,
+                "accepted_by": accepted_by,
+                "why": payload.reason,
                 "endpoint": f"{info.host}:{info.port}",
-                "plan": spec.plan,
-                "rolled_back": rolled_back,
             },
-            patch=self._credentials_patch(
-                ctx,
-                inst,
-                info,
-                InstancePatch(
-                    observed_generation=spec.generation, observed_spec=declared, failure_reason=None
-                ),
-            ),
+            patch=self._recovered(ctx, inst, info, target),
         )
-        return {"result": "ready", "repaired": before.detail, "plan": spec.plan}
+        return {"result": "ready", "restored_from": backup_id, "empty": source is None}
 
     # ---- deprovision ------------------------------------------------------------------------
 
@@ -365,14 +486,16 @@ class Operations:
 
 
 def kind_table(operations: Operations | None) -> list[JobKind]:
-    """The six instance job kinds: handlers over `operations` (none without), abandonment hooks."""
-    hooks: dict[str, AbandonHook] = {
+    """The instance job kinds: handlers over `operations` (none without), abandonment hooks."""
+    hooks: dict[str, AbandonHook | None] = {
         PROVISION: abandonment.provision_abandoned,
         UPDATE: abandonment.update_abandoned,
         SUSPEND: abandonment.degrade_abandoned,
         RESUME: abandonment.degrade_abandoned,
         HEAL: abandonment.degrade_abandoned,
         DEPROVISION: abandonment.deprovision_abandoned,
+        BACKUP: None,
+        RESTORE: abandonment.degrade_abandoned,
     }
     handlers: dict[str, Handler] = {}
     if operations is not None:
@@ -383,6 +506,8 @@ def kind_table(operations: Operations | None) -> list[JobKind]:
             RESUME: operations.resume,
             HEAL: operations.heal,
             DEPROVISION: operations.deprovision,
+            BACKUP: operations.backup,
+            RESTORE: operations.restore,
         }
     return [JobKind(name, handlers.get(name), on_abandoned=hooks[name]) for name in INSTANCE_JOB_KINDS]
 

@@ -46,6 +46,8 @@ class Instance(_Record):
     deadline_at: datetime | None
     deadline_retries: int
     failure_reason: str | None
+    # A stable code of what is wrong (controlplane.failures), beside the reason's words.
+    failure_code: str | None
     progress: str | None
     deletion_protection: bool
     deletion_requested_at: datetime | None
@@ -90,8 +92,12 @@ class ScannedInstance(_Record):
     deletion_requested: bool
     suspended_by_billing: bool
     billing_hold: bool
+    failure_code: str | None
+    created_at: datetime
     # The kinds of its live jobs.
     live_jobs: tuple[str, ...]
+    # When the newest backup held of it was taken (None: none held).
+    newest_backup_at: datetime | None
     # The time of the scan: the injected `now`, else the database's.
     now: datetime
 
@@ -126,6 +132,22 @@ class Job(_Record):
     updated_at: datetime
 
 
+@dataclass(frozen=True)
+class Backup(_Record):
+    """One row of `backups`: a backup the control plane holds of an instance."""
+
+    instance_id: uuid.UUID
+    backup_id: str
+    # provisioners.base.BACKUP_KINDS: scheduled or on_demand.
+    kind: str
+    taken_at: datetime
+    size_bytes: int | None
+    # Where the provisioner keeps it: for SREs, never shown to customers.
+    location: str
+    recorded_at: datetime
+    removed_at: datetime | None
+
+
 class _Keep(enum.Enum):
     """A patch field left as it is (absent from the JSON), as opposed to set to None (SQL NULL)."""
 
@@ -158,6 +180,7 @@ class InstancePatch:
     deadline_s: float | None = None
     deadline_retries: int | None = None
     failure_reason: str | _Keep | None = KEEP
+    failure_code: str | _Keep | None = KEEP
     observed_generation: int | _Keep = KEEP
     failed_generation: int | _Keep | None = KEEP
     observed_spec: Mapping[str, Any] | _Keep | None = KEEP

@@ -13,6 +13,7 @@ flat names (`worker_concurrency=3`), and read no environment: only `load` does.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import typing
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,12 @@ MASK = "**********"
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used (one line: the variable, the value, what is allowed)."""
+
+
+class NotAvailable(SettingsError):
+    """Valid settings point at something that cannot be used now: the data directory another `up`
+    holds, a port in use, an embedded database that is not running. One line, as a SettingsError,
+    but not a usage error: the same command works once the machine's state changes."""
 
 
 def env_name(flat_name: str) -> str:
@@ -71,7 +78,8 @@ class DatabaseSettings(_Group):
         None,
         "database_url",
         "The control plane's own PostgreSQL (`postgresql://...`). Empty: the embedded server under "
-        "`data_dir/db`.",
+        "`data_dir/db`, which only `up` starts (the other commands use it while `up` runs, and "
+        "otherwise say so).",
     )
     pg_bindir: Path | None = _setting(
         None,
@@ -268,6 +276,54 @@ class ProvisionerSettings(_Group):
         "kubernetes_token",
         "Bearer token for `kubernetes_host` (with a host only; in-cluster and kubeconfig bring their own).",
     )
+    kubernetes_storage_class: str | None = _setting(
+        None,
+        "kubernetes_storage_class",
+        "Storage class of the instances' volumes; empty: the cluster's default (it must allow expansion "
+        "for plan upgrades to grow volumes).",
+    )
+    kubernetes_image: str | None = _setting(
+        None,
+        "kubernetes_image",
+        "PostgreSQL image of every instance; empty: `ghcr.io/cloudnative-pg/postgresql:<version>` when "
+        "the spec names a version, else the operator's default.",
+    )
+    kubernetes_backup_object_store: str | None = _setting(
+        None,
+        "kubernetes_backup_object_store",
+        "Name of a barman-cloud `ObjectStore` in the instances namespace: WAL archive, scheduled and "
+        "final backups, restores. Empty: no continuous backup, no restore, and a delete needs "
+        "`skip_final_backup`.",
+    )
+    kubernetes_backup_schedule: str = _setting(
+        "0 0 3 * * *",
+        "kubernetes_backup_schedule",
+        "When the scheduled base backup runs (six-field cron, seconds first); the first runs at once.",
+    )
+    kubernetes_expose: str = _setting(
+        "cluster",
+        "kubernetes_expose",
+        "`cluster` (the `-rw` Service, inside the Kubernetes cluster) or `loadbalancer` (a "
+        "`LoadBalancer` Service per instance as well; needs the external domain).",
+    )
+    kubernetes_external_domain: str | None = _setting(
+        None,
+        "kubernetes_external_domain",
+        "DNS zone of external names: an exposed instance is `pg-<id>.<domain>`, in its server "
+        "certificate and on its Service for external-dns.",
+    )
+    kubernetes_client_cidrs: str | None = _setting(
+        None,
+        "kubernetes_client_cidrs",
+        "Comma-separated networks allowed to reach exposed instances (the Service's source ranges and "
+        "the NetworkPolicy); empty: anywhere.",
+    )
+    kubernetes_operator_namespace: str = _setting(
+        "cnpg-system",
+        "kubernetes_operator_namespace",
+        "Namespace of the CloudNativePG operator, whose pods the NetworkPolicy admits to the instances' "
+        "status port.",
+    )
     faults: str | None = _setting(
         None,
         "faults",
@@ -292,6 +348,29 @@ class ProvisionerSettings(_Group):
             allowed = f"at most {env_name('local_port_max')} ({self.local_port_max})"
             raise ValueError(_cross("local_port_min", allowed, self.local_port_min))
         return self
+
+    @model_validator(mode="after")
+    def _kubernetes_exposure(self) -> ProvisionerSettings:
+        """How instances are reached: these refusals name their variables themselves."""
+        expose = env_name("kubernetes_expose")
+        if self.kubernetes_expose not in {"cluster", "loadbalancer"}:
+            raise ValueError(f"{expose}={self.kubernetes_expose!r}: expected cluster or loadbalancer")
+        if self.kubernetes_expose == "loadbalancer" and not self.kubernetes_external_domain:
+            raise ValueError(
+                f"{expose}=loadbalancer needs {env_name('kubernetes_external_domain')}:"
+                " the name clients verify the server's certificate against"
+            )
+        for cidr in self.client_cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{env_name('kubernetes_client_cidrs')}: {cidr!r} is not a CIDR") from None
+        return self
+
+    @property
+    def client_cidrs(self) -> tuple[str, ...]:
+        """CONTROLPLANE_KUBERNETES_CLIENT_CIDRS as a tuple (empty when unset)."""
+        return tuple(part.strip() for part in (self.kubernetes_client_cidrs or "").split(",") if part.strip())
 
 
 class BillingSettings(_Group):
@@ -331,8 +410,9 @@ class Settings(BaseSettings):
     data_dir: Path = _setting(
         Path(".controlplane"),
         "data_dir",
-        "Everything kept on disk: the embedded database, instance servers (`instances/`), final backups "
-        "(`backups/`), the secret key, the admin key that `up` saved.",
+        "Everything kept on disk: the embedded database, instance servers (`instances/`), backups "
+        "(`backups/<instance id>/` and the final dumps), the CA (`tls/`), the secret key, the admin key "
+        "that `up` saved, and `up.lock` (held by the running `up`).",
     )
     secret_key: SecretStr | None = _setting(
         None,

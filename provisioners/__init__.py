@@ -17,22 +17,33 @@ def build(settings: Settings) -> Provisioner:
     """
     from provisioners.faults import FaultyProvisioner, parse_faults
 
-    inner: Provisioner
-    if settings.provisioner.kind == "local":
-        from provisioners.local import LocalProvisioner
-
-        inner = LocalProvisioner(settings)
-    elif settings.provisioner.kind == "kubernetes":
-        from provisioners.kubernetes import KubernetesProvisioner
-
-        inner = KubernetesProvisioner.from_settings(settings)
-    elif settings.provisioner.kind == "noop":
-        from provisioners.noop import NoopProvisioner
-
-        inner = NoopProvisioner()
-    else:
-        raise ValueError(
-            f"unknown provisioner {settings.provisioner.kind!r}: expected local, kubernetes or noop"
-        )
+    inner = provisioner_class(settings.provisioner.kind).from_settings(settings)
     faults = parse_faults(settings.provisioner.faults)
     return FaultyProvisioner(inner, faults) if faults else inner
+
+
+def provisioner_class(kind: str) -> type[Provisioner]:
+    """The class of the provisioner `kind` names (what it can do is on the class)."""
+    if kind == "local":
+        from provisioners.local import LocalProvisioner
+
+        return LocalProvisioner
+    if kind == "kubernetes":
+        from provisioners.kubernetes import KubernetesProvisioner
+
+        return KubernetesProvisioner
+    if kind == "noop":
+        from provisioners.noop import NoopProvisioner
+
+        return NoopProvisioner
+    raise ValueError(f"unknown provisioner {kind!r}: expected local, kubernetes or noop")
+
+
+def supports_restore(kind: str) -> bool:
+    """Whether provisioner `kind` fills a new instance from another's backup (known without building one)."""
+    return provisioner_class(kind).supports_restore
+
+
+def supports_backups(kind: str) -> bool:
+    """Whether provisioner `kind` takes the backups the control plane schedules and restores in place."""
+    return provisioner_class(kind).supports_backups

@@ -13,8 +13,9 @@ from datetime import datetime, timedelta
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane import jobs, kinds, lifecycle, metrics, sql
+from controlplane import jobs, kinds, lifecycle, metrics, plans, sql
 from controlplane.db import AsyncConn
+from controlplane.failures import DATA_LOST
 from controlplane.kinds import RESUME, SUSPEND
 from controlplane.records import InstancePatch, ScannedInstance
 from controlplane.registry import JobRegistry
@@ -51,8 +52,15 @@ class PassSummary:
         metrics.RECONCILE_ACTIONS.labels(action).inc()
 
 
+def _backup_interval_s(inst: ScannedInstance, backed_up: bool) -> float | None:
+    plan = str((inst.spec or {}).get("plan"))
+    if not backed_up or not plans.is_plan(plan):
+        return None
+    return plans.backup_schedule(plan).interval_s
+
+
 def _view(
-    inst: ScannedInstance, observed: planning.Observed | None, settings: Settings
+    inst: ScannedInstance, observed: planning.Observed | None, settings: Settings, *, backed_up: bool = False
 ) -> planning.InstanceView:
     heal_not_before = None
     if inst.heal_given_up_at is not None:
@@ -75,6 +83,10 @@ def _view(
         observed=observed,
         failed_generation=inst.failed_generation,
         heal_not_before=heal_not_before,
+        failure_code=inst.failure_code,
+        newest_backup_at=inst.newest_backup_at,
+        created_at=inst.created_at,
+        backup_interval_s=_backup_interval_s(inst, backed_up),
     )
 
 
@@ -123,8 +135,9 @@ class Reconciler:
             scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
         summary.scanned = len(scanned)
         observations = await self._observe_all(scanned, summary)
+        backed_up = self.provisioner.supports_backups
         for inst in scanned:
-            view = _view(inst, observations.get(inst.id), self.settings)
+            view = _view(inst, observations.get(inst.id), self.settings, backed_up=backed_up)
             actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
             if actions:
                 await self._apply(inst, actions, summary)
@@ -175,6 +188,7 @@ class Reconciler:
                 healthy=seen.healthy,
                 read_only=bool(seen.read_only),
                 detail=seen.detail,
+                data_lost=seen.data_lost,
             )
 
         results = await asyncio.gather(*(observe(i) for i in targets))
@@ -202,7 +216,10 @@ class Reconciler:
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
-            patch = InstancePatch(failure_reason=action.reason if failing else None)
+            patch = InstancePatch(
+                failure_reason=action.reason if failing else None,
+                failure_code=action.code if failing else None,
+            )
             if inst.state == "updating" and failing:
                 # An update past its deadline and its retries is given up, as an abandoned one is.
                 patch = replace(patch, failed_generation=inst.spec_generation)
@@ -219,6 +236,21 @@ class Reconciler:
             )
             summary.count(action.event)
             log.info("instance %s: %s (%s)", inst.id, action.event, action.reason)
+            if action.code == DATA_LOST:
+                self._data_lost(inst, action.reason)
+        elif isinstance(action, planning.RecordFailure):
+            await conn.execute(
+                sql.SET_FAILURE_IN_PLACE,
+                {
+                    "id": inst.id,
+                    "state_version": inst.state_version,
+                    "code": action.code,
+                    "reason": action.reason,
+                },
+            )
+            summary.count(f"record_{action.code}")
+            if action.code == DATA_LOST:
+                self._data_lost(inst, action.reason)
         elif isinstance(action, planning.Enqueue):
             payload = _payload(action.kind, action.reason, inst.billing_hold)
             result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)
@@ -232,6 +264,18 @@ class Reconciler:
                 {"id": inst.id, "state_version": inst.state_version, "deadline_s": deadline_s},
             )
             summary.count("deadline_retry")
+
+    def _data_lost(self, inst: ScannedInstance, reason: str) -> None:
+        metrics.DATA_LOSS.inc()
+        log.error(
+            "instance %s (%s): %s; it comes back only with a restore: from the newest backup held"
+            " (%s), or as someone decides",
+            inst.id,
+            inst.state,
+            reason,
+            inst.newest_backup_at or "none held",
+            extra={"instance_id": str(inst.id), "failure_code": DATA_LOST},
+        )
 
     async def _record_gauges(self, conn: AsyncConn) -> None:
         cursor = await conn.execute(sql.COUNT_LIVE_INSTANCES)

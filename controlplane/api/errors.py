@@ -30,6 +30,7 @@ from controlplane.domain_errors import (
     NameTaken,
     NotFound,
     PreconditionFailed,
+    Unsupported,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ DOMAIN_KINDS: tuple[tuple[type[DomainError], str], ...] = (
     (Conflict, "conflict"),
     (PreconditionFailed, "precondition-failed"),
     (InvalidRequest, "validation"),
+    (Unsupported, "validation"),
 )
 
 

@@ -27,6 +27,7 @@ from controlplane.api.models import (
 from controlplane.api.state import AppState, app_state
 from controlplane.records import Instance as InstanceRecord
 from controlplane.services import instances
+from provisioners.base import RestoreSource
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 
@@ -59,7 +60,7 @@ def _json(doc: dict[str, Any], status: int) -> JSONResponse:
     response_model=Instance,
     responses={
         202: {"headers": {"Location": {"schema": {"type": "string"}}}},
-        **errors.responses(400, 401, 403, 409, 413, 422),
+        **errors.responses(400, 401, 403, 404, 409, 413, 422),
     },
     summary="Create an instance (provisioned in the background)",
 )
@@ -70,8 +71,16 @@ async def create(
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
     state = app_state(request)
+    restore_from = None
+    if body.restore_from is not None:
+        restore_from = RestoreSource.from_spec(body.restore_from.model_dump(mode="json"))
     asked = instances.CreateInstance(
-        who.org_id, body.name, body.plan, body.region, deletion_protection=body.deletion_protection
+        who.org_id,
+        body.name,
+        body.plan,
+        body.region,
+        deletion_protection=body.deletion_protection,
+        restore_from=restore_from,
     )
     digest = idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
     async with state.pool.connection() as conn, conn.transaction():

@@ -16,6 +16,7 @@ from controlplane.secretbox import SecretBox
 from controlplane.services.policy import Policy
 from controlplane.settings import Settings
 from controlplane.tenants import Principal
+from provisioners.base import Provisioner
 
 
 class KeyCache:
@@ -59,6 +60,17 @@ class AppState:
     head_revision: str | None = None
     job_registry: JobRegistry | None = None
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
+    # The provisioner of the instances (for the CA it publishes); built on first use when not given.
+    provisioner: Provisioner | None = None
+
+
+def provisioner_of(state: AppState) -> Provisioner:
+    """The application's provisioner: the one it was given, else one built from its settings."""
+    if state.provisioner is None:
+        import provisioners
+
+        state.provisioner = provisioners.build(state.settings)
+    return state.provisioner
 
 
 def app_state(request: HTTPConnection) -> AppState:

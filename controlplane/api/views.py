@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from controlplane import actions
+from controlplane import actions, plans
 from controlplane.api.errors import ProblemError
 from controlplane.records import Instance as InstanceRecord
 from controlplane.secretbox import SecretBox
@@ -26,24 +26,32 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
     dbname, user = str(info.get("dbname", "postgres")), str(info.get("user", "postgres"))
     password = box.decrypt(inst.secret) if reveal and inst.secret else None
     credentials = quote(user, safe="") + (f":{quote(password, safe='')}" if password is not None else "")
+    sslmode = info.get("sslmode")
+    query = f"?sslmode={quote(str(sslmode), safe='')}" if sslmode else ""
     return {
         "host": host,
         "port": port,
         "dbname": dbname,
         "user": user,
         "password": password,
-        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}",
+        "sslmode": sslmode,
+        "ca_certificate": info.get("ca_certificate"),
+        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}{query}",
     }
 
 
 def instance(inst: InstanceRecord, box: SecretBox, *, reveal: bool = False) -> dict[str, Any]:
     """The API representation of an instance (read with its organisation's billing hold)."""
+    shape = plans.SHAPES.get(str(inst.plan))
     return {
         "id": inst.id,
         "name": inst.name,
         "plan": inst.spec.get("plan"),
         "observed_plan": (inst.observed_spec or {}).get("plan"),
         "region": inst.spec.get("region"),
+        "instances": None if shape is None else shape.instances,
+        "storage_gb": None if shape is None else max(shape.storage_gb, int(inst.spec.get("storage_gb") or 0)),
+        "restore_from": inst.spec.get("restore_from"),
         "state": inst.state,
         "state_version": inst.state_version,
         "progress": inst.progress,
@@ -55,6 +63,7 @@ def instance(inst: InstanceRecord, box: SecretBox, *, reveal: bool = False) -> d
         "time_in_state_s": max(0.0, round(float(inst.time_in_state_s or 0.0), 3)),
         "deadline_at": inst.deadline_at,
         "failure_reason": inst.failure_reason,
+        "failure_code": inst.failure_code,
         "deletion_protection": inst.deletion_protection,
         "billing_hold": inst.billing_hold,
         "deletion_requested": inst.deletion_requested,

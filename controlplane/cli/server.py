@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import aio, db, logs, operations, roles
+from controlplane import aio, datadir, db, logs, operations, roles
 from controlplane.cli.common import add_settings_flags, settings_from
 from controlplane.registry import load_registry
 from controlplane.settings import Settings
@@ -34,6 +34,14 @@ PROVISIONER = (
     "kubernetes_namespace",
     "kubernetes_host",
     "kubernetes_token",
+    "kubernetes_storage_class",
+    "kubernetes_image",
+    "kubernetes_backup_object_store",
+    "kubernetes_backup_schedule",
+    "kubernetes_expose",
+    "kubernetes_external_domain",
+    "kubernetes_client_cidrs",
+    "kubernetes_operator_namespace",
     "faults",
     "secret_key",
 )
@@ -112,16 +120,17 @@ def _configured(args: argparse.Namespace, default_format: str = "json") -> Setti
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if settings.database.url_value:
-        db.migrate(db.libpq_url(settings.database.url_value))
+    if settings.database.url_value or datadir.holder(settings.data_dir) is not None:
+        db.migrate(db.resolve_database_url(settings))  # the configured URL, or the running `up`'s
     else:
         from controlplane.embedded import open_embedded
 
-        embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
-        try:
-            db.migrate(embedded.create_database())
-        finally:
-            if embedded.started_here:
+        # No `up` runs here: the embedded server is started for the migration only, under the lock.
+        with datadir.held(settings.data_dir):
+            embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
+            try:
+                db.migrate(embedded.create_database())
+            finally:
                 embedded.stop()
     print(f"database migrated to revision {db.head_revision()}")
     return 0
@@ -131,7 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
     # The API runs no job, so it needs no provisioner: only the kinds' abandonment hooks (of the
-    # instance operations, or of the kinds CONTROLPLANE_JOB_REGISTRY names).
+    # instance operations, or of the kinds CONTROLPLANE_JOB_REGISTRY names). The one whose CA it
+    # publishes (GET /v1/ca.pem) is built when first asked for, and closed with the application.
     spec = settings.worker.job_registry
     registry = load_registry(spec) if spec else operations.registry()
 

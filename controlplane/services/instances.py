@@ -13,10 +13,17 @@ from dataclasses import dataclass
 from controlplane import actions, db, instances, jobs, kinds, lifecycle, sql
 from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
-from controlplane.domain_errors import DeletionProtected, InvalidState, NotFound, PreconditionFailed
+from controlplane.domain_errors import (
+    DeletionProtected,
+    InvalidState,
+    NotFound,
+    PreconditionFailed,
+    Unsupported,
+)
 from controlplane.records import Instance
 from controlplane.services.policy import Policy
 from controlplane.transitions import Actor
+from provisioners.base import RestoreSource
 
 # Deletion can start at once from these states; from the others it waits (the reconciler enqueues it).
 DEPROVISIONABLE_NOW = lifecycle.INSTANCE.states_allowing("deprovision")
@@ -40,6 +47,8 @@ class CreateInstance:
     plan: str
     region: str | None = None
     deletion_protection: bool = False
+    # Fill the new instance from another instance's backup or point in time (of the same organisation).
+    restore_from: RestoreSource | None = None
 
 
 @dataclass(frozen=True)
@@ -71,14 +80,22 @@ class InstanceResult:
 async def create(
     conn: AsyncConn, actor: Actor, request_id: str | None, request: CreateInstance, policy: Policy
 ) -> InstanceResult:
-    """A new instance in `pending` and its `provision` job; NameTaken if a live one has the name."""
+    """A new instance in `pending` and its `provision` job; NameTaken if a live one has the name.
+
+    A `restore_from` names an instance of the same organisation (NotFound otherwise, as for a read)
+    and needs a provisioner that restores into a new instance (Unsupported otherwise)."""
+    spec: dict[str, object] = {"plan": request.plan, "region": request.region}
+    if request.restore_from is not None:
+        spec["restore_from"] = request.restore_from.as_dict()
     with unique_violations(name=request.name):
         async with db.transaction(conn):
+            if request.restore_from is not None:
+                await _check_restore_source(conn, request.org_id, request.restore_from, policy)
             row = await instances.create_instance(
                 conn,
                 request.org_id,
                 request.name,
-                {"plan": request.plan, "region": request.region},
+                spec,
                 actor,
                 deadline_s=policy.pending_deadline_s,
                 deletion_protection=request.deletion_protection,
@@ -160,14 +177,32 @@ async def request_deletion(
     return InstanceResult(inst, enqueued)
 
 
-async def load(conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID, *, lock: bool = False) -> Instance:
-    """The organisation's instance (scoped in SQL), or NotFound."""
-    statement = sql.LOCK_ORG_INSTANCE if lock else sql.ORG_INSTANCE
+async def load(
+    conn: AsyncConn, org_id: uuid.UUID | None, instance_id: uuid.UUID, *, lock: bool = False
+) -> Instance:
+    """The organisation's instance (scoped in SQL), or NotFound; `org_id` None: of any organisation
+    (an SRE's request)."""
+    if org_id is None:
+        statement = sql.LOCK_ANY_INSTANCE if lock else sql.ANY_INSTANCE
+    else:
+        statement = sql.LOCK_ORG_INSTANCE if lock else sql.ORG_INSTANCE
     cursor = await conn.execute(statement, {"id": instance_id, "org": org_id})
     row = await cursor.fetchone()
     if row is None:
         raise NotFound(f"no instance {instance_id}")
     return Instance.from_row(row)
+
+
+async def _check_restore_source(
+    conn: AsyncConn, org_id: uuid.UUID, source: RestoreSource, policy: Policy
+) -> None:
+    cursor = await conn.execute(sql.ORG_HAS_INSTANCE, {"id": source.instance_id, "org": org_id})
+    if await cursor.fetchone() is None:
+        raise NotFound(f"restore_from.instance_id: no instance {source.instance_id}")
+    if not policy.supports_restore:
+        raise Unsupported(
+            f"restore_from is not supported by the {policy.provisioner} provisioner of this service"
+        )
 
 
 async def _enqueue(

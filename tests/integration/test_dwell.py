@@ -12,17 +12,21 @@ from tests.queue_kinds import WORKER
 
 
 async def _job_with_history(conn: db.AsyncConn, history: list[tuple[str | None, str, str, float]]) -> None:
-    """A job row and its events at chosen ages (seconds ago): (from, to, event, age)."""
-    cursor = await conn.execute("INSERT INTO jobs (kind, state) VALUES ('noop', 'queued') RETURNING id")
-    row = await cursor.fetchone()
-    assert row is not None
-    for version, (src, dst, event, age) in enumerate(history):
-        await conn.execute(
-            "INSERT INTO job_events"
-            " (job_id, from_state, to_state, event, actor_kind, actor_id, state_version, at)"
-            " VALUES (%s, %s, %s, %s, 'system', 'tests', %s, now() - make_interval(secs => %s))",
-            (row["id"], src, dst, event, version, age),
-        )
+    """A job row and its events at chosen ages (seconds ago): (from, to, event, age).
+
+    One transaction, so every age is counted from the same now(): the stays between its events
+    are exactly the differences of their ages."""
+    async with conn.transaction():
+        cursor = await conn.execute("INSERT INTO jobs (kind, state) VALUES ('noop', 'queued') RETURNING id")
+        row = await cursor.fetchone()
+        assert row is not None
+        for version, (src, dst, event, age) in enumerate(history):
+            await conn.execute(
+                "INSERT INTO job_events"
+                " (job_id, from_state, to_state, event, actor_kind, actor_id, state_version, at)"
+                " VALUES (%s, %s, %s, %s, 'system', 'tests', %s, now() - make_interval(secs => %s))",
+                (row["id"], src, dst, event, version, age),
+            )
 
 
 async def test_dwell_per_state_from_consecutive_events(conn: db.AsyncConn) -> None:
