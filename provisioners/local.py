@@ -160,8 +160,9 @@ class PortAllocator:
             return table.pop(str(instance_id), None) is not None
 
 
-def _postmaster_pids_for(datadir: Path) -> list[int]:
-    """Servers still running from `datadir` (found by command line), e.g. after it was deleted."""
+def _postmaster_pids_for(datadir: Path, programs: tuple[bytes, ...] = (b"postgres",)) -> list[int]:
+    """Servers still running from `datadir` (found by command line), e.g. after it was deleted;
+    with `programs`, any of those (an `initdb` into it)."""
     wanted = str(datadir)
     found: list[int] = []
     for entry in Path("/proc").iterdir():
@@ -171,9 +172,25 @@ def _postmaster_pids_for(datadir: Path) -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if args and args[0].endswith(b"postgres") and wanted.encode() in args:
+        if args and args[0].endswith(programs) and wanted.encode() in args:
             found.append(int(entry.name))
     return found
+
+
+def _remove_cut_short(partial: Path, timeout_s: float = 10.0) -> None:
+    """Remove what an initdb cut short left; an initdb still writing there (its worker was killed,
+    it was not) is killed first, and the removal repeated until nothing is left (the initdb's
+    bootstrap server may write a last file while it goes)."""
+    for pid in _postmaster_pids_for(partial, (b"initdb", b"postgres")):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while partial.exists():
+        shutil.rmtree(partial, ignore_errors=True)
+        if partial.exists():
+            if time.monotonic() > deadline:
+                raise TemporaryError(f"{partial} (an initdb cut short) cannot be removed yet")
+            time.sleep(0.05)
 
 
 class LocalProvisioner(Provisioner):
@@ -450,7 +467,7 @@ class LocalProvisioner(Provisioner):
         if datadir.exists():  # a directory without a cluster: nothing worth keeping
             shutil.rmtree(datadir)
         for partial in directory.glob("pgdata.partial-*"):  # an initdb cut short by a crash
-            shutil.rmtree(partial, ignore_errors=True)
+            _remove_cut_short(partial)
         for password_file in directory.glob(".pgdata.partial-*.pw"):  # and its password file
             password_file.unlink(missing_ok=True)
         partial = directory / f"pgdata.partial-{fence}"

@@ -8,9 +8,14 @@ import uuid
 
 import pytest
 
+import provisioners
 from controlplane import kinds, lifecycle, sql
 from controlplane.errors import PermanentError
 from controlplane.records import KEEP, Instance, InstancePatch, Job, JobPatch
+from controlplane.services.policy import Policy
+from controlplane.settings import Settings
+
+KINDS = ("local", "kubernetes", "noop")
 
 
 def test_the_derived_state_sets_are_the_ones_the_design_names() -> None:
@@ -24,6 +29,22 @@ def test_the_derived_state_sets_are_the_ones_the_design_names() -> None:
         "abandoned",
     )
     assert sql.HELD == "('claimed', 'running')" and sql.FINISHED == "('completed', 'abandoned')"
+    assert lifecycle.BACKED_UP == ("ready", "suspended") and lifecycle.RESTORABLE == ("degraded",)
+
+
+def test_what_a_provisioner_can_do_is_known_by_name_from_its_class() -> None:
+    # The use cases' Policy reads these without building a provisioner.
+    assert [(provisioners.supports_restore(k), provisioners.supports_backups(k)) for k in KINDS] == [
+        (False, True),
+        (True, False),
+        (False, False),
+    ]
+    policy = Policy.from_settings(Settings(provisioner="kubernetes"))
+    assert (policy.provisioner, policy.supports_restore, policy.supports_backups) == (
+        "kubernetes",
+        True,
+        False,
+    )
 
 
 @pytest.mark.parametrize(("patch", "table"), [(InstancePatch, sql.INSTANCE_TABLE), (JobPatch, sql.JOB_TABLE)])
