@@ -89,12 +89,7 @@ async def request_backup(
                 allowed_actions=actions.of(inst),
             )
         payload = kinds.BackupPayload(backup_kind="on_demand")
-        enqueued = await jobs.enqueue(
-            conn,
-            jobs.NewJob(payload.kind, inst.id, payload=payload, max_attempts=policy.job_max_attempts),
-            actor,
-            request_id=request_id,
-        )
+        enqueued = await _enqueue_once(conn, actor, request_id, policy, inst, payload)
     return BackupRequested(inst.id, enqueued.job["id"], enqueued.created)
 
 
@@ -123,12 +118,7 @@ async def request_restore(
         payload = kinds.RestorePayload(
             request.reason, backup_id=request.backup_id, empty=request.empty, accepted_by=str(actor)
         )
-        enqueued = await jobs.enqueue(
-            conn,
-            jobs.NewJob(payload.kind, inst.id, payload=payload, max_attempts=policy.job_max_attempts),
-            actor,
-            request_id=request_id,
-        )
+        enqueued = await _enqueue_once(conn, actor, request_id, policy, inst, payload)
         if not enqueued.created:
             raise InvalidState(
                 f"a restore of instance {inst.id} is already under way (job {enqueued.job['id']})",
@@ -136,6 +126,27 @@ async def request_restore(
                 allowed_actions=actions.of(inst),
             )
     return inst
+
+
+async def _enqueue_once(
+    conn: AsyncConn,
+    actor: Actor,
+    request_id: str | None,
+    policy: Policy,
+    inst: Instance,
+    payload: kinds.Payload,
+) -> jobs.Enqueued:
+    """The instance's live job of the payload's kind, else a new one (the instance is locked).
+
+    Looked for first: an insert that meets the index entry of a live job a worker is moving at that
+    moment (claim, start, heartbeat) can deadlock with the worker; with the live job seen, there is
+    no insert."""
+    cursor = await conn.execute(sql.LIVE_JOBS_FOR, {"instance_ids": [inst.id], "kinds": [payload.kind]})
+    live = await cursor.fetchone()
+    if live is not None:
+        return jobs.Enqueued(live, False)
+    job = jobs.NewJob(payload.kind, inst.id, payload=payload, max_attempts=policy.job_max_attempts)
+    return await jobs.enqueue(conn, job, actor, request_id=request_id)
 
 
 # ---- the record of held backups (the backup and restore jobs read and write it) ---------------------
