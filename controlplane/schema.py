@@ -233,6 +233,20 @@ stripe_events = Table(
     Column("received_at", TZ, nullable=False, server_default=NOW),
 )
 
+# Console sign-ins: an organisation's key exchanged for a session (the cookie names its id).
+console_sessions = Table(
+    "console_sessions",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("key_id", UUID(as_uuid=True), ForeignKey("api_keys.id"), nullable=False),
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id"), nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("expires_at", TZ, nullable=False),
+    # Signed out: the session names nothing from then on.
+    Column("ended_at", TZ),
+    Index("ix_console_sessions_expires_at", "expires_at"),
+)
+
 idempotency_keys = Table(
     "idempotency_keys",
     metadata,
@@ -250,6 +264,7 @@ idempotency_keys = Table(
 __all__ = [
     "api_keys",
     "backups",
+    "console_sessions",
     "idempotency_keys",
     "instance_events",
     "instances",

@@ -126,6 +126,13 @@ class ApiSettings(_Group):
         "within this time on the others.",
         ge=0,
     )
+    console_session_s: float = _setting(
+        43200.0,
+        "console_session_s",
+        "How long a console sign-in lasts before the key is asked for again (signing out, or "
+        "revoking the key, ends it sooner).",
+        ge=60,
+    )
 
     @property
     def url(self) -> str:

@@ -548,6 +548,24 @@ LIST_API_KEYS = """
 SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %(org)s ORDER BY created_at, id
 """
 
+# ---- console sessions (an organisation key signed in to the console) -----------------------------
+
+START_CONSOLE_SESSION = """
+INSERT INTO console_sessions (key_id, org_id, expires_at)
+VALUES (%(key_id)s, %(org_id)s, now() + make_interval(secs => %(ttl_s)s))
+RETURNING id, key_id, org_id, expires_at
+"""
+# A session that is live at `now` (default the database's time): not ended, not expired, its key live.
+LIVE_CONSOLE_SESSION = """
+SELECT s.id, s.key_id, s.org_id, s.expires_at
+FROM console_sessions s JOIN api_keys k ON k.id = s.key_id
+WHERE s.id = %(id)s AND s.ended_at IS NULL AND k.revoked_at IS NULL
+  AND s.expires_at > COALESCE(%(now)s::timestamptz, now())
+"""
+END_CONSOLE_SESSION = "UPDATE console_sessions SET ended_at = now() WHERE id = %(id)s AND ended_at IS NULL"
+# Sessions expired a day ago (ended ones too, once expired): nothing reads them any more.
+PURGE_CONSOLE_SESSIONS = "DELETE FROM console_sessions WHERE expires_at < now() - interval '1 day'"
+
 # ---- idempotency keys (the API's creating requests) ----------------------------------------------
 
 # Claim an (organisation, key) pair for this transaction; false while another request holds it.

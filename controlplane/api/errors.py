@@ -160,7 +160,8 @@ def _field(loc: Sequence[Any]) -> str:
 def validation_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for error in errors:
-        message = str(error.get("msg", "invalid"))
+        # A validator's own sentence, without pydantic's "Value error, " before it.
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         if error.get("type") == "extra_forbidden":
             message = "unknown field"
         out.append({"field": _field(error.get("loc", ())), "message": message})

@@ -71,7 +71,10 @@ class RestoreFrom(Strict):
 
 class InstanceCreate(Strict):
     name: str = Field(
-        min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
+        min_length=1,
+        max_length=63,
+        description="DNS label, unique among live instances",
+        json_schema_extra={"pattern": DNS_LABEL},
     )
     plan: str = Field(
         description="one of the plans listed by GET /v1/plans",
@@ -85,6 +88,15 @@ class InstanceCreate(Strict):
     )
 
     _plan = field_validator("plan")(_known_plan)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not re.fullmatch(DNS_LABEL, value):
+            raise ValueError(
+                "use lower-case letters, digits and hyphens, starting and ending with a letter or digit"
+            )
+        return value
 
 
 class InstanceUpdate(Strict):

@@ -7,11 +7,14 @@ the result; a refusal is a DomainError, rendered as problem+json by `controlplan
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from psycopg.rows import DictRow
 
 from controlplane import sql
 from controlplane.api import errors, idempotency, views, watch
@@ -70,7 +73,25 @@ async def create(
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
-    state = app_state(request)
+    created = await create_instance(app_state(request), who, body, idempotency_key)
+    headers = {**created.headers, "Idempotent-Replayed": "true"} if created.replayed else created.headers
+    return JSONResponse(created.body, status_code=created.status_code, headers=headers)
+
+
+@dataclass(frozen=True)
+class Created:
+    """The answer to a create: the instance document (or the one stored for its Idempotency-Key)."""
+
+    status_code: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+    replayed: bool
+
+
+async def create_instance(
+    state: AppState, who: Customer, body: InstanceCreate, idempotency_key: str | None
+) -> Created:
+    """The create use case behind an Idempotency-Key (the API's and the console's)."""
     restore_from = None
     if body.restore_from is not None:
         restore_from = RestoreSource.from_spec(body.restore_from.model_dump(mode="json"))
@@ -88,8 +109,7 @@ async def create(
             idempotency.check_key(idempotency_key)
             stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
             if stored is not None:
-                headers = {**stored.headers, "Idempotent-Replayed": "true"}
-                return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
+                return Created(stored.status_code, stored.body, stored.headers, replayed=True)
         created = await instances.create(conn, who.actor, who.request_id, asked, state.policy)
         doc = views.instance(created.instance, state.box)
         headers = _headers(doc, location=True)
@@ -98,7 +118,7 @@ async def create(
             await idempotency.save(
                 conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
             )
-    return JSONResponse(body_json, status_code=202, headers=headers)
+    return Created(202, body_json, headers, replayed=False)
 
 
 @router.get(
@@ -117,6 +137,14 @@ async def list_instances(
     cursor: str | None = None,
 ) -> dict[str, Any]:
     app = app_state(request)
+    found, next_cursor = await instances_page(app, who.org_id, state=state, limit=limit, cursor=cursor)
+    return {"items": [views.instance(r, app.box) for r in found], "next_cursor": next_cursor}
+
+
+async def instances_page(
+    app: AppState, org_id: uuid.UUID, *, state: str | None, limit: int, cursor: str | None
+) -> tuple[Sequence[InstanceRecord], str | None]:
+    """A page of an organisation's instances, oldest first, and the cursor of the next page."""
     limit = min(limit, MAX_LIMIT)
     after_created: datetime | None = None
     after_id: uuid.UUID | None = None
@@ -131,7 +159,7 @@ async def list_instances(
             await conn.execute(
                 sql.LIST_ORG_INSTANCES,
                 {
-                    "org": who.org_id,
+                    "org": org_id,
                     "state": state,
                     "after_created": after_created,
                     "after_id": after_id,
@@ -140,10 +168,7 @@ async def list_instances(
             )
         ).fetchall()
     found = [InstanceRecord.from_row(row) for row in rows]
-    page, next_cursor = views.page_of(
-        found, limit, lambda last: views.encode_cursor(last.created_at.isoformat(), last.id)
-    )
-    return {"items": [views.instance(r, app.box) for r in page], "next_cursor": next_cursor}
+    return views.page_of(found, limit, lambda last: views.encode_cursor(last.created_at.isoformat(), last.id))
 
 
 @router.get(
@@ -228,18 +253,26 @@ async def instance_events(
     limit: Annotated[int, Query(ge=1)] = DEFAULT_LIMIT,
 ) -> dict[str, Any]:
     app = app_state(request)
+    rows, next_cursor = await events_page(app, who.org_id, instance_id, limit=limit, cursor=cursor)
+    return {"items": [views.event(r) for r in rows], "next_cursor": next_cursor}
+
+
+async def events_page(
+    app: AppState, org_id: uuid.UUID, instance_id: uuid.UUID, *, limit: int, cursor: str | None
+) -> tuple[Sequence[DictRow], str | None]:
+    """A page of an organisation's instance's audit log, oldest first (NotFound if it has none of
+    that id), and the cursor of the next page."""
     limit = min(limit, MAX_LIMIT)
     after = views.after_id(cursor)
     async with app.pool.connection() as conn:
-        await instances.load(conn, who.org_id, instance_id)
+        await instances.load(conn, org_id, instance_id)
         rows = await (
             await conn.execute(
                 sql.ORG_INSTANCE_EVENTS,
-                {"id": instance_id, "org": who.org_id, "after": after, "limit": limit + 1},
+                {"id": instance_id, "org": org_id, "after": after, "limit": limit + 1},
             )
         ).fetchall()
-    page, next_cursor = views.page_of(rows, limit, views.id_cursor)
-    return {"items": [views.event(r) for r in page], "next_cursor": next_cursor}
+    return views.page_of(rows, limit, views.id_cursor)
 
 
 @router.get(
@@ -255,10 +288,15 @@ async def instance_events(
     summary="Follow the instance's state changes as Server-Sent Events",
 )
 async def watch_instance(instance_id: uuid.UUID, request: Request, who: Caller) -> StreamingResponse:
+    return await watch_response(request, who.org_id, instance_id)
+
+
+async def watch_response(request: Request, org_id: uuid.UUID, instance_id: uuid.UUID) -> StreamingResponse:
+    """The watch stream of an organisation's instance (NotFound if it has none of that id)."""
     app: AppState = app_state(request)
     async with app.pool.connection() as conn:
-        await instances.load(conn, who.org_id, instance_id)
-    stream = watch.instance_stream(app, request, instance_id, who.org_id)
+        await instances.load(conn, org_id, instance_id)
+    stream = watch.instance_stream(app, request, instance_id, org_id)
     return StreamingResponse(
         stream,
         media_type="text/event-stream",

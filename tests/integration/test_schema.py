@@ -28,6 +28,7 @@ TABLES = {
     "job_events",
     "stripe_events",
     "idempotency_keys",
+    "console_sessions",
 }
 GUARD_FUNCTIONS = {"cp_guard_state", "cp_append_only"}
 # Finished jobs behind the live ones in the supervisor-scan test: 250 per live job.
