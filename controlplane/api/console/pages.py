@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 
 from controlplane import lifecycle, plans, sessions, tenants
-from controlplane.api import errors, routes_instances, routes_orgs, views
+from controlplane.api import errors, idempotency, routes_instances, routes_orgs, views
 from controlplane.api.console import present
 from controlplane.api.console.session import (
     CSRF_FIELD,
@@ -197,8 +198,8 @@ def _new_instance_form(
     status: int = 200,
 ) -> Response:
     context = _page(who, org, "new") | {
-        "values": values,
-        "errors": field_errors,
+        "values": defaultdict(str, values),
+        "errors": defaultdict(str, field_errors),
         "plans": _plans(),
         "request_key": secrets.token_urlsafe(16),
     }
@@ -320,7 +321,7 @@ async def _instance_view(
         org = await _org(conn, who)
     context = _instance_context(app, who, org, record) | {
         "notice": notice,
-        "errors": dict(failed or {}),
+        "errors": defaultdict(str, failed or {}),
         "plans": _plans(),
     }
     return render("instance.html", context, status)
@@ -376,7 +377,8 @@ def _entry(event: dict[str, Any], keys: Mapping[uuid.UUID, Any]) -> dict[str, An
     edge = table.edge_info.get((source, event["event"])) if source else None
     return event | {
         "who": _who(event["actor"], keys),
-        "label": edge.label if edge else table.state_info[target].label,
+        # The creation row has no edge: it records the request.
+        "label": edge.label if edge else "Requested",
         "from_label": table.state_info[source].label if source else None,
         "to_label": table.state_info[target].label,
     }
@@ -418,8 +420,17 @@ async def create_key(request: Request, who: SignedIn, form: Form) -> Response:
     except ValidationError as exc:
         message = "; ".join(e["message"] for e in errors.validation_errors(exc.errors()))
         return await _keys_view(request, who, error=message, status=422)
-    async with app_state(request).pool.connection() as conn:
+    request_key = f"console-key:{form.get('request_key', '')}"[: idempotency.MAX_KEY_LENGTH]
+    digest = idempotency.request_hash("POST", "/keys", {"name": body.name})
+    async with app_state(request).pool.connection() as conn, conn.transaction():
+        # The form's own key: posting it again (a reload of the answer) makes no second key, and
+        # the first is not shown again (it is kept only hashed).
+        if await idempotency.begin(conn, who.org_id, request_key, digest) is not None:
+            notice = "That key was made already and is shown only once: make another if it was not copied."
+            return await _keys_view(request, who, notice=notice)
         key = await tenants.create_key(conn, who.org_id, name=body.name)
+        stored = idempotency.StoredResponse(201, {"id": str(key.id)}, {})
+        await idempotency.save(conn, who.org_id, request_key, digest, stored)
     return await _keys_view(request, who, new_key={"name": body.name, "key": key.plaintext}, status=201)
 
 
@@ -453,6 +464,7 @@ async def _keys_view(
         "keys": [dict(key) for key in keys],
         "current_key": who.session.key_id,
         "new_key": new_key,
+        "request_key": secrets.token_urlsafe(16),
         "notice": notice,
         "error": error,
     }
