@@ -125,6 +125,7 @@ def _expected_by(
     total = sum(float(s["expected_s"]) for s in steps)
     grace = timedelta(seconds=max(GRACE_MIN_S, GRACE_FRACTION * total))
     ahead = [s for s in steps if s["state"] != "done"]
+    anchor: datetime
     if ahead and ahead[0]["state"] == "running":
         anchor = ahead[0]["started_at"]
     else:
@@ -153,10 +154,12 @@ def progress(
     steps = [_step(operation, n, mine, job, expected.get((operation, n)), now) for n in names]
     last = mine[-1] if mine else None
     current = last.step if last is not None and last.event != "finished" else None
+    job_id: Any = None
+    attempt: int | None = None
     if job is not None:
         job_id, attempt = job.id, job.attempt
-    else:
-        job_id, attempt = (last.job_id, last.attempt) if last is not None else (None, None)
+    elif last is not None:
+        job_id, attempt = last.job_id, last.attempt
     expected_by = _expected_by(inst, steps, mine)
     return {
         "operation": operation,

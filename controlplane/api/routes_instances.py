@@ -1,4 +1,4 @@
-"""Customer routes for instances: create, read, list, change, delete, audit log, watch.
+"""Customer routes for instances: create, read, list, change, delete, retry, audit log, watch.
 
 Each route parses the request, calls its use case (`controlplane.services.instances`) and renders
 the result; a refusal is a DomainError, rendered as problem+json by `controlplane.api.errors`.
@@ -7,8 +7,9 @@ the result; a refusal is a DomainError, rendered as problem+json by `controlplan
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,6 +26,7 @@ from controlplane.api.models import (
     InstanceUpdate,
 )
 from controlplane.api.state import AppState, app_state
+from controlplane.db import AsyncConn
 from controlplane.records import Instance as InstanceRecord
 from controlplane.services import instances
 from provisioners.base import RestoreSource
@@ -52,6 +54,32 @@ def _headers(doc: dict[str, Any], *, location: bool = False) -> dict[str, str]:
 def _json(doc: dict[str, Any], status: int) -> JSONResponse:
     body = Instance.model_validate(doc).model_dump(mode="json")
     return JSONResponse(body, status_code=status, headers=_headers(doc))
+
+
+async def _accepted(
+    state: AppState,
+    who: Customer,
+    idempotency_key: str | None,
+    digest: str,
+    run: Callable[[AsyncConn], Awaitable[InstanceRecord]],
+) -> JSONResponse:
+    """202 with the instance a creating use case made, in one transaction with its Idempotency-Key
+    record: the same key and request again replays the stored answer."""
+    async with state.pool.connection() as conn, conn.transaction():
+        if idempotency_key is not None:
+            idempotency.check_key(idempotency_key)
+            stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
+            if stored is not None:
+                headers = {**stored.headers, "Idempotent-Replayed": "true"}
+                return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
+        doc = await views.one_instance(conn, await run(conn), state.box)
+        headers = _headers(doc, location=True)
+        body_json = Instance.model_validate(doc).model_dump(mode="json")
+        if idempotency_key is not None:
+            await idempotency.save(
+                conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
+            )
+    return JSONResponse(body_json, status_code=202, headers=headers)
 
 
 @router.post(
@@ -83,22 +111,11 @@ async def create(
         restore_from=restore_from,
     )
     digest = idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
-    async with state.pool.connection() as conn, conn.transaction():
-        if idempotency_key is not None:
-            idempotency.check_key(idempotency_key)
-            stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
-            if stored is not None:
-                headers = {**stored.headers, "Idempotent-Replayed": "true"}
-                return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
-        created = await instances.create(conn, who.actor, who.request_id, asked, state.policy)
-        doc = views.instance(created.instance, state.box)
-        headers = _headers(doc, location=True)
-        body_json = Instance.model_validate(doc).model_dump(mode="json")
-        if idempotency_key is not None:
-            await idempotency.save(
-                conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
-            )
-    return JSONResponse(body_json, status_code=202, headers=headers)
+
+    async def run(conn: AsyncConn) -> InstanceRecord:
+        return (await instances.create(conn, who.actor, who.request_id, asked, state.policy)).instance
+
+    return await _accepted(state, who, idempotency_key, digest, run)
 
 
 @router.get(
@@ -111,6 +128,10 @@ async def list_instances(
     request: Request,
     who: Caller,
     state: InstanceState | None = None,
+    name: Annotated[str | None, Query(max_length=63, description="only the instances of this name")] = None,
+    include: Annotated[
+        Literal["archived"] | None, Query(description="archived: list deleted failed instances too")
+    ] = None,
     limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
         DEFAULT_LIMIT
     ),
@@ -133,17 +154,20 @@ async def list_instances(
                 {
                     "org": who.org_id,
                     "state": state,
+                    "name": name,
+                    "archived": include == "archived",
                     "after_created": after_created,
                     "after_id": after_id,
                     "limit": limit + 1,
                 },
             )
         ).fetchall()
-    found = [InstanceRecord.from_row(row) for row in rows]
-    page, next_cursor = views.page_of(
-        found, limit, lambda last: views.encode_cursor(last.created_at.isoformat(), last.id)
-    )
-    return {"items": [views.instance(r, app.box) for r in page], "next_cursor": next_cursor}
+        found = [InstanceRecord.from_row(row) for row in rows]
+        page, next_cursor = views.page_of(
+            found, limit, lambda last: views.encode_cursor(last.created_at.isoformat(), last.id)
+        )
+        items = await views.instances(conn, page, app.box)
+    return {"items": items, "next_cursor": next_cursor}
 
 
 @router.get(
@@ -158,7 +182,8 @@ async def list_instances(
 async def get_instance(instance_id: uuid.UUID, request: Request, who: Caller) -> JSONResponse:
     app = app_state(request)
     async with app.pool.connection() as conn:
-        doc = views.instance(await instances.load(conn, who.org_id, instance_id), app.box, reveal=True)
+        inst = await instances.load(conn, who.org_id, instance_id)
+        doc = await views.one_instance(conn, inst, app.box, reveal=True)
     return _json(doc, 200)
 
 
@@ -186,7 +211,8 @@ async def update_instance(
     )
     async with app.pool.connection() as conn:
         changed = await instances.change(conn, who.actor, who.request_id, asked, app.policy)
-    return _json(views.instance(changed.instance, app.box), 202)
+        doc = await views.one_instance(conn, changed.instance, app.box)
+    return _json(doc, 202)
 
 
 @router.delete(
@@ -211,7 +237,35 @@ async def delete_instance(
     )
     async with app.pool.connection() as conn:
         requested = await instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
-    return _json(views.instance(requested.instance, app.box), 202)
+        doc = await views.one_instance(conn, requested.instance, app.box)
+    return _json(doc, 202)
+
+
+@router.post(
+    "/{instance_id}/retry",
+    status_code=202,
+    response_model=Instance,
+    responses={
+        202: {"headers": {"Location": {"schema": {"type": "string"}}}},
+        **errors.responses(400, 401, 403, 404, 409, 422),
+    },
+    summary="Retry a failed instance: a new one from its spec and name, linked both ways",
+)
+async def retry_instance(
+    instance_id: uuid.UUID,
+    request: Request,
+    who: Caller,
+    idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
+) -> JSONResponse:
+    state = app_state(request)
+    asked = instances.RetryInstance(who.org_id, instance_id)
+    path = f"/v1/instances/{instance_id}/retry"
+    digest = idempotency.request_hash("POST", path, {})
+
+    async def run(conn: AsyncConn) -> InstanceRecord:
+        return (await instances.retry(conn, who.actor, who.request_id, asked, state.policy)).instance
+
+    return await _accepted(state, who, idempotency_key, digest, run)
 
 
 @router.get(
