@@ -113,7 +113,12 @@ instances = Table(
     Column("last_reconciled_at", TZ),
     Column("created_at", TZ, nullable=False, server_default=NOW),
     Column("updated_at", TZ, nullable=False, server_default=NOW),
+    # The failed instance this one was created to retry (one retry per failed instance).
+    Column("replaces", UUID(as_uuid=True), ForeignKey("instances.id")),
+    # When its customer deleted this failed instance: out of the default lists, its leftovers removed.
+    Column("archived_at", TZ),
     Index("ix_instances_live_state", "state", postgresql_where=text(INSTANCE_LIVE)),
+    Index("ux_instances_replaces", "replaces", unique=True, postgresql_where=text("replaces IS NOT NULL")),
     Index(
         "ux_instances_live_name",
         "org_id",
@@ -202,6 +207,33 @@ job_events = Table(
     Index("ix_job_events_job_id_id", "job_id", "id"),
 )
 
+# The named steps of the instance jobs as they start, finish or fail (append-only): an instance's
+# progress, and the durations its expected times are measured from.
+job_steps = Table(
+    "job_steps",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("job_id", UUID(as_uuid=True), ForeignKey("jobs.id"), nullable=False),
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), nullable=False),
+    # The job's kind (the operation) and the provisioner step (controlplane.kinds.STEP_LABELS).
+    Column("kind", Text, nullable=False),
+    Column("step", Text, nullable=False),
+    # 'started', 'finished' or 'failed'.
+    Column("event", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("worker", Text, nullable=False),
+    # On a finish or a failure: when that attempt of the step started.
+    Column("started_at", TZ),
+    # On a failure: the code customers are told (if the error has one) and the raw error (SREs).
+    Column("code", Text),
+    Column("error", Text),
+    Column("at", TZ, nullable=False, server_default=NOW),
+    Index("ix_job_steps_instance_id_id", "instance_id", "id"),
+    Index("ix_job_steps_job_id_id", "job_id", "id"),
+    Index("ix_job_steps_finished", "kind", "step", "id", postgresql_where=text("event = 'finished'")),
+)
+
 # The backups the control plane holds of each instance, as the provisioner reported them after
 # each backup job; removed_at is set once the provisioner no longer has one (retention).
 backups = Table(
@@ -270,6 +302,7 @@ __all__ = [
     "instances",
     "job_events",
     "job_fence_seq",
+    "job_steps",
     "jobs",
     "lifecycle_transitions",
     "metadata",

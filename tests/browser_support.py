@@ -109,7 +109,9 @@ class Stack:
 
     def start_worker(self, faults: str = "") -> None:
         """A worker; with `faults` (CONTROLPLANE_FAULTS), its provisioner fails where they say."""
-        self._start("worker", "worker", CONTROLPLANE_FAULTS=faults, CONTROLPLANE_WORKER_ID=f"worker-{faults or 'ok'}")
+        self._start(
+            "worker", "worker", CONTROLPLANE_FAULTS=faults, CONTROLPLANE_WORKER_ID=f"worker-{faults or 'ok'}"
+        )
 
     def stop_worker(self) -> None:
         self._stop(self.procs.pop("worker"))
@@ -128,7 +130,9 @@ class Stack:
             self._stop(proc)
 
     def log_text(self) -> str:
-        return "".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.logs.glob("*.log")))
+        return "".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.logs.glob("*.log"))
+        )
 
 
 @contextlib.contextmanager

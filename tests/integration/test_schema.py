@@ -26,6 +26,7 @@ TABLES = {
     "instance_events",
     "jobs",
     "job_events",
+    "job_steps",
     "stripe_events",
     "idempotency_keys",
     "console_sessions",
@@ -59,7 +60,7 @@ def test_upgrade_downgrade_upgrade(empty_database: str) -> None:
     tables, functions, triggers = schema_objects(empty_database)
     assert tables >= TABLES | {"alembic_version"}
     assert functions >= GUARD_FUNCTIONS
-    assert len(triggers) == 6
+    assert len(triggers) == 8
 
     command.downgrade(config, "base")
     tables, functions, triggers = schema_objects(empty_database)
@@ -72,7 +73,7 @@ def test_upgrade_downgrade_upgrade(empty_database: str) -> None:
 
     command.upgrade(config, "head")
     tables, functions, triggers = schema_objects(empty_database)
-    assert tables >= TABLES and functions >= GUARD_FUNCTIONS and len(triggers) == 6
+    assert tables >= TABLES and functions >= GUARD_FUNCTIONS and len(triggers) == 8
     with psycopg.connect(empty_database) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (db.head_revision(),)
 

@@ -132,26 +132,32 @@ async def sign_out(request: Request, who: SignedIn, _: Form) -> Response:
 
 
 @router.get("/", response_class=HTMLResponse)
-async def instance_list(request: Request, who: SignedIn, cursor: str | None = None) -> Response:
+async def instance_list(
+    request: Request, who: SignedIn, cursor: str | None = None, include: str | None = None
+) -> Response:
     app = app_state(request)
+    archived = include == "archived"
     try:
-        page, next_cursor = await routes_instances.instances_page(
-            app, who.org_id, state=None, limit=PAGE, cursor=cursor
+        docs, next_cursor = await routes_instances.instances_page(
+            app, who.org_id, archived=archived, limit=PAGE, cursor=cursor
         )
     except ProblemError:  # a cursor that is not one of ours: the first page
         return redirect("/")
     async with app.pool.connection() as conn:
         org = await _org(conn, who)
     groups: dict[str, list[dict[str, Any]]] = {"live": [], "failed": [], "ended": []}
-    for record in page:
-        doc = views.instance(record, app.box)
-        if record.state not in lifecycle.INSTANCE.terminal:
+    for doc in docs:
+        if doc["state"] not in lifecycle.INSTANCE.terminal:
             groups["live"].append(doc)
-        elif record.state in FAILED:
+        elif doc["state"] in FAILED and doc["archived_at"] is None:
             groups["failed"].append(doc)
         else:
             groups["ended"].append(doc)
-    context = _page(who, org, "instances") | {"groups": groups, "next_cursor": next_cursor}
+    context = _page(who, org, "instances") | {
+        "groups": groups,
+        "next_cursor": next_cursor,
+        "archived": archived,
+    }
     return render("instances.html", context)
 
 
@@ -220,7 +226,8 @@ async def instance_live(request: Request, instance_id: uuid.UUID, who: SignedIn)
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who)
-    return render("_live.html", _instance_context(app, who, org, record))
+        context = await _instance_context(conn, app, who, org, record)
+    return render("_live.html", context)
 
 
 @router.get("/instances/{instance_id}/watch")
@@ -238,10 +245,10 @@ async def instance_connection(request: Request, instance_id: uuid.UUID, who: Sig
     app = app_state(request)
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
-    doc = views.instance(record, app.box, reveal=True)
-    if doc["connection"] is None or record.state not in present.CONNECTABLE:
+    connection = views.connection(record, app.box, reveal=True)
+    if connection is None or record.state not in present.CONNECTABLE:
         raise Missing()
-    formats = present.connection_formats(doc["connection"], reveal=True)
+    formats = present.connection_formats(connection, reveal=True)
     return JSONResponse(formats, headers={"Cache-Control": "no-store"})
 
 
@@ -286,6 +293,20 @@ async def delete(request: Request, instance_id: uuid.UUID, who: SignedIn, form: 
     return redirect(f"/instances/{instance_id}?done=delete")
 
 
+@router.post("/instances/{instance_id}/retry", response_class=HTMLResponse)
+async def retry(request: Request, instance_id: uuid.UUID, who: SignedIn, _: Form) -> Response:
+    """A new database in place of the failed one (the retry use case); the page follows it."""
+    app = app_state(request)
+    try:
+        # Keyed by the failed instance: a double submit answers with the same replacement.
+        created = await routes_instances.retry(app, who.customer, instance_id, f"console:retry:{instance_id}")
+    except NotFound:
+        raise Missing() from None
+    except DomainError as exc:
+        return await _instance_view(request, who, instance_id, failed={"retry": exc.detail}, status=409)
+    return redirect(f"/instances/{created.body['id']}?done=retry")
+
+
 async def _change(
     request: Request,
     who: Visitor,
@@ -319,7 +340,8 @@ async def _instance_view(
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who)
-    context = _instance_context(app, who, org, record) | {
+        context = await _instance_context(conn, app, who, org, record)
+    context |= {
         "notice": notice,
         "errors": defaultdict(str, failed or {}),
         "plans": _plans(),
@@ -327,10 +349,10 @@ async def _instance_view(
     return render("instance.html", context, status)
 
 
-def _instance_context(
-    app: AppState, who: Visitor, org: Mapping[str, Any], record: InstanceRecord
+async def _instance_context(
+    conn: AsyncConn, app: AppState, who: Visitor, org: Mapping[str, Any], record: InstanceRecord
 ) -> dict[str, Any]:
-    doc = views.instance(record, app.box)
+    doc = await views.one_instance(conn, record, app.box)
     connectable = doc["connection"] is not None and record.state in present.CONNECTABLE
     return _page(who, org, "instance") | {
         "i": doc,
@@ -360,9 +382,10 @@ async def history(
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who)
         keys = {row["id"]: row for row in await tenants.list_keys(conn, who.org_id)}
+        doc = await views.one_instance(conn, record, app.box)
     entries = [_entry(event, keys) for event in map(views.event, rows)]
     context = _page(who, org, "instance") | {
-        "i": views.instance(record, app.box),
+        "i": doc,
         "entries": entries,
         "next_cursor": next_cursor,
         "first_page": cursor is None,
@@ -371,16 +394,14 @@ async def history(
 
 
 def _entry(event: dict[str, Any], keys: Mapping[uuid.UUID, Any]) -> dict[str, Any]:
-    """An audit row as the timeline shows it: the move's and the states' labels (lifecycle metadata)."""
-    table = lifecycle.INSTANCE
-    source, target = event["from_state"], event["to_state"]
-    edge = table.edge_info.get((source, event["event"])) if source else None
+    """An audit row as the timeline shows it: the move's label and the states' (lifecycle metadata)."""
+    info = lifecycle.INSTANCE.state_info
+    source = event["from_state"]
     return event | {
         "who": _who(event["actor"], keys),
-        # The creation row has no edge: it records the request.
-        "label": edge.label if edge else "Requested",
-        "from_label": table.state_info[source].label if source else None,
-        "to_label": table.state_info[target].label,
+        "label": event["label"] or event["event"],
+        "from_label": info[source].label if source else None,
+        "to_label": info[event["to_state"]].label,
     }
 
 

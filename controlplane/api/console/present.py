@@ -31,11 +31,6 @@ BADGES: Mapping[str, str] = {
 CONNECTABLE = tuple(s for s in lifecycle.WITH_SERVER if s not in lifecycle.GONE_OR_GOING)
 
 
-def state_info(state: str) -> lifecycle.StateInfo:
-    """The lifecycle's metadata of a state: its label, description, severity and billing class."""
-    return lifecycle.INSTANCE.state_info[state]
-
-
 def badge(severity: str | None) -> str:
     """The badge colour of a severity class."""
     return BADGES.get(str(severity), "ended")

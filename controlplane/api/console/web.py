@@ -48,7 +48,7 @@ def templates() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.globals.update(static=STATIC_URL, state_info=present.state_info)
+    env.globals.update(static=STATIC_URL)
     env.filters.update(
         duration=present.duration,
         when=present.when,
