@@ -64,6 +64,8 @@
     var status = document.querySelector("[data-live-status]");
     var say = function (text) { if (status) status.textContent = text; };
     var source = null, fetching = null, pending = false;
+    var first = live.querySelector("[data-state]");
+    var initialState = first ? first.getAttribute("data-state") : null;
 
     function refresh() {
       if (fetching) { pending = true; return; }
@@ -87,6 +89,8 @@
           if (body && body.getAttribute("data-terminal") === "true" && source) {
             source.close();  // a terminal state changes no more: the stream has ended
             say("");
+            // What can be done with it now differs (remove, retry): the whole page says so.
+            if (body.getAttribute("data-state") !== initialState) window.location.reload();
           }
         })
         .catch(function () { /* the stream's next event, or its reconnection, fetches again */ })
