@@ -424,7 +424,8 @@ class Settings(BaseSettings):
     secret_key: SecretStr | None = _setting(
         None,
         "secret_key",
-        "Fernet key encrypting instance passwords at rest; empty: generated once into `data_dir/secret.key`.",
+        "Fernet key encrypting instance passwords at rest; keys derived from it seal the console's "
+        "cookies and form tokens. Empty: generated once into `data_dir/secret.key`.",
     )
     metrics_port: int | None = _setting(
         None,

@@ -91,15 +91,23 @@ class Stack:
 
     def start(self) -> None:
         """The API first (it makes the secret key and, asked for it, the CA the others share)."""
+        self.start_api()
+        assert httpx.get(f"{self.url}/v1/ca.pem", timeout=10).status_code == 200
+        self.start_worker()
+        self._start("reconcile", "reconciler")
+
+    def start_api(self) -> None:
         self._start("serve", "api")
         deadline = time.monotonic() + 60
         while not self._ready():
             if self.procs["api"].poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"the API did not start:\n{self.log_text()}")
             time.sleep(0.1)
-        assert httpx.get(f"{self.url}/v1/ca.pem", timeout=10).status_code == 200
-        self.start_worker()
-        self._start("reconcile", "reconciler")
+
+    def restart_api(self) -> None:
+        """Stop the API (its watch streams end with it) and start it again."""
+        self._stop(self.procs.pop("api"))
+        self.start_api()
 
     def _ready(self) -> bool:
         try:

@@ -259,6 +259,11 @@ def test_suspension_shows_live_resume_clears_it_and_delete_needs_the_name(page: 
     _create(page, "ledger")
     expect(page.locator('[data-format="uri"]')).to_be_visible(timeout=WAIT_MS)
     _watch_states(page)
+    # The API goes away and comes back: the page's stream reconnects by itself (no reload).
+    status = page.locator("[data-live-status]")
+    before = int(status.get_attribute("data-connections") or "0")
+    stack.restart_api()
+    expect(status).to_have_attribute("data-connections", str(before + 1), timeout=WAIT_MS)
     _deliver(stack, customer, "unpaid")
     banner = page.get_by_role("region", name="Suspended")
     expect(banner).to_be_visible(timeout=WAIT_MS)

@@ -105,7 +105,12 @@
     ["instance", "transition", "step"].forEach(function (name) {
       source.addEventListener(name, refresh);
     });
-    source.onopen = function () { say("Live: this page follows the database as it changes."); };
+    var opened = 0;
+    source.onopen = function () {
+      opened += 1;
+      if (status) status.setAttribute("data-connections", String(opened));  // how often it (re)connected
+      say("Live: this page follows the database as it changes.");
+    };
     source.onerror = function () {
       if (source.readyState === EventSource.CLOSED) return;
       say("Reconnecting to live updates…");  // EventSource reconnects by itself (with Last-Event-ID)
