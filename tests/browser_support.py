@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import SecretStr
 
 from controlplane.db import ROOT
 from controlplane.postgres import free_port
-from controlplane.settings import Settings, env_name
-from tests.provisioning_support import setting_value
+from controlplane.settings import Settings
+from tests.provisioning_support import WORKER_SETTINGS, settings_env
 
 CLI = [sys.executable, "-m", "controlplane.cli"]
 CHROMIUM = Path(shutil.which("chromium") or "/usr/bin/chromium")
@@ -36,17 +35,7 @@ CHROMIUM_ARGS = [
 ARTIFACTS = ROOT / "test-artifacts" / "console"
 WEBHOOK_SECRET = "whsec_console_browser_tests"
 # The settings every role of the stack shares (from the test's Settings), as variables.
-SHARED = (
-    "database_url",
-    "data_dir",
-    "pg_bindir",
-    "local_port_min",
-    "local_port_max",
-    "heartbeat_interval_s",
-    "poll_interval_s",
-    "retry_base_delay_s",
-    "retry_max_delay_s",
-)
+SHARED = (*WORKER_SETTINGS, "retry_base_delay_s", "retry_max_delay_s")
 
 
 def chromium_args() -> list[str]:
@@ -62,12 +51,7 @@ class Stack:
         self.logs = logs
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-        for name in SHARED:
-            value = setting_value(settings, name)
-            if value is not None:
-                env[env_name(name)] = str(value.get_secret_value() if isinstance(value, SecretStr) else value)
-        env |= {
+        env = settings_env(settings, SHARED) | {
             "CONTROLPLANE_API_PORT": str(self.port),
             "CONTROLPLANE_STRIPE_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "CONTROLPLANE_RECONCILE_INTERVAL_S": "0.5",
