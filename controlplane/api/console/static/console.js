@@ -77,7 +77,11 @@
         .then(function (html) {
           if (html === null || html === undefined) return;
           var focus = focusKey(document.activeElement, live);
+          var before = live.querySelector("[data-state]");
+          var was = before ? before.getAttribute("data-state") : null;
           live.innerHTML = html;
+          var badge = live.querySelector(".badge");
+          if (badge && badge.getAttribute("data-state") !== was) say("Now " + badge.textContent + ".");
           syncClock(live);
           tick();
           showAllowed(live);
@@ -88,7 +92,6 @@
           var body = live.querySelector("[data-terminal]");
           if (body && body.getAttribute("data-terminal") === "true" && source) {
             source.close();  // a terminal state changes no more: the stream has ended
-            say("");
             // What can be done with it now differs (remove, retry): the whole page says so.
             if (body.getAttribute("data-state") !== initialState) window.location.reload();
           }
