@@ -4,6 +4,7 @@ failed one, which leaves no directory, port, server or role behind and archives 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -12,7 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane import audit, failures, operations
+from controlplane import audit, failures, operations, tenants
 from controlplane.api.app import create_app
 from controlplane.db import AsyncConn
 from controlplane.kinds import DEPROVISION, OPERATION_STEPS, PROVISION
@@ -174,4 +175,25 @@ async def test_a_failed_instance_is_retried_into_a_ready_one_and_deleted_without
     await run_until(settings, registry_for(faulty), job_finished(second))
     verdict = await scalar(conn, "SELECT verdict FROM jobs WHERE id = %s", (second,))
     assert verdict["result"] == "cleaned up" and verdict["removed"] is False
+
+    # The ready one deleted with its final backup: customers are told the backup's name, never where
+    # the server keeps it; SREs see that.
+    assert (await client.delete(f"/v1/instances/{new_id}", headers=tenant.headers)).status_code == 202
+    await run_until(settings, registry_for(faulty), instance_in(new_id, "deleted"))
+    events = (await client.get(f"/v1/instances/{new_id}/events", headers=tenant.headers)).json()["items"]
+    final = events[-1]
+    assert final["event"] == "deprovisioned" and final["reason"].startswith("final backup ")
+    assert settings.data_dir is not None and str(settings.data_dir) not in json.dumps(events)
+    assert "/" not in final["reason"] and "sre" not in final["detail"]
+    assert final["detail"]["backup"] == final["reason"].removeprefix("final backup ")
+    admin = await tenants.create_admin_key(conn)
+    raw = (
+        await client.get(
+            "/v1/admin/events",
+            params={"instance": str(new_id), "event": "deprovisioned"},
+            headers={"Authorization": f"Bearer {admin.plaintext}"},
+        )
+    ).json()["items"]
+    location = raw[0]["detail"]["sre"]["location"]
+    assert location.startswith(str(settings.data_dir)) and location.endswith(final["detail"]["backup"])
     assert await audit.verify(conn) == []
