@@ -127,7 +127,8 @@ async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
     async with conn:
         await walk(conn, instance_id, "update")
         reason = "update failed after 1 attempt(s): apply_plan: plan small cannot be applied here"
-        await walk(conn, instance_id, "degrade", patch={"failure_reason": reason, "failed_generation": 2})
+        patch = {"failure_reason": reason, "failure_code": "plan_change_failed", "failed_generation": 2}
+        await walk(conn, instance_id, "degrade", patch=patch)
 
 
 def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
@@ -163,5 +164,5 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
     assert resize.returncode == 1, (out, err)
     assert err.strip().splitlines() == [
         "controlplane: error: resize to small did not complete: instance is degraded"
-        " (update failed after 1 attempt(s): apply_plan: plan small cannot be applied here)"
+        " (The plan change could not be applied; the database runs on its previous plan.)"
     ]
