@@ -34,3 +34,17 @@ def lifecycle_document(deadline_s: Callable[[str], float | None]) -> dict[str, A
             for operation, steps in OPERATION_STEPS.items()
         },
     }
+
+
+def reason_table() -> str:
+    """The failure reasons as the Markdown table docs/api.md carries (`python -m controlplane.reference`)."""
+    lines = ["| code | appears on | retry helps | customer message | hint |", "|---|---|---|---|---|"]
+    for reason in failures.REASONS.values():
+        states = ", ".join(reason.states)
+        helps = "yes" if reason.retryable else "no"
+        lines.append(f"| `{reason.code}` | {states} | {helps} | {reason.message} | {reason.hint} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reason_table())

@@ -112,11 +112,16 @@ def _now_of(inst: Instance) -> datetime:
 
 
 async def progress_of(
-    conn: AsyncConn, instances: Sequence[Instance], *, now: datetime | None = None
+    conn: AsyncConn,
+    instances: Sequence[Instance],
+    *,
+    now: datetime | None = None,
+    through_step: int | None = None,
 ) -> dict[uuid.UUID, dict[str, Any]]:
     """The progress of each instance in a transitional state, by id (three queries for a page).
 
-    `now` replaces the database's time of the read (tests inject it).
+    `now` replaces the database's time of the read (tests inject it); `through_step` leaves out
+    the step records after that one (the progress as of a step event).
     """
     moving = [inst for inst in instances if inst.state in DRIVING_JOB]
     if not moving:
@@ -127,7 +132,8 @@ async def progress_of(
     )
     records: dict[uuid.UUID, list[StepRecord]] = {}
     for row in await cursor.fetchall():
-        records.setdefault(row["instance_id"], []).append(StepRecord.from_row(row))
+        if through_step is None or row["id"] <= through_step:
+            records.setdefault(row["instance_id"], []).append(StepRecord.from_row(row))
     cursor = await conn.execute(
         sql.LIVE_JOBS_OF, {"ids": ids, "kinds": sorted({DRIVING_JOB[inst.state] for inst in moving})}
     )

@@ -12,7 +12,7 @@ import anyio
 from psycopg.conninfo import make_conninfo
 from starlette.requests import Request
 
-from controlplane import db, failures, lifecycle, sql
+from controlplane import db, failures, lifecycle, sql, steps
 from controlplane.api import views
 from controlplane.api.state import AppState
 from controlplane.db import AsyncConn
@@ -63,9 +63,13 @@ async def _step_event(
     async with app.pool.connection() as conn:
         cursor = await conn.execute(sql.STEP_BY_ID, {"id": step_id, "instance_id": instance_id})
         row = await cursor.fetchone()
-        snapshot = await _snapshot(conn, app, instance_id, org_id)
-    if row is None or snapshot is None:
-        return None
+        cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
+        found = await cursor.fetchone()
+        if row is None or found is None:
+            return None
+        inst = Instance.from_row(found)
+        # As of this step: the records after it are left out (the state may have moved on since).
+        moving = await steps.progress_of(conn, [inst], through_step=step_id)
     step = StepRecord.from_row(row)
     code = step.code if step.event == "failed" else None
     return {
@@ -81,7 +85,7 @@ async def _step_event(
         if step.started_at is None
         else round((step.at - step.started_at).total_seconds(), 3),
         "failure": None if code is None else failures.reason(code).as_dict(),
-        "progress": snapshot["progress"],
+        "progress": moving.get(inst.id),
     }
 
 
