@@ -21,6 +21,14 @@ class NotFound(DomainError, LookupError):
     """The thing asked for does not exist (or is not the caller's to see)."""
 
 
+class AmbiguousName(NotFound):
+    """A name that several of the organisation's instances had, none of them live: use an id."""
+
+    def __init__(self, message: str, *, candidates: Sequence[object]) -> None:
+        super().__init__(message)
+        self.candidates = [str(c) for c in candidates]
+
+
 class InvalidState(DomainError):
     """Not allowed in the current state: says the state and what is allowed from it."""
 

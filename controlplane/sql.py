@@ -409,6 +409,15 @@ ORG_HAS_INSTANCE = "SELECT 1 FROM instances WHERE id = %(id)s AND org_id = %(org
 ANY_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s"
 LOCK_ANY_INSTANCE = ANY_INSTANCE + " FOR UPDATE OF i"
 
+# The instances an organisation's name may mean: its live instance of that name if any, else the
+# ones of that name neither archived nor replaced by a retry (newest first).
+INSTANCES_NAMED = """
+SELECT i.id, i.state NOT IN ('deleted', 'failed') AS live FROM instances i
+WHERE i.org_id = %(org)s AND i.name = %(name)s AND i.archived_at IS NULL
+  AND NOT EXISTS (SELECT 1 FROM instances r WHERE r.replaces = i.id)
+ORDER BY live DESC, i.created_at DESC, i.id LIMIT 10
+"""
+
 # A page of an organisation's instances, oldest first, after a (created_at, id) cursor; archived
 # ones only when asked for, and optionally those of one name.
 LIST_ORG_INSTANCES = (
@@ -417,6 +426,7 @@ LIST_ORG_INSTANCES = (
   AND (%(archived)s OR i.archived_at IS NULL)
   AND (%(name)s::text IS NULL OR i.name = %(name)s::text)
   AND (%(state)s::text IS NULL OR i.state = %(state)s::text)
+  AND (NOT %(live)s OR i.state NOT IN ('deleted', 'failed'))
   AND (%(after_created)s::timestamptz IS NULL
        OR (i.created_at, i.id) > (%(after_created)s::timestamptz, %(after_id)s::uuid))
 ORDER BY i.created_at, i.id LIMIT %(limit)s

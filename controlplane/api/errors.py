@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controlplane import logs
 from controlplane.domain_errors import (
     AlreadyReplaced,
+    AmbiguousName,
     Conflict,
     DeletionProtected,
     DomainError,
@@ -47,6 +48,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "unauthorized": (401, "Authentication required"),
     "forbidden": (403, "Not allowed for this key"),
     "not-found": (404, "Not found"),
+    "ambiguous-name": (404, "The name is ambiguous: use an id"),
     "method-not-allowed": (405, "Method not allowed"),
     "not-acceptable": (406, "Not acceptable"),
     "invalid-state": (409, "Not allowed in the current state"),
@@ -71,6 +73,7 @@ DOMAIN_KINDS: tuple[tuple[type[DomainError], str], ...] = (
     (DeletionProtected, "deletion-protected"),
     (NotRetryable, "not-retryable"),
     (InvalidState, "invalid-state"),
+    (AmbiguousName, "ambiguous-name"),
     (NotFound, "not-found"),
     (NameTaken, "name-taken"),
     (AlreadyReplaced, "already-replaced"),
@@ -194,6 +197,8 @@ def domain_problem(exc: DomainError) -> ProblemError:
             allowed_actions=exc.allowed_actions,
             failure=exc.failure,
         )
+    if isinstance(exc, AmbiguousName):
+        return ProblemError(kind, exc.detail, candidates=exc.candidates)
     if isinstance(exc, AlreadyReplaced):
         return ProblemError(kind, exc.detail, replaced_by=str(exc.replaced_by))
     if isinstance(exc, InvalidState):

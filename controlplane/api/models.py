@@ -47,6 +47,14 @@ def _known_plan(value: str | None) -> str | None:
     return value
 
 
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
 class RestoreFrom(Strict):
     instance_id: uuid.UUID = Field(description="an instance of this organisation, live or deleted")
     backup: str | None = Field(
@@ -96,6 +104,8 @@ class InstanceCreate(Strict):
             raise ValueError(
                 "use lower-case letters, digits and hyphens, starting and ending with a letter or digit"
             )
+        if _is_uuid(value):
+            raise ValueError("a name cannot have the form of an id (instances are named or found by either)")
         return value
 
 

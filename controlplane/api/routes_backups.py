@@ -22,6 +22,7 @@ from controlplane.api.models import (
     RestoreEmpty,
     RestoreRequest,
 )
+from controlplane.api.routes_instances import InstanceRef
 from controlplane.api.state import app_state
 from controlplane.records import Backup as BackupRecord
 from controlplane.services import backups
@@ -104,7 +105,7 @@ async def _restore(
     responses=errors.responses(401, 403, 404, 422),
     summary="The backups held of an instance, newest first (cursor paginated)",
 )
-async def list_backups(instance_id: uuid.UUID, request: Request, who: Caller, paging: Page) -> dict[str, Any]:
+async def list_backups(instance_id: InstanceRef, request: Request, who: Caller, paging: Page) -> dict[str, Any]:
     return await _page(request, instance_id, who.org_id, paging)
 
 
@@ -115,7 +116,7 @@ async def list_backups(instance_id: uuid.UUID, request: Request, who: Caller, pa
     responses=errors.responses(401, 403, 404, 409, 422),
     summary="Take a backup now (in the background), beside the plan's schedule",
 )
-async def take_backup(instance_id: uuid.UUID, request: Request, who: Caller) -> dict[str, Any]:
+async def take_backup(instance_id: InstanceRef, request: Request, who: Caller) -> dict[str, Any]:
     app = app_state(request)
     asked = backups.RequestBackup(instance_id, who.org_id)
     async with app.pool.connection() as conn:
@@ -131,7 +132,7 @@ async def take_backup(instance_id: uuid.UUID, request: Request, who: Caller) -> 
     summary="Bring back an instance whose data is lost: from a backup (the newest by default), or empty",
 )
 async def restore(
-    instance_id: uuid.UUID, body: RestoreRequest, request: Request, who: Caller
+    instance_id: InstanceRef, body: RestoreRequest, request: Request, who: Caller
 ) -> JSONResponse:
     return await _restore(request, instance_id, who.org_id, body, who.actor, who.request_id)
 

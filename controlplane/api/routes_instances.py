@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from psycopg.rows import DictRow
 
@@ -39,7 +39,32 @@ DEFAULT_LIMIT = 50
 MAX_LIMIT = 100
 
 Caller = Annotated[Customer, Depends(customer)]
-InstanceId = Annotated[uuid.UUID, "the instance id"]
+
+
+async def resolve_instance(
+    request: Request,
+    who: Caller,
+    instance_id: Annotated[
+        str,
+        Path(
+            min_length=1,
+            max_length=63,
+            description="the instance's id, or its name (its live instance of that name)",
+            examples=["orders"],
+        ),
+    ],
+) -> uuid.UUID:
+    """The id an instance path names: an id as given, a name by one look-up in the use cases."""
+    try:
+        return uuid.UUID(instance_id)
+    except ValueError:
+        pass
+    async with app_state(request).pool.connection() as conn:
+        return await instances.resolve(conn, who.org_id, instance_id)
+
+
+# An instance path segment: its id or its name, resolved to the id.
+InstanceRef = Annotated[uuid.UUID, Depends(resolve_instance)]
 
 
 def _location(instance_id: uuid.UUID) -> str:
@@ -154,6 +179,7 @@ async def list_instances(
     include: Annotated[
         Literal["archived"] | None, Query(description="archived: list deleted failed instances too")
     ] = None,
+    live: Annotated[bool, Query(description="only instances that are neither failed nor deleted")] = False,
     limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
         DEFAULT_LIMIT
     ),
@@ -161,7 +187,14 @@ async def list_instances(
 ) -> dict[str, Any]:
     app = app_state(request)
     items, next_cursor = await instances_page(
-        app, who.org_id, state=state, name=name, archived=include == "archived", limit=limit, cursor=cursor
+        app,
+        who.org_id,
+        state=state,
+        name=name,
+        archived=include == "archived",
+        live=live,
+        limit=limit,
+        cursor=cursor,
     )
     return {"items": items, "next_cursor": next_cursor}
 
@@ -173,6 +206,7 @@ async def instances_page(
     state: str | None = None,
     name: str | None = None,
     archived: bool = False,
+    live: bool = False,
     limit: int = DEFAULT_LIMIT,
     cursor: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
@@ -196,6 +230,7 @@ async def instances_page(
                     "state": state,
                     "name": name,
                     "archived": archived,
+                    "live": live,
                     "after_created": after_created,
                     "after_id": after_id,
                     "limit": limit + 1,
@@ -219,7 +254,7 @@ async def instances_page(
     },
     summary="Get an instance, with its connection details once it has been ready",
 )
-async def get_instance(instance_id: uuid.UUID, request: Request, who: Caller) -> JSONResponse:
+async def get_instance(instance_id: InstanceRef, request: Request, who: Caller) -> JSONResponse:
     app = app_state(request)
     async with app.pool.connection() as conn:
         inst = await instances.load(conn, who.org_id, instance_id)
@@ -235,7 +270,7 @@ async def get_instance(instance_id: uuid.UUID, request: Request, who: Caller) ->
     summary="Change an instance's plan or deletion protection",
 )
 async def update_instance(
-    instance_id: uuid.UUID,
+    instance_id: InstanceRef,
     body: InstanceUpdate,
     request: Request,
     who: Caller,
@@ -263,7 +298,7 @@ async def update_instance(
     summary="Delete an instance (now if it can start deprovisioning, else as soon as it can)",
 )
 async def delete_instance(
-    instance_id: uuid.UUID,
+    instance_id: InstanceRef,
     request: Request,
     who: Caller,
     skip_final_backup: Annotated[
@@ -292,7 +327,7 @@ async def delete_instance(
     summary="Retry a failed instance: a new one from its spec and name, linked both ways",
 )
 async def retry_instance(
-    instance_id: uuid.UUID,
+    instance_id: InstanceRef,
     request: Request,
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
@@ -321,7 +356,7 @@ async def retry(
     summary="The instance's audit log, oldest first",
 )
 async def instance_events(
-    instance_id: uuid.UUID,
+    instance_id: InstanceRef,
     request: Request,
     who: Caller,
     cursor: str | None = None,
@@ -362,7 +397,7 @@ async def events_page(
     response_class=StreamingResponse,
     summary="Follow the instance's state changes as Server-Sent Events",
 )
-async def watch_instance(instance_id: uuid.UUID, request: Request, who: Caller) -> StreamingResponse:
+async def watch_instance(instance_id: InstanceRef, request: Request, who: Caller) -> StreamingResponse:
     return await watch_response(request, who.org_id, instance_id)
 
 

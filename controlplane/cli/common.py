@@ -1,15 +1,22 @@
-"""What the CLI's commands share: errors, settings flags with their environment variables, output."""
+"""What the CLI's commands share: errors, settings flags with their environment variables, output
+(table, JSON or YAML; one timestamp format; colour only on a terminal; cut cells end in an ellipsis)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
-from controlplane import db
+from pydantic import SecretStr
+
+from controlplane import db, exit_codes
 from controlplane import settings as settings_module
 from controlplane.db import AsyncConn
 from controlplane.settings import Settings
@@ -18,7 +25,26 @@ T = TypeVar("T")
 
 
 class CommandError(Exception):
-    """A failure to report as one line on stderr with exit code 1."""
+    """A failure to report as one line on stderr, with its exit code (`controlplane.exit_codes`)."""
+
+    def __init__(self, message: str, code: int = exit_codes.OTHER) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def shown_default(value: Any) -> str:
+    """A default as a user would type it: `.controlplane`, `8700`, `(none)`, never a repr."""
+    if value is None or value == "":
+        return "(none)"
+    if isinstance(value, SecretStr):
+        return "(secret)" if value.get_secret_value() else "(none)"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return ",".join(str(v) for v in value) or "(none)"
+    return str(value)
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
@@ -31,7 +57,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) ->
             dest=f"setting_{name}",
             type=entry.kind,
             default=None,
-            help=f"(env {entry.env}, default {default!r})",
+            help=f"(env {entry.env}; default: {shown_default(default)})",
         )
 
 
@@ -44,16 +70,132 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return settings_module.load(**overrides)
 
 
+OUTPUT_FORMATS = ("table", "json", "yaml")
+# The widest a table's cell is printed; longer values end in ELLIPSIS (`-o json` has them whole).
+MAX_CELL = 48
+ELLIPSIS = "…"
+
+
+def add_output_flag(parser: argparse.ArgumentParser) -> None:
+    """-o/--output table|json|yaml (default: table on a terminal, json when piped); --json = -o json."""
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="output format (default: table on a terminal, json when piped or redirected)",
+    )
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+
+
+def output_format(args: argparse.Namespace) -> str:
+    if getattr(args, "json", False):
+        return "json"
+    chosen = getattr(args, "output", None)
+    if chosen:
+        return str(chosen)
+    return "table" if sys.stdout.isatty() else "json"
+
+
+def timestamp(value: datetime) -> str:
+    """The one timestamp format of the CLI: RFC 3339 in UTC to the second, `2026-01-31T12:00:00Z`."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d+)?([+-]\d{2}:?\d{2}|Z)?")
+
+
+def cell_text(value: Any) -> str:
+    """A value as a table shows it; timestamps (datetimes, or RFC 3339 text) in the one format."""
+    if value is None:
+        return ""
+    if isinstance(value, datetime):
+        return timestamp(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    text = str(value)
+    if _RFC3339.fullmatch(text):
+        try:
+            return timestamp(datetime.fromisoformat(text.replace("Z", "+00:00")))
+        except ValueError:
+            return text
+    return text
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat().replace("+00:00", "Z")
+    return str(value)
+
+
+def plain_data(value: Any) -> Any:
+    """`value` as JSON would carry it (datetimes as RFC 3339 text, UUIDs as text)."""
+    return json.loads(json.dumps(value, default=_jsonable))
+
+
 def print_json(value: Any) -> None:
-    json.dump(value, sys.stdout, indent=2, default=str)
+    json.dump(value, sys.stdout, indent=2, default=_jsonable)
     sys.stdout.write("\n")
 
 
-def print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for row in cells:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+def print_data(value: Any, fmt: str) -> None:
+    """JSON or YAML of `value` (the API's field names and values, whole)."""
+    if fmt == "yaml":
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(plain_data(value), sort_keys=False, allow_unicode=True))
+        return
+    print_json(value)
+
+
+def colour_enabled() -> bool:
+    """Colour only on a terminal, never with NO_COLOR set (https://no-color.org) or TERM=dumb."""
+    if "NO_COLOR" in os.environ or os.environ.get("TERM") == "dumb":
+        return False
+    return sys.stdout.isatty()
+
+
+# The colour of a state in a table: settled fine, transitional, needs attention.
+_STATE_COLOURS = {
+    "ready": "32",
+    "failed": "31",
+    "degraded": "33",
+    "suspended": "33",
+    "deleted": "2",
+}
+
+
+def coloured(text: str, state: str) -> str:
+    code = _STATE_COLOURS.get(state, "36")
+    return f"\033[{code}m{text}\033[0m"
+
+
+def cut(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    return text[: width - 1] + ELLIPSIS
+
+
+def print_table(
+    rows: Sequence[Sequence[Any]],
+    headers: Sequence[str],
+    *,
+    max_cell: int | None = MAX_CELL,
+    state_column: str | None = None,
+) -> None:
+    """Aligned columns; a cell longer than `max_cell` is cut with an ellipsis, never silently; the
+    `state_column` coloured on a terminal."""
+    head = [str(h) for h in headers]
+    body = [[cut(cell_text(c), max_cell) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(headers))]
+    colour_at = head.index(state_column) if state_column in head and colour_enabled() else None
+    for index, row in enumerate([head, *body]):
+        padded = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+        if colour_at is not None and index > 0 and row[colour_at]:
+            padded[colour_at] = coloured(padded[colour_at], row[colour_at].strip())
+        print("  ".join(padded).rstrip())
 
 
 def run_with_db(args: argparse.Namespace, work: Callable[[AsyncConn], Awaitable[T]]) -> T:

@@ -16,6 +16,7 @@ from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import (
     AlreadyReplaced,
+    AmbiguousName,
     DeletionProtected,
     InvalidState,
     NotFound,
@@ -275,6 +276,27 @@ async def load(
     if row is None:
         raise NotFound(f"no instance {instance_id}")
     return Instance.from_row(row)
+
+
+async def resolve(conn: AsyncConn, org_id: uuid.UUID, ref: str) -> uuid.UUID:
+    """The id an organisation's reference names: an id as it is, a name by one look-up (its live
+    instance; else its one instance of that name neither archived nor retried). NotFound for a
+    name none has; AmbiguousName when several dead ones had it and none is live."""
+    try:
+        return uuid.UUID(ref)
+    except ValueError:
+        pass
+    rows = await (await conn.execute(sql.INSTANCES_NAMED, {"org": org_id, "name": ref})).fetchall()
+    if not rows:
+        raise NotFound(f"no instance named {ref!r}")
+    if rows[0]["live"] or len(rows) == 1:
+        found: uuid.UUID = rows[0]["id"]
+        return found
+    ids = [row["id"] for row in rows]
+    raise AmbiguousName(
+        f"{len(ids)} instances named {ref!r}, none of them live: use an id ({', '.join(map(str, ids))})",
+        candidates=ids,
+    )
 
 
 async def _check_restore_source(
