@@ -81,3 +81,17 @@ def for_problem(kind: str | None, status: int) -> int:
     if 400 <= status < 500:
         return USAGE
     return OTHER
+
+
+def for_domain_error(exc: Exception) -> int:
+    """The exit code of a use case's refusal met on a direct path (the same as its problem type's:
+    tests/unit/test_exit_codes.py checks the two agree)."""
+    from controlplane import domain_errors as d
+
+    if isinstance(exc, d.NotFound):
+        return NOT_FOUND
+    if isinstance(exc, d.InvalidState | d.Conflict | d.PreconditionFailed):
+        return CONFLICT
+    if isinstance(exc, d.InvalidRequest | d.Unsupported):
+        return USAGE
+    return OTHER

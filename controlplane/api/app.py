@@ -15,6 +15,7 @@ from controlplane.api import (
     console,
     docs,
     errors,
+    openapi,
     routes_admin,
     routes_backups,
     routes_instances,
@@ -23,7 +24,6 @@ from controlplane.api import (
     routes_tls,
     webhooks,
 )
-from controlplane.api.errors import Problem
 from controlplane.api.state import AppState, KeyCache
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
@@ -107,7 +107,7 @@ def create_app(
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """The generated schema, with the Problem document that every error response refers to."""
+    """The generated schema, completed for client generators (controlplane.api.openapi)."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title,
@@ -115,9 +115,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             description=app.description,
             routes=app.routes,
         )
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
-        app.openapi_schema = schema
+        app.openapi_schema = openapi.finish(schema)
     return app.openapi_schema
 
 

@@ -82,6 +82,7 @@ class InstanceCreate(Strict):
         min_length=1,
         max_length=63,
         description="DNS label, unique among live instances",
+        examples=["orders"],
         json_schema_extra={"pattern": DNS_LABEL},
     )
     plan: str = Field(

@@ -39,6 +39,8 @@ DEFAULT_LIMIT = 100
     response_model=AdminInstance,
     responses=errors.responses(401, 403, 404, 422),
     summary="Any instance as SREs see it: the raw failure reason and every step record of its jobs",
+    operation_id="adminGetInstance",
+    description="Any instance as SREs see it: the raw failure reason and every step record of its jobs.",
 )
 async def admin_instance(instance_id: uuid.UUID, request: Request, _: AdminKey) -> dict[str, Any]:
     app = app_state(request)
@@ -57,6 +59,12 @@ async def admin_instance(instance_id: uuid.UUID, request: Request, _: AdminKey) 
     response_model=AdminEventPage,
     responses=errors.responses(401, 403, 422),
     summary="The audit log of every instance, oldest first, filtered",
+    operation_id="adminListEvents",
+    description=(
+        "The audit log of every instance, oldest first, filtered by instance, organisation, actor, event,"
+        " state and time. The actor filter also finds the moves of jobs that actor caused (`stripe` finds"
+        " what Stripe events did)."
+    ),
 )
 async def admin_events(
     request: Request,
@@ -104,6 +112,8 @@ def _job(row: Any) -> dict[str, Any]:
     response_model=JobList,
     responses=errors.responses(401, 403, 422),
     summary="Jobs, newest first, by state and kind",
+    operation_id="adminListJobs",
+    description="Jobs, newest first, filtered by state, kind and instance.",
 )
 async def admin_jobs(
     request: Request,
@@ -125,6 +135,8 @@ async def admin_jobs(
     response_model=Job,
     responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
     summary="Pause, resume, retry or abandon a job, with a reason (recorded as the operator's)",
+    operation_id="adminJobAction",
+    description="Pause, resume, retry or abandon a job as an operator; the reason is recorded in its events.",
 )
 async def admin_job_action(
     job_id: uuid.UUID,
@@ -145,6 +157,10 @@ async def admin_job_action(
     response_model=DwellStats,
     responses=errors.responses(401, 403, 422),
     summary="Time spent in each state: count, p50, p95, max (seconds)",
+    operation_id="adminDwellStats",
+    description=(
+        "Time spent in each state of the instance or job lifecycle: count, p50, p95 and max in seconds."
+    ),
 )
 async def admin_dwell(
     request: Request,

@@ -104,8 +104,14 @@ async def _restore(
     response_model=BackupPage,
     responses=errors.responses(401, 403, 404, 422),
     summary="The backups held of an instance, newest first (cursor paginated)",
+    operation_id="listBackups",
+    description=(
+        "The backups held of the instance (scheduled, on demand and final), newest first, a page at a time."
+    ),
 )
-async def list_backups(instance_id: InstanceRef, request: Request, who: Caller, paging: Page) -> dict[str, Any]:
+async def list_backups(
+    instance_id: InstanceRef, request: Request, who: Caller, paging: Page
+) -> dict[str, Any]:
     return await _page(request, instance_id, who.org_id, paging)
 
 
@@ -115,6 +121,11 @@ async def list_backups(instance_id: InstanceRef, request: Request, who: Caller, 
     response_model=BackupRequested,
     responses=errors.responses(401, 403, 404, 409, 422),
     summary="Take a backup now (in the background), beside the plan's schedule",
+    operation_id="takeBackup",
+    description=(
+        'Enqueues a backup now, beside the plan"s schedule; a backup already under way is answered '
+        "instead of a second one (`created: false`)."
+    ),
 )
 async def take_backup(instance_id: InstanceRef, request: Request, who: Caller) -> dict[str, Any]:
     app = app_state(request)
@@ -130,6 +141,11 @@ async def take_backup(instance_id: InstanceRef, request: Request, who: Caller) -
     response_model=Instance,
     responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
     summary="Bring back an instance whose data is lost: from a backup (the newest by default), or empty",
+    operation_id="restoreInstance",
+    description=(
+        "For an instance whose data is lost: restore it from a backup (the newest by default) or, "
+        "accepting the loss, re-create it empty."
+    ),
 )
 async def restore(
     instance_id: InstanceRef, body: RestoreRequest, request: Request, who: Caller
@@ -143,6 +159,8 @@ async def restore(
     responses=errors.responses(401, 403, 404, 422),
     tags=["sre"],
     summary="The backups held of any instance, newest first, with where they are kept",
+    operation_id="adminListBackups",
+    description="Any instance's backups, newest first, with where each is kept (SREs only).",
 )
 async def admin_list_backups(
     instance_id: uuid.UUID, request: Request, _: AdminKey, paging: Page
@@ -157,6 +175,8 @@ async def admin_list_backups(
     responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
     tags=["sre"],
     summary="An SRE's decision for an instance whose data is lost: a restore point, or empty",
+    operation_id="adminRestoreInstance",
+    description="An SRE's decision for an instance whose data is lost: a restore point, or empty.",
 )
 async def admin_restore(
     instance_id: uuid.UUID, body: RestoreRequest, request: Request, who: AdminKey

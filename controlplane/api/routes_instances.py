@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from psycopg.rows import DictRow
 
 from controlplane import sql
-from controlplane.api import errors, idempotency, views, watch
+from controlplane.api import errors, idempotency, openapi, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
     Instance,
@@ -128,10 +128,17 @@ async def _accepted(
     status_code=202,
     response_model=Instance,
     responses={
-        202: {"headers": {"Location": {"schema": {"type": "string"}}}},
+        202: {"headers": openapi.headers("Location", "ETag", "Idempotent-Replayed")},
         **errors.responses(400, 401, 403, 404, 409, 413, 422),
     },
     summary="Create an instance (provisioned in the background)",
+    operation_id="createInstance",
+    description=(
+        "Creates the instance in `pending` and enqueues its provisioning; answers 202 at once with the "
+        "instance and its Location. Follow it with GET (or the watch stream) until `ready`. An "
+        'Idempotency-Key makes a retried request answer the first one"s response (with '
+        "Idempotent-Replayed: true) instead of creating a second instance."
+    ),
 )
 async def create(
     body: InstanceCreate,
@@ -170,6 +177,12 @@ async def create_instance(
     response_model=InstancePage,
     responses=errors.responses(401, 403, 422),
     summary="List the organisation's instances (oldest first, cursor paginated)",
+    operation_id="listInstances",
+    description=(
+        'The organisation"s instances, oldest first, a page at a time: pass `next_cursor` back as '
+        "`cursor` for the next page. `live=true` leaves out failed and deleted instances; `name` finds "
+        "the instances of one name."
+    ),
 )
 async def list_instances(
     request: Request,
@@ -249,10 +262,15 @@ async def instances_page(
     "/{instance_id}",
     response_model=Instance,
     responses={
-        200: {"headers": {"ETag": {"schema": {"type": "string"}}}},
+        200: {"headers": openapi.headers("ETag")},
         **errors.responses(401, 403, 404, 422),
     },
     summary="Get an instance, with its connection details once it has been ready",
+    operation_id="getInstance",
+    description=(
+        "One instance by id or name, with its state metadata, progress, typed failure and, once it has "
+        "been ready, its connection details (password included). The ETag is its version for If-Match."
+    ),
 )
 async def get_instance(instance_id: InstanceRef, request: Request, who: Caller) -> JSONResponse:
     app = app_state(request)
@@ -266,8 +284,17 @@ async def get_instance(instance_id: InstanceRef, request: Request, who: Caller) 
     "/{instance_id}",
     status_code=202,
     response_model=Instance,
-    responses=errors.responses(400, 401, 403, 404, 409, 412, 413, 422),
+    responses={
+        202: {"headers": openapi.headers("ETag")},
+        **errors.responses(400, 401, 403, 404, 409, 412, 413, 422),
+    },
     summary="Change an instance's plan or deletion protection",
+    operation_id="updateInstance",
+    description=(
+        "A new plan is a new spec generation, carried out by an update job now if the instance is ready "
+        "(else once it is); deletion protection changes at once. If-Match with the ETag refuses the "
+        "change (412) if the instance changed since it was read."
+    ),
 )
 async def update_instance(
     instance_id: InstanceRef,
@@ -294,8 +321,17 @@ async def update_instance(
     "/{instance_id}",
     status_code=202,
     response_model=Instance,
-    responses=errors.responses(401, 403, 404, 409, 412, 422),
+    responses={
+        202: {"headers": openapi.headers("ETag")},
+        **errors.responses(401, 403, 404, 409, 412, 422),
+    },
     summary="Delete an instance (now if it can start deprovisioning, else as soon as it can)",
+    operation_id="deleteInstance",
+    description=(
+        "Requests deletion: it starts now when the instance can start deprovisioning, else as soon as it "
+        "can. A final backup is taken first unless `skip_final_backup`. Refused (409) while deletion "
+        "protection is on. A failed instance is archived and what it left is removed."
+    ),
 )
 async def delete_instance(
     instance_id: InstanceRef,
@@ -321,10 +357,16 @@ async def delete_instance(
     status_code=202,
     response_model=Instance,
     responses={
-        202: {"headers": {"Location": {"schema": {"type": "string"}}}},
+        202: {"headers": openapi.headers("Location", "ETag", "Idempotent-Replayed")},
         **errors.responses(400, 401, 403, 404, 409, 422),
     },
     summary="Retry a failed instance: a new one from its spec and name, linked both ways",
+    operation_id="retryInstance",
+    description=(
+        'Creates a new instance from a failed one"s name, plan and deletion protection; the failed one '
+        'stays as it is, linked to the new one (`replaced_by`). Refused when the failure"s reason says a '
+        "retry cannot help."
+    ),
 )
 async def retry_instance(
     instance_id: InstanceRef,
@@ -354,6 +396,10 @@ async def retry(
     response_model=InstanceEventPage,
     responses=errors.responses(401, 403, 404, 422),
     summary="The instance's audit log, oldest first",
+    operation_id="listInstanceEvents",
+    description=(
+        "Every state change of the instance, oldest first, with who caused it and why, a page at a time."
+    ),
 )
 async def instance_events(
     instance_id: InstanceRef,
@@ -396,6 +442,11 @@ async def events_page(
     },
     response_class=StreamingResponse,
     summary="Follow the instance's state changes as Server-Sent Events",
+    operation_id="watchInstance",
+    description=(
+        "A Server-Sent Events stream: an `instance` snapshot first, then one `transition` event per state"
+        " change and one `step` event per step of the running operation; it ends after a terminal state."
+    ),
 )
 async def watch_instance(instance_id: InstanceRef, request: Request, who: Caller) -> StreamingResponse:
     return await watch_response(request, who.org_id, instance_id)

@@ -46,6 +46,8 @@ def _own_org(who: Principal, refusal: str) -> uuid.UUID:
     response_model=OrgCreated,
     responses=errors.responses(400, 401, 403, 409, 413, 422),
     summary="Create an organisation and its first API key (admin)",
+    operation_id="createOrg",
+    description="Creates an organisation and its first API key, shown once in the answer (admin key only).",
 )
 async def create_org(body: OrgCreate, request: Request, _: AdminKey) -> Any:
     async with app_state(request).pool.connection() as conn:
@@ -59,6 +61,8 @@ async def create_org(body: OrgCreate, request: Request, _: AdminKey) -> Any:
     response_model=NewApiKey,
     responses=errors.responses(400, 401, 403, 404, 413, 422),
     summary="Create another API key for an organisation (admin)",
+    operation_id="createOrgKey",
+    description="Creates another API key for an organisation, shown once in the answer (admin key only).",
 )
 async def create_org_key(org_id: uuid.UUID, body: KeyCreate, request: Request, _: AdminKey) -> Any:
     async with app_state(request).pool.connection() as conn:
@@ -73,6 +77,11 @@ async def create_org_key(org_id: uuid.UUID, body: KeyCreate, request: Request, _
     response_model=KeyList,
     responses=errors.responses(401, 403),
     summary="List the API keys of the caller's organisation (never the keys themselves)",
+    operation_id="listKeys",
+    description=(
+        'The API keys of the caller"s organisation: ids, prefixes, names, creation and revocation times; '
+        "never the keys themselves."
+    ),
 )
 async def list_keys(request: Request, who: AnyKey) -> Any:
     org_id = _own_org(who, "admin keys belong to no organisation")
@@ -87,6 +96,8 @@ async def list_keys(request: Request, who: AnyKey) -> Any:
     response_model=NewApiKey,
     responses=errors.responses(400, 401, 403, 413, 422),
     summary="Create another API key for the caller's organisation",
+    operation_id="createKey",
+    description="Creates another API key for the caller's organisation; the key is in this answer only.",
 )
 async def create_own_key(body: KeyCreate, request: Request, who: AnyKey) -> Any:
     org_id = _own_org(who, "admin keys belong to no organisation; use POST /v1/orgs/{id}/keys")
@@ -101,6 +112,11 @@ async def create_own_key(body: KeyCreate, request: Request, who: AnyKey) -> Any:
     response_class=Response,
     responses=errors.responses(401, 403, 404, 422),
     summary="Revoke an API key (an organisation's own keys; an admin, any key)",
+    operation_id="revokeKey",
+    description=(
+        "Revokes an API key at once on this API process, within the key cache time on the others; an "
+        "organisation revokes its own keys, an admin any key."
+    ),
 )
 async def revoke_key(key_id: uuid.UUID, request: Request, who: AnyKey) -> Response:
     if not await revoke(app_state(request), key_id, None if who.is_admin else who.org_id):

@@ -17,7 +17,14 @@ from controlplane.api.state import app_state
 router = APIRouter()
 
 
-@router.get("/healthz", response_model=Health, tags=["health"], summary="The process is up")
+@router.get(
+    "/healthz",
+    response_model=Health,
+    tags=["health"],
+    summary="The process is up",
+    operation_id="getHealth",
+    description="Answers 200 while the process runs (liveness).",
+)
 async def healthz() -> dict[str, Any]:
     return {"status": "ok"}
 
@@ -28,6 +35,11 @@ async def healthz() -> dict[str, Any]:
     responses=errors.responses(503),
     tags=["health"],
     summary="The database is reachable and its schema is at the latest migration",
+    operation_id="getReadiness",
+    description=(
+        "Answers 200 when the database is reachable and its schema is at the latest migration, else 503 "
+        "(readiness)."
+    ),
 )
 async def readyz(request: Request) -> Any:
     app = app_state(request)
@@ -60,6 +72,8 @@ async def readyz(request: Request) -> Any:
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
     summary="Prometheus metrics",
+    operation_id="getMetrics",
+    description="The process's metrics in the Prometheus text format.",
 )
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -72,13 +86,25 @@ async def metrics() -> Response:
     tags=["reference"],
     summary="The lifecycle tables with their metadata (labels, severity, billing, alerting moves,"
     " deadlines), the failure reasons, the steps of each operation, the customer actions",
+    operation_id="getLifecycle",
+    description=(
+        "The instance and job lifecycles: states, moves, their labels, severities and billing classes, "
+        "and every typed failure reason."
+    ),
 )
 async def lifecycle_tables(request: Request) -> JSONResponse:
     deadlines = app_state(request).settings.reconciler.deadline_s
     return JSONResponse(reference.lifecycle_document(deadlines))
 
 
-@router.get("/v1/plans", response_model=PlanList, tags=["reference"], summary="The plans on offer")
+@router.get(
+    "/v1/plans",
+    response_model=PlanList,
+    tags=["reference"],
+    summary="The plans on offer",
+    operation_id="listPlans",
+    description="The plans a customer can choose, with their PostgreSQL settings, shape and backup schedule.",
+)
 async def list_plans() -> dict[str, Any]:
     return {
         "items": [

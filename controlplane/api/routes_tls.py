@@ -21,6 +21,11 @@ PEM_MEDIA_TYPE = "application/x-pem-file"
         **errors.responses(404),
     },
     summary="The CA certificate to verify the databases with (libpq sslmode=verify-full, sslrootcert)",
+    operation_id="getCaCertificate",
+    description=(
+        'The CA certificate (PEM) that the databases" server certificates are signed by: use it as '
+        "`sslrootcert`."
+    ),
 )
 async def ca_certificate(request: Request) -> Response:
     provisioner = provisioner_of(app_state(request))

@@ -40,6 +40,11 @@ router = APIRouter(tags=["webhooks"])
             "content": {"application/json": {"schema": {"type": "object", "description": "a Stripe event"}}},
         },
     },
+    operation_id="receiveStripeEvent",
+    description=(
+        'Stripe"s subscription events, verified against the webhook secret on the raw body; an event is '
+        "applied once (a redelivery answers its first outcome)."
+    ),
 )
 async def stripe_webhook(request: Request) -> Any:
     app = app_state(request)

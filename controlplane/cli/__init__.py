@@ -6,7 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from controlplane import exit_codes
 from controlplane.cli import common, customer, jobs, orgs, server, sre
+from controlplane.domain_errors import DomainError
 from controlplane.postgres import PostgresError
 from controlplane.settings import NotAvailable, SettingsError
 
@@ -32,14 +34,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotAvailable as exc:
         # Nothing wrong with the settings: what they point at is busy or down now.
         print(f"controlplane: error: {exc}", file=sys.stderr)
-        return 1
+        return exit_codes.UNAVAILABLE
     except SettingsError as exc:
         # A setting that cannot be used: refused before anything starts, as a usage error.
         print(f"controlplane: error: {exc}", file=sys.stderr)
-        return 2
-    except (common.CommandError, PostgresError) as exc:
+        return exit_codes.USAGE
+    except common.CommandError as exc:
         print(f"controlplane: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.code
+    except DomainError as exc:
+        # A use case's refusal on a direct path (the database, not the API): its problem's code.
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return exit_codes.for_domain_error(exc)
+    except PostgresError as exc:
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return exit_codes.OTHER
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -105,7 +105,8 @@ def chosen_profile(args: argparse.Namespace) -> Profile | None:
     if values is None:
         if getattr(args, "profile", None) or os.environ.get(PROFILE_ENV):
             raise CommandError(
-                f"no profile {name!r} in {config_file()} (create it with `controlplane login --profile {name}`)",
+                f"no profile {name!r} in {config_file()}"
+                f" (create it with `controlplane login --profile {name}`)",
                 exit_codes.USAGE,
             )
         return None
@@ -173,6 +174,9 @@ class Api:
             raise api_error(response)
         return response
 
+    def ca_pem(self) -> str:
+        return self.response("GET", "/v1/ca.pem").text
+
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self.response(method, path, **kwargs)
         return response.json() if response.content else None
@@ -189,7 +193,9 @@ class Api:
             if not cursor:
                 return items
 
-    def stream_events(self, ref: str, *, deadline: float | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    def stream_events(
+        self, ref: str, *, deadline: float | None = None
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         """The instance's snapshot, then its transitions and steps as they happen (Server-Sent
         Events), as (event name, data); WaitTimeout at `deadline` (a time.monotonic() value).
 

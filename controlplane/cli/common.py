@@ -77,13 +77,13 @@ ELLIPSIS = "…"
 
 
 def add_output_flag(parser: argparse.ArgumentParser) -> None:
-    """-o/--output table|json|yaml (default: table on a terminal, json when piped); --json = -o json."""
+    """-o/--output table|json|yaml (default: CONTROLPLANE_OUTPUT, else table); --json = -o json."""
     parser.add_argument(
         "-o",
         "--output",
         choices=OUTPUT_FORMATS,
         default=None,
-        help="output format (default: table on a terminal, json when piped or redirected)",
+        help="output format (env CONTROLPLANE_OUTPUT; default: table)",
     )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
@@ -91,10 +91,13 @@ def add_output_flag(parser: argparse.ArgumentParser) -> None:
 def output_format(args: argparse.Namespace) -> str:
     if getattr(args, "json", False):
         return "json"
-    chosen = getattr(args, "output", None)
-    if chosen:
-        return str(chosen)
-    return "table" if sys.stdout.isatty() else "json"
+    chosen = getattr(args, "output", None) or os.environ.get("CONTROLPLANE_OUTPUT") or "table"
+    if chosen not in OUTPUT_FORMATS:
+        raise CommandError(
+            f"CONTROLPLANE_OUTPUT must be one of {', '.join(OUTPUT_FORMATS)}, not {chosen!r}",
+            exit_codes.USAGE,
+        )
+    return str(chosen)
 
 
 def timestamp(value: datetime) -> str:

@@ -1,4 +1,6 @@
-"""Customer commands: `controlplane instances ...` talking to the REST API with an API key."""
+"""Customer commands: `controlplane instances ...` talking to the REST API with an API key.
+
+Every instance argument is its name or its id (the API resolves a name in one look-up)."""
 
 from __future__ import annotations
 
@@ -6,76 +8,197 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
-from controlplane import lifecycle
-from controlplane.cli.common import CommandError, print_json, print_table
+from controlplane import exit_codes, lifecycle, plans
+from controlplane.cli.client import Api, WaitTimeout, config_dir, instance_path
+from controlplane.cli.common import (
+    CommandError,
+    add_output_flag,
+    cell_text,
+    output_format,
+    print_data,
+    print_table,
+    timestamp,
+)
 
 TERMINAL = lifecycle.INSTANCE.terminal
-LIST_COLUMNS = ("id", "name", "plan", "state", "state_version", "created_at")
+LIST_COLUMNS = ("name", "id", "plan", "state", "created_at")
+DEFAULT_TIMEOUT = "30m"
+PLANS_HELP = f"one of: {', '.join(plans.plan_names())}"
+REF = "NAME_OR_ID"
+REF_HELP = "the database's name (or its id)"
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `90`, `90s`, `10m` or `1h`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use e.g. 90s, 10m or 1h")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def _wait_flags(parser: argparse.ArgumentParser, until: str) -> None:
+    parser.add_argument("--wait", action="store_true", help=f"follow progress until {until}")
+    parser.add_argument(
+        "--timeout",
+        type=parse_duration,
+        default=DEFAULT_TIMEOUT,
+        metavar="DURATION",
+        help=f"with --wait: give up after this long, exit code {exit_codes.TIMEOUT}"
+        f" (default: {DEFAULT_TIMEOUT})",
+    )
 
 
 def register(commands: Any) -> None:
-    instances = commands.add_parser("instances", help="create, inspect, resize and delete databases")
+    instances = commands.add_parser(
+        "instances",
+        help="create, inspect, resize and delete databases",
+        description="Create, inspect, resize and delete databases (by name or id).",
+    )
     actions = instances.add_subparsers(dest="instances_command", metavar="ACTION", required=True)
 
-    create = _action(actions, "create", "create a database", cmd_create)
-    create.add_argument("name")
-    create.add_argument("--plan", required=True)
-    create.add_argument("--region")
-    create.add_argument("--deletion-protection", action="store_true")
-    create.add_argument("--wait", action="store_true", help="follow progress until ready")
+    create = _action(
+        actions,
+        "create",
+        "create a database",
+        cmd_create,
+        "controlplane instances create orders --plan dev --wait",
+    )
+    create.add_argument("name", metavar="NAME", help="a DNS label, unique among your live databases")
+    create.add_argument("--plan", required=True, choices=plans.plan_names(), metavar="PLAN", help=PLANS_HELP)
+    create.add_argument("--region", help="where to run it (default: local)")
+    create.add_argument("--deletion-protection", action="store_true", help="refuse deletion until turned off")
+    _wait_flags(create, "ready")
 
-    listing = _action(actions, "list", "list databases", cmd_list)
-    listing.add_argument("--state")
+    listing = _action(
+        actions,
+        "list",
+        "list databases (failed and deleted ones with --all)",
+        cmd_list,
+        "controlplane instances list --all -o json",
+    )
+    listing.add_argument(
+        "--state", choices=lifecycle.INSTANCE.states, metavar="STATE", help="only those in this state"
+    )
+    listing.add_argument("--all", action="store_true", help="failed and deleted databases too")
 
-    show = _action(actions, "show", "show one database", cmd_show)
-    show.add_argument("id")
+    show = _action(actions, "show", "show one database", cmd_show, "controlplane instances show orders")
+    _ref(show)
     show.add_argument("--uri", action="store_true", help="print only the connection URI (for psql)")
 
-    resize = _action(actions, "resize", "change a database's plan", cmd_resize)
-    resize.add_argument("id")
-    resize.add_argument("--plan", required=True)
-    resize.add_argument("--wait", action="store_true")
+    resize = _action(
+        actions,
+        "resize",
+        "change a database's plan",
+        cmd_resize,
+        "controlplane instances resize orders --plan small --wait",
+    )
+    _ref(resize)
+    resize.add_argument("--plan", required=True, choices=plans.plan_names(), metavar="PLAN", help=PLANS_HELP)
+    _wait_flags(resize, "the new plan is in place")
 
-    delete = _action(actions, "delete", "delete a database", cmd_delete)
-    delete.add_argument("id")
-    delete.add_argument("--skip-final-backup", action="store_true")
-    delete.add_argument("--wait", action="store_true")
+    delete = _action(
+        actions,
+        "delete",
+        "delete a database (a final backup is taken first)",
+        cmd_delete,
+        "controlplane instances delete orders --wait",
+    )
+    _ref(delete)
+    delete.add_argument("--skip-final-backup", action="store_true", help="delete without a final backup")
+    _wait_flags(delete, "deleted")
+
+    protection = _action(
+        actions,
+        "protection",
+        "turn deletion protection on or off",
+        cmd_protection,
+        "controlplane instances protection orders on",
+    )
+    _ref(protection)
+    protection.add_argument("setting", choices=("on", "off"), help="on: deletion is refused; off: allowed")
 
     retry = _action(
         actions,
         "retry",
         "create a failed database again: same name and plan, linked to the failed one",
         cmd_retry,
+        "controlplane instances retry orders --wait",
     )
-    retry.add_argument("id", metavar="NAME_OR_ID", help="an id, or the name of a failed database")
-    retry.add_argument("--wait", action="store_true", help="follow progress until ready")
+    _ref(retry)
+    _wait_flags(retry, "ready")
 
-    events = _action(actions, "events", "a database's audit log", cmd_events)
-    events.add_argument("id")
+    wait = _action(
+        actions,
+        "wait",
+        "wait until a database reaches a state",
+        cmd_wait,
+        "controlplane instances wait orders --for ready --timeout 10m",
+    )
+    _ref(wait)
+    wait.add_argument(
+        "--for",
+        dest="states",
+        required=True,
+        metavar="STATE[,STATE]",
+        type=_states,
+        help=f"the state(s) to wait for: {', '.join(lifecycle.INSTANCE.states)}",
+    )
+    wait.add_argument(
+        "--timeout",
+        type=parse_duration,
+        default=DEFAULT_TIMEOUT,
+        metavar="DURATION",
+        help=f"give up after this long, exit code {exit_codes.TIMEOUT} (default: {DEFAULT_TIMEOUT})",
+    )
 
-    watch = _action(actions, "watch", "follow a database's state changes", cmd_watch)
-    watch.add_argument("id")
+    events = _action(
+        actions, "events", "a database's audit log", cmd_events, "controlplane instances events orders"
+    )
+    _ref(events)
 
-    listing = _action(actions, "backups", "a database's backups, newest first", cmd_backups)
-    listing.add_argument("id")
+    watch = _action(
+        actions,
+        "watch",
+        "follow a database's state changes (Ctrl-C stops)",
+        cmd_watch,
+        "controlplane instances watch orders",
+    )
+    _ref(watch)
 
-    backup = _action(actions, "backup", "take a backup now (beside the plan's schedule)", cmd_backup)
-    backup.add_argument("id")
+    listing = _action(
+        actions,
+        "backups",
+        "a database's backups, newest first",
+        cmd_backups,
+        "controlplane instances backups orders",
+    )
+    _ref(listing)
+
+    backup = _action(
+        actions,
+        "backup",
+        "take a backup now (beside the plan's schedule)",
+        cmd_backup,
+        "controlplane instances backup orders",
+    )
+    _ref(backup)
 
     restore = _action(
-        actions, "restore", "bring back a database whose data is lost: from a backup, or empty", cmd_restore
+        actions,
+        "restore",
+        "bring back a database whose data is lost: from a backup, or empty",
+        cmd_restore,
+        "controlplane instances restore orders --newest --wait",
     )
-    restore.add_argument("id")
+    _ref(restore)
     source = restore.add_mutually_exclusive_group(required=True)
     source.add_argument("--backup", metavar="BACKUP_ID", help="a backup listed by `instances backups`")
     source.add_argument("--newest", action="store_true", help="the newest backup held")
@@ -83,85 +206,65 @@ def register(commands: Any) -> None:
         "--empty", action="store_true", help="re-create it empty: accept that its data is lost"
     )
     restore.add_argument("--reason", help="why, for the audit log")
-    restore.add_argument("--wait", action="store_true", help="follow progress until ready")
+    _wait_flags(restore, "ready")
 
     ca = commands.add_parser(
-        "ca", help="the CA certificate the databases' server certificates are checked against"
+        "ca",
+        help="the CA certificate the databases' server certificates are checked against",
+        description="Print (or save) the CA certificate the databases' server certificates are checked"
+        " against.",
+        epilog="example:\n  controlplane ca --file ca.pem",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ca.add_argument("--url", default=None, help="API URL (env CONTROLPLANE_URL)")
-    ca.add_argument("--output", type=Path, help="write it to this file (else print it)")
+    api_flags(ca, key=False)
+    ca.add_argument(
+        "--file", "--output-file", dest="file", type=Path, help="write it to this file (default: print it)"
+    )
     ca.set_defaults(handler=cmd_ca)
 
 
-def _action(actions: Any, name: str, help_text: str, handler: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = actions.add_parser(name, help=help_text)
-    parser.add_argument("--url", default=None, help="API URL (env CONTROLPLANE_URL)")
-    parser.add_argument("--api-key", default=None, help="API key (env CONTROLPLANE_API_KEY)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+def _states(text: str) -> tuple[str, ...]:
+    states = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in states if s not in lifecycle.INSTANCE.states]
+    if unknown or not states:
+        raise argparse.ArgumentTypeError(
+            f"unknown state {', '.join(unknown) or text!r}; states are {', '.join(lifecycle.INSTANCE.states)}"
+        )
+    return states
+
+
+def _ref(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ref", metavar=REF, help=REF_HELP)
+
+
+def api_flags(parser: argparse.ArgumentParser, *, key: bool = True) -> None:
+    """Where the API is and which key to use; each falls back to its variable, then the profile."""
+    parser.add_argument(
+        "--profile", default=None, help="a profile of the config file (env CONTROLPLANE_PROFILE)"
+    )
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="API URL (env CONTROLPLANE_URL; default: the profile's, else http://127.0.0.1:8700)",
+    )
+    if key:
+        parser.add_argument(
+            "--api-key", default=None, help="API key (env CONTROLPLANE_API_KEY; default: the profile's)"
+        )
+
+
+def _action(actions: Any, name: str, help_text: str, handler: Any, example: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = actions.add_parser(
+        name,
+        help=help_text,
+        description=help_text[0].upper() + help_text[1:] + ".",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    api_flags(parser)
+    add_output_flag(parser)
     parser.set_defaults(handler=handler)
     return parser
-
-
-class Api:
-    """A thin client of the REST API that turns problem+json errors into one-line CommandErrors."""
-
-    def __init__(self, args: argparse.Namespace, *, need_key: bool = True) -> None:
-        url = args.url or os.environ.get("CONTROLPLANE_URL") or "http://127.0.0.1:8700"
-        key = getattr(args, "api_key", None) or os.environ.get("CONTROLPLANE_API_KEY")
-        if not key and need_key:
-            raise CommandError("no API key: set CONTROLPLANE_API_KEY or pass --api-key")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30)
-
-    def ca_pem(self) -> str:
-        try:
-            response = self.client.get("/v1/ca.pem")
-        except httpx.HTTPError as exc:
-            raise CommandError(f"cannot reach the API at {self.client.base_url}: {exc}") from None
-        if response.status_code >= 400:
-            raise CommandError(problem_line(response))
-        return response.text
-
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self.client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise CommandError(f"cannot reach the API at {self.client.base_url}: {exc}") from None
-        if response.status_code >= 400:
-            raise CommandError(problem_line(response))
-        return response.json() if response.content else None
-
-    def stream_events(self, instance_id: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        """The instance's snapshot, then its transitions and steps as they happen (Server-Sent
-        Events), as (event name, data)."""
-        try:
-            with self.client.stream("GET", f"/v1/instances/{instance_id}/watch", timeout=None) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise CommandError(problem_line(response))
-                name = "message"
-                for line in response.iter_lines():
-                    if line.startswith("event:"):
-                        name = line[6:].strip()
-                    elif line.startswith("data:"):
-                        yield name, json.loads(line[5:].strip())
-                    elif not line:
-                        name = "message"
-        except httpx.HTTPError as exc:
-            raise CommandError(f"lost the watch stream: {exc}") from None
-
-
-def problem_line(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return f"HTTP {response.status_code}: {response.text.strip()[:200]}"
-    detail = body.get("detail") or body.get("title") or response.reason_phrase
-    extra = ""
-    if body.get("current_state"):
-        allowed = ", ".join(body.get("allowed_actions", [])) or "none"
-        extra = f" (state {body['current_state']}; allowed: {allowed})"
-    return f"HTTP {response.status_code}: {detail}{extra}"
 
 
 def ca_file(api: Api, pem: str | None = None) -> Path:
@@ -172,8 +275,7 @@ def ca_file(api: Api, pem: str | None = None) -> Path:
     if configured:
         path = Path(configured).expanduser()
     else:
-        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-        path = base / "controlplane" / f"ca-{hashlib.sha256(pem.encode()).hexdigest()[:16]}.pem"
+        path = config_dir() / f"ca-{hashlib.sha256(pem.encode()).hexdigest()[:16]}.pem"
     if not path.exists() or path.read_text() != pem:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(pem)
@@ -233,9 +335,9 @@ def progress_rows(progress: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def show_instance(instance: dict[str, Any], as_json: bool, api: Api | None = None) -> None:
-    if as_json:
-        print_json(instance)
+def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) -> None:
+    if fmt != "table":
+        print_data(instance, fmt)
         return
     rows: list[tuple[str, Any]] = []
     for key, value in instance.items():
@@ -252,14 +354,15 @@ def show_instance(instance: dict[str, Any], as_json: bool, api: Api | None = Non
     connection = instance.get("connection")
     if connection:
         rows.append(("uri", connection_uri(api, connection) if api else connection.get("uri")))
-    print_table(rows, ("field", "value"))
+    # The values whole (a URI is copied from here): only very long ones are cut.
+    print_table(rows, ("field", "value"), max_cell=400)
 
 
 class Follower:
     """Prints, as they happen, an instance's state changes and steps, with the time since it started."""
 
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
         self.started = time.monotonic()
         self.last_state: str | None = None
         # (step, attempt, state) lines printed: each once.
@@ -267,7 +370,7 @@ class Follower:
         self.warned_overdue = False
 
     def _print(self, text: str) -> None:
-        if not self.as_json:
+        if not self.quiet:
             print(f"[{time.monotonic() - self.started:6.1f}s] {text}", flush=True)
 
     def instance(self, instance: dict[str, Any]) -> None:
@@ -310,75 +413,81 @@ class Follower:
     def _overdue(self, progress: dict[str, Any]) -> None:
         if progress.get("overdue") and not self.warned_overdue:
             self.warned_overdue = True
-            self._print(f"  taking longer than expected (expected by {progress.get('expected_by')})")
+            expected = progress.get("expected_by")
+            self._print(f"  taking longer than expected (expected by {expected and cell_text(expected)})")
 
 
-def _updates(api: Api, instance_id: str, follower: Follower | None = None) -> Iterator[dict[str, Any]]:
+def _deadline(args: argparse.Namespace) -> float:
+    return time.monotonic() + float(args.timeout)
+
+
+def _updates(
+    api: Api, ref: str, follower: Follower | None = None, deadline: float | None = None
+) -> Iterator[dict[str, Any]]:
     """The instance as it is now, then as it is after each change its watch stream announces; its
-    steps go to `follower` as they happen."""
-    yield api.request("GET", f"/v1/instances/{instance_id}")
-    for name, data in api.stream_events(instance_id):
+    steps go to `follower` as they happen. WaitTimeout at `deadline`."""
+    path = f"/v1/instances/{instance_path(ref)}"
+    yield api.request("GET", path)
+    for name, data in api.stream_events(ref, deadline=deadline):
         if name == "step":
             if follower is not None:
                 follower.step(data)
             continue
-        yield api.request("GET", f"/v1/instances/{instance_id}")
+        yield api.request("GET", path)
 
 
-def _all_items(api: Api, path: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The items of every page of a cursor-paginated listing."""
-    items: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        query = {**(params or {}), **({"cursor": cursor} if cursor else {})}
-        page = api.request("GET", path, params=query or None)
-        items += page["items"]
-        cursor = page.get("next_cursor")
-        if not cursor:
-            return items
-
-
-def follow(api: Api, instance_id: str, until: tuple[str, ...], as_json: bool) -> dict[str, Any]:
-    """Print each state change and step until the instance reaches one of `until` (or a terminal state)."""
-    follower = Follower(as_json)
-    for instance in _updates(api, instance_id, follower):
-        follower.instance(instance)
-        if instance["state"] in until or instance["state"] in TERMINAL:
-            break
+def follow(
+    api: Api, ref: str, until: tuple[str, ...], quiet: bool, deadline: float | None = None
+) -> dict[str, Any]:
+    """Print each state change and step until the instance reaches one of `until` (or a terminal
+    state); WaitTimeout (exit code 5) at `deadline`, saying where it is."""
+    follower = Follower(quiet)
+    instance: dict[str, Any] = {}
+    try:
+        for instance in _updates(api, ref, follower, deadline):
+            follower.instance(instance)
+            if instance["state"] in until or instance["state"] in TERMINAL:
+                break
+    except WaitTimeout:
+        where = f" (it is {instance['state']})" if instance else ""
+        raise WaitTimeout(f"timed out waiting for {ref} to be {' or '.join(until)}{where}") from None
     return instance
 
 
-def ended_failed(instance: dict[str, Any]) -> CommandError:
+def ended_failed(instance: dict[str, Any], quiet: bool = False) -> CommandError:
     """Print why the instance failed and what to do next; the one-line error to exit with."""
     failure = instance.get("failure")
     name = instance.get("name") or instance["id"]
-    for label, text in failure_rows(failure) if failure else []:
-        print(f"{label}: {text}")
-    if "retry" in instance.get("allowed_actions", []):
-        print(f"retry: controlplane instances retry {name} --wait")
-    elif "delete" in instance.get("allowed_actions", []):
-        print(f"remove what is left: controlplane instances delete {instance['id']}")
+    if not quiet:
+        for label, text in failure_rows(failure) if failure else []:
+            print(f"{label}: {text}")
+        if "retry" in instance.get("allowed_actions", []):
+            print(f"retry: controlplane instances retry {name} --wait")
+        elif "delete" in instance.get("allowed_actions", []):
+            print(f"remove what is left: controlplane instances delete {instance['id']}")
     code = (failure or {}).get("code", "no reason")
-    return CommandError(f"instance {name} ended {instance['state']}: {code}")
+    return CommandError(f"instance {name} ended {instance['state']}: {code}", exit_codes.FAILED)
 
 
-def wait_until_ready(api: Api, instance: dict[str, Any], as_json: bool) -> int:
-    """Follow a new instance until ready: then its URI, else why it failed and the retry command."""
-    final = follow(api, instance["id"], ("ready",), as_json)
-    if as_json:
-        print_json(final)
-        if final["state"] != "ready":
-            raise CommandError(f"instance ended {final['state']}")
-        return 0
+def wait_until_ready(api: Api, instance: dict[str, Any], fmt: str, deadline: float) -> int:
+    """Follow a new instance until ready: then its id, name and URI, else why it failed and the
+    retry command."""
+    quiet = fmt != "table"
+    final = follow(api, instance["id"], ("ready",), quiet, deadline)
+    if quiet:
+        print_data(final, fmt)
     if final["state"] != "ready":
-        raise ended_failed(final)
-    if final.get("connection"):
-        print(connection_uri(api, final["connection"]))
+        raise ended_failed(final, quiet)
+    if not quiet:
+        print(f"{final['name']} ({final['id']}) is ready")
+        if final.get("connection"):
+            print(connection_uri(api, final["connection"]))
     return 0
 
 
 def cmd_create(args: argparse.Namespace) -> int:
     api = Api(args)
+    fmt = output_format(args)
     body: dict[str, Any] = {"name": args.name, "plan": args.plan}
     if args.region:
         body["region"] = args.region
@@ -386,121 +495,163 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["deletion_protection"] = True
     instance = api.request("POST", "/v1/instances", json=body)
     if not args.wait:
-        show_instance(instance, args.json)
+        show_instance(instance, fmt)
         return 0
-    return wait_until_ready(api, instance, args.json)
-
-
-def failed_to_retry(api: Api, name_or_id: str) -> str:
-    """The id to retry: `name_or_id` itself when it is an id, else the newest failed instance of
-    that name not yet retried."""
-    try:
-        return str(uuid.UUID(name_or_id))
-    except ValueError:
-        pass
-    named = _all_items(api, "/v1/instances", {"name": name_or_id, "state": "failed", "limit": 100})
-    waiting = [i for i in named if not i.get("replaced_by")]
-    if not waiting:
-        raise CommandError(f"no failed instance named {name_or_id!r} is waiting for a retry")
-    return str(max(waiting, key=lambda i: str(i["created_at"]))["id"])
+    if fmt == "table":
+        print(f"{instance['name']}: created as {instance['id']}")
+    return wait_until_ready(api, instance, fmt, _deadline(args))
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
     api = Api(args)
-    failed_id = failed_to_retry(api, args.id)
+    fmt = output_format(args)
     # A failed instance is retried at most once (the API refuses a second retry): no key is needed.
-    instance = api.request("POST", f"/v1/instances/{failed_id}/retry")
-    if args.json and not args.wait:
-        print_json(instance)
+    instance = api.request("POST", f"/v1/instances/{instance_path(args.ref)}/retry")
+    if fmt != "table" and not args.wait:
+        print_data(instance, fmt)
         return 0
-    if not args.json:
-        print(f"{instance['name']}: retried as {instance['id']} (replaces {failed_id})")
+    if fmt == "table":
+        print(f"{instance['name']}: retried as {instance['id']} (replaces {instance.get('replaces')})")
     if not args.wait:
         return 0
-    return wait_until_ready(api, instance, args.json)
+    return wait_until_ready(api, instance, fmt, _deadline(args))
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    params = {"limit": 100, **({"state": args.state} if args.state else {})}
-    items = _all_items(Api(args), "/v1/instances", params)
-    if args.json:
-        print_json(items)
+    params: dict[str, Any] = {"limit": 100}
+    if args.state:
+        params["state"] = args.state
+    elif not args.all:
+        params["live"] = "true"
+    items = Api(args).all_items("/v1/instances", params)
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(items, fmt)
     else:
-        print_table([[item.get(c) for c in LIST_COLUMNS] for item in items], LIST_COLUMNS)
+        print_table(
+            [[item.get(c) for c in LIST_COLUMNS] for item in items], LIST_COLUMNS, state_column="state"
+        )
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     api = Api(args)
-    instance = api.request("GET", f"/v1/instances/{args.id}")
+    instance = api.request("GET", f"/v1/instances/{instance_path(args.ref)}")
     if args.uri:
         if not instance.get("connection"):
-            raise CommandError(f"instance {args.id} has no connection yet (state {instance['state']})")
+            raise CommandError(
+                f"instance {args.ref} has no connection yet (state {instance['state']})", exit_codes.CONFLICT
+            )
         print(connection_uri(api, instance["connection"]))
         return 0
-    show_instance(instance, args.json, api)
+    show_instance(instance, output_format(args), api)
     return 0
 
 
 def cmd_resize(args: argparse.Namespace) -> int:
     api = Api(args)
-    instance = api.request("PATCH", f"/v1/instances/{args.id}", json={"plan": args.plan})
+    fmt = output_format(args)
+    instance = api.request("PATCH", f"/v1/instances/{instance_path(args.ref)}", json={"plan": args.plan})
     if args.wait:
         generation = int(instance["spec_generation"])
-        instance = wait_for_generation(api, args.id, generation, args.json)
+        instance = wait_for_generation(api, instance["id"], generation, fmt != "table", _deadline(args))
         if instance["observed_generation"] < generation or instance["state"] != "ready":
-            show_instance(instance, args.json)
+            show_instance(instance, fmt)
             raise CommandError(
                 f"resize to {args.plan} did not complete: instance is {instance['state']}"
-                f" ({(instance.get('failure') or {}).get('message') or 'no reason recorded'})"
+                f" ({(instance.get('failure') or {}).get('message') or 'no reason recorded'})",
+                exit_codes.FAILED,
             )
-    show_instance(instance, args.json)
+    show_instance(instance, fmt)
     return 0
 
 
-def wait_for_generation(api: Api, instance_id: str, generation: int, as_json: bool) -> dict[str, Any]:
-    updates = _updates(api, instance_id)
+def wait_for_generation(
+    api: Api, instance_id: str, generation: int, quiet: bool, deadline: float
+) -> dict[str, Any]:
+    updates = _updates(api, instance_id, deadline=deadline)
     instance = next(updates)
     if instance["observed_generation"] >= generation and instance["state"] == "ready":
         return instance
-    for instance in updates:
-        if not as_json:
-            print(
-                f"{instance['state']}"
-                + (f" ({instance.get('progress')})" if instance.get("progress") else "")
-            )
-        done = instance["observed_generation"] >= generation and instance["state"] == "ready"
-        given_up = (instance.get("failed_generation") or 0) >= generation
-        if done or given_up or instance["state"] in (*TERMINAL, "degraded"):
-            break
+    try:
+        for instance in updates:
+            if not quiet:
+                print(f"[{timestamp_now()}] {instance['state']}")
+            done = instance["observed_generation"] >= generation and instance["state"] == "ready"
+            given_up = (instance.get("failed_generation") or 0) >= generation
+            if done or given_up or instance["state"] in (*TERMINAL, "degraded"):
+                break
+    except WaitTimeout:
+        raise WaitTimeout(
+            f"timed out waiting for the resize of {instance['name']} (it is {instance['state']})"
+        ) from None
     return instance
+
+
+def timestamp_now() -> str:
+    from datetime import UTC, datetime
+
+    return timestamp(datetime.now(UTC))
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
     api = Api(args)
+    fmt = output_format(args)
     params = {"skip_final_backup": "true"} if args.skip_final_backup else None
-    instance = api.request("DELETE", f"/v1/instances/{args.id}", params=params)
+    instance = api.request("DELETE", f"/v1/instances/{instance_path(args.ref)}", params=params)
     if args.wait:
-        instance = follow(api, args.id, ("deleted",), args.json)
-        if instance["state"] != "deleted":
-            raise ended_failed(instance)
-    if args.json:
-        print_json(instance)
+        # By id from here on: once deleted, the name may mean another instance.
+        instance = follow(api, instance["id"], ("deleted",), fmt != "table", _deadline(args))
+        if instance["state"] != "deleted" and instance.get("archived_at") is None:
+            raise ended_failed(instance, fmt != "table")
+    if fmt != "table":
+        print_data(instance, fmt)
     else:
-        print(f"{args.id}: {instance['state']}" + (" (deletion requested)" if not args.wait else ""))
+        requested = " (deletion requested)" if not args.wait else ""
+        print(f"{instance['name']} ({instance['id']}): {instance['state']}{requested}")
+    return 0
+
+
+def cmd_protection(args: argparse.Namespace) -> int:
+    on = args.setting == "on"
+    instance = Api(args).request(
+        "PATCH", f"/v1/instances/{instance_path(args.ref)}", json={"deletion_protection": on}
+    )
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(instance, fmt)
+    else:
+        print(f"{instance['name']}: deletion protection {'on' if instance['deletion_protection'] else 'off'}")
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Like `aws rds wait`: exit 0 once in one of the states, 5 at the timeout, 8 if it ended in a
+    terminal state it was not asked to wait for."""
+    api = Api(args)
+    fmt = output_format(args)
+    first = api.request("GET", f"/v1/instances/{instance_path(args.ref)}")
+    final = follow(api, first["id"], args.states, fmt != "table", _deadline(args))
+    if fmt != "table":
+        print_data(final, fmt)
+    if final["state"] not in args.states:
+        raise ended_failed(final, fmt != "table")
+    if fmt == "table":
+        print(f"{final['name']} ({final['id']}) is {final['state']}")
     return 0
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    items = _all_items(Api(args), f"/v1/instances/{args.id}/events")
-    if args.json:
-        print_json(items)
+    items = Api(args).all_items(f"/v1/instances/{instance_path(args.ref)}/events")
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(items, fmt)
         return 0
     rows = [
         (e["at"], e.get("from_state") or "", e["to_state"], e["event"], _actor(e), e.get("reason") or "")
         for e in items
     ]
-    print_table(rows, ("at", "from", "to", "event", "actor", "reason"))
+    print_table(rows, ("at", "from", "to", "event", "actor", "reason"), state_column="to")
     return 0
 
 
@@ -513,20 +664,21 @@ def _actor(event: dict[str, Any]) -> str:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     api = Api(args)
-    if not args.json:
-        follow(api, args.id, (), as_json=False)
+    if output_format(args) == "table":
+        follow(api, args.ref, (), quiet=False)
         return 0
-    for _name, event in api.stream_events(args.id):
-        json.dump(event, sys.stdout)
+    for name, event in api.stream_events(args.ref):
+        json.dump({"event": name, "data": event}, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
 
 
 def cmd_backups(args: argparse.Namespace) -> int:
-    items = _all_items(Api(args), f"/v1/instances/{args.id}/backups")
-    if args.json:
-        print_json(items)
+    items = Api(args).all_items(f"/v1/instances/{instance_path(args.ref)}/backups")
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(items, fmt)
         return 0
     print_table(
         [(b["id"], b["kind"], b["taken_at"], b["size_bytes"]) for b in items],
@@ -536,46 +688,48 @@ def cmd_backups(args: argparse.Namespace) -> int:
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
-    requested = Api(args).request("POST", f"/v1/instances/{args.id}/backups")
-    if args.json:
-        print_json(requested)
+    requested = Api(args).request("POST", f"/v1/instances/{instance_path(args.ref)}/backups")
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(requested, fmt)
     elif requested["created"]:
         job = requested["job_id"]
-        print(f"{args.id}: backup requested (job {job}); `instances backups` lists it once taken")
+        print(f"{args.ref}: backup requested (job {job}); `instances backups` lists it once taken")
     else:
-        print(f"{args.id}: a backup is already under way (job {requested['job_id']})")
+        print(f"{args.ref}: a backup is already under way (job {requested['job_id']})")
     return 0
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
     api = Api(args)
+    fmt = output_format(args)
     body: dict[str, Any] = {"empty": True} if args.empty else {}
     if args.backup:
         body["backup_id"] = args.backup
     if args.reason:
         body["reason"] = args.reason
-    instance = api.request("POST", f"/v1/instances/{args.id}/restore", json=body)
+    instance = api.request("POST", f"/v1/instances/{instance_path(args.ref)}/restore", json=body)
     if not args.wait:
-        if args.json:
-            print_json(instance)
+        if fmt != "table":
+            print_data(instance, fmt)
         else:
             source = "empty" if args.empty else args.backup or "the newest backup"
-            print(f"{args.id}: restore requested ({source})")
+            print(f"{instance['name']}: restore requested ({source})")
         return 0
-    final = follow(api, args.id, ("ready",), args.json)
-    if args.json:
-        print_json(final)
+    final = follow(api, instance["id"], ("ready",), fmt != "table", _deadline(args))
+    if fmt != "table":
+        print_data(final, fmt)
     if final["state"] != "ready":
         reason = (final.get("failure") or {}).get("message") or "no reason"
-        raise CommandError(f"instance is {final['state']}: {reason}")
+        raise CommandError(f"instance is {final['state']}: {reason}", exit_codes.FAILED)
     return 0
 
 
 def cmd_ca(args: argparse.Namespace) -> int:
     pem = Api(args, need_key=False).ca_pem()
-    if args.output is None:
+    if args.file is None:
         sys.stdout.write(pem)
         return 0
-    args.output.write_text(pem)
-    print(f"CA certificate written to {args.output} (use it as sslrootcert)")
+    args.file.write_text(pem)
+    print(f"CA certificate written to {args.file} (use it as sslrootcert)")
     return 0
