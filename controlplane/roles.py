@@ -216,9 +216,7 @@ async def _up(
     else:
         from controlplane.embedded import open_embedded
 
-        embedded = await asyncio.to_thread(
-            open_embedded, data_dir / "db", bindir=settings.database.pg_bindir
-        )
+        embedded = await asyncio.to_thread(open_embedded, data_dir / "db", bindir=settings.database.pg_bindir)
         url = await asyncio.to_thread(embedded.create_database)
     provisioner = provisioners.build(settings)
     try:

@@ -133,6 +133,21 @@ class ApiSettings(_Group):
         "revoking the key, ends it sooner).",
         ge=60,
     )
+    rate_limit: int = _setting(
+        600,
+        "api_rate_limit",
+        "Requests one API key may make per window, counted by each API process (429 with Retry-After "
+        "beyond; 0: no limit). Requests without a key count per client address.",
+        ge=0,
+    )
+    rate_window_s: float = _setting(60.0, "api_rate_window_s", "The rate limits' window, in seconds.", gt=0)
+    webhook_rate_limit: int = _setting(
+        1200,
+        "api_webhook_rate_limit",
+        "Requests the Stripe webhook route takes per window on each API process, whoever sends them "
+        "(0: no limit); Stripe retries what is refused with 429.",
+        ge=0,
+    )
 
     @property
     def url(self) -> str:

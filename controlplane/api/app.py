@@ -16,6 +16,7 @@ from controlplane.api import (
     docs,
     errors,
     openapi,
+    ratelimit,
     routes_admin,
     routes_backups,
     routes_instances,
@@ -100,6 +101,10 @@ def create_app(
     docs.install(app)
     console.install(app)
     app.add_middleware(errors.BodySizeLimit, max_bytes=settings.api.max_body_bytes)
+    keys, webhook = ratelimit.limiters(
+        settings.api.rate_limit, settings.api.rate_window_s, settings.api.webhook_rate_limit
+    )
+    app.add_middleware(ratelimit.RateLimit, keys=keys, webhook=webhook)
     app.add_middleware(errors.CatchAll)
     app.add_middleware(errors.RequestId)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -63,6 +63,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "unsupported-media-type": (415, "Unsupported media type"),
     "validation": (422, "Request is not valid"),
     "idempotency-mismatch": (422, "Idempotency-Key reused with a different request"),
+    "rate-limited": (429, "Too many requests"),
     "internal": (500, "Internal server error"),
     "unavailable": (503, "Service unavailable"),
 }
@@ -237,6 +238,7 @@ _HTTP_KINDS = {
     413: "payload-too-large",
     415: "unsupported-media-type",
     422: "validation",
+    429: "rate-limited",
     503: "unavailable",
 }
 
