@@ -569,6 +569,13 @@ UPDATE api_keys SET revoked_at = now()
 WHERE id = %(id)s AND revoked_at IS NULL AND (%(org)s::uuid IS NULL OR org_id = %(org)s::uuid)
 RETURNING id
 """
+# The organisations, oldest first, or the one of a name.
+LIST_ORGANISATIONS = """
+SELECT id, name, stripe_customer_id, billing_hold, billing_status, created_at FROM organisations
+WHERE %(name)s::text IS NULL OR name = %(name)s::text ORDER BY created_at, id LIMIT %(limit)s
+"""
+# One job's history, oldest first.
+JOB_EVENTS = "SELECT * FROM job_events WHERE job_id = %(id)s ORDER BY id LIMIT %(limit)s"
 LIST_API_KEYS = """
 SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %(org)s ORDER BY created_at, id
 """

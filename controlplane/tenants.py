@@ -147,3 +147,9 @@ async def list_keys(conn: AsyncConn, org_id: uuid.UUID) -> list[DictRow]:
 async def get_org(conn: AsyncConn, org_id: uuid.UUID) -> DictRow | None:
     cursor = await conn.execute(sql.ORGANISATION_BY_ID, {"id": org_id})
     return await cursor.fetchone()
+
+
+async def list_orgs(conn: AsyncConn, name: str | None = None, limit: int = 1000) -> list[DictRow]:
+    """The organisations, oldest first (only the one named `name` when given)."""
+    cursor = await conn.execute(sql.LIST_ORGANISATIONS, {"name": name, "limit": limit})
+    return await cursor.fetchall()

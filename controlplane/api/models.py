@@ -7,7 +7,7 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 from controlplane import lifecycle, plans
 
@@ -91,7 +91,7 @@ class InstanceCreate(Strict):
         json_schema_extra={"enum": list(plans.plan_names())},
     )
     region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
-    deletion_protection: bool = False
+    deletion_protection: StrictBool = False
     restore_from: RestoreFrom | None = Field(
         None, description="fill the new instance from another's backup or point in time (kubernetes)"
     )
@@ -114,7 +114,7 @@ class InstanceUpdate(Strict):
     plan: str | None = Field(
         None, examples=["small"], json_schema_extra={"enum": [*plans.plan_names(), None]}
     )
-    deletion_protection: bool | None = None
+    deletion_protection: StrictBool | None = None
 
     _plan = field_validator("plan")(_known_plan)
 
@@ -325,6 +325,55 @@ class OrgCreated(BaseModel):
 
 class KeyList(BaseModel):
     items: list[ApiKey]
+
+
+class OrgList(BaseModel):
+    items: list[Org]
+
+
+class JobEvent(BaseModel):
+    id: int
+    job_id: uuid.UUID
+    at: datetime
+    from_state: str | None
+    to_state: str
+    event: str
+    actor: Actor
+    reason: str | None
+    detail: dict[str, Any]
+    request_id: str | None
+    state_version: int
+
+
+class JobEventList(BaseModel):
+    items: list[JobEvent]
+
+
+class StuckInstance(BaseModel):
+    id: uuid.UUID
+    org_id: uuid.UUID
+    name: str
+    state: str
+    state_entered_at: datetime
+    deadline_at: datetime | None
+    deadline_retries: int = Field(description="how often the reconciler retried the state's deadline")
+    progress: str | None = Field(description="the step the instance's job last reported")
+    overdue_s: float = Field(description="seconds past the deadline")
+
+
+class SilentJob(BaseModel):
+    id: uuid.UUID
+    kind: str
+    state: str
+    claimed_by: str | None
+    attempt: int
+    silent_for_s: float = Field(description="seconds since the job's holder last heartbeated")
+
+
+class Stuck(BaseModel):
+    instances_past_deadline: list[StuckInstance]
+    jobs_without_heartbeat: list[SilentJob]
+    stale_after_s: float = Field(description="a heartbeat older than this is silent (the reclaim interval)")
 
 
 class JobAction(Strict):

@@ -206,6 +206,9 @@ FIELDS: dict[str, str] = {
     "Lifecycles.job": "The job lifecycle.",
     "StepName.name": "The step's name.",
     "Step.name": "The step's name.",
+    "Stuck.instances_past_deadline": "Live instances past their state's deadline, the most overdue first.",
+    "Stuck.jobs_without_heartbeat": "Held jobs whose holder went silent, the longest silent first.",
+    "JobEvent.state_version": "The job's version after the event.",
 }
 
 # Statuses every operation can answer, whatever it declares.

@@ -18,8 +18,10 @@ from controlplane.api.models import (
     InstanceState,
     Job,
     JobAction,
+    JobEventList,
     JobList,
     JobState,
+    Stuck,
     Timestamp,
 )
 from controlplane.api.state import app_state
@@ -128,6 +130,60 @@ async def admin_jobs(
             conn, state=state, kind=kind, instance_id=instance, limit=min(limit, MAX_LIMIT)
         )
     return {"items": [_job(r) for r in rows]}
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_model=JobEventList,
+    responses=errors.responses(401, 403, 404, 422),
+    summary="A job's event history, oldest first",
+    operation_id="adminListJobEvents",
+    description="Every state change of the job, oldest first, with its actor, reason and detail (the "
+    "actor that enqueued it first: `stripe:<event id>` for what a Stripe event caused).",
+)
+async def admin_job_events(
+    job_id: uuid.UUID,
+    request: Request,
+    _: AdminKey,
+    limit: Annotated[int, Query(ge=1, le=10_000, description="events at most")] = 1000,
+) -> dict[str, Any]:
+    async with app_state(request).pool.connection() as conn:
+        rows = await (await conn.execute(sql.JOB_EVENTS, {"id": job_id, "limit": limit})).fetchall()
+    if not rows:
+        raise errors.ProblemError("not-found", f"no job {job_id}")
+    return {
+        "items": [
+            {
+                **views.sre_event(r),
+                "job_id": r["job_id"],
+                "request_id": r["request_id"],
+                "state_version": r["state_version"],
+            }
+            for r in rows
+        ]
+    }
+
+
+@router.get(
+    "/stuck",
+    response_model=Stuck,
+    responses=errors.responses(401, 403),
+    summary="Instances past their state deadline; jobs whose heartbeat went silent",
+    operation_id="adminStuck",
+    description="Live instances past their state deadline, and held jobs whose holder has not "
+    "heartbeated for longer than the reclaim interval (the worker settings of this process).",
+)
+async def admin_stuck(request: Request, _: AdminKey) -> dict[str, Any]:
+    app = app_state(request)
+    stale_after_s = app.settings.worker.reclaim_after_s
+    async with app.pool.connection() as conn:
+        late = await (await conn.execute(sql.STUCK_INSTANCES)).fetchall()
+        silent = await (await conn.execute(sql.SILENT_JOBS, {"stale_after_s": stale_after_s})).fetchall()
+    return {
+        "instances_past_deadline": [{**r, "overdue_s": r["overdue"].total_seconds()} for r in late],
+        "jobs_without_heartbeat": [{**r, "silent_for_s": r["silent_for"].total_seconds()} for r in silent],
+        "stale_after_s": stale_after_s,
+    }
 
 
 @router.post(

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from controlplane import tenants
 from controlplane.api import errors
 from controlplane.api.auth import AdminKey, AnyKey
 from controlplane.api.errors import ProblemError
-from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated
+from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated, OrgList
 from controlplane.api.state import AppState, app_state
 from controlplane.tenants import Principal
 
@@ -53,6 +53,43 @@ async def create_org(body: OrgCreate, request: Request, _: AdminKey) -> Any:
     async with app_state(request).pool.connection() as conn:
         org, key = await tenants.create_org(conn, body.name, body.stripe_customer_id)
     return {"org": _org(org), "key": _new_key(key)}
+
+
+@router.get(
+    "/v1/orgs",
+    response_model=OrgList,
+    responses=errors.responses(401, 403, 422),
+    summary="List the organisations (admin)",
+    operation_id="listOrgs",
+    description="The organisations, oldest first, or only the one of a name (admin key only).",
+)
+async def list_orgs(
+    request: Request,
+    _: AdminKey,
+    name: Annotated[
+        str | None, Query(max_length=100, description="only the organisation of this name")
+    ] = None,
+) -> Any:
+    async with app_state(request).pool.connection() as conn:
+        rows = await tenants.list_orgs(conn, name)
+    return {"items": [_org(r) for r in rows]}
+
+
+@router.get(
+    "/v1/orgs/{org_id}/keys",
+    response_model=KeyList,
+    responses=errors.responses(401, 403, 404, 422),
+    summary="List an organisation's API keys (admin; never the keys themselves)",
+    operation_id="listOrgKeys",
+    description="An organisation's API keys: ids, prefixes, names, creation and revocation times; "
+    "never the keys (admin key only).",
+)
+async def list_org_keys(org_id: uuid.UUID, request: Request, _: AdminKey) -> Any:
+    async with app_state(request).pool.connection() as conn:
+        if await tenants.get_org(conn, org_id) is None:
+            raise ProblemError("not-found", f"no organisation {org_id}")
+        rows = await tenants.list_keys(conn, org_id)
+    return {"items": [dict(r) for r in rows]}
 
 
 @router.post(

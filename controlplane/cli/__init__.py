@@ -3,27 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
 from controlplane import exit_codes
-from controlplane.cli import common, customer, jobs, orgs, server, sre
+from controlplane.cli import common, customer, jobs, orgs, server, shell, sre
 from controlplane.domain_errors import DomainError
 from controlplane.postgres import PostgresError
 from controlplane.settings import NotAvailable, SettingsError
 
-COMMAND_MODULES = (server, customer, sre, jobs, orgs)
+COMMAND_MODULES = (server, customer, sre, jobs, orgs, shell)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="controlplane",
-        description="Control plane for a managed PostgreSQL service.",
+        description="Control plane for a managed PostgreSQL service: run it (up, serve, worker, "
+        "reconcile, migrate), use it (instances, orgs, keys) and operate it (events, jobs, stuck, "
+        "stats, audit).",
+        epilog="exit codes: "
+        + "; ".join(f"{code} {name}" for code, (name, _) in exit_codes.CODES.items())
+        + "\nexample:\n  controlplane instances create orders --plan dev --wait",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:
         module.register(commands)
     return parser
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("controlplane")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
