@@ -33,16 +33,23 @@ def has_system_postgres() -> bool:
     return any(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
 
 
+# The pinned versions of every package installed (tests/unit/test_constraints.py checks them
+# against pyproject.toml).
+CONSTRAINTS = ROOT / "constraints.txt"
+
+
 def ensure_venv() -> None:
-    """Create .venv and install the project with its dev extra, once per pyproject change."""
+    """Create .venv and install the project with its dev extra at the versions of constraints.txt,
+    once per change of either."""
     if not (VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     extras = "dev" if has_system_postgres() else "dev,embedded-fallback"
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    locked = (ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes()
+    digest = hashlib.sha256(locked + extras.encode()).hexdigest()
     stamp = VENV / ".installed"
     if stamp.exists() and stamp.read_text() == digest:
         return
-    pip = [venv_bin("python"), "-m", "pip", "install", "--quiet"]
+    pip = [venv_bin("python"), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS)]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
     stamp.write_text(digest)

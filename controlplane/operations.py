@@ -108,6 +108,8 @@ class Operations:
         detail: Mapping[str, Any] | None = None,
         patch: InstancePatch | None = None,
     ) -> Instance:
+        # The job is named in every move it makes: the audit log finds what its enqueuer caused.
+        detail = {**(detail or {}), "job_id": str(ctx.job["id"])}
         async with ctx.pool.connection() as conn:
             return await transition_instance(
                 conn, inst, event, ctx.actor, reason=reason, detail=detail, patch=patch

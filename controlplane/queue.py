@@ -364,3 +364,9 @@ async def list_jobs(
         sql.LIST_JOBS, {"state": state, "kind": kind, "instance": instance_id, "limit": limit}
     )
     return await cursor.fetchall()
+
+
+async def job_events(conn: AsyncConn, job_id: uuid.UUID, limit: int = 1000) -> list[DictRow]:
+    """One job's event history, oldest first (empty when there is no such job)."""
+    cursor = await conn.execute(sql.JOB_EVENTS, {"id": job_id, "limit": limit})
+    return await cursor.fetchall()

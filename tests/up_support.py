@@ -19,6 +19,8 @@ from controlplane.db import ROOT
 from controlplane.postgres import free_port
 
 CLI = [sys.executable, "-m", "controlplane.cli"]
+# The console script pip installed beside the interpreter (pyproject's [project.scripts]).
+CONSOLE_SCRIPT = str(Path(sys.executable).parent / "controlplane")
 # The last line of the banner `up` prints once everything serves.
 BANNER_END = r"Ctrl-C stops everything"
 
@@ -166,10 +168,22 @@ def running_up(
 
 
 def run_cli(
-    args: list[str], env: Mapping[str, str], cwd: Path | None = None, timeout: float = 180
+    args: list[str],
+    env: Mapping[str, str],
+    cwd: Path | None = None,
+    timeout: float = 180,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """The installed console script `controlplane`, as a person runs it."""
     result = subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env=dict(env), cwd=cwd, timeout=timeout, check=False
+        [CONSOLE_SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        env=dict(env),
+        cwd=cwd,
+        timeout=timeout,
+        check=False,
+        input=stdin,
     )
     print("$ controlplane", " ".join(args), "\n", result.stdout, result.stderr)
     return result

@@ -148,7 +148,7 @@ async def admin_job_events(
     limit: Annotated[int, Query(ge=1, le=10_000, description="events at most")] = 1000,
 ) -> dict[str, Any]:
     async with app_state(request).pool.connection() as conn:
-        rows = await (await conn.execute(sql.JOB_EVENTS, {"id": job_id, "limit": limit})).fetchall()
+        rows = await queue.job_events(conn, job_id, limit)
     if not rows:
         raise errors.ProblemError("not-found", f"no job {job_id}")
     return {

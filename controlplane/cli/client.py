@@ -113,9 +113,21 @@ def chosen_profile(args: argparse.Namespace) -> Profile | None:
     return Profile(name, values.get("url"), values.get("key_file"), values.get("key_env"))
 
 
-def local_admin_key() -> str | None:
-    """The admin key `up` saved in the data directory (CONTROLPLANE_DATA_DIR, else .controlplane)."""
-    path = Path(os.environ.get("CONTROLPLANE_DATA_DIR") or ".controlplane") / "admin.key"
+def local_url() -> str:
+    """The URL a local `up` or `serve` is at: CONTROLPLANE_PUBLIC_URL, else CONTROLPLANE_API_HOST
+    and CONTROLPLANE_API_PORT, else http://127.0.0.1:8700."""
+    public = os.environ.get("CONTROLPLANE_PUBLIC_URL")
+    if public:
+        return public
+    host = os.environ.get("CONTROLPLANE_API_HOST") or "127.0.0.1"
+    port = os.environ.get("CONTROLPLANE_API_PORT") or "8700"
+    return DEFAULT_URL if (host, port) == ("127.0.0.1", "8700") else f"http://{host}:{port}"
+
+
+def local_admin_key(data_dir: str | None = None) -> str | None:
+    """The admin key `up` saved in its data directory (--data-dir, else CONTROLPLANE_DATA_DIR, else
+    .controlplane)."""
+    path = Path(data_dir or os.environ.get("CONTROLPLANE_DATA_DIR") or ".controlplane") / "admin.key"
     try:
         return path.read_text().strip() or None
     except OSError:
@@ -149,13 +161,13 @@ class Api:
             getattr(args, "url", None)
             or os.environ.get("CONTROLPLANE_URL")
             or (profile.url if profile else None)
-            or DEFAULT_URL
+            or local_url()
         )
         key = (
             getattr(args, "api_key", None)
             or os.environ.get("CONTROLPLANE_API_KEY")
             or (profile.key() if profile else None)
-            or (local_admin_key() if admin else None)
+            or (local_admin_key(getattr(args, "data_dir", None)) if admin else None)
         )
         if not key and need_key:
             raise CommandError(

@@ -211,3 +211,27 @@ def run_with_db(args: argparse.Namespace, work: Callable[[AsyncConn], Awaitable[
             return await work(conn)
 
     return asyncio.run(run())
+
+
+def remote(args: argparse.Namespace) -> bool:
+    """Whether an SRE command goes through the admin API (--url, --profile, CONTROLPLANE_URL or
+    CONTROLPLANE_PROFILE given) rather than to the database directly."""
+    return bool(
+        getattr(args, "url", None)
+        or getattr(args, "profile", None)
+        or os.environ.get("CONTROLPLANE_URL")
+        or os.environ.get("CONTROLPLANE_PROFILE")
+    )
+
+
+def add_remote_flags(parser: argparse.ArgumentParser) -> None:
+    """--profile, --url and --api-key of an SRE command: through the admin API with any of them."""
+    parser.add_argument(
+        "--profile", default=None, help="through the API of this profile (env CONTROLPLANE_PROFILE)"
+    )
+    parser.add_argument(
+        "--url", default=None, help="through the admin API at this URL (env CONTROLPLANE_URL)"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="the admin key (env CONTROLPLANE_API_KEY; default: the profile's)"
+    )

@@ -7,13 +7,18 @@ import getpass
 import uuid
 from typing import Any, TypeVar
 
-from controlplane import dwell, lifecycle, queue
+from controlplane import dwell, exit_codes, lifecycle, queue
 from controlplane import settings as settings_module
+from controlplane.cli.client import Api
 from controlplane.cli.common import (
     CommandError,
+    add_output_flag,
+    add_remote_flags,
     add_settings_flags,
-    print_json,
+    output_format,
+    print_data,
     print_table,
+    remote,
     run_with_db,
     settings_from,
 )
@@ -34,14 +39,29 @@ def register(commands: Any) -> None:
     listing.add_argument("--state", choices=lifecycle.JOB.states)
     listing.add_argument("--kind")
     listing.add_argument("--instance", type=uuid.UUID, help="only this instance's jobs")
-    listing.add_argument("--limit", type=int, default=50)
-    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument("--limit", type=int, default=50, help="jobs at most (default: 50)")
+    add_output_flag(listing)
+    add_remote_flags(listing)
     add_settings_flags(listing, DB_FLAGS)
     listing.set_defaults(handler=cmd_list)
 
+    history = actions.add_parser(
+        "events",
+        help="a job's event history, oldest first",
+        description="A job's event history, oldest first: each state change with its actor and reason.",
+        epilog="example:\n  controlplane jobs events 3f2a... --url https://cp.example.com",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    history.add_argument("job_id", metavar="ID", type=uuid.UUID)
+    add_output_flag(history)
+    add_remote_flags(history)
+    add_settings_flags(history, DB_FLAGS)
+    history.set_defaults(handler=cmd_events)
+
     stats = actions.add_parser("dwell", help="time spent in each state: count, p50, p95, max")
-    stats.add_argument("--entity", choices=tuple(lifecycle.LIFECYCLES), default="job")
-    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.add_argument("--entity", choices=tuple(lifecycle.LIFECYCLES), default="job", help="(default: job)")
+    add_output_flag(stats)
+    add_remote_flags(stats)
     add_settings_flags(stats, DB_FLAGS)
     stats.set_defaults(handler=cmd_dwell)
 
@@ -50,7 +70,8 @@ def register(commands: Any) -> None:
         steer.add_argument("job_id", metavar="ID", type=uuid.UUID)
         steer.add_argument("--reason", required=True, help="why (recorded in the job's events)")
         steer.add_argument("--operator", default=None, help="who (default: the current OS user)")
-        steer.add_argument("--json", action="store_true", help="print the job as JSON")
+        add_output_flag(steer)
+        add_remote_flags(steer)
         if action == "abandon":
             steer.add_argument(
                 "--registry",
@@ -70,14 +91,20 @@ def _seconds(value: float) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = run_with_db(
-        args,
-        lambda conn: queue.list_jobs(
-            conn, state=args.state, kind=args.kind, instance_id=args.instance, limit=args.limit
-        ),
-    )
-    if args.json:
-        print_json(rows)
+    if remote(args):
+        params = {"state": args.state, "kind": args.kind, "instance": args.instance, "limit": args.limit}
+        query = {k: str(v) for k, v in params.items() if v is not None}
+        rows = Api(args, admin=True).request("GET", "/v1/admin/jobs", params=query)["items"]
+    else:
+        rows = run_with_db(
+            args,
+            lambda conn: queue.list_jobs(
+                conn, state=args.state, kind=args.kind, instance_id=args.instance, limit=args.limit
+            ),
+        )
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(rows, fmt)
         return 0
     print_table(
         [
@@ -87,27 +114,72 @@ def cmd_list(args: argparse.Namespace) -> int:
                 r["state"],
                 f"{r['attempt']}/{r['max_attempts']}",
                 r["priority"],
-                r["run_at"].isoformat(timespec="seconds"),
+                r["run_at"],
                 r["claimed_by"],
                 r["fence"],
-                (r["last_error"] or "")[:60],
+                r["last_error"] or "",
             )
             for r in rows
         ],
         ("ID", "KIND", "STATE", "ATTEMPT", "PRIO", "RUN_AT", "CLAIMED_BY", "FENCE", "LAST_ERROR"),
+        state_column="STATE",
+    )
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    if remote(args):
+        rows = Api(args, admin=True).request("GET", f"/v1/admin/jobs/{args.job_id}/events")["items"]
+    else:
+        rows = run_with_db(args, lambda conn: queue.job_events(conn, args.job_id))
+        if not rows:
+            raise CommandError(f"no job {args.job_id}", exit_codes.NOT_FOUND)
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(rows, fmt)
+        return 0
+    print_table(
+        [
+            (
+                r["at"],
+                r.get("from_state") or "",
+                r["to_state"],
+                r["event"],
+                f"{r['actor']['kind']}:{r['actor']['id']}"
+                if "actor" in r
+                else f"{r['actor_kind']}:{r['actor_id']}",
+                r.get("reason") or "",
+            )
+            for r in rows
+        ],
+        ("AT", "FROM", "TO", "EVENT", "ACTOR", "REASON"),
+        state_column="TO",
     )
     return 0
 
 
 def cmd_dwell(args: argparse.Namespace) -> int:
-    stats = run_with_db(args, lambda conn: dwell.dwell_stats(conn, args.entity))
-    if args.json:
-        print_json({"entity": args.entity, "states": [s.as_dict() for s in stats]})
+    if remote(args):
+        found = Api(args, admin=True).request("GET", "/v1/admin/stats/dwell", params={"entity": args.entity})
+        states = found["states"]
+    else:
+        stats = run_with_db(args, lambda conn: dwell.dwell_stats(conn, args.entity))
+        states = [s.as_dict() for s in stats]
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data({"entity": args.entity, "states": states}, fmt)
         return 0
     print_table(
         [
-            (s.state, s.count, s.current, _seconds(s.p50_s), _seconds(s.p95_s), _seconds(s.max_s))
-            for s in stats
+            (
+                s["state"],
+                s["count"],
+                s["current"],
+                _seconds(s["p50_s"]),
+                _seconds(s["p95_s"]),
+                _seconds(s["max_s"]),
+            )
+            for s in states
         ],
         ("STATE", "STAYS", "NOW_IN", "P50_S", "P95_S", "MAX_S"),
     )
@@ -115,6 +187,14 @@ def cmd_dwell(args: argparse.Namespace) -> int:
 
 
 def cmd_steer(args: argparse.Namespace) -> int:
+    if remote(args):
+        # The API records the admin key as the operator, and runs the abandonment hook of its
+        # own job kinds.
+        row = Api(args, admin=True).request(
+            "POST", f"/v1/admin/jobs/{args.job_id}/{args.action}", json={"reason": args.reason}
+        )
+        _print_job(args, row)
+        return 0
     operator = args.operator or getpass.getuser()
     registry: JobRegistry | None = None
     if args.action == "abandon" and not args.force:
@@ -142,8 +222,13 @@ def cmd_steer(args: argparse.Namespace) -> int:
         row = run_with_db(args, steer)
     except (queue.ActionRefused, queue.JobNotFound, ValueError) as exc:
         raise CommandError(str(exc)) from exc
-    if args.json:
-        print_json({k: v for k, v in row.items() if not k.startswith("_")})
+    _print_job(args, {k: v for k, v in row.items() if not k.startswith("_")})
+    return 0
+
+
+def _print_job(args: argparse.Namespace, row: dict[str, Any]) -> None:
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(row, fmt)
     else:
         print(f"job {row['id']} is now {row['state']} (version {row['state_version']})")
-    return 0

@@ -1,43 +1,152 @@
-"""Organisation commands: `controlplane orgs create NAME` straight against the database."""
+"""Organisations and API keys through the API: `controlplane orgs create|list`, `controlplane keys
+create|list|revoke`. Organisations need an admin key (a profile's, CONTROLPLANE_API_KEY, or the
+one `up` saved in the local data directory); an organisation's key manages its own keys."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import uuid
 from typing import Any
 
-from controlplane import db, tenants
-from controlplane.cli.common import CommandError, add_settings_flags, print_json, settings_from
+from controlplane import exit_codes
+from controlplane.cli.client import Api
+from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
+from controlplane.cli.customer import api_flags
 
-DB_FLAGS = ("database_url", "data_dir")
+EXAMPLE = "example:\n  {}"
+
+
+def _parser(actions: Any, name: str, help_text: str, example: str, handler: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = actions.add_parser(
+        name,
+        help=help_text,
+        description=help_text[0].upper() + help_text[1:] + ".",
+        epilog=EXAMPLE.format(example),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    api_flags(parser)
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="the data directory of a local `up`: its admin key is used when no key is given "
+        "(env CONTROLPLANE_DATA_DIR; default: .controlplane)",
+    )
+    add_output_flag(parser)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("orgs", help="manage organisations (direct database access)")
+    parser = commands.add_parser(
+        "orgs",
+        help="create and list organisations (an admin key)",
+        description="Create and list organisations through the API, with an admin key.",
+    )
     actions = parser.add_subparsers(dest="orgs_command", metavar="ACTION", required=True)
-    create = actions.add_parser("create", help="create an organisation and print its first API key once")
-    create.add_argument("name")
+    create = _parser(
+        actions,
+        "create",
+        "create an organisation and print its first API key once",
+        "controlplane orgs create acme",
+        cmd_create,
+    )
+    create.add_argument("name", metavar="NAME")
     create.add_argument("--stripe-customer", default=None, metavar="ID", help="Stripe customer id (cus_...)")
-    create.add_argument("--json", action="store_true", help="machine-readable output")
-    add_settings_flags(create, DB_FLAGS)
-    create.set_defaults(handler=cmd_create)
+    _parser(actions, "list", "list the organisations", "controlplane orgs list", cmd_list)
+
+    parser = commands.add_parser(
+        "keys",
+        help="create, list and revoke API keys",
+        description="API keys: an organisation's key manages its organisation's keys; an admin key, "
+        "any organisation's (--org).",
+    )
+    actions = parser.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    create = _parser(
+        actions,
+        "create",
+        "create an API key and print it once",
+        "controlplane keys create --name ci",
+        cmd_key_create,
+    )
+    create.add_argument("--name", default="", help="a name to recognise it by (default: none)")
+    create.add_argument("--org", metavar="NAME_OR_ID", help="the organisation (with an admin key)")
+    listing = _parser(
+        actions, "list", "list API keys (never the keys themselves)", "controlplane keys list", cmd_key_list
+    )
+    listing.add_argument("--org", metavar="NAME_OR_ID", help="the organisation (with an admin key)")
+    revoke = _parser(
+        actions, "revoke", "revoke an API key", "controlplane keys revoke 3f2a...", cmd_key_revoke
+    )
+    revoke.add_argument("key_id", metavar="KEY_ID", type=uuid.UUID)
+
+
+def org_id(api: Api, ref: str) -> str:
+    """An organisation's id from its id or its name (one look-up)."""
+    try:
+        return str(uuid.UUID(ref))
+    except ValueError:
+        pass
+    found = api.request("GET", "/v1/orgs", params={"name": ref})["items"]
+    if not found:
+        raise CommandError(f"no organisation named {ref!r}", exit_codes.NOT_FOUND)
+    return str(found[0]["id"])
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    url = db.resolve_database_url(settings_from(args))
-
-    async def run() -> tuple[Any, tenants.NewKey]:
-        conn = await db.connect(url)
-        async with conn:
-            return await tenants.create_org(conn, args.name, args.stripe_customer)
-
-    try:
-        org, key = asyncio.run(run())
-    except tenants.OrgExists as exc:
-        raise CommandError(str(exc)) from None
-    if args.json:
-        print_json({"org": {"id": org["id"], "name": org["name"]}, "key": key.plaintext})
+    body: dict[str, Any] = {"name": args.name}
+    if args.stripe_customer:
+        body["stripe_customer_id"] = args.stripe_customer
+    created = Api(args, admin=True).request("POST", "/v1/orgs", json=body)
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(created, fmt)
         return 0
-    print(f"organisation {org['name']} created: {org['id']}")
-    print(f"API key (shown once, keep it safe): {key.plaintext}")
+    print(f"organisation {created['org']['name']} created: {created['org']['id']}")
+    print(f"API key (shown once, keep it safe): {created['key']['key']}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    items = Api(args, admin=True).request("GET", "/v1/orgs")["items"]
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(items, fmt)
+        return 0
+    columns = ("name", "id", "stripe_customer_id", "billing_hold", "created_at")
+    print_table([[o.get(c) for c in columns] for o in items], columns)
+    return 0
+
+
+def cmd_key_create(args: argparse.Namespace) -> int:
+    api = Api(args, admin=bool(args.org))
+    path = f"/v1/orgs/{org_id(api, args.org)}/keys" if args.org else "/v1/keys"
+    key = api.request("POST", path, json={"name": args.name})
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(key, fmt)
+        return 0
+    print(f"API key {key['id']} created")
+    print(f"API key (shown once, keep it safe): {key['key']}")
+    return 0
+
+
+def cmd_key_list(args: argparse.Namespace) -> int:
+    api = Api(args, admin=bool(args.org))
+    path = f"/v1/orgs/{org_id(api, args.org)}/keys" if args.org else "/v1/keys"
+    items = api.all_items(path)
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(items, fmt)
+        return 0
+    columns = ("id", "prefix", "name", "created_at", "revoked_at")
+    print_table([[k.get(c) for c in columns] for k in items], columns)
+    return 0
+
+
+def cmd_key_revoke(args: argparse.Namespace) -> int:
+    Api(args, admin=True).request("DELETE", f"/v1/keys/{args.key_id}")
+    if output_format(args) != "table":
+        print_data({"id": str(args.key_id), "revoked": True}, output_format(args))
+    else:
+        print(f"API key {args.key_id} revoked")
     return 0

@@ -17,6 +17,7 @@ import httpx
 import psycopg
 import pytest
 
+from controlplane import exit_codes
 from controlplane.postgres import free_port
 from tests.up_support import (
     clean_env,
@@ -136,7 +137,7 @@ def test_a_second_up_is_refused_and_sigterm_to_the_launcher_stops_everything() -
 
         # A client command while `up` is stopped says so in one line and starts nothing.
         stuck = run_cli(["stuck", "--data-dir", str(data_dir)], env)
-        assert stuck.returncode == 1
+        assert stuck.returncode == exit_codes.UNAVAILABLE
         assert "not running" in one_line(stuck.stderr)
         assert processes_mentioning(str(data_dir)) == []
         port = int(json.loads((data_dir / "db" / "embedded.json").read_text())["port"])
@@ -164,7 +165,7 @@ def test_a_busy_api_port_is_refused_in_one_line_before_anything_starts() -> None
 def test_a_client_command_in_an_empty_directory_starts_no_server() -> None:
     with scratch_dir("cp-empty-") as root:
         result = run_cli(["stuck"], clean_env(), cwd=root, timeout=60)
-        assert result.returncode == 1
+        assert result.returncode == exit_codes.UNAVAILABLE
         line = one_line(result.stderr)
         assert "CONTROLPLANE_DATABASE_URL" in line
         assert processes_mentioning(str(root)) == []
