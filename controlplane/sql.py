@@ -361,7 +361,8 @@ WHERE e.id > %(after)s
   AND (%(instance)s::uuid IS NULL OR e.instance_id = %(instance)s::uuid)
   AND (%(org)s::uuid IS NULL OR i.org_id = %(org)s::uuid)
   AND (%(actor_kind)s::text = ''
-       OR (e.actor_kind = %(actor_kind)s::text AND (%(actor_id)s::text = '' OR e.actor_id = %(actor_id)s::text))
+       OR (e.actor_kind = %(actor_kind)s::text
+           AND (%(actor_id)s::text = '' OR e.actor_id = %(actor_id)s::text))
        -- or a move of a job that actor enqueued (a Stripe event's suspend, a customer's resize)
        OR EXISTS (SELECT 1 FROM job_events je
                   WHERE je.job_id = (e.detail->>'job_id')::uuid AND je.from_state IS NULL

@@ -72,7 +72,8 @@ def test_every_transitional_state_has_the_deadline_the_reconciler_enforces() -> 
     assert [s["name"] for s in document["steps"]["provision"]] == list(OPERATION_STEPS[PROVISION])
 
 
-# A server path (API paths are fine), an address, an exception's class name or a provider's words: none is for customers.
+# A server path (API paths are fine), an address, an exception's class name or a provider's words:
+# none is for customers.
 INTERNAL = re.compile(r"(^|\s)/(?!v1/)\w|\w+Error|\w+Exception|\d+\.\d+\.\d+\.\d+|injected|kubernetes|pg_")
 
 
