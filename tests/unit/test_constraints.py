@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pins() -> dict[str, str]:
-    found = {}
+    found: dict[str, str] = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:

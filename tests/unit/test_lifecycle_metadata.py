@@ -258,6 +258,7 @@ def test_an_overdue_step_shows_overdue_before_the_deadline() -> None:
     late = progress.progress(inst, records, running, USUAL, T0 + timedelta(seconds=30))
     assert on_time is not None and late is not None
     assert on_time["overdue"] is False
+    assert inst.deadline_at is not None
     assert late["overdue"] is True and late["expected_by"] < T0 + timedelta(seconds=30) < inst.deadline_at
     # Without history there is nothing to expect but the deadline.
     blind = progress.progress(inst, records, running, {}, T0 + timedelta(seconds=30))
