@@ -133,7 +133,7 @@ async def admin_jobs(
 
 
 @router.get(
-    "/jobs/{job_id}/events",
+    "/jobs/{job_id}",
     response_model=JobEventList,
     responses=errors.responses(401, 403, 404, 422),
     summary="A job's event history, oldest first",

@@ -435,8 +435,23 @@ async def events_page(
     "/{instance_id}/watch",
     responses={
         200: {
-            "description": "Server-Sent Events: `instance` (snapshot), then one `transition` per change",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "description": "Server-Sent Events: `instance` (snapshot), then one `transition` per change"
+            " and one `step` per step of the running operation",
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "description": "One event of the stream; `data` is JSON: the instance for "
+                        "`instance`, {id, state, state_version} for `transition`, the step for `step`",
+                        "properties": {
+                            "event": {"type": "string", "enum": ["instance", "transition", "step"]},
+                            "data": {"type": "string", "description": "the event's JSON"},
+                            "id": {"type": "string", "description": "the state_version it follows"},
+                            "retry": {"type": "integer", "description": "ms before reconnecting"},
+                        },
+                    }
+                }
+            },
         },
         **errors.responses(401, 403, 404, 422),
     },

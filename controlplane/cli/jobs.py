@@ -129,7 +129,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_events(args: argparse.Namespace) -> int:
     if remote(args):
-        rows = Api(args, admin=True).request("GET", f"/v1/admin/jobs/{args.job_id}/events")["items"]
+        rows = Api(args, admin=True).request("GET", f"/v1/admin/jobs/{args.job_id}")["items"]
     else:
         rows = run_with_db(args, lambda conn: queue.job_events(conn, args.job_id))
         if not rows:

@@ -56,6 +56,13 @@ def walk_through(up_dir: Path, env: dict[str, str], api_port: str, banner: str) 
     assert key.group(0) not in (config / "config.toml").read_text()
     assert (config / "keys" / "acme").stat().st_mode & 0o777 == 0o600
     customer_env["CONTROLPLANE_PROFILE"] = "acme"
+    # Organisations and keys through the API: a second acme is refused (4), keys listed never shown.
+    assert "already exists" in cli("orgs", "create", "acme", "--data-dir", str(up_dir), code=4).stderr
+    assert "acme" in cli("orgs", "list", "--data-dir", str(up_dir)).stdout
+    extra = cli("keys", "create", "--name", "ci", "-o", "json")
+    listed = cli("keys", "list").stdout
+    assert "ci" in listed and extra.stdout and json.loads(extra.stdout)["key"] not in listed
+    assert "revoked" in cli("keys", "revoke", json.loads(extra.stdout)["id"]).stdout
 
     created = cli("instances", "create", "orders", "--plan", "dev", "--wait", "--timeout", "5m")
     uri = created.stdout.strip().splitlines()[-1]

@@ -44,7 +44,7 @@ async def test_the_moves_of_a_stripe_events_jobs_are_found_by_its_actor(
     assert moves(other) == []
     job_ids = {e["detail"]["job_id"] for e in by_kind.json()["items"]}
     (job_id,) = job_ids
-    history = await client.get(f"/v1/admin/jobs/{job_id}/events", headers=admin_headers)
+    history = await client.get(f"/v1/admin/jobs/{job_id}", headers=admin_headers)
     first = history.json()["items"][0]
     assert (first["event"], first["actor"]) == ("enqueue", {"kind": "stripe", "id": "evt_hold_1"})
     assert history.json()["items"][-1]["to_state"] == "completed"

@@ -7,7 +7,6 @@ import hashlib
 import pytest
 
 from controlplane import tenants
-from controlplane.cli import main
 from controlplane.db import AsyncConn
 
 
@@ -61,15 +60,3 @@ async def test_ensure_admin_key_creates_one_only_on_first_start(conn: AsyncConn)
     assert await tenants.ensure_admin_key(conn) is None
     who = await tenants.authenticate(conn, first)
     assert who is not None and who.is_admin and who.org_id is None
-
-
-def test_cli_creates_an_org_and_prints_the_key_once(
-    fresh_database: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert (
-        main(["orgs", "create", "acme", "--stripe-customer", "cus_9", "--database-url", fresh_database]) == 0
-    )
-    out = capsys.readouterr().out
-    assert "organisation acme created" in out and "cpk_" in out
-    assert main(["orgs", "create", "acme", "--database-url", fresh_database]) == 1
-    assert "already exists" in capsys.readouterr().err
