@@ -37,8 +37,16 @@ def walk_through(up_dir: Path, env: dict[str, str], api_port: str, banner: str) 
     api = f"http://127.0.0.1:{api_port}"
     customer_env = dict(env)
 
-    def cli(*args: str, code: int = 0, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        result = run_cli(list(args), customer_env, stdin=stdin)
+    def cli(
+        *args: str, code: int = 0, stdin: str | None = None, as_admin: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        # The organisation commands with no profile: the local `up`'s admin key.
+        run_env = (
+            {k: v for k, v in customer_env.items() if k != "CONTROLPLANE_PROFILE"}
+            if as_admin
+            else customer_env
+        )
+        result = run_cli(list(args), run_env, stdin=stdin)
         assert result.returncode == code, result.stderr
         if code:
             # A refusal is one line on stderr.
@@ -57,8 +65,9 @@ def walk_through(up_dir: Path, env: dict[str, str], api_port: str, banner: str) 
     assert (config / "keys" / "acme").stat().st_mode & 0o777 == 0o600
     customer_env["CONTROLPLANE_PROFILE"] = "acme"
     # Organisations and keys through the API: a second acme is refused (4), keys listed never shown.
-    assert "already exists" in cli("orgs", "create", "acme", "--data-dir", str(up_dir), code=4).stderr
-    assert "acme" in cli("orgs", "list", "--data-dir", str(up_dir)).stdout
+    refused = cli("orgs", "create", "acme", "--data-dir", str(up_dir), "--url", api, code=4, as_admin=True)
+    assert "already exists" in refused.stderr
+    assert "acme" in cli("orgs", "list", "--data-dir", str(up_dir), "--url", api, as_admin=True).stdout
     extra = cli("keys", "create", "--name", "ci", "-o", "json")
     listed = cli("keys", "list").stdout
     assert "ci" in listed and extra.stdout and json.loads(extra.stdout)["key"] not in listed
