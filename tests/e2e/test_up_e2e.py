@@ -40,12 +40,9 @@ def walk_through(up_dir: Path, env: dict[str, str], api_port: str, banner: str) 
     def cli(
         *args: str, code: int = 0, stdin: str | None = None, as_admin: bool = False
     ) -> subprocess.CompletedProcess[str]:
-        # The organisation commands with no profile: the local `up`'s admin key.
-        run_env = (
-            {k: v for k, v in customer_env.items() if k != "CONTROLPLANE_PROFILE"}
-            if as_admin
-            else customer_env
-        )
+        # The organisation commands with the admin key (the profile holds the organisation's).
+        admin_key = {"CONTROLPLANE_API_KEY": (up_dir / "admin.key").read_text().strip()}
+        run_env = customer_env | admin_key if as_admin else customer_env
         result = run_cli(list(args), run_env, stdin=stdin)
         assert result.returncode == code, result.stderr
         if code:
