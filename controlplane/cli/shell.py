@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from controlplane import exit_codes, lifecycle, plans
-from controlplane.cli.client import DEFAULT_URL, Api, ApiError, config_dir, load_config, save_config
+from controlplane.cli.client import (
+    DEFAULT_URL,
+    Api,
+    ApiError,
+    config_dir,
+    load_config,
+    local_url,
+    save_config,
+)
 from controlplane.cli.common import CommandError
 
 EXAMPLE = "example:\n  {}"
@@ -68,7 +76,7 @@ def cmd_login(args: argparse.Namespace) -> int:
     name = args.profile or os.environ.get("CONTROLPLANE_PROFILE") or "default"
     profiles = config.setdefault("profiles", {})
     profile = dict(profiles.get(name, {}))
-    url = args.url or profile.get("url") or DEFAULT_URL
+    url = args.url or profile.get("url") or os.environ.get("CONTROLPLANE_URL") or local_url()
     key = _read_key()
     if not key:
         raise CommandError("no key given", exit_codes.USAGE)
