@@ -450,7 +450,8 @@ def follow(
                 break
     except WaitTimeout:
         where = f" (it is {instance['state']})" if instance else ""
-        raise WaitTimeout(f"timed out waiting for {ref} to be {' or '.join(until)}{where}") from None
+        name = instance.get("name") or ref
+        raise WaitTimeout(f"timed out waiting for {name} to be {' or '.join(until)}{where}") from None
     return instance
 
 
