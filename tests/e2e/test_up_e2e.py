@@ -11,6 +11,7 @@ from pathlib import Path
 import psycopg
 import yaml
 
+from controlplane import exit_codes
 from tests.up_support import run_cli, running_up, scratch_dir, up_env, wait_until_gone
 
 
@@ -45,7 +46,7 @@ def walk_through(up_dir: Path, env: dict[str, str], api_port: str, banner: str) 
         run_env = customer_env | admin_key if as_admin else customer_env
         result = run_cli(list(args), run_env, stdin=stdin)
         assert result.returncode == code, result.stderr
-        if code:
+        if code and code != exit_codes.USAGE:  # argparse's usage errors print the usage first
             # A refusal is one line on stderr.
             assert result.stderr.count("\n") == 1 and result.stderr.startswith("controlplane: error: ")
         return result
