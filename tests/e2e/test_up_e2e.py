@@ -103,7 +103,7 @@ def walk_through(up_dir: Path, env: dict[str, str], api_port: str, banner: str) 
     assert "timed out waiting for orders to be suspended (it is ready)" in waited.stderr
     assert "is ready" in cli("instances", "wait", "orders", "--for", "ready").stdout
     assert "deletion protection on" in cli("instances", "protection", "orders", "on").stdout
-    assert "deletion protection is on" in cli("instances", "delete", "orders", code=4).stderr
+    assert "has deletion protection on" in cli("instances", "delete", "orders", code=4).stderr
     cli("instances", "protection", "orders", "off")
 
     # Completion: the script, and what it offers (commands, plans, the databases' names).
