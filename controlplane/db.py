@@ -5,17 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
+from controlplane import metrics
 from controlplane.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -24,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = ROOT / "alembic.ini"
 
 AsyncConn = psycopg.AsyncConnection[DictRow]
+T = TypeVar("T")
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -93,8 +98,99 @@ async def transaction(conn: AsyncConn) -> AsyncIterator[None]:
         yield
 
 
-async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:
-    return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, row_factory=dict_row)
+async def connect(url: str, *, autocommit: bool = True, timeouts: Timeouts | None = None) -> AsyncConn:
+    conninfo = url if timeouts is None else timeouts.conninfo(url)
+    return await psycopg.AsyncConnection.connect(conninfo, autocommit=autocommit, row_factory=dict_row)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """`lock_timeout` and `statement_timeout` of one role's sessions, in seconds; 0 leaves the
+    server's (or the database role's) own value.
+
+    They are sent as the connection's startup options, so they hold on any PostgreSQL the control
+    plane reaches (the embedded one, or an external one under any role), without ALTER ROLE. A
+    statement that waits longer than `lock_s` for a lock, or runs longer than `statement_s`,
+    is cancelled by the server: a request never hangs on a lock another session holds.
+    """
+
+    lock_s: float = 0.0
+    statement_s: float = 0.0
+
+    @classmethod
+    def api(cls, settings: Settings) -> Timeouts:
+        """The API's: short, a person or a client waits on each request."""
+        return cls(settings.database.api_lock_timeout_s, settings.database.api_statement_timeout_s)
+
+    @classmethod
+    def background(cls, settings: Settings) -> Timeouts:
+        """The worker's, the reconciler's and the supervisor's: longer, nobody waits on them."""
+        return cls(
+            settings.database.background_lock_timeout_s, settings.database.background_statement_timeout_s
+        )
+
+    def options(self) -> str:
+        """The `-c name=value` options that set them (empty when both are left to the server)."""
+        values = (("lock_timeout", self.lock_s), ("statement_timeout", self.statement_s))
+        return " ".join(f"-c {name}={max(1, round(s * 1000))}ms" for name, s in values if s > 0)
+
+    def conninfo(self, url: str) -> str:
+        """`url` with these options added to any it already carries."""
+        ours = self.options()
+        if not ours:
+            return url
+        given = conninfo_to_dict(url).get("options")
+        return make_conninfo(url, options=f"{given} {ours}" if given else ours)
+
+
+# A transaction that lost a race with another one (deadlock_detected, serialization_failure): the
+# server rolled it back whole, and the same transaction run again is likely to get through.
+LOST_RACE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+# How many times such a transaction is run in all; after the last, the error goes to the caller
+# (the API answers 409 with Retry-After: a lost race is never a 503).
+LOST_RACE_ATTEMPTS = 3
+# The longest random pause before running it again (times the attempt number).
+LOST_RACE_PAUSE_S = 0.05
+
+
+async def retry_lost_races(work: Callable[[], Awaitable[T]], *, attempts: int = LOST_RACE_ATTEMPTS) -> T:
+    """`work()`, one whole transaction from its start, run again after a short random pause when it
+    loses to a deadlock or a serialization failure, up to `attempts` times in all. Nothing else is
+    retried here: a lock timeout or an outage goes to the caller at once."""
+    attempt = 1
+    while True:
+        try:
+            return await work()
+        except LOST_RACE as exc:
+            if attempt >= attempts:
+                metrics.LOST_RACES.labels("given_up").inc()
+                log.warning("a transaction lost %d races in a row; giving up: %s", attempts, _first_line(exc))
+                raise
+            metrics.LOST_RACES.labels("retried").inc()
+            log.info("a transaction lost a race (%s); running it again", _first_line(exc))
+            await asyncio.sleep(random.uniform(0, LOST_RACE_PAUSE_S * attempt))  # noqa: S311 (jitter)
+            attempt += 1
+
+
+async def in_transaction(
+    pool: AsyncConnectionPool[AsyncConn], work: Callable[[AsyncConn], Awaitable[T]]
+) -> T:
+    """`work(conn)` in one transaction on a pooled connection, run again if it loses a race."""
+
+    async def attempt() -> T:
+        async with pool.connection() as conn, conn.transaction():
+            return await work(conn)
+
+    return await retry_lost_races(attempt)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+# A write refused because the database (or this session) is read-only: a standby, a failover in
+# progress, or default_transaction_read_only.
+READ_ONLY = psycopg.errors.ReadOnlySqlTransaction
 
 
 # Reconnection attempts during an outage are at most this far apart: service returns within
@@ -130,6 +226,22 @@ class Pool(AsyncConnectionPool[AsyncConn]):
         self.unavailable_since: float | None = None
         self._checking: asyncio.Task[None] | None = None
 
+    @contextlib.asynccontextmanager
+    async def connection(self, timeout: float | None = None) -> AsyncIterator[AsyncConn]:  # noqa: ASYNC109 (the pool's)
+        async with super().connection(timeout) as conn:
+            try:
+                yield conn
+            except READ_ONLY:
+                await self.discard_read_only(conn)
+                raise
+
+    async def discard_read_only(self, conn: AsyncConn) -> None:
+        """Close a session that found the database read-only (the pool opens another in its place):
+        after a failover the new sessions reach the writable server, and a session that started
+        read-only (default_transaction_read_only) stays so for its whole life."""
+        log.warning("pool %s: the database is read-only; closing the session that found it", self.name)
+        await conn.close()
+
     @property
     def available(self) -> bool:
         return self.unavailable_since is None
@@ -164,8 +276,16 @@ class Pool(AsyncConnectionPool[AsyncConn]):
         return conn
 
 
-def pool(url: str, *, min_size: int = 1, max_size: int = 10, name: str = "controlplane") -> Pool:
-    """An async pool of autocommit connections returning rows as dicts (open it before use).
+def pool(
+    url: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 10,
+    name: str = "controlplane",
+    timeouts: Timeouts | None = None,
+) -> Pool:
+    """An async pool of autocommit connections returning rows as dicts (open it before use), its
+    sessions under `timeouts` (the role's lock and statement timeouts).
 
     Connections are not checked on every checkout (that costs a round trip per use): one broken
     by a server restart fails its user once (the API answers 503) and is discarded when returned.
@@ -174,8 +294,9 @@ def pool(url: str, *, min_size: int = 1, max_size: int = 10, name: str = "contro
     async def configure(conn: AsyncConn) -> None:
         await conn.set_autocommit(True)
 
+    conninfo = libpq_url(url)
     return Pool(
-        libpq_url(url),
+        conninfo if timeouts is None else timeouts.conninfo(conninfo),
         min_size=min_size,
         max_size=max_size,
         kwargs={"row_factory": dict_row, "connect_timeout": CONNECT_TIMEOUT_S},

@@ -80,3 +80,15 @@ JOBS_FINISHED = Counter(
     "Jobs finished by a worker, by kind and outcome.",
     ["kind", "outcome"],
 )
+LOST_RACES = Counter(
+    "controlplane_lost_races_total",
+    "Transactions that lost to a deadlock or a serialization failure: run again, or given up "
+    "after the last attempt.",
+    ["outcome"],
+)
+DATABASE_REFUSALS = Counter(
+    "controlplane_api_database_refusals_total",
+    "API requests answered with a problem because of the database, by reason: lock_timeout (409), "
+    "lost_race (409), statement_timeout, read_only and unavailable (503).",
+    ["reason"],
+)

@@ -118,7 +118,13 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
     worker_id = settings.worker.id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
+    pool = db.pool(
+        url,
+        min_size=2,
+        max_size=settings.worker.concurrency + 3,
+        name=f"worker-{worker_id}",
+        timeouts=db.Timeouts.background(settings),
+    )
     await pool.open(wait=True, timeout=30)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
@@ -145,7 +151,13 @@ async def run_reconciler_role(
     dry_run_orphans: bool = False,
 ) -> None:
     reconciler_id = f"reconciler-{socket.gethostname()}-{os.getpid()}"
-    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconciler.concurrency + 1), name=reconciler_id)
+    pool = db.pool(
+        url,
+        min_size=1,
+        max_size=max(2, settings.reconciler.concurrency + 1),
+        name=reconciler_id,
+        timeouts=db.Timeouts.background(settings),
+    )
     await pool.open(wait=True, timeout=30)
     reconciler = Reconciler(
         settings,
@@ -216,9 +228,7 @@ async def _up(
     else:
         from controlplane.embedded import open_embedded
 
-        embedded = await asyncio.to_thread(
-            open_embedded, data_dir / "db", bindir=settings.database.pg_bindir
-        )
+        embedded = await asyncio.to_thread(open_embedded, data_dir / "db", bindir=settings.database.pg_bindir)
         url = await asyncio.to_thread(embedded.create_database)
     provisioner = provisioners.build(settings)
     try:

@@ -89,6 +89,36 @@ class DatabaseSettings(_Group):
         "`pgserver` package.",
     )
 
+    api_lock_timeout_s: float = _setting(
+        2.0,
+        "api_lock_timeout_s",
+        "`lock_timeout` of the API's sessions: a request that cannot lock a row this soon (another "
+        "session holds it) is answered 409 with `Retry-After` instead of waiting. 0: the database "
+        "role's or server's own.",
+        ge=0,
+    )
+    api_statement_timeout_s: float = _setting(
+        15.0,
+        "api_statement_timeout_s",
+        "`statement_timeout` of the API's sessions (503 with `Retry-After` beyond). 0: the database "
+        "role's or server's own.",
+        ge=0,
+    )
+    background_lock_timeout_s: float = _setting(
+        10.0,
+        "background_lock_timeout_s",
+        "`lock_timeout` of the worker's, reconciler's and supervisor's sessions (the statement fails "
+        "and its job or pass is retried). 0: the database role's or server's own.",
+        ge=0,
+    )
+    background_statement_timeout_s: float = _setting(
+        120.0,
+        "background_statement_timeout_s",
+        "`statement_timeout` of the worker's, reconciler's and supervisor's sessions. 0: the "
+        "database role's or server's own.",
+        ge=0,
+    )
+
     @field_validator("url")
     @classmethod
     def _postgresql(cls, value: SecretStr | None) -> SecretStr | None:
@@ -125,6 +155,12 @@ class ApiSettings(_Group):
         "request). A revocation through the API takes effect at once on the process that served it, "
         "within this time on the others.",
         ge=0,
+    )
+    max_keys_per_org: int = _setting(
+        100,
+        "api_max_keys_per_org",
+        "Live API keys one organisation may hold (a new one beyond is refused with 409: revoke one first).",
+        ge=1,
     )
 
     @property

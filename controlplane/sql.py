@@ -396,13 +396,17 @@ FROM instances i JOIN organisations o ON o.id = i.org_id
 
 # One instance of an organisation (scoped in SQL: another organisation's id finds nothing).
 ORG_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s AND i.org_id = %(org)s"
-# The same, locked for a change (plan, deletion protection, deletion request).
-LOCK_ORG_INSTANCE = ORG_INSTANCE + " FOR UPDATE OF i"
+# The same, locked for a change (plan, deletion protection, deletion request). FOR NO KEY UPDATE,
+# the lock an UPDATE of non-key columns takes: it serialises the writers of the row but lets a
+# worker's transaction take the FOR KEY SHARE lock of its foreign-key checks (a job or event row
+# naming the instance), so the change's job insert, which may wait for that transaction, cannot
+# wait on it in a cycle (FOR UPDATE made the two deadlock).
+LOCK_ORG_INSTANCE = ORG_INSTANCE + " FOR NO KEY UPDATE OF i"
 # Whether an organisation has (or had) an instance of this id, live or not (a restore's source).
 ORG_HAS_INSTANCE = "SELECT 1 FROM instances WHERE id = %(id)s AND org_id = %(org)s"
 # One instance of any organisation (an SRE's look-up: its backups, a restore it decides), and locked.
 ANY_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s"
-LOCK_ANY_INSTANCE = ANY_INSTANCE + " FOR UPDATE OF i"
+LOCK_ANY_INSTANCE = ANY_INSTANCE + " FOR NO KEY UPDATE OF i"
 
 # A page of an organisation's instances, oldest first, after a (created_at, id) cursor.
 LIST_ORG_INSTANCES = (
@@ -447,9 +451,11 @@ VALUES (%(id)s, %(type)s, %(customer)s, %(created)s, 'received') ON CONFLICT (id
 """
 SET_STRIPE_EVENT_OUTCOME = "UPDATE stripe_events SET outcome = %(outcome)s WHERE id = %(id)s"
 
-# The organisation of a Stripe customer, locked while its hold is decided.
+# The organisation of a Stripe customer, locked while its hold is decided (FOR NO KEY UPDATE: the
+# instances and keys being created for it meanwhile need only their foreign-key share lock).
 LOCK_ORGANISATION_OF_CUSTOMER = """
-SELECT id, billing_event_created FROM organisations WHERE stripe_customer_id = %(customer)s FOR UPDATE
+SELECT id, billing_event_created FROM organisations WHERE stripe_customer_id = %(customer)s
+FOR NO KEY UPDATE
 """
 SET_BILLING_HOLD = """
 UPDATE organisations SET billing_hold = %(hold)s, billing_status = %(status)s,
@@ -473,8 +479,8 @@ INSTANCE_WITH_HOLD = """
 SELECT i.*, o.billing_hold FROM instances i JOIN organisations o ON o.id = i.org_id WHERE i.id = %(id)s
 """
 
-# One instance, locked (an abandonment hook, in the abandoning transaction).
-LOCK_INSTANCE = "SELECT * FROM instances WHERE id = %(id)s FOR UPDATE"
+# One instance, locked (an abandonment hook, in the abandoning transaction), as LOCK_ORG_INSTANCE.
+LOCK_INSTANCE = "SELECT * FROM instances WHERE id = %(id)s FOR NO KEY UPDATE"
 
 # The step a handler runs now; matches nothing once the instance has moved (the handler decides again).
 SET_PROGRESS = """

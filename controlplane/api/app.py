@@ -53,7 +53,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = database_url or db.resolve_database_url(settings)
-        pool = db.pool(url, name="controlplane-api")
+        pool = db.pool(url, name="controlplane-api", timeouts=db.Timeouts.api(settings))
         await pool.open()
         app.state.controlplane = AppState(
             settings=settings,

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
+from controlplane import db
 from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey, Customer, customer
 from controlplane.api.models import (
@@ -92,8 +93,9 @@ async def _restore(
         asked = backups.RequestRestore(instance_id, org_id, empty=True, reason=body.reason)
     else:
         asked = backups.RequestRestore(instance_id, org_id, backup_id=body.backup_id, reason=body.reason)
-    async with app.pool.connection() as conn:
-        inst = await backups.request_restore(conn, actor, request_id, asked, app.policy)
+    inst = await db.in_transaction(
+        app.pool, lambda conn: backups.request_restore(conn, actor, request_id, asked, app.policy)
+    )
     body_json = Instance.model_validate(views.instance(inst, app.box)).model_dump(mode="json")
     return JSONResponse(body_json, status_code=202, headers={"Location": f"/v1/instances/{instance_id}"})
 
@@ -118,8 +120,9 @@ async def list_backups(instance_id: uuid.UUID, request: Request, who: Caller, pa
 async def take_backup(instance_id: uuid.UUID, request: Request, who: Caller) -> dict[str, Any]:
     app = app_state(request)
     asked = backups.RequestBackup(instance_id, who.org_id)
-    async with app.pool.connection() as conn:
-        requested = await backups.request_backup(conn, who.actor, who.request_id, asked, app.policy)
+    requested = await db.in_transaction(
+        app.pool, lambda conn: backups.request_backup(conn, who.actor, who.request_id, asked, app.policy)
+    )
     return {"instance_id": requested.instance_id, "job_id": requested.job_id, "created": requested.created}
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from controlplane import sql
+from controlplane import db, sql
 from controlplane.api import errors, idempotency, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
@@ -25,6 +25,7 @@ from controlplane.api.models import (
     InstanceUpdate,
 )
 from controlplane.api.state import AppState, app_state
+from controlplane.db import AsyncConn
 from controlplane.records import Instance as InstanceRecord
 from controlplane.services import instances
 from provisioners.base import RestoreSource
@@ -83,9 +84,12 @@ async def create(
         restore_from=restore_from,
     )
     digest = idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
-    async with state.pool.connection() as conn, conn.transaction():
+    if idempotency_key is not None:
+        idempotency.check_key(idempotency_key)
+
+    async def create_once(conn: AsyncConn) -> JSONResponse:
+        """The key's stored response, or the use case's with the response stored under the key."""
         if idempotency_key is not None:
-            idempotency.check_key(idempotency_key)
             stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
             if stored is not None:
                 headers = {**stored.headers, "Idempotent-Replayed": "true"}
@@ -98,7 +102,9 @@ async def create(
             await idempotency.save(
                 conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
             )
-    return JSONResponse(body_json, status_code=202, headers=headers)
+        return JSONResponse(body_json, status_code=202, headers=headers)
+
+    return await db.in_transaction(state.pool, create_once)
 
 
 @router.get(
@@ -184,8 +190,9 @@ async def update_instance(
         deletion_protection=body.deletion_protection,
         if_versions=views.if_match_versions(if_match),
     )
-    async with app.pool.connection() as conn:
-        changed = await instances.change(conn, who.actor, who.request_id, asked, app.policy)
+    changed = await db.in_transaction(
+        app.pool, lambda conn: instances.change(conn, who.actor, who.request_id, asked, app.policy)
+    )
     return _json(views.instance(changed.instance, app.box), 202)
 
 
@@ -209,8 +216,9 @@ async def delete_instance(
     asked = instances.RequestDeletion(
         who.org_id, instance_id, skip_final_backup, if_versions=views.if_match_versions(if_match)
     )
-    async with app.pool.connection() as conn:
-        requested = await instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
+    requested = await db.in_transaction(
+        app.pool, lambda conn: instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
+    )
     return _json(views.instance(requested.instance, app.box), 202)
 
 

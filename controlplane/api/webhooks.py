@@ -9,7 +9,7 @@ from typing import Any
 import stripe
 from fastapi import APIRouter, Request
 
-from controlplane import billing, metrics
+from controlplane import billing, db, metrics
 from controlplane.api import errors
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import WebhookAck
@@ -66,9 +66,9 @@ async def stripe_webhook(request: Request) -> Any:
         metrics.WEBHOOKS.labels("bad_payload").inc()
         raise ProblemError("bad-request", "the payload is not a Stripe event")
     parsed = billing.parse_event(event)
-    async with app.pool.connection() as conn:
-        applied = await apply_stripe_event(
-            conn, Actor("stripe", parsed.id), errors.request_id(request), parsed, app.policy
-        )
+    actor, request_id = Actor("stripe", parsed.id), errors.request_id(request)
+    applied = await db.in_transaction(
+        app.pool, lambda conn: apply_stripe_event(conn, actor, request_id, parsed, app.policy)
+    )
     metrics.WEBHOOKS.labels(applied.outcome).inc()
     return {"received": True, "outcome": applied.outcome}

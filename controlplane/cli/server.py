@@ -22,6 +22,9 @@ API = (
     "public_url",
     "max_body_bytes",
     "api_key_cache_s",
+    "api_lock_timeout_s",
+    "api_statement_timeout_s",
+    "api_max_keys_per_org",
     "stripe_webhook_secret",
     "secret_key",
     "job_registry",
@@ -56,6 +59,8 @@ WORKER = (
     "job_max_attempts",
     "retry_base_delay_s",
     "retry_max_delay_s",
+    "background_lock_timeout_s",
+    "background_statement_timeout_s",
 )
 RECONCILER = (
     "reconcile_interval_s",
@@ -72,6 +77,8 @@ RECONCILER = (
     "reclaim_after_intervals",
     "retry_base_delay_s",
     "retry_max_delay_s",
+    "background_lock_timeout_s",
+    "background_statement_timeout_s",
 )
 
 
