@@ -550,9 +550,17 @@ UPDATE api_keys SET revoked_at = now()
 WHERE id = %(id)s AND revoked_at IS NULL AND (%(org)s::uuid IS NULL OR org_id = %(org)s::uuid)
 RETURNING id
 """
+# A page of an organisation's keys (revoked ones too), oldest first, after a (created_at, id) cursor.
 LIST_API_KEYS = """
-SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %(org)s ORDER BY created_at, id
+SELECT id, prefix, name, created_at, revoked_at FROM api_keys
+WHERE org_id = %(org)s
+  AND (%(after_created)s::timestamptz IS NULL
+       OR (created_at, id) > (%(after_created)s::timestamptz, %(after_id)s::uuid))
+ORDER BY created_at, id LIMIT %(limit)s
 """
+# The organisation, locked while a key is added (two creations count its live keys one at a time).
+LOCK_ORGANISATION = "SELECT id FROM organisations WHERE id = %(id)s FOR NO KEY UPDATE"
+COUNT_LIVE_KEYS = "SELECT count(*) AS n FROM api_keys WHERE org_id = %(org)s AND revoked_at IS NULL"
 
 # ---- idempotency keys (the API's creating requests) ----------------------------------------------
 

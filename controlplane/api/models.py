@@ -227,6 +227,7 @@ class OrgCreated(BaseModel):
 
 class KeyList(BaseModel):
     items: list[ApiKey]
+    next_cursor: str | None
 
 
 class JobAction(Strict):

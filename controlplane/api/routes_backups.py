@@ -5,11 +5,10 @@ controlplane.services.backups; their refusals are rendered by controlplane.api.e
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from controlplane import db
@@ -30,26 +29,17 @@ from controlplane.transitions import Actor
 
 router = APIRouter(tags=["backups"])
 
-DEFAULT_LIMIT = 50
-MAX_LIMIT = 100
 Caller = Annotated[Customer, Depends(customer)]
-
-
-@dataclass(frozen=True)
-class Paging:
-    """The query parameters of a page: where it starts, and how long it is."""
-
-    cursor: str | None = None
-    limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
-        DEFAULT_LIMIT
-    )
-
-
-Page = Annotated[Paging, Depends()]
+Page = views.Page
 
 
 async def _page(
-    request: Request, instance_id: uuid.UUID, org_id: uuid.UUID | None, paging: Paging, *, sre: bool = False
+    request: Request,
+    instance_id: uuid.UUID,
+    org_id: uuid.UUID | None,
+    paging: views.Paging,
+    *,
+    sre: bool = False,
 ) -> dict[str, Any]:
     before = None
     if paging.cursor:
@@ -58,7 +48,7 @@ async def _page(
             before = (datetime.fromisoformat(taken_s), backup_id)
         except ValueError:
             raise views.bad_cursor() from None
-    limit = min(paging.limit, MAX_LIMIT)
+    limit = paging.size
     asked = backups.ListBackups(instance_id, org_id, limit=limit + 1, before=before)
     async with app_state(request).pool.connection() as conn:
         rows = await backups.list_backups(conn, asked)

@@ -7,11 +7,10 @@ the result; a refusal is a DomainError, rendered as problem+json by `controlplan
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from controlplane import db, sql
 from controlplane.api import errors, idempotency, views, watch
@@ -32,8 +31,8 @@ from provisioners.base import RestoreSource
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 
-DEFAULT_LIMIT = 50
-MAX_LIMIT = 100
+DEFAULT_LIMIT = views.DEFAULT_LIMIT
+MAX_LIMIT = views.MAX_LIMIT
 
 Caller = Annotated[Customer, Depends(customer)]
 InstanceId = Annotated[uuid.UUID, "the instance id"]
@@ -43,16 +42,21 @@ def _location(instance_id: uuid.UUID) -> str:
     return f"/v1/instances/{instance_id}"
 
 
-def _headers(doc: dict[str, Any], *, location: bool = False) -> dict[str, str]:
-    headers = {"ETag": views.etag(int(doc["state_version"]))}
+# A response that carries a password is never stored by a cache (nor kept by a browser's history).
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+def _headers(inst: InstanceRecord, *, location: bool = False) -> dict[str, str]:
+    headers = {"ETag": views.etag(inst)}
     if location:
-        headers["Location"] = _location(doc["id"])
+        headers["Location"] = _location(inst.id)
     return headers
 
 
-def _json(doc: dict[str, Any], status: int) -> JSONResponse:
+def _json(inst: InstanceRecord, doc: dict[str, Any], status: int) -> JSONResponse:
     body = Instance.model_validate(doc).model_dump(mode="json")
-    return JSONResponse(body, status_code=status, headers=_headers(doc))
+    headers = _headers(inst) | (NO_STORE if body["connection"] and body["connection"]["password"] else {})
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @router.post(
@@ -96,7 +100,7 @@ async def create(
                 return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
         created = await instances.create(conn, who.actor, who.request_id, asked, state.policy)
         doc = views.instance(created.instance, state.box)
-        headers = _headers(doc, location=True)
+        headers = _headers(created.instance, location=True)
         body_json = Instance.model_validate(doc).model_dump(mode="json")
         if idempotency_key is not None:
             await idempotency.save(
@@ -124,14 +128,7 @@ async def list_instances(
 ) -> dict[str, Any]:
     app = app_state(request)
     limit = min(limit, MAX_LIMIT)
-    after_created: datetime | None = None
-    after_id: uuid.UUID | None = None
-    if cursor:
-        created_s, id_s = views.decode_cursor(cursor, 2)
-        try:
-            after_created, after_id = datetime.fromisoformat(created_s), uuid.UUID(id_s)
-        except ValueError:
-            raise views.bad_cursor() from None
+    after_created, after_id = views.after_created(cursor) or (None, None)
     async with app.pool.connection() as conn:
         rows = await (
             await conn.execute(
@@ -147,7 +144,7 @@ async def list_instances(
         ).fetchall()
     found = [InstanceRecord.from_row(row) for row in rows]
     page, next_cursor = views.page_of(
-        found, limit, lambda last: views.encode_cursor(last.created_at.isoformat(), last.id)
+        found, limit, lambda last: views.created_cursor(last.created_at, last.id)
     )
     return {"items": [views.instance(r, app.box) for r in page], "next_cursor": next_cursor}
 
@@ -156,16 +153,29 @@ async def list_instances(
     "/{instance_id}",
     response_model=Instance,
     responses={
-        200: {"headers": {"ETag": {"schema": {"type": "string"}}}},
+        200: {
+            "headers": {
+                "ETag": {"schema": {"type": "string"}},
+                "Cache-Control": {"schema": {"type": "string"}, "description": "no-store: it has a password"},
+            }
+        },
+        304: {"description": "Not modified: the instance is still at the ETag If-None-Match names"},
         **errors.responses(401, 403, 404, 422),
     },
     summary="Get an instance, with its connection details once it has been ready",
 )
-async def get_instance(instance_id: uuid.UUID, request: Request, who: Caller) -> JSONResponse:
+async def get_instance(
+    instance_id: uuid.UUID,
+    request: Request,
+    who: Caller,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
     app = app_state(request)
     async with app.pool.connection() as conn:
-        doc = views.instance(await instances.load(conn, who.org_id, instance_id), app.box, reveal=True)
-    return _json(doc, 200)
+        inst = await instances.load(conn, who.org_id, instance_id)
+    if views.none_match(if_none_match, inst):
+        return Response(status_code=304, headers=_headers(inst) | NO_STORE)
+    return _json(inst, views.instance(inst, app.box, reveal=True), 200)
 
 
 @router.patch(
@@ -193,7 +203,7 @@ async def update_instance(
     changed = await db.in_transaction(
         app.pool, lambda conn: instances.change(conn, who.actor, who.request_id, asked, app.policy)
     )
-    return _json(views.instance(changed.instance, app.box), 202)
+    return _json(changed.instance, views.instance(changed.instance, app.box), 202)
 
 
 @router.delete(
@@ -219,7 +229,7 @@ async def delete_instance(
     requested = await db.in_transaction(
         app.pool, lambda conn: instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
     )
-    return _json(views.instance(requested.instance, app.box), 202)
+    return _json(requested.instance, views.instance(requested.instance, app.box), 202)
 
 
 @router.get(
