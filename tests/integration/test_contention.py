@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -22,7 +20,7 @@ from controlplane.db import AsyncConn
 from controlplane.settings import Settings
 from controlplane.worker import Worker
 from provisioners.noop import NoopProvisioner
-from tests.api_support import WEBHOOK_SECRET, Tenant, create, make_ready, make_tenant
+from tests.api_support import Tenant, create, make_ready, make_tenant, serving
 
 # The storm: six writers toggling the plan of one ready instance while a real worker runs the updates.
 STORM_S = 3.0
@@ -31,16 +29,6 @@ WRITERS = 6
 
 def _count(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-@contextlib.asynccontextmanager
-async def serving(settings: Settings, **changes: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """The API in-process over `settings` with `changes`, and a client of it."""
-    app = create_app(settings.replace(stripe_webhook_secret=WEBHOOK_SECRET, **changes))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            yield client
 
 
 async def _ready_instance(
