@@ -18,7 +18,7 @@ from prometheus_client import start_http_server
 
 import provisioners
 from controlplane import datadir, db, lifecycle, operations, sql, tenants
-from controlplane.api.app import create_app
+from controlplane.api.app import create_app, end_streams
 from controlplane.registry import JobRegistry
 from controlplane.settings import NotAvailable, Settings
 from controlplane.worker import Worker, default_worker_id
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a stopping API waits for the requests in flight (the watch streams end at once).
+GRACEFUL_SHUTDOWN_S = 20
 # Instances whose servers `up` brings back after a restart of the host or of `up` itself.
 ADOPTED_STATES = lifecycle.WITH_SERVER
 
@@ -89,7 +91,12 @@ async def run_api(
     """Serve the API until `stop`; `listening` is set once it accepts requests on its socket."""
     app = create_app(settings, database_url=url, job_registry=registry, provisioner=provisioner)
     config = uvicorn.Config(
-        app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True
+        app,
+        host=settings.api.host,
+        port=settings.api.port,
+        log_config=None,
+        proxy_headers=True,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = _QuietServer(config)
     sock = sock or bind_api_socket(settings)
@@ -101,6 +108,7 @@ async def run_api(
         listening.set()
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True
+    await end_streams(app)  # watch streams end now; their clients reconnect (to another replica)
     await serving
     stopping.cancel()
     if not server.started and not stop.is_set():

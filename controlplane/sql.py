@@ -425,6 +425,12 @@ SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
 WHERE e.instance_id = %(id)s AND i.org_id = %(org)s AND e.id > %(after)s ORDER BY e.id LIMIT %(limit)s
 """
 
+# The transitions of an organisation's instance after a state_version (a watch that reconnects).
+ORG_INSTANCE_MOVES_AFTER = """
+SELECT e.to_state, e.state_version FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE e.instance_id = %(id)s AND i.org_id = %(org)s AND e.state_version > %(after)s ORDER BY e.id
+"""
+
 # Change: a new plan is a new spec generation; deletion protection takes effect at once.
 CHANGE_INSTANCE_SPEC = """
 UPDATE instances SET

@@ -264,7 +264,8 @@ async def instance_events(
     "/{instance_id}/watch",
     responses={
         200: {
-            "description": "Server-Sent Events: `instance` (snapshot), then one `transition` per change",
+            "description": "Server-Sent Events: `instance` (snapshot), then one `transition` per change; "
+            "each event's id is the state_version (reconnect with Last-Event-ID to resume)",
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         },
         **errors.responses(401, 403, 404, 422),
@@ -272,11 +273,19 @@ async def instance_events(
     response_class=StreamingResponse,
     summary="Follow the instance's state changes as Server-Sent Events",
 )
-async def watch_instance(instance_id: uuid.UUID, request: Request, who: Caller) -> StreamingResponse:
+async def watch_instance(
+    instance_id: uuid.UUID,
+    request: Request,
+    who: Caller,
+    last_event_id: Annotated[
+        str | None, Header(description="the last event id a client saw: resume after it")
+    ] = None,
+) -> StreamingResponse:
     app: AppState = app_state(request)
     async with app.pool.connection() as conn:
         await instances.load(conn, who.org_id, instance_id)
-    stream = watch.instance_stream(app, request, instance_id, who.org_id)
+    resume_after = watch.last_event_id(last_event_id)
+    stream = watch.instance_stream(app, request, instance_id, who.org_id, resume_after=resume_after)
     return StreamingResponse(
         stream,
         media_type="text/event-stream",

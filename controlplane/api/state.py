@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
+from controlplane.api.hub import Hub
 from controlplane.db import AsyncConn
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import SecretBox
@@ -62,6 +63,8 @@ class AppState:
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
     # The provisioner of the instances (for the CA it publishes); built on first use when not given.
     provisioner: Provisioner | None = None
+    # The process's one LISTEN connection, fanned out to its watch streams.
+    watchers: Hub | None = None
 
 
 def provisioner_of(state: AppState) -> Provisioner:

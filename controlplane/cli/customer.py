@@ -19,6 +19,13 @@ from controlplane import lifecycle
 from controlplane.cli.common import CommandError, print_json, print_table
 
 TERMINAL = lifecycle.INSTANCE.terminal
+# A watch stream waits for events as long as they take; connecting is bounded as any request.
+STREAM_TIMEOUT = httpx.Timeout(30.0, read=None)
+# A watch whose stream ended early is resumed after this pause, for as long as this without an answer.
+RECONNECT_PAUSE_S = 0.5
+RECONNECT_FOR_S = 60.0
+# Answers after which the watch asks again (the API restarting, or its database for a moment).
+RETRIED_STATUSES = frozenset({502, 503, 504})
 LIST_COLUMNS = ("id", "name", "plan", "state", "state_version", "created_at")
 
 
@@ -122,17 +129,44 @@ class Api:
         return response.json() if response.content else None
 
     def stream_events(self, instance_id: str) -> Iterator[dict[str, Any]]:
-        """The instance's transitions as they happen (Server-Sent Events)."""
-        try:
-            with self.client.stream("GET", f"/v1/instances/{instance_id}/watch", timeout=None) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise CommandError(problem_line(response))
-                for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        yield json.loads(line[5:].strip())
-        except httpx.HTTPError as exc:
-            raise CommandError(f"lost the watch stream: {exc}") from None
+        """The instance's transitions as they happen (Server-Sent Events), until a terminal state.
+
+        A stream the server ends before (it restarts, a rollout moves it) is taken up again with
+        Last-Event-ID, here or at another replica, and goes on after the last event seen; it is
+        given up when no API answered for RECONNECT_FOR_S.
+        """
+        last_id: str | None = None
+        unanswered_since: float | None = None
+        why = "the stream ended"
+        while True:
+            headers = {"Last-Event-ID": last_id} if last_id else {}
+            try:
+                with self.client.stream(
+                    "GET", f"/v1/instances/{instance_id}/watch", headers=headers, timeout=STREAM_TIMEOUT
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        if response.status_code not in RETRIED_STATUSES:
+                            raise CommandError(problem_line(response))
+                        why = problem_line(response)
+                    else:
+                        unanswered_since = None
+                        event_id = None
+                        for line in response.iter_lines():
+                            if line.startswith("id:"):
+                                event_id = line[3:].strip()
+                            elif line.startswith("data:"):
+                                event = json.loads(line[5:].strip())
+                                last_id = event_id or last_id
+                                yield event
+                                if event.get("state") in TERMINAL:
+                                    return
+            except httpx.HTTPError as exc:
+                why = str(exc) or type(exc).__name__
+            unanswered_since = unanswered_since or time.monotonic()
+            if time.monotonic() - unanswered_since > RECONNECT_FOR_S:
+                raise CommandError(f"lost the watch stream: {why}")
+            time.sleep(RECONNECT_PAUSE_S)
 
 
 def problem_line(response: httpx.Response) -> str:

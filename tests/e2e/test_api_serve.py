@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -20,11 +22,6 @@ from controlplane.api import watch
 from tests.factories import walk
 from tests.queue_kinds import until
 from tests.reconciler_support import to_ready
-
-SERVE = (
-    "import sys; from controlplane.api.app import serve; from controlplane.settings import load;"
-    " serve(load(database_url=sys.argv[1], api_port=int(sys.argv[2]), data_dir=sys.argv[3]))"
-)
 
 
 def _free_port() -> int:
@@ -61,50 +58,54 @@ def _eventually(url: str, watchers: int) -> bool:
     return True
 
 
-@pytest.fixture
-def served(fresh_database: str, tmp_path: Path) -> Iterator[str]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE, fresh_database, str(port), str(tmp_path)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
+@dataclass
+class Served:
+    """`controlplane serve` on a port of its own; `restart` stops it (SIGTERM) and starts it again."""
+
+    database_url: str
+    data_dir: Path
+    port: int = field(default_factory=_free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+        command = ["serve", "--database-url", self.database_url, "--api-port", str(self.port)]
+        self.process = process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", *command, "--data-dir", str(self.data_dir)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"the API did not start: {process.stderr.read() if process.stderr else ''!r}"
-                )
+                raise AssertionError("the API did not start")
             time.sleep(0.1)
-        yield base
+
+    def stop(self) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout=15)
+
+
+@pytest.fixture
+def served(fresh_database: str, tmp_path: Path) -> Iterator[Served]:
+    server = Served(fresh_database, tmp_path)
+    server.start()
+    try:
+        yield server
     finally:
-        process.terminate()
-        process.wait(timeout=15)
-
-
-def test_served_by_uvicorn_and_a_watcher_that_leaves_frees_its_connection(
-    served: str, fresh_database: str
-) -> None:
-    key = asyncio.run(_org_key(fresh_database))
-    headers = {"Authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=served, headers=headers, timeout=10) as http:
-        created = http.post("/v1/instances", json={"name": "orders", "plan": "dev"})
-        assert created.status_code == 202 and created.headers["location"].endswith(created.json()["id"])
-        with http.stream("GET", f"/v1/instances/{created.json()['id']}/watch") as stream:
-            lines = stream.iter_lines()  # kept: dropping the iterator would close the stream
-            assert next(lines) == "event: instance"
-            assert _eventually(fresh_database, 1)
-        assert _eventually(fresh_database, 0)  # the client hung up: the stream ended, its connection closed
-        assert http.get("/healthz").json()["status"] == "ok"
+        server.stop()
 
 
 async def _to_ready(url: str, instance_id: uuid.UUID) -> None:
@@ -131,13 +132,13 @@ async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
 
 
 def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
-    served: str, fresh_database: str
+    served: Served, fresh_database: str
 ) -> None:
     key = asyncio.run(_org_key(fresh_database))
-    with httpx.Client(base_url=served, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
         iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
     asyncio.run(_to_ready(fresh_database, iid))
-    env = {**os.environ, "CONTROLPLANE_URL": served, "CONTROLPLANE_API_KEY": key}
+    env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
     resize = subprocess.Popen(
         [
             sys.executable,
@@ -165,3 +166,53 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
         "controlplane: error: resize to small did not complete: instance is degraded"
         " (update failed after 1 attempt(s): apply_plan: plan small cannot be applied here)"
     ]
+
+
+def test_watchers_share_one_connection_sigterm_ends_their_streams_and_the_cli_resumes_after_a_restart(
+    served: Served, fresh_database: str
+) -> None:
+    key = asyncio.run(_org_key(fresh_database))
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=served.url, headers=headers, timeout=10) as http:
+        created = http.post("/v1/instances", json={"name": "orders", "plan": "dev"})
+        assert created.status_code == 202 and created.headers["location"].endswith(created.json()["id"])
+        iid = uuid.UUID(created.json()["id"])
+        env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
+        watching = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", "instances", "watch", str(iid), "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert watching.stdout is not None
+        try:
+            with http.stream("GET", f"/v1/instances/{iid}/watch") as other:
+                lines = other.iter_lines()  # kept: dropping it would close the stream
+                assert next(line for line in lines if line.startswith("event:")) == "event: instance"
+                assert json.loads(watching.stdout.readline())["state"] == "pending"
+                assert _eventually(fresh_database, 1)  # two watchers, one LISTEN connection
+                asyncio.run(_drive(fresh_database, iid, "start_provisioning"))
+                assert json.loads(watching.stdout.readline())["state"] == "provisioning"
+                # SIGTERM (a rollout): the streams end at once, and the process exits without
+                # waiting for its watchers to hang up.
+                assert served.process is not None
+                served.process.terminate()
+                assert [line for line in lines if line.startswith("event:")][-1:] == ["event: transition"]
+                assert served.process.wait(timeout=10) == 0
+            # What happens while no API runs is not lost: the CLI resumes with Last-Event-ID.
+            asyncio.run(_drive(fresh_database, iid, "provisioned"))
+            served.start()
+            asyncio.run(_drive(fresh_database, iid, "deprovision", "deprovisioned"))
+            out, err = watching.communicate(timeout=30)
+        finally:
+            watching.kill()
+    assert watching.returncode == 0, err
+    states = [json.loads(line)["state"] for line in out.splitlines()]
+    assert states == ["ready", "deprovisioning", "deleted"]  # each once, in order, then it ends
+
+
+async def _drive(url: str, instance_id: uuid.UUID, *events: str) -> None:
+    conn = await db.connect(url)
+    async with conn:
+        await walk(conn, instance_id, *events)
