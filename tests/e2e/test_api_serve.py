@@ -168,6 +168,82 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
     ]
 
 
+async def _suspended_by_billing(url: str, instance_id: uuid.UUID) -> None:
+    conn = await db.connect(url)
+    async with conn:
+        await conn.execute(
+            "UPDATE organisations SET billing_hold = true"
+            " WHERE id = (SELECT org_id FROM instances WHERE id = %s)",
+            (instance_id,),
+        )
+        await walk(conn, instance_id, "suspend", patch={"suspended_by_billing": True})
+
+
+async def _resumed_and_resized(url: str, instance_id: uuid.UUID) -> None:
+    """The hold ends: the instance resumes, and the update the reconciler then enqueues runs."""
+    conn = await db.connect(url)
+    async with conn:
+        await conn.execute(
+            "UPDATE organisations SET billing_hold = false"
+            " WHERE id = (SELECT org_id FROM instances WHERE id = %s)",
+            (instance_id,),
+        )
+        await walk(conn, instance_id, "resume", patch={"suspended_by_billing": False})
+        await walk(conn, instance_id, "update")
+        await walk(conn, instance_id, "updated", patch={"observed_generation": 2})
+
+
+def _cli(served: Served, key: str, *command: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
+    return subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exits_or_waits_for_resume(
+    served: Served, fresh_database: str
+) -> None:
+    key = asyncio.run(_org_key(fresh_database))
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+        iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
+        asyncio.run(_to_ready(fresh_database, iid))
+        asyncio.run(_suspended_by_billing(fresh_database, iid))
+        recorded = (
+            f"controlplane: resize to small is recorded (spec generation 2); {iid} is suspended by a"
+            " billing hold: the change is applied once the hold ends and it resumes; "
+        )
+
+        # --wait: it says so at once, and exits (3: recorded, not applied yet).
+        resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait", "--json")
+        try:
+            out, err = resize.communicate(timeout=30)
+        finally:
+            resize.kill()
+        assert resize.returncode == 3, (out, err)
+        assert err.splitlines() == [recorded + "pass --wait-for-resume to wait for that"]
+        assert json.loads(out)["state"] == "suspended"
+        shown = http.get(f"/v1/instances/{iid}").json()
+        assert (shown["plan"], shown["spec_generation"], shown["observed_generation"]) == ("small", 2, 1)
+
+        # --wait-for-resume: it says so at once, and waits until the hold ends and the change is applied.
+        resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait-for-resume")
+        try:
+            assert resize.stderr is not None
+            assert resize.stderr.readline().rstrip("\n") == recorded + "waiting for that (--wait-for-resume)"
+            assert resize.poll() is None
+            asyncio.run(_resumed_and_resized(fresh_database, iid))
+            out, err = resize.communicate(timeout=30)
+        finally:
+            resize.kill()
+    assert resize.returncode == 0, (out, err)
+    fields = [tuple(line.split()) for line in out.splitlines()]
+    assert ("state", "ready") in fields and ("observed_generation", "2") in fields
+
+
 def test_watchers_share_one_connection_sigterm_ends_their_streams_and_the_cli_resumes_after_a_restart(
     served: Served, fresh_database: str
 ) -> None:
