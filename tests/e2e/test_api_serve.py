@@ -168,29 +168,19 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
     ]
 
 
-async def _suspended_by_billing(url: str, instance_id: uuid.UUID) -> None:
+async def _billing_hold(url: str, instance_id: uuid.UUID, *events: str, on: bool) -> None:
+    """The instance's organisation put on (or off) billing hold, then the instance moved by `events`
+    (the first one suspending or resuming it by billing)."""
     conn = await db.connect(url)
     async with conn:
         await conn.execute(
-            "UPDATE organisations SET billing_hold = true"
+            "UPDATE organisations SET billing_hold = %s"
             " WHERE id = (SELECT org_id FROM instances WHERE id = %s)",
-            (instance_id,),
+            (on, instance_id),
         )
-        await walk(conn, instance_id, "suspend", patch={"suspended_by_billing": True})
-
-
-async def _resumed_and_resized(url: str, instance_id: uuid.UUID) -> None:
-    """The hold ends: the instance resumes, and the update the reconciler then enqueues runs."""
-    conn = await db.connect(url)
-    async with conn:
-        await conn.execute(
-            "UPDATE organisations SET billing_hold = false"
-            " WHERE id = (SELECT org_id FROM instances WHERE id = %s)",
-            (instance_id,),
-        )
-        await walk(conn, instance_id, "resume", patch={"suspended_by_billing": False})
-        await walk(conn, instance_id, "update")
-        await walk(conn, instance_id, "updated", patch={"observed_generation": 2})
+        await walk(conn, instance_id, events[0], patch={"suspended_by_billing": on})
+        for event, patch in zip(events[1:], ({}, {"observed_generation": 2}), strict=False):
+            await walk(conn, instance_id, event, patch=patch)
 
 
 def _cli(served: Served, key: str, *command: str) -> subprocess.Popen[str]:
@@ -211,7 +201,7 @@ def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exi
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
         iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
         asyncio.run(_to_ready(fresh_database, iid))
-        asyncio.run(_suspended_by_billing(fresh_database, iid))
+        asyncio.run(_billing_hold(fresh_database, iid, "suspend", on=True))
         recorded = (
             f"controlplane: resize to small is recorded (spec generation 2); {iid} is suspended by a"
             " billing hold: the change is applied once the hold ends and it resumes; "
@@ -235,7 +225,8 @@ def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exi
             assert resize.stderr is not None
             assert resize.stderr.readline().rstrip("\n") == recorded + "waiting for that (--wait-for-resume)"
             assert resize.poll() is None
-            asyncio.run(_resumed_and_resized(fresh_database, iid))
+            # The hold ends: it resumes, and the update the reconciler then enqueues runs.
+            asyncio.run(_billing_hold(fresh_database, iid, "resume", "update", "updated", on=False))
             out, err = resize.communicate(timeout=30)
         finally:
             resize.kill()
