@@ -131,31 +131,31 @@ async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
         await walk(conn, instance_id, "degrade", patch={"failure_reason": reason, "failed_generation": 2})
 
 
-def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
-    served: Served, fresh_database: str
-) -> None:
+def _ready_instance(served: Served, fresh_database: str) -> tuple[str, uuid.UUID]:
+    """A new organisation's key, and its instance `orders` made ready."""
     key = asyncio.run(_org_key(fresh_database))
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
         iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
     asyncio.run(_to_ready(fresh_database, iid))
+    return key, iid
+
+
+def _cli(served: Served, key: str, *command: str) -> subprocess.Popen[str]:
     env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
-    resize = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "controlplane.cli",
-            "instances",
-            "resize",
-            str(iid),
-            "--plan",
-            "small",
-            "--wait",
-        ],
+    return subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", *command],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
+    served: Served, fresh_database: str
+) -> None:
+    key, iid = _ready_instance(served, fresh_database)
+    resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait")
     try:
         asyncio.run(_update_given_up(fresh_database, iid))
         out, err = resize.communicate(timeout=30)
@@ -183,24 +183,11 @@ async def _billing_hold(url: str, instance_id: uuid.UUID, *events: str, on: bool
             await walk(conn, instance_id, event, patch=patch)
 
 
-def _cli(served: Served, key: str, *command: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
-    return subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", *command],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exits_or_waits_for_resume(
     served: Served, fresh_database: str
 ) -> None:
-    key = asyncio.run(_org_key(fresh_database))
+    key, iid = _ready_instance(served, fresh_database)
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
-        iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
-        asyncio.run(_to_ready(fresh_database, iid))
         asyncio.run(_billing_hold(fresh_database, iid, "suspend", on=True))
         recorded = (
             f"controlplane: resize to small is recorded (spec generation 2); {iid} is suspended by a"
