@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -14,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = ROOT / "alembic.ini"
 
 AsyncConn = psycopg.AsyncConnection[DictRow]
+
+log = logging.getLogger(__name__)
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -38,7 +45,8 @@ def alembic_config(url: str) -> object:
     return config
 
 
-def migrate(url: str, revision: str = "head") -> None:
+def migrate(url: str, revision: str = "head", *, runtime_role: str | None = None) -> None:
+    """Bring the schema to `revision` as the role of `url` (the owner), then grant the runtime role."""
     from alembic.config import Config
 
     from alembic import command
@@ -46,6 +54,98 @@ def migrate(url: str, revision: str = "head") -> None:
     config = alembic_config(url)
     assert isinstance(config, Config)
     command.upgrade(config, revision)
+    if runtime_role:
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+            grant_runtime(conn, runtime_role)
+
+
+# What the runtime role may do beyond reading: the event logs, the checkpoints and the signing key
+# only grow; the schema's bookkeeping is read only; everything else is read and written.
+APPEND_ONLY_TABLES = frozenset(
+    {"instance_events", "job_events", "audit_keys", "audit_checkpoints", "audit_checkpoint_heads"}
+)
+READ_ONLY_TABLES = frozenset({"alembic_version", "lifecycle_transitions"})
+RUNTIME_FUNCTIONS = ("cp_ensure_event_partitions(timestamptz, timestamptz)",)
+
+
+class RoleError(RuntimeError):
+    """The runtime role cannot be given least privilege (it is the owner, a superuser, or missing)."""
+
+
+def grant_runtime(conn: psycopg.Connection[tuple[Any, ...]], role: str) -> None:
+    """Give `role` exactly what the API, worker and reconciler need, and nothing it could tamper with.
+
+    Run as the owner after every migration, so tables added later are covered. The role owns
+    nothing: it cannot ALTER, DISABLE TRIGGER, TRUNCATE or DROP. On the append-only tables it has
+    INSERT and SELECT, through the partitioned parents only (the partitions, made later by
+    cp_ensure_event_partitions, grant it nothing, and no default privileges are set).
+    """
+    row = conn.execute(
+        "SELECT r.rolsuper, pg_has_role(r.oid, current_user, 'MEMBER') AS member, r.rolname = current_user"
+        " FROM pg_roles r WHERE r.rolname = %s",
+        (role,),
+    ).fetchone()
+    if row is None:
+        raise RoleError(f"runtime role {role!r} does not exist (create it first: docs/deployment.md)")
+    superuser, member, same = row
+    if same or member:
+        raise RoleError(f"runtime role {role!r} is the owner or a member of it: it could alter the audit log")
+    if superuser:
+        raise RoleError(f"runtime role {role!r} is a superuser: it could alter the audit log")
+    ident = pgsql.Identifier(role)
+    tables = conn.execute(
+        "SELECT c.relname, c.relispartition FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace"
+        " AND c.relkind IN ('r', 'p') ORDER BY c.relname"
+    ).fetchall()
+    with conn.transaction():
+        conn.execute(pgsql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(ident))
+        for name, is_partition in tables:
+            table = pgsql.Identifier(name)
+            conn.execute(pgsql.SQL("REVOKE ALL ON {} FROM {}").format(table, ident))
+            if is_partition:
+                continue
+            if name in APPEND_ONLY_TABLES:
+                privileges = "SELECT, INSERT"
+            elif name in READ_ONLY_TABLES:
+                privileges = "SELECT"
+            else:
+                privileges = "SELECT, INSERT, UPDATE, DELETE"
+            conn.execute(pgsql.SQL("GRANT " + privileges + " ON {} TO {}").format(table, ident))
+        conn.execute(pgsql.SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {}").format(ident))
+        for function in RUNTIME_FUNCTIONS:
+            conn.execute(pgsql.SQL("REVOKE EXECUTE ON FUNCTION " + function + " FROM PUBLIC"))
+            conn.execute(pgsql.SQL("GRANT EXECUTE ON FUNCTION " + function + " TO {}").format(ident))
+    log.info("runtime role %s granted its privileges", role)
+
+
+def url_user(url: str | None) -> str | None:
+    """The role a PostgreSQL URL (or key=value string) connects as, if it names one."""
+    if not url:
+        return None
+    user = conninfo_to_dict(libpq_url(url)).get("user")
+    return str(user) if user else None
+
+
+@dataclass(frozen=True)
+class MigrationTarget:
+    """Where migrations run (as the owner) and which role then gets the runtime privileges."""
+
+    url: str
+    runtime_role: str | None
+
+
+def migration_target(settings: Settings) -> MigrationTarget:
+    """The owner's URL: CONTROLPLANE_MIGRATION_DATABASE_URL, else CONTROLPLANE_DATABASE_URL (one
+    role for everything), else the embedded server's owner role."""
+    if settings.migration_database_url:
+        runtime = settings.runtime_role or url_user(settings.database_url)
+        return MigrationTarget(libpq_url(settings.migration_database_url), runtime)
+    if settings.database_url:
+        return MigrationTarget(libpq_url(settings.database_url), settings.runtime_role)
+    from controlplane.embedded import open_embedded, open_roles
+
+    roles = open_roles(open_embedded(settings.data_dir / "db"))
+    return MigrationTarget(roles.owner_url, roles.runtime_role)
 
 
 def head_revision() -> str:
@@ -60,12 +160,13 @@ def head_revision() -> str:
 
 
 def resolve_database_url(settings: Settings) -> str:
-    """The configured URL, or the embedded server's (started, and its database created)."""
+    """The runtime role's URL: the configured one, or the embedded server's (started, and its
+    database and roles created)."""
     if settings.database_url:
         return libpq_url(settings.database_url)
-    from controlplane.embedded import open_embedded
+    from controlplane.embedded import open_embedded, open_roles
 
-    return open_embedded(settings.data_dir / "db").create_database()
+    return open_roles(open_embedded(settings.data_dir / "db")).runtime_url
 
 
 async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:

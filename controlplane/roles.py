@@ -148,18 +148,17 @@ async def up(settings: Settings, *, leave_instances_running: bool = False) -> in
     """Embedded PostgreSQL (unless a URL is set), migrations, API, worker and reconciler together."""
     data_dir = Path(settings.data_dir).resolve()  # noqa: ASYNC240 (once, before anything runs)
     embedded = None
-    if settings.database_url:
-        url = db.libpq_url(settings.database_url)
-    else:
+    if not settings.database_url:
         from controlplane.embedded import open_embedded
 
         embedded = open_embedded(settings.data_dir / "db")
-        url = embedded.create_database()
+    url = db.resolve_database_url(settings)
+    target = db.migration_target(settings)
     stop = asyncio.Event()
     stop_on_signals(stop)
     provisioner = provisioners.build(settings)
     try:
-        await asyncio.to_thread(db.migrate, url)
+        await asyncio.to_thread(db.migrate, target.url, runtime_role=target.runtime_role)
         report = UpReport(
             url=settings.api_url,
             admin_key=await _first_admin_key(url),

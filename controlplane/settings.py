@@ -16,8 +16,14 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    # Where the control plane's own database lives; empty means the embedded server.
+    # Where the control plane's own database lives, as the runtime role (API, worker, reconciler,
+    # SRE commands); empty means the embedded server.
     database_url: str | None = None
+    # The same database as the role that owns the tables, for `migrate` (and `up`); empty: the
+    # runtime URL is used for migrations too (one role for everything, no least privilege).
+    migration_database_url: str | None = None
+    # The role `migrate` grants the runtime privileges to; default: the user of database_url.
+    runtime_role: str | None = None
     # Everything the control plane keeps on disk: embedded database, instances, backups.
     data_dir: Path = Path(".controlplane")
     api_host: str = "127.0.0.1"
@@ -58,6 +64,10 @@ class Settings:
     metrics_port: int | None = None
     # Kubernetes API server for the kubernetes provisioner; empty: in-cluster config or kubeconfig.
     kubernetes_host: str | None = None
+    # Seconds between the signed checkpoints the reconciler records of the audit log.
+    audit_checkpoint_interval_s: float = 300.0
+    # Months of event-table partitions the reconciler keeps made ahead of the current one.
+    audit_partition_months_ahead: int = 3
     log_level: str = "INFO"
     log_format: str = "json"
     extra: Mapping[str, str] = field(default_factory=dict)
@@ -138,6 +148,15 @@ def validate(settings: Settings) -> None:
         )
     if settings.heartbeat_interval_s <= 0:
         raise SettingsError("CONTROLPLANE_HEARTBEAT_INTERVAL_S must be positive")
+    if settings.migration_database_url and not settings.database_url:
+        raise SettingsError(
+            "CONTROLPLANE_MIGRATION_DATABASE_URL is set but CONTROLPLANE_DATABASE_URL is not: "
+            "set both (the owner's URL and the runtime role's)"
+        )
+    if not 1 <= settings.audit_partition_months_ahead <= 24:
+        raise SettingsError("CONTROLPLANE_AUDIT_PARTITION_MONTHS_AHEAD must be between 1 and 24")
+    if settings.audit_checkpoint_interval_s <= 0:
+        raise SettingsError("CONTROLPLANE_AUDIT_CHECKPOINT_INTERVAL_S must be positive")
     if settings.provisioner not in {"local", "kubernetes", "noop"}:
         raise SettingsError(
             f"CONTROLPLANE_PROVISIONER={settings.provisioner!r}: expected local, kubernetes or noop"

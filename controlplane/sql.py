@@ -99,15 +99,35 @@ JOB_TABLE = EntityTable(
 ENTITY_TABLES = {"instance": INSTANCE_TABLE, "job": JOB_TABLE}
 
 
+def event_hash(entity: str, entity_id: str, seq: str, prev_hash: str, fields: str, at: str) -> str:
+    """The hash of an event (cp_event_hash; `controlplane/chain.py` is its Python twin), from SQL
+    expressions for its fields; `fields` lists from_state .. state_version in the table's order."""
+    return f"cp_event_hash('{entity}', {entity_id}, {seq}, {prev_hash}, {fields}, {at})"
+
+
+# The event row's columns after the entity's id, in the order of cp_event_hash's arguments.
+EVENT_FIELDS = "from_state, to_state, event, actor_kind, actor_id, reason, detail, request_id, state_version"
+_MOVED_FIELDS = (
+    "m.from_state, m.to_state, m.event, %(actor_kind)s, %(actor_id)s, m.reason,"
+    " COALESCE(m.detail, '{}'::jsonb), %(request_id)s, t.state_version + 1"
+)
+# An event's time: its transaction's start, or its predecessor's if that is later (a transaction
+# that waited for the row's lock), so that each entity's events are in time order.
+_EVENT_AT = "GREATEST(now(), t.state_entered_at)"
+
+
 def _audit_tail(spec: EntityTable) -> str:
-    """Event rows and notifications for the rows in `moved`, then the moved rows themselves."""
+    """Event rows and notifications for the rows in `moved`, then the moved rows themselves.
+
+    The moved rows carry the new chain head (`chain_seq`, `chain_head`, set by the UPDATE) and the
+    previous one (`_prev_hash`): the event row is the head, linked to its predecessor."""
     return f"""
 , audit AS (
     INSERT INTO {spec.events_table}
-        ({spec.fk}, from_state, to_state, event, actor_kind, actor_id, reason, detail,
-         request_id, state_version)
+        ({spec.fk}, {EVENT_FIELDS}, at, seq, prev_hash, hash)
     SELECT id, _from_state, state, _event, %(actor_kind)s, %(actor_id)s, _reason,
-           COALESCE(_detail, '{{}}'::jsonb), %(request_id)s, state_version
+           COALESCE(_detail, '{{}}'::jsonb), %(request_id)s, state_version, state_entered_at,
+           chain_seq, _prev_hash, chain_head
     FROM moved
     RETURNING 1
 ), notified AS (
@@ -118,6 +138,14 @@ FROM moved
 """
 
 
+def _chain_sets(entity: str, fields: str) -> str:
+    """The UPDATE's assignments that move the row, its time in state and its chain head by one event."""
+    head = event_hash(entity, "t.id", "COALESCE(t.chain_seq, -1) + 1", "t.chain_head", fields, _EVENT_AT)
+    return f"""state_entered_at = {_EVENT_AT},
+        chain_seq = COALESCE(t.chain_seq, -1) + 1,
+        chain_head = {head}"""
+
+
 def _transition(spec: EntityTable, moves_input: str) -> str:
     sets = ",\n        ".join(spec.sets)
     return f"""
@@ -125,12 +153,13 @@ WITH m AS ({moves_input}), moved AS (
     UPDATE {spec.table} AS t
     SET state = m.to_state,
         state_version = t.state_version + 1,
-        state_entered_at = now(),
+        {_chain_sets(spec.entity, _MOVED_FIELDS)},
         {sets}
     FROM m JOIN {spec.table} AS prev ON prev.id = m.id
     WHERE t.id = m.id AND t.state_version = m.expected_version AND t.state = m.from_state
+      AND t.chain_seq IS NOT DISTINCT FROM prev.chain_seq
     RETURNING t.*, m.from_state AS _from_state, m.event AS _event, m.reason AS _reason,
-              m.detail AS _detail,
+              m.detail AS _detail, prev.chain_head AS _prev_hash,
               extract(epoch FROM now() - prev.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - t.created_at)::float8 AS _age_s
 ){_audit_tail(spec)}
@@ -148,29 +177,40 @@ CURRENT_STATES = {
     for entity, spec in ENTITY_TABLES.items()
 }
 
+# The claim's event fields: the fence is taken once per row (in `picked`), for the row and its event.
+_CLAIM_FIELDS = (
+    "'queued', 'claimed', 'claim', %(actor_kind)s, %(actor_id)s, NULL,"
+    " jsonb_build_object('worker', %(worker)s::text, 'fence', picked.fence), %(request_id)s,"
+    " t.state_version + 1"
+)
+
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
 CLAIM_JOBS = f"""
-WITH picked AS (
-    SELECT id, state_version, state_entered_at, created_at FROM jobs
+WITH locked AS (
+    SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
     ORDER BY priority, run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT locked.*, nextval('job_fence_seq') AS fence FROM locked
 ), moved AS (
     UPDATE jobs AS t
     SET state = 'claimed',
         state_version = t.state_version + 1,
-        state_entered_at = now(),
         updated_at = now(),
         claimed_by = %(worker)s,
         claimed_at = now(),
         heartbeat_at = now(),
         attempt = t.attempt + 1,
-        fence = nextval('job_fence_seq')
+        fence = picked.fence,
+        {_chain_sets("job", _CLAIM_FIELDS)}
     FROM picked
     WHERE t.id = picked.id AND t.state_version = picked.state_version AND t.state = 'queued'
+      AND t.chain_seq IS NOT DISTINCT FROM picked.chain_seq
     RETURNING t.*, 'queued'::text AS _from_state, 'claim'::text AS _event, NULL::text AS _reason,
               jsonb_build_object('worker', %(worker)s::text, 'fence', t.fence) AS _detail,
+              picked.chain_head AS _prev_hash,
               extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - picked.created_at)::float8 AS _age_s
 ){_audit_tail(JOB_TABLE)}
@@ -184,27 +224,32 @@ WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN ('claim
 RETURNING id, fence
 """
 
+# The creation event's fields of a job (from the input row, or the created one: the same names).
+_ENQUEUE_FIELDS = (
+    "NULL, 'queued', 'enqueue', %(actor_kind)s, %(actor_id)s, NULL, jsonb_build_object('kind', kind),"
+    " %(request_id)s, 0"
+)
+
 # Enqueue jobs (one or many) with their creation events; a second live job of the same
 # (instance, kind) is not created: the partial unique index turns it into a no-op.
-ENQUEUE_JOBS = """
+ENQUEUE_JOBS = f"""
 WITH input AS (
-    SELECT * FROM unnest(
+    SELECT gen_random_uuid() AS id, now() AS at, i.* FROM unnest(
         %(kinds)s::text[], %(instance_ids)s::uuid[], %(payloads)s::jsonb[], %(priorities)s::int[],
         %(max_attempts)s::int[], %(delays)s::float8[]
     ) AS i(kind, instance_id, payload, priority, max_attempts, delay_s)
 ), created AS (
-    INSERT INTO jobs (kind, instance_id, payload, state, priority, max_attempts, run_at)
-    SELECT kind, instance_id, payload, 'queued', priority, max_attempts,
-           now() + make_interval(secs => delay_s)
+    INSERT INTO jobs (id, kind, instance_id, payload, state, priority, max_attempts, run_at,
+                      state_entered_at, chain_seq, chain_head)
+    SELECT id, kind, instance_id, payload, 'queued', priority, max_attempts,
+           now() + make_interval(secs => delay_s), at, 0,
+           {event_hash("job", "id", "0", "NULL", _ENQUEUE_FIELDS, "at")}
     FROM input
     ON CONFLICT (instance_id, kind) WHERE state NOT IN ('completed', 'abandoned') DO NOTHING
     RETURNING *
 ), audit AS (
-    INSERT INTO job_events
-        (job_id, from_state, to_state, event, actor_kind, actor_id, reason, detail, request_id,
-         state_version)
-    SELECT id, NULL, 'queued', 'enqueue', %(actor_kind)s, %(actor_id)s, NULL,
-           jsonb_build_object('kind', kind), %(request_id)s, 0
+    INSERT INTO job_events (job_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
+    SELECT id, {_ENQUEUE_FIELDS}, state_entered_at, 0, NULL, chain_head
     FROM created
     RETURNING 1
 ), notified AS (
@@ -221,19 +266,27 @@ WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(k
   AND state NOT IN ('completed', 'abandoned')
 """
 
+# The creation event's fields of an instance (from the input row, or the created one).
+_CREATE_FIELDS = (
+    "NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL, jsonb_build_object('spec', spec),"
+    " %(request_id)s, 0"
+)
+
 # Create an instance in its initial state with its creation event.
-CREATE_INSTANCE = """
-WITH created AS (
-    INSERT INTO instances (org_id, name, spec, state, deletion_protection, deadline_at)
-    VALUES (%(org_id)s, %(name)s, %(spec)s, 'pending', %(deletion_protection)s,
-            now() + make_interval(secs => %(deadline_s)s::float8))
+CREATE_INSTANCE = f"""
+WITH input AS (
+    SELECT gen_random_uuid() AS id, now() AS at, %(spec)s::jsonb AS spec
+), created AS (
+    INSERT INTO instances (id, org_id, name, spec, state, deletion_protection, deadline_at,
+                           state_entered_at, chain_seq, chain_head)
+    SELECT id, %(org_id)s, %(name)s, spec, 'pending', %(deletion_protection)s,
+           now() + make_interval(secs => %(deadline_s)s::float8), at, 0,
+           {event_hash("instance", "id", "0", "NULL", _CREATE_FIELDS, "at")}
+    FROM input
     RETURNING *
 ), audit AS (
-    INSERT INTO instance_events
-        (instance_id, from_state, to_state, event, actor_kind, actor_id, reason, detail,
-         request_id, state_version)
-    SELECT id, NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL,
-           jsonb_build_object('spec', spec), %(request_id)s, 0
+    INSERT INTO instance_events (instance_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
+    SELECT id, {_CREATE_FIELDS}, state_entered_at, 0, NULL, chain_head
     FROM created
     RETURNING 1
 ), notified AS (

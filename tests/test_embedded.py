@@ -8,9 +8,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from controlplane import db
-from controlplane.embedded import FAST_SETTINGS, open_embedded
+from controlplane.embedded import FAST_SETTINGS, OWNER_ROLE, RUNTIME_ROLE, open_embedded
 from controlplane.postgres import find_bindir, port_in_use
 from controlplane.settings import Settings, load
 
@@ -48,14 +49,28 @@ def test_embedded_server_starts_stops_and_is_reused(pg_root: Path) -> None:
     assert not first.server.is_running()
     assert not port_in_use(first.server.port)
 
-    # With no database URL configured, the control plane opens the same server under data_dir/db.
-    reopened_url = db.resolve_database_url(Settings(database_url=None, data_dir=data_dir))
+    # With no database URL configured, the control plane opens the same server under data_dir/db,
+    # as its runtime role; the database made before the roles existed is handed to the owner role.
+    settings = Settings(database_url=None, data_dir=data_dir)
+    reopened_url = db.resolve_database_url(settings)
     second = open_embedded(root)
     try:
         assert second.server.port == first.server.port and second.password == first.password
-        assert reopened_url == url
+        assert conninfo_to_dict(reopened_url)["user"] == RUNTIME_ROLE
+        assert oct((root / "roles.json").stat().st_mode & 0o777) == "0o600"
+        target = db.migration_target(settings)
+        assert conninfo_to_dict(target.url)["user"] == OWNER_ROLE and target.runtime_role == RUNTIME_ROLE
+        db.migrate(target.url, runtime_role=target.runtime_role)
+        with psycopg.connect(url) as admin:
+            owners = admin.execute(
+                "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class"
+                " WHERE relnamespace = 'public'::regnamespace AND relkind IN ('r', 'p', 'S')"
+            ).fetchall()
+        assert owners == [(OWNER_ROLE,)]
         with psycopg.connect(reopened_url) as conn:
             assert conn.execute("SELECT note FROM survivor").fetchall() == [("written before the stop",)]
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="must be owner"):
+                conn.execute("ALTER TABLE instance_events DISABLE TRIGGER instance_events_append_only")
     finally:
         second.stop()
     assert not second.server.is_running()

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
 from controlplane import aio, db, logs, roles
-from controlplane.cli.common import add_settings_flags, settings_from
+from controlplane.cli.common import CommandError, add_settings_flags, settings_from
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
 DATABASE = ("database_url", "data_dir")
+MIGRATION = ("migration_database_url", "runtime_role")
 LOGGING = ("log_level", "log_format")
 API = ("api_host", "api_port", "public_url", "max_body_bytes", "stripe_webhook_secret", "secret_key")
 PROVISIONER = (
@@ -61,8 +63,10 @@ def _flags(*groups: tuple[str, ...]) -> list[str]:
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("migrate", help="bring the database schema to the latest revision")
-    add_settings_flags(parser, DATABASE)
+    parser = commands.add_parser(
+        "migrate", help="bring the database schema to the latest revision (as the owner role)"
+    )
+    add_settings_flags(parser, _flags(DATABASE, MIGRATION))
     parser.set_defaults(handler=cmd_migrate)
 
     parser = commands.add_parser("serve", help="run the REST API")
@@ -84,7 +88,7 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "up", help="run everything in one process: embedded PostgreSQL, API, worker, reconciler"
     )
-    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, WORKER, RECONCILER, LOGGING))
+    add_settings_flags(parser, _flags(DATABASE, MIGRATION, API, PROVISIONER, WORKER, RECONCILER, LOGGING))
     parser.add_argument(
         "--leave-instances-running",
         action="store_true",
@@ -102,18 +106,28 @@ def _configured(args: argparse.Namespace, default_format: str = "json") -> Setti
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if settings.database_url:
-        db.migrate(db.libpq_url(settings.database_url))
-    else:
+    embedded = None
+    if not settings.database_url:
         from controlplane.embedded import open_embedded
 
         embedded = open_embedded(settings.data_dir / "db")
-        try:
-            db.migrate(embedded.create_database())
-        finally:
-            if embedded.started_here:
-                embedded.stop()
+    try:
+        target = db.migration_target(settings)
+        db.migrate(target.url, runtime_role=target.runtime_role)
+    except db.RoleError as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        if embedded is not None and embedded.started_here:
+            embedded.stop()
     print(f"database migrated to revision {db.head_revision()}")
+    if target.runtime_role:
+        print(f"runtime role {target.runtime_role}: SELECT and INSERT only on the audit log")
+    else:
+        print(
+            "warning: one role for migrations and the services (CONTROLPLANE_MIGRATION_DATABASE_URL "
+            "unset): it owns the tables and could rewrite the audit log (docs/deployment.md)",
+            file=sys.stderr,
+        )
     return 0
 
 
