@@ -88,7 +88,11 @@ SELECT ev.id, %(from_state)s, %(to_state)s, %(event)s, %(actor_kind)s, %(actor_i
 FROM ev JOIN moved ON moved.id = ev.id
 RETURNING id
 """
-EVENT_TABLES = {"instance": ("instances", "instance_events", "instance_id"), "job": ("jobs", "job_events", "job_id")}
+OPERATOR = Actor("operator", "someone")
+EVENT_TABLES = {
+    "instance": ("instances", "instance_events", "instance_id"),
+    "job": ("jobs", "job_events", "job_id"),
+}
 
 
 async def append_event(
@@ -100,7 +104,7 @@ async def append_event(
     event: str,
     state_version: int,
     *,
-    actor: Actor = Actor("operator", "someone"),
+    actor: Actor = OPERATOR,
     reason: str | None = None,
     age_s: float = 0.0,
 ) -> int:

@@ -17,7 +17,6 @@ from controlplane.transitions import Actor, transition
 from tests.factories import TEST_ACTOR, append_event, make_instance
 
 
-
 async def walk(conn: AsyncConn, entity: str, row: DictRow, *events: str) -> DictRow:
     for event in events:
         row = await transition(
