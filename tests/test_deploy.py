@@ -18,6 +18,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import controlplane.metrics
+from controlplane import db
 from controlplane import settings as settings_module
 from controlplane.settings import Settings, env_name
 
@@ -101,9 +102,12 @@ def config_map() -> Doc:
     return doc
 
 
-def secret() -> Doc:
-    (doc,) = of_kind("Secret")
+def secret(name: str = "controlplane-secrets") -> Doc:
+    (doc,) = [doc for doc in of_kind("Secret") if doc["metadata"]["name"] == name]
     return doc
+
+
+MIGRATION_SECRET = "controlplane-migration"
 
 
 def secret_values(doc: Doc) -> dict[str, str]:
@@ -246,6 +250,8 @@ def test_containers_have_resource_requests_and_limits() -> None:
 
 def test_every_controlplane_variable_is_a_setting() -> None:
     names: set[str] = set(config_map()["data"]) | set(secret_values(secret()))
+    names |= set(secret_values(secret(MIGRATION_SECRET)))
+    names |= {line.split("=", 1)[0] for line in env_example_lines("migrate.env.example")}
     for workload in workloads():
         for container in containers(workload):
             names |= {variable["name"] for variable in container.get("env", [])}
@@ -266,6 +272,28 @@ def test_every_role_gets_the_config_map_and_the_secret() -> None:
             sources = container["envFrom"]
             assert {"configMapRef": {"name": config_name}} in sources
             assert {"secretRef": {"name": secret_name}} in sources
+
+
+def test_only_the_migration_gets_the_owner_role() -> None:
+    """The API, worker and reconciler connect as the runtime role; the owner's URL reaches the
+    migration alone (its own Secret, its own environment file)."""
+    assert set(secret_values(secret(MIGRATION_SECRET))) == {"CONTROLPLANE_MIGRATION_DATABASE_URL"}
+    for workload in workloads():
+        for container in containers(workload):
+            gets_it = {"secretRef": {"name": MIGRATION_SECRET}} in container["envFrom"]
+            assert gets_it == (workload["metadata"]["name"] == "controlplane-migrate"), workload["metadata"]
+    settings = settings_module.load(
+        {**config_map()["data"], **secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
+    )
+    assert db.url_user(settings.database_url) == "controlplane_app"
+    target = db.migration_target(settings)
+    assert (db.url_user(target.url), target.runtime_role) == ("controlplane_owner", "controlplane_app")
+    for name in UNIT_COMMANDS:
+        files = re.findall(r"^EnvironmentFile=(.+)$", (SYSTEMD / name).read_text(), re.MULTILINE)
+        migrate = name == "controlplane-migrate.service"
+        assert files == (["/etc/controlplane/migrate.env"] if migrate else []) + ["/etc/controlplane/env"]
+    (line,) = env_example_lines("migrate.env.example")
+    assert line.startswith("CONTROLPLANE_MIGRATION_DATABASE_URL=") and "REPLACE_ME" in line
 
 
 def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
@@ -672,8 +700,8 @@ def parse_unit(path: Path) -> configparser.ConfigParser:
     return parser
 
 
-def env_example_lines() -> Iterator[str]:
-    for line in (SYSTEMD / "env.example").read_text().splitlines():
+def env_example_lines(name: str = "env.example") -> Iterator[str]:
+    for line in (SYSTEMD / name).read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             yield line.strip()
 

@@ -16,8 +16,9 @@ async def _job_with_history(conn: db.AsyncConn, history: list[tuple[str | None, 
     cursor = await conn.execute("INSERT INTO jobs (kind, state) VALUES ('noop', 'queued') RETURNING id")
     row = await cursor.fetchone()
     assert row is not None
-    for version, (src, dst, event, age) in enumerate(history):
-        await append_event(conn, "job", row["id"], src, dst, event, version, actor=TEST_ACTOR, age_s=age)
+    async with conn.transaction():  # one now(): the ages are exact
+        for version, (src, dst, event, age) in enumerate(history):
+            await append_event(conn, "job", row["id"], src, dst, event, version, actor=TEST_ACTOR, age_s=age)
 
 
 async def test_dwell_per_state_from_consecutive_events(conn: db.AsyncConn) -> None:

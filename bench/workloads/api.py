@@ -85,7 +85,7 @@ class ApiWorkload(Workload):
         data_dir = ctx.work_dir / f"api-{name}"
         data_dir.mkdir()
         env = {
-            **_base_env(),
+            **base_env(),
             "CONTROLPLANE_DATABASE_URL": url,
             "CONTROLPLANE_PROVISIONER": "noop",
             "CONTROLPLANE_DATA_DIR": str(data_dir),
@@ -98,7 +98,7 @@ class ApiWorkload(Workload):
         )
         base = f"http://127.0.0.1:{port}"
         try:
-            wait_for(lambda: _healthy(base) or server.poll() is not None, 60, what="the API server")
+            wait_for(lambda: healthy(base) or server.poll() is not None, 60, what="the API server")
             if server.poll() is not None:
                 raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
             ctx.cluster.checkpoint()
@@ -193,13 +193,13 @@ class ApiWorkload(Workload):
         return list(result["latencies_ms"]), errors
 
 
-def _base_env() -> dict[str, str]:
+def base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
 
 
-def _healthy(base: str) -> bool:
+def healthy(base: str) -> bool:
     try:
         return httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200
     except httpx.HTTPError:

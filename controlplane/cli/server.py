@@ -55,6 +55,8 @@ RECONCILER = (
     "reclaim_after_intervals",
     "retry_base_delay_s",
     "retry_max_delay_s",
+    "audit_checkpoint_interval_s",
+    "audit_partition_months_ahead",
 )
 
 
