@@ -52,15 +52,9 @@ def load_terminal_instances(url: str, count: int) -> None:
             "INSERT INTO organisations (name) SELECT 'bench-dead-' || g FROM generate_series(1, %s) g",
             (ORGS,),
         )
-        indexes = conn.execute(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
-            " AND tablename = ANY(%s) AND indexname NOT LIKE 'pk\\_%%'",
-            (list(LOADED_TABLES),),
-        ).fetchall()
+        indexes = drop_indexes(conn, LOADED_TABLES)
         for table in LOADED_TABLES:
             conn.execute(f"ALTER TABLE {table} DISABLE TRIGGER ALL")
-        for name, _ in indexes:
-            conn.execute(f"DROP INDEX {name}")
         conn.execute(
             """
             INSERT INTO instances (org_id, name, spec, state, state_version, state_entered_at,
@@ -104,8 +98,7 @@ def load_terminal_instances(url: str, count: int) -> None:
                 path,
                 "base + {v} * interval '1 hour'",
             )
-        for _, definition in indexes:
-            conn.execute(definition)
+        create_indexes(conn, indexes)
         for table in LOADED_TABLES:
             conn.execute(f"ALTER TABLE {table} ENABLE TRIGGER ALL")
     with psycopg.connect(url, autocommit=True) as conn:
@@ -114,6 +107,25 @@ def load_terminal_instances(url: str, count: int) -> None:
         conn.execute("VACUUM (ANALYZE) organisations")
         conn.execute("VACUUM (ANALYZE) jobs")
         conn.execute("VACUUM (ANALYZE) job_events")
+
+
+def drop_indexes(conn: psycopg.Connection[Any], tables: Sequence[str]) -> list[str]:
+    """Drop the tables' secondary indexes (a partitioned table's with its partitions'); return
+    their definitions for create_indexes."""
+    rows = conn.execute(
+        "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
+        " AND tablename = ANY(%s) AND indexname NOT LIKE 'pk\\_%%'",
+        (list(tables),),
+    ).fetchall()
+    for name, _ in rows:
+        conn.execute(f"DROP INDEX {name}")
+    # A partitioned table's index is printed `ON ONLY parent`: made so, it would cover no partition.
+    return [definition.replace(" ON ONLY ", " ON ", 1) for _, definition in rows]
+
+
+def create_indexes(conn: psycopg.Connection[Any], definitions: Sequence[str]) -> None:
+    for definition in definitions:
+        conn.execute(definition)
 
 
 def partitions_since(conn: psycopg.Connection[Any], days: int) -> None:

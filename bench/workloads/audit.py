@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from bench.bulk import load_chains, partitions_since
+from bench.bulk import create_indexes, drop_indexes, load_chains, partitions_since
 from bench.core import Context, Metric, Target, Workload, percentile
 from bench.procs import wait_for
 from bench.workloads.api import base_env, healthy
@@ -28,7 +28,7 @@ FULL = Metric("verify_full_s", "audit verify (whole log) s", "s", 2)
 DEPTH = 100
 # The history is spread over the last year, so the log spans 13 monthly partitions.
 HISTORY_DAYS = 365
-RATE = 200.0
+RATE = 100.0
 CONNECTIONS = 8
 # Moves made after the checkpoint that `audit verify --since` starts from: 20 on each of 100 instances.
 MOVED_INSTANCES = 100
@@ -69,12 +69,7 @@ def load_history(url: str, instances: int) -> tuple[str, list[str]]:
     step = f"{HISTORY_DAYS * 86400 / DEPTH:.3f}"
     with psycopg.connect(url) as conn:
         partitions_since(conn, HISTORY_DAYS + 31)
-        indexes = conn.execute(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
-            " AND tablename = 'instance_events' AND indexname NOT LIKE 'pk\\_%%'"
-        ).fetchall()
-        for name, _ in indexes:
-            conn.execute(f"DROP INDEX {name}")
+        indexes = drop_indexes(conn, ["instance_events"])
         conn.execute("ALTER TABLE instances DISABLE TRIGGER ALL")
         conn.execute("ALTER TABLE instance_events DISABLE TRIGGER ALL")
         conn.execute(
@@ -94,8 +89,7 @@ def load_history(url: str, instances: int) -> tuple[str, list[str]]:
             history_path(),
             f"base + {{v}} * interval '{step} seconds'",
         )
-        for _, definition in indexes:
-            conn.execute(definition)
+        create_indexes(conn, indexes)
         conn.execute("ALTER TABLE instances ENABLE TRIGGER ALL")
         conn.execute("ALTER TABLE instance_events ENABLE TRIGGER ALL")
         ids = [str(r[0]) for r in conn.execute("SELECT id FROM instances WHERE org_id = %s", (org,))]
