@@ -112,11 +112,10 @@ EVENT_COLUMNS = (
 )
 
 
-def _create_event_table(table: str, fk: str, entity_table: str) -> list[str]:
-    return [
-        f"""
-        CREATE TABLE {table} (
-            id bigint NOT NULL DEFAULT nextval('{table}_id_seq'),
+def _event_columns(fk: str) -> str:
+    """The event tables' columns as 0001 made them (without the id's default)."""
+    return f"""
+            id bigint NOT NULL,
             {fk} uuid NOT NULL,
             from_state text,
             to_state text NOT NULL,
@@ -127,7 +126,13 @@ def _create_event_table(table: str, fk: str, entity_table: str) -> list[str]:
             detail jsonb NOT NULL DEFAULT '{{}}'::jsonb,
             request_id text,
             state_version bigint NOT NULL,
-            at timestamptz NOT NULL DEFAULT now(),
+            at timestamptz NOT NULL DEFAULT now()"""
+
+
+def _create_event_table(table: str, fk: str, entity_table: str) -> list[str]:
+    return [
+        f"""
+        CREATE TABLE {table} ({_event_columns(fk)},
             seq bigint NOT NULL,
             prev_hash bytea,
             hash bytea NOT NULL,
@@ -135,6 +140,7 @@ def _create_event_table(table: str, fk: str, entity_table: str) -> list[str]:
             CONSTRAINT fk_{table}_{fk}_{entity_table} FOREIGN KEY ({fk}) REFERENCES {entity_table} (id)
         ) PARTITION BY RANGE (at)
         """,
+        f"ALTER TABLE {table} ALTER COLUMN id SET DEFAULT nextval('{table}_id_seq')",
         f"ALTER SEQUENCE {table}_id_seq OWNED BY {table}.id",
         f"CREATE INDEX ix_{table}_{fk}_id ON {table} ({fk}, id)",
         # By time: btree where the log is searched by time, a small BRIN where only the
@@ -289,22 +295,7 @@ def upgrade() -> None:
 def _unpartition(table: str, fk: str, entity_table: str) -> list[str]:
     flat = f"{table}_flat"
     return [
-        f"""
-        CREATE TABLE {flat} (
-            id bigint NOT NULL,
-            {fk} uuid NOT NULL,
-            from_state text,
-            to_state text NOT NULL,
-            event text NOT NULL,
-            actor_kind text NOT NULL,
-            actor_id text NOT NULL,
-            reason text,
-            detail jsonb NOT NULL DEFAULT '{{}}'::jsonb,
-            request_id text,
-            state_version bigint NOT NULL,
-            at timestamptz NOT NULL DEFAULT now()
-        )
-        """,
+        f"CREATE TABLE {flat} ({_event_columns(fk)})",
         f"INSERT INTO {flat} SELECT id, {fk}, {EVENT_COLUMNS} FROM {table} ORDER BY id",
         f"ALTER SEQUENCE {table}_id_seq OWNED BY NONE",
         f"DROP TABLE {table}",

@@ -81,26 +81,10 @@ class ApiWorkload(Workload):
     def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
         name, url = ctx.fresh_database(f"w4_{variant}")
         key = asyncio.run(make_tenant(url))
-        port = free_port()
         data_dir = ctx.work_dir / f"api-{name}"
         data_dir.mkdir()
-        env = {
-            **base_env(),
-            "CONTROLPLANE_DATABASE_URL": url,
-            "CONTROLPLANE_PROVISIONER": "noop",
-            "CONTROLPLANE_DATA_DIR": str(data_dir),
-            "CONTROLPLANE_LOG_LEVEL": "WARNING",
-        }
-        server = ctx.procs.start(
-            [ctx.project_python, "-m", "bench.drivers.api_server", "--port", str(port)],
-            name=f"w4-server-{variant}",
-            env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
+        server, base = start_api(ctx, url, data_dir, f"w4-server-{variant}")
         try:
-            wait_for(lambda: healthy(base) or server.poll() is not None, 60, what="the API server")
-            if server.poll() is not None:
-                raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
             ctx.cluster.checkpoint()
             path = PATHS[variant]
             self._saturate(ctx, base, path, key, self.warmup)
@@ -191,6 +175,30 @@ class ApiWorkload(Workload):
         )
         errors = sum(n for status, n in result["statuses"].items() if not 200 <= int(status) < 300)
         return list(result["latencies_ms"]), errors
+
+
+def start_api(ctx: Context, url: str, data_dir: Path, name: str) -> tuple[subprocess.Popen[str], str]:
+    """The product's API (noop provisioner) in its own process, answering `/healthz`: (process, URL)."""
+    port = free_port()
+    env = {
+        **base_env(),
+        "CONTROLPLANE_DATABASE_URL": url,
+        "CONTROLPLANE_PROVISIONER": "noop",
+        "CONTROLPLANE_DATA_DIR": str(data_dir),
+        "CONTROLPLANE_LOG_LEVEL": "WARNING",
+    }
+    server = ctx.procs.start(
+        [ctx.project_python, "-m", "bench.drivers.api_server", "--port", str(port)], name=name, env=env
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: healthy(base) or server.poll() is not None, 60, what="the API server")
+        if server.poll() is not None:
+            raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
+    except BaseException:
+        ctx.procs.stop(server)
+        raise
+    return server, base
 
 
 def base_env() -> dict[str, str]:

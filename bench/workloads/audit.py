@@ -14,9 +14,7 @@ import psycopg
 
 from bench.bulk import create_indexes, drop_indexes, load_chains, partitions_since
 from bench.core import Context, Metric, Target, Workload, percentile
-from bench.procs import wait_for
-from bench.workloads.api import base_env, healthy
-from controlplane.postgres import free_port
+from bench.workloads.api import base_env, start_api
 
 P50 = Metric("get_p50_ms", "GET events p50 ms", "ms", 2)
 P99 = Metric("get_p99_ms", "GET events p99 ms", "ms", 2)
@@ -202,28 +200,11 @@ class AuditWorkload(Workload):
         return values
 
     def _reads(self, ctx: Context, variant: str, url: str, key: str, ids: list[str]) -> dict[str, float]:
-        port = free_port()
-        env = {
-            **base_env(),
-            "CONTROLPLANE_DATABASE_URL": url,
-            "CONTROLPLANE_PROVISIONER": "noop",
-            "CONTROLPLANE_DATA_DIR": str(ctx.work_dir / f"audit-{variant}"),
-            "CONTROLPLANE_LOG_LEVEL": "WARNING",
-        }
-        server = ctx.procs.start(
-            [ctx.project_python, "-m", "bench.drivers.api_server", "--port", str(port)],
-            name=f"w7-server-{variant}",
-            env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
+        sample = random.sample(ids, min(2000, len(ids)))
         paths = ctx.work_dir / f"audit-{variant}-paths.txt"
-        paths.write_text(
-            "\n".join(f"/v1/instances/{i}/events" for i in random.sample(ids, min(2000, len(ids))))
-        )
+        paths.write_text("\n".join(f"/v1/instances/{i}/events" for i in sample))
+        server, base = start_api(ctx, url, ctx.work_dir / f"audit-{variant}", f"w7-server-{variant}")
         try:
-            wait_for(lambda: healthy(base) or server.poll() is not None, 60, what="the API server")
-            if server.poll() is not None:
-                raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
             ctx.cluster.checkpoint()
             result = ctx.procs.run_json(
                 [

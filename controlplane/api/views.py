@@ -136,6 +136,8 @@ def event(row: Mapping[str, Any]) -> dict[str, Any]:
         "actor": {"kind": row["actor_kind"], "id": row["actor_id"]},
         "reason": row["reason"],
         "detail": row["detail"] or {},
+        "seq": row["seq"],
+        "hash": bytes(row["hash"]).hex(),
     }
 
 
