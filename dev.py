@@ -48,17 +48,27 @@ def ensure_venv() -> None:
     stamp.write_text(digest)
 
 
+# Signals that stop the child: passed on to it, and we wait for it to finish (SIGTERM is what
+# `timeout`, systemd and a plain `kill` send; SIGINT is Ctrl-C).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def run(argv: list[str]) -> int:
-    """Run `argv` in the venv; Ctrl-C is the child's to handle (it stops cleanly), not ours."""
+    """Run `argv` in the venv; stopping it is the child's to do (it stops cleanly), not ours."""
     env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     with subprocess.Popen(argv, cwd=ROOT, env=env) as child:
-        while True:
-            try:
-                return child.wait()
-            except KeyboardInterrupt:
-                # A terminal's Ctrl-C reaches the child too; a signal sent to us alone is passed on.
-                if child.poll() is None:
-                    child.send_signal(signal.SIGINT)
+
+        def forward(signum: int, _frame: object) -> None:
+            # A terminal's Ctrl-C reaches the child too; a signal sent to us alone is passed on.
+            if child.poll() is None:
+                child.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+        try:
+            return child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def checks() -> int:

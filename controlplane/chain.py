@@ -1,7 +1,7 @@
 """The audit chain's encodings (pure): what is hashed for an event, a checkpoint head and a checkpoint.
 
 The database computes an event's hash in the statement that writes it (`cp_event_hash`, migration
-0005); this module computes the same bytes in Python, so that `audit verify` does not trust code
+0006); this module computes the same bytes in Python, so that `audit verify` does not trust code
 kept in the database it checks, and so that an export verifies with no database at all.
 
 An event's canonical encoding is the JSON text PostgreSQL's `json_build_array` gives for

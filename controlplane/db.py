@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
+from psycopg_pool.base import AttemptWithBackoff
 
 from controlplane.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from controlplane.embedded import EmbeddedDatabase
+
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = ROOT / "alembic.ini"
@@ -134,17 +142,18 @@ class MigrationTarget:
     runtime_role: str | None
 
 
-def migration_target(settings: Settings) -> MigrationTarget:
+def migration_target(settings: Settings, embedded: EmbeddedDatabase | None = None) -> MigrationTarget:
     """The owner's URL: CONTROLPLANE_MIGRATION_DATABASE_URL, else CONTROLPLANE_DATABASE_URL (one
-    role for everything), else the embedded server's owner role."""
+    role for everything), else the owner role of the embedded server (`embedded`, or the one a
+    running `up` keeps in data_dir)."""
     if settings.migration_database_url:
         runtime = settings.runtime_role or url_user(settings.database_url)
         return MigrationTarget(libpq_url(settings.migration_database_url), runtime)
     if settings.database_url:
         return MigrationTarget(libpq_url(settings.database_url), settings.runtime_role)
-    from controlplane.embedded import open_embedded, open_roles
+    from controlplane.embedded import open_roles, running_embedded
 
-    roles = open_roles(open_embedded(settings.data_dir / "db"))
+    roles = open_roles(embedded or running_embedded(Path(settings.data_dir) / "db"))
     return MigrationTarget(roles.owner_url, roles.runtime_role)
 
 
@@ -160,22 +169,91 @@ def head_revision() -> str:
 
 
 def resolve_database_url(settings: Settings) -> str:
-    """The runtime role's URL: the configured one, or the embedded server's (started, and its
-    database and roles created)."""
+    """The runtime role's URL: the configured one, or that of the embedded server a running `up`
+    keeps in data_dir (its runtime role).
+
+    Never starts a server: a command that finds neither says in one line what to set
+    (SettingsError). Only `up` (and `migrate`, for its own run) start the embedded server.
+    """
     if settings.database_url:
         return libpq_url(settings.database_url)
-    from controlplane.embedded import open_embedded, open_roles
+    from controlplane.embedded import open_roles, running_embedded
 
-    return open_roles(open_embedded(settings.data_dir / "db")).runtime_url
+    return open_roles(running_embedded(Path(settings.data_dir) / "db")).runtime_url
 
 
 async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:
     return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, row_factory=dict_row)
 
 
-def pool(
-    url: str, *, min_size: int = 1, max_size: int = 10, name: str = "controlplane"
-) -> AsyncConnectionPool[AsyncConn]:
+# Reconnection attempts during an outage are at most this far apart: service returns within
+# about this long after the database does (the pool's own backoff doubles without a bound).
+RECONNECT_MAX_DELAY_S = 1.0
+# How long a caller waits for a connection while the database is known to be unreachable
+# (instead of the pool's full timeout): requests fail fast, and are answered 503 + Retry-After.
+OUTAGE_WAIT_S = 0.05
+# A new connection that takes longer than this is given up (the server is up but not answering).
+CONNECT_TIMEOUT_S = 5
+
+
+class _CappedBackoff(AttemptWithBackoff):
+    """The pool's backoff between reconnection attempts, capped at RECONNECT_MAX_DELAY_S."""
+
+    def update_delay(self, now: float) -> None:
+        super().update_delay(now)
+        self.delay = min(self.delay, RECONNECT_MAX_DELAY_S)
+
+
+class Pool(AsyncConnectionPool[AsyncConn]):
+    """An async pool that outlives the database going away and coming back.
+
+    It never stops trying to reconnect (psycopg_pool gives up after `reconnect_timeout`, 300 s by
+    default) and tries at least every RECONNECT_MAX_DELAY_S; while its last connection attempt
+    failed, a caller waits OUTAGE_WAIT_S for a connection rather than the full timeout (30 s),
+    and gets PoolTimeout. Once a connection succeeds again, the idle connections broken by the
+    outage are checked and replaced.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, reconnect_timeout=float("inf"), **kwargs)
+        self.unavailable_since: float | None = None
+        self._checking: asyncio.Task[None] | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_since is None
+
+    async def getconn(self, timeout: float | None = None) -> AsyncConn:  # noqa: ASYNC109 (the pool's)
+        if timeout is None and self.unavailable_since is not None:
+            timeout = OUTAGE_WAIT_S
+        return await super().getconn(timeout)
+
+    async def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        await super()._add_connection(attempt or _CappedBackoff(timeout=self.reconnect_timeout), growing)
+
+    async def _connect(self, timeout: float | None = None) -> AsyncConn:  # noqa: ASYNC109 (the pool's)
+        try:
+            conn = await super()._connect(timeout)
+        except psycopg.OperationalError as exc:
+            if self.unavailable_since is None:
+                self.unavailable_since = time.monotonic()
+                log.warning(
+                    "pool %s: the database is unavailable (%s); retrying", self.name, str(exc).strip()
+                )
+            raise
+        if self.unavailable_since is not None:
+            log.warning(
+                "pool %s: the database is available again after %.1fs",
+                self.name,
+                time.monotonic() - self.unavailable_since,
+            )
+            self.unavailable_since = None
+            if self._checking is None or self._checking.done():
+                self._checking = asyncio.get_running_loop().create_task(self.check())
+        return conn
+
+
+def pool(url: str, *, min_size: int = 1, max_size: int = 10, name: str = "controlplane") -> Pool:
     """An async pool of autocommit connections returning rows as dicts (open it before use).
 
     Connections are not checked on every checkout (that costs a round trip per use): one broken
@@ -185,11 +263,11 @@ def pool(
     async def configure(conn: AsyncConn) -> None:
         await conn.set_autocommit(True)
 
-    return AsyncConnectionPool(
+    return Pool(
         libpq_url(url),
         min_size=min_size,
         max_size=max_size,
-        kwargs={"row_factory": dict_row},
+        kwargs={"row_factory": dict_row, "connect_timeout": CONNECT_TIMEOUT_S},
         configure=configure,
         open=False,
         name=name,

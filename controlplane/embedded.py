@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 
-from controlplane.postgres import PostgresServer, free_port, make_owned_dir, server_user, url
+from controlplane.postgres import PostgresError, PostgresServer, free_port, make_owned_dir, server_user, url
+from controlplane.settings import SettingsError
+
+log = logging.getLogger(__name__)
 
 SUPERUSER = "controlplane"
 DBNAME = "controlplane"
@@ -87,6 +94,53 @@ def open_embedded(root: Path, settings: dict[str, str] | None = None) -> Embedde
     return EmbeddedDatabase(
         root=root, server=server, password=state["password"], started_here=not already_running
     )
+
+
+def running_embedded(root: Path) -> EmbeddedDatabase:
+    """The embedded server a running `up` keeps under `root` (found from its embedded.json), never
+    started here: SettingsError, in one line saying what to do, when there is none or it is down."""
+    root = root.resolve()
+    state_file = root / "embedded.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        raise SettingsError(
+            f"no database to use: set CONTROLPLANE_DATABASE_URL (or --database-url), or point "
+            f"--data-dir at the data directory of a running `controlplane up` (none in {root.parent})"
+        ) from None
+    server = PostgresServer(datadir=root / "pg", port=int(state["port"]))
+    if not server.is_running():
+        raise SettingsError(
+            f"the embedded PostgreSQL in {root} is not running: start `controlplane up` "
+            "(or set CONTROLPLANE_DATABASE_URL)"
+        )
+    return EmbeddedDatabase(root=root, server=server, password=state["password"])
+
+
+async def keep_running(database: EmbeddedDatabase, stop: asyncio.Event, *, interval_s: float = 0.5) -> None:
+    """Until `stop`: whenever the server is found dead (kill -9, a crash), start it again.
+
+    PostgreSQL's crash recovery replays the WAL; the pools reconnect by themselves.
+    """
+    down_since: float | None = None
+    while not stop.is_set():
+        if not database.server.is_running():
+            if down_since is None:
+                down_since = time.monotonic()
+                log.error("embedded PostgreSQL (port %d) is not running; restarting it", database.server.port)
+            try:
+                await asyncio.to_thread(database.server.start, 30)
+            except PostgresError as exc:
+                log.warning("embedded PostgreSQL did not start yet: %s", " ".join(str(exc).split())[:300])
+            else:
+                log.warning(
+                    "embedded PostgreSQL is back (pid %s) after %.1fs",
+                    database.server.pid(),
+                    time.monotonic() - down_since,
+                )
+                down_since = None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
 
 
 # The two roles of the control plane's database: the owner runs migrations; the runtime role

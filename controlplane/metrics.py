@@ -62,6 +62,10 @@ RECONCILE_ACTIONS = Counter(
     "Corrective actions taken by the reconciler, by kind.",
     ["action"],
 )
+DATA_LOSS = Counter(
+    "controlplane_data_loss_total",
+    "Instances found to have lost their data (their storage gone), recorded by the reconciler.",
+)
 ORPHANS_REMOVED = Counter(
     "controlplane_orphans_removed_total",
     "Provisioner resources removed because no live instance owns them.",

@@ -11,12 +11,15 @@ from typing import Any, TypeVar
 
 from psycopg.rows import DictRow
 
-from controlplane import jobs
+from controlplane import backups, jobs
 from controlplane.db import AsyncConn
+from controlplane.failures import DATA_LOST
 from controlplane.handlers import (
+    BACKUP,
     DEPROVISION,
     HEAL,
     PROVISION,
+    RESTORE,
     RESUME,
     SUSPEND,
     UPDATE,
@@ -63,9 +66,29 @@ def _not_now(inst: Mapping[str, Any]) -> Verdict:
     return NOTHING_TO_DO if inst["state"] in ("deleted", "failed", "deprovisioning") else _deferred(inst)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a heal or a restore brings an instance back to: the declared spec, or the one it last
+    ran when the declared generation was given up (rolled back)."""
+
+    declared: Mapping[str, Any]
+    spec: InstanceSpec
+    rolled_back: bool
+
+
+async def _named(step: str, work: Callable[[], Awaitable[T]]) -> T:
+    """Run one provisioner call; its errors name the step."""
+    try:
+        return await work()
+    except PermanentError as exc:
+        raise PermanentError(f"{step}: {exc}") from exc
+    except TemporaryError as exc:
+        raise TemporaryError(f"{step}: {exc}", exc.delay_s) from exc
+
+
 @dataclass
 class Operations:
-    """The six instance operations over one provisioner."""
+    """The instance operations over one provisioner."""
 
     provisioner: Provisioner
 
@@ -112,12 +135,7 @@ class Operations:
     ) -> T:
         """Run one provisioner step with its progress shown; its errors name the step."""
         await self._progress(ctx, inst, step)
-        try:
-            return await work()
-        except PermanentError as exc:
-            raise PermanentError(f"{step}: {exc}") from exc
-        except TemporaryError as exc:
-            raise TemporaryError(f"{step}: {exc}", exc.delay_s) from exc
+        return await _named(step, work)
 
     async def _drive(
         self, ctx: JobContext, decide: Callable[[JobContext, DictRow], Awaitable[Verdict]]
@@ -137,7 +155,7 @@ class Operations:
 
     @staticmethod
     def _spec(inst: Mapping[str, Any]) -> InstanceSpec:
-        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]))
+        return InstanceSpec.from_row(inst["spec"], int(inst["spec_generation"]), org_id=inst["org_id"])
 
     @staticmethod
     def _box(ctx: JobContext) -> SecretBox:
@@ -186,6 +204,7 @@ class Operations:
             return NOTHING_TO_DO
         spec = self._spec(inst)
         iid, fence, p = inst["id"], ctx.fence, self.provisioner
+        p.refuse_unsupported_restore(spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         info = await self._step(
@@ -335,22 +354,53 @@ class Operations:
         return await self._drive(ctx, self._heal)
 
     async def _heal(self, ctx: JobContext, inst: DictRow) -> Verdict:
-        """degraded -> ready after re-running every step: each adopts what is there, repairs the rest."""
+        """degraded -> ready after re-running every step: each adopts what is there, repairs the rest.
+
+        Never over lost data: re-running the steps would make an empty database that says ready.
+        """
         if inst["state"] != "degraded":
             return NOTHING_TO_DO
-        declared = inst["spec"]
-        spec = self._spec(inst)
+        iid, fence, p = inst["id"], ctx.fence, self.provisioner
+        before = await p.observe(iid)
+        if inst["failure_code"] == DATA_LOST or before.data_lost:
+            raise PermanentError(
+                "heal: the instance's data is lost; it comes back only with a restore (from a backup, "
+                "or empty once that is accepted)"
+            )
+        target = self._target(inst)
+        await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
+        info = await self._bring_up(ctx, inst, target)
+        rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
+        await self._move(
+            ctx,
+            inst,
+            "recover",
+            reason=f"repaired ({before.detail})" + rolled,
+            detail={
+                "before": before.as_dict(),
+                "endpoint": f"{info.host}:{info.port}",
+                "plan": target.spec.plan,
+                "rolled_back": target.rolled_back,
+            },
+            patch=self._recovered(ctx, inst, info, target),
+        )
+        return {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+
+    def _target(self, inst: Mapping[str, Any]) -> Target:
         rolled_back = (
             inst["failed_generation"] == inst["spec_generation"] and inst["observed_spec"] is not None
         )
         if rolled_back:
-            # The latest plan change was given up: heal to the plan it last ran, not to the one that
+            # The latest plan change was given up: back to the plan it last ran, not to the one that
             # may have broken it. The declared spec stays, for the customer to change again.
             declared = inst["observed_spec"]
-            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]))
-        iid, fence, p = inst["id"], ctx.fence, self.provisioner
-        before = await p.observe(iid)
-        await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
+            spec = InstanceSpec.from_row(declared, int(inst["observed_generation"]), org_id=inst["org_id"])
+            return Target(declared, spec, True)
+        return Target(inst["spec"], self._spec(inst), False)
+
+    async def _bring_up(self, ctx: JobContext, inst: DictRow, target: Target) -> ConnectionInfo:
+        """The steps after storage, as a heal and a restore both need them; the server healthy."""
+        iid, fence, p, spec = inst["id"], ctx.fence, self.provisioner, target.spec
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         await self._step(ctx, inst, "resume", lambda: p.resume(iid, spec, fence))
         info = await self._step(
@@ -362,26 +412,85 @@ class Operations:
         await self._step(ctx, inst, "apply_plan", lambda: p.apply_plan(iid, spec, fence))
         after = await p.observe(iid)
         if not after.healthy:
-            raise TemporaryError(f"heal: instance still unhealthy: {after.detail}")
+            raise TemporaryError(f"{ctx.job['kind']}: instance still unhealthy: {after.detail}")
+        return info
+
+    def _recovered(
+        self, ctx: JobContext, inst: Mapping[str, Any], info: ConnectionInfo, target: Target
+    ) -> dict[str, Any]:
+        """The patch of a `recover`: credentials if changed, the spec applied, nothing wrong any more."""
+        return {
+            **self._credentials_patch(ctx, inst, info),
+            "observed_generation": target.spec.generation,
+            "observed_spec": target.declared,
+            "failure_reason": None,
+            "failure_code": None,
+        }
+
+    # ---- backup and restore -----------------------------------------------------------------
+
+    async def backup(self, ctx: JobContext) -> Verdict:
+        """A backup of a running instance (ready or suspended); the record then follows the provisioner's."""
+        inst = await self._load(ctx)
+        if not backups.can_back_up(inst["state"]):
+            return {"result": "nothing to do", "why": f"instance is {inst['state']}"}
+        token = JOB_ATTEMPT.set(ctx.attempt)
+        try:
+            taken = await _named(
+                "take_backup",
+                lambda: self.provisioner.take_backup(
+                    inst["id"], self._spec(inst), ctx.fence, kind=str(ctx.payload.get("kind", "scheduled"))
+                ),
+            )
+        finally:
+            JOB_ATTEMPT.reset(token)
+        listing = await self.provisioner.list_backups(inst["id"])
+        async with ctx.pool.connection() as conn:
+            await backups.record(conn, inst["id"], listing)
+        return {"result": "backed up", "backup": taken.name, "held": len(listing)}
+
+    async def restore(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._restore)
+
+    async def _restore(self, ctx: JobContext, inst: DictRow) -> Verdict:
+        """degraded (data lost) -> ready with the data of a held backup, or empty once accepted."""
+        if not backups.can_restore(inst):
+            return {"result": "nothing to do", "why": f"instance is {inst['state']}, its data not lost"}
+        async with ctx.pool.connection() as conn:
+            try:
+                source = await backups.backup_to_restore(conn, inst["id"], ctx.payload)
+            except backups.UnknownBackup as exc:
+                raise PermanentError(f"restore: {exc}") from exc
+        iid, fence, p, target = inst["id"], ctx.fence, self.provisioner, self._target(inst)
+        backup_id = None if source is None else str(source["backup_id"])
+        await self._step(
+            ctx, inst, "restore", lambda: p.restore(iid, target.spec, fence, backup_id=backup_id)
+        )
+        info = await self._bring_up(ctx, inst, target)
+        accepted_by = ctx.payload.get("accepted_by")
+        if source is None:
+            reason = "re-initialised empty: the loss of its data was accepted"
+        else:
+            taken = source["taken_at"].isoformat(timespec="seconds")
+            reason = f"restored from backup {backup_id} taken at {taken}; changes made after it are lost"
         await self._move(
             ctx,
             inst,
             "recover",
-            reason=f"repaired ({before.detail})" + (f", back on plan {spec.plan}" if rolled_back else ""),
+            reason=reason
+            + (f" (decided by {accepted_by})" if accepted_by else " (the newest backup, by policy)"),
             detail={
-                "before": before.as_dict(),
+                "code": DATA_LOST,
+                "restored_from": backup_id,
+                "taken_at": None if source is None else source["taken_at"].isoformat(),
+                "empty": source is None,
+                "accepted_by": accepted_by,
+                "why": ctx.payload.get("reason"),
                 "endpoint": f"{info.host}:{info.port}",
-                "plan": spec.plan,
-                "rolled_back": rolled_back,
             },
-            patch={
-                **self._credentials_patch(ctx, inst, info),
-                "observed_generation": spec.generation,
-                "observed_spec": declared,
-                "failure_reason": None,
-            },
+            patch=self._recovered(ctx, inst, info, target),
         )
-        return {"result": "ready", "repaired": before.detail, "plan": spec.plan}
+        return {"result": "ready", "restored_from": backup_id, "empty": source is None}
 
     # ---- deprovision ------------------------------------------------------------------------
 
@@ -441,13 +550,15 @@ class Operations:
     # ---- registry ---------------------------------------------------------------------------
 
     def kinds(self) -> list[JobKind]:
-        table: list[tuple[str, Handler, AbandonHook]] = [
+        table: list[tuple[str, Handler, AbandonHook | None]] = [
             (PROVISION, self.provision, self.provision_abandoned),
             (UPDATE, self.update, self.update_abandoned),
             (SUSPEND, self.suspend, self.degrade_abandoned),
             (RESUME, self.resume, self.degrade_abandoned),
             (HEAL, self.heal, self.degrade_abandoned),
             (DEPROVISION, self.deprovision, self.deprovision_abandoned),
+            (BACKUP, self.backup, None),
+            (RESTORE, self.restore, self.degrade_abandoned),
         ]
         return [JobKind(name, handler, on_abandoned=hook) for name, handler, hook in table]
 

@@ -200,7 +200,7 @@ class PostgresServer:
             return None
         except PermissionError:
             return pid
-        return pid
+        return None if _is_zombie(pid) else pid
 
     def is_running(self) -> bool:
         return self.pid() is not None
@@ -278,6 +278,15 @@ class PostgresServer:
         deadline = time.monotonic() + timeout
         while self.is_running() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A process that died and was not reaped yet (a killed postmaster whose parent is slow)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def url(user: str, password: str, host: str, port: int, dbname: str) -> str:

@@ -11,19 +11,23 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from prometheus_client import start_http_server
 
 import provisioners
-from controlplane import db, tenants
+from controlplane import datadir, db, tenants
 from controlplane.api.app import create_app
 from controlplane.handlers import JobRegistry
 from controlplane.operations import operation_kinds
-from controlplane.settings import Settings
+from controlplane.settings import Settings, SettingsError
 from controlplane.worker import Worker, default_worker_id
 from provisioners.base import Provisioner
 from reconciler.leader import LeaderElection
+
+if TYPE_CHECKING:
+    from controlplane.embedded import EmbeddedDatabase
 from reconciler.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
@@ -56,20 +60,65 @@ def registry_for(provisioner: Provisioner) -> JobRegistry:
     return JobRegistry(operation_kinds(provisioner))
 
 
-async def run_api(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
-    app = create_app(settings, database_url=url, job_registry=registry)
+def bind_api_socket(settings: Settings) -> socket.socket:
+    """The API's listening socket, bound now: a port in use is refused in one line (SettingsError)."""
+    host, port = settings.api_host, settings.api_port
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise SettingsError(f"cannot listen on {host}:{port}: {exc.strerror}; check --api-host") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise SettingsError(
+            f"port {port} on {host} is not free ({exc.strerror}): choose another with --api-port "
+            "(or CONTROLPLANE_API_PORT)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run_api(
+    settings: Settings,
+    url: str,
+    registry: JobRegistry,
+    stop: asyncio.Event,
+    *,
+    provisioner: Provisioner | None = None,
+    sock: socket.socket | None = None,
+    listening: asyncio.Event | None = None,
+) -> None:
+    """Serve the API until `stop`; `listening` is set once it accepts requests on its socket."""
+    app = create_app(settings, database_url=url, job_registry=registry, provisioner=provisioner)
     config = uvicorn.Config(
         app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True
     )
     server = _QuietServer(config)
-    serving = asyncio.create_task(server.serve())
+    sock = sock or bind_api_socket(settings)
+    serving = asyncio.create_task(_serve(server, sock))
     stopping = asyncio.create_task(stop.wait())
+    while not server.started and not serving.done() and not stop.is_set():
+        await asyncio.wait({serving, stopping}, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+    if server.started and listening is not None:
+        listening.set()
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True
     await serving
     stopping.cancel()
-    if not server.started:
-        raise RuntimeError(f"the API could not listen on {settings.api_host}:{settings.api_port}")
+    if not server.started and not stop.is_set():
+        raise RuntimeError(f"the API did not start on {settings.api_host}:{settings.api_port}")
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits when the application's startup fails
+        raise RuntimeError(f"the API's startup failed (exit {exc.code}); see the log above") from None
+    finally:
+        sock.close()
 
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
@@ -145,53 +194,91 @@ class UpReport:
 
 
 async def up(settings: Settings, *, leave_instances_running: bool = False) -> int:
-    """Embedded PostgreSQL (unless a URL is set), migrations, API, worker and reconciler together."""
+    """Embedded PostgreSQL (unless a URL is set), migrations, API, worker and reconciler together.
+
+    The data directory is held exclusively for the whole run and the API's port is bound before
+    anything starts, so a second `up` or a busy port is refused in one line with nothing touched.
+    SIGTERM and SIGINT stop everything: the services, every instance server, the embedded server.
+    """
     data_dir = Path(settings.data_dir).resolve()  # noqa: ASYNC240 (once, before anything runs)
+    with datadir.held(data_dir), bind_api_socket(settings) as sock:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        return await _up(settings, data_dir, sock, stop, leave_instances_running=leave_instances_running)
+
+
+async def _up(
+    settings: Settings,
+    data_dir: Path,
+    sock: socket.socket,
+    stop: asyncio.Event,
+    *,
+    leave_instances_running: bool,
+) -> int:
     embedded = None
     if not settings.database_url:
         from controlplane.embedded import open_embedded
 
-        embedded = open_embedded(settings.data_dir / "db")
-    url = db.resolve_database_url(settings)
-    target = db.migration_target(settings)
-    stop = asyncio.Event()
-    stop_on_signals(stop)
+        embedded = await asyncio.to_thread(open_embedded, data_dir / "db")
+    target = await asyncio.to_thread(db.migration_target, settings, embedded)
+    url = await asyncio.to_thread(db.resolve_database_url, settings)
     provisioner = provisioners.build(settings)
     try:
         await asyncio.to_thread(db.migrate, target.url, runtime_role=target.runtime_role)
+        await provisioner.ca_certificate()  # the CA that signs the instances' certificates, made once
         report = UpReport(
             url=settings.api_url,
             admin_key=await _first_admin_key(url),
-            admin_key_file=Path(settings.data_dir) / "admin.key",
+            admin_key_file=data_dir / "admin.key",
             embedded=embedded is not None,
             data_dir=data_dir,
         )
         await _adopt_instances(url, provisioner)
-        registry = registry_for(provisioner)
-        services = [
-            asyncio.create_task(run_api(settings, url, registry, stop), name="api"),
-            asyncio.create_task(run_worker_role(settings, url, registry, stop), name="worker"),
-            asyncio.create_task(
-                run_reconciler_role(settings, url, provisioner, registry, stop), name="reconciler"
-            ),
-        ]
-        await _announce_when_listening(settings, report, services)
-        await asyncio.wait(services, return_when=asyncio.FIRST_EXCEPTION)
-        stop.set()
-        results = await asyncio.gather(*services, return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for failure in failures:
-            log.error("service stopped with an error: %s", failure)
-        return 1 if failures else 0
+        return await _serve_all(settings, url, provisioner, sock, stop, report, embedded)
     finally:
+        stop.set()
         if not leave_instances_running:
             stopped = await provisioner.stop_all()
             if stopped:
                 print(f"stopped {len(stopped)} instance server(s)", flush=True)
         await provisioner.close()
         if embedded is not None:
-            embedded.stop()
+            await asyncio.to_thread(embedded.stop)
             print("embedded PostgreSQL stopped", flush=True)
+
+
+async def _serve_all(
+    settings: Settings,
+    url: str,
+    provisioner: Provisioner,
+    sock: socket.socket,
+    stop: asyncio.Event,
+    report: UpReport,
+    embedded: EmbeddedDatabase | None,
+) -> int:
+    """The services (and the embedded server's supervisor) until `stop` or one of them fails."""
+    from controlplane.embedded import keep_running
+
+    registry = registry_for(provisioner)
+    listening = asyncio.Event()
+    api = run_api(settings, url, registry, stop, provisioner=provisioner, sock=sock, listening=listening)
+    services = [
+        asyncio.create_task(api, name="api"),
+        asyncio.create_task(run_worker_role(settings, url, registry, stop), name="worker"),
+        asyncio.create_task(
+            run_reconciler_role(settings, url, provisioner, registry, stop), name="reconciler"
+        ),
+    ]
+    if embedded is not None:
+        services.append(asyncio.create_task(keep_running(embedded, stop), name="embedded-postgres"))
+    await _announce_when_listening(report, listening, services)
+    await asyncio.wait(services, return_when=asyncio.FIRST_EXCEPTION)
+    stop.set()
+    results = await asyncio.gather(*services, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    for failure in failures:
+        log.error("service stopped with an error: %s", failure)
+    return 1 if failures else 0
 
 
 async def _first_admin_key(url: str) -> str | None:
@@ -211,18 +298,13 @@ async def _adopt_instances(url: str, provisioner: Provisioner) -> None:
 
 
 async def _announce_when_listening(
-    settings: Settings, report: UpReport, services: list[asyncio.Task[None]]
+    report: UpReport, listening: asyncio.Event, services: list[asyncio.Task[None]]
 ) -> None:
-    """Wait until the API accepts connections (or a service died), then tell the person what to do."""
-    while not any(task.done() for task in services):
-        try:
-            _, writer = await asyncio.open_connection(settings.api_host, settings.api_port)
-        except OSError:
-            await asyncio.sleep(0.05)
-            continue
-        writer.close()
-        break
-    if any(task.done() for task in services):
+    """Wait until our API serves on its socket (or a service died), then tell the person what to do."""
+    waiting = asyncio.create_task(listening.wait())
+    await asyncio.wait({waiting, *services}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    if not listening.is_set() or any(task.done() for task in services):
         return
     lines = [
         "",

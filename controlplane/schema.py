@@ -123,6 +123,8 @@ instances = Table(
     Column("state_entered_at", TZ, nullable=False, server_default=NOW),
     Column("deadline_at", TZ),
     Column("failure_reason", Text),
+    # A stable code for what is wrong (e.g. 'data_lost'), beside the reason's words.
+    Column("failure_code", Text),
     Column("progress", Text),
     Column("deletion_protection", Boolean, nullable=False, server_default=text("false")),
     Column("deletion_requested_at", TZ),
@@ -210,6 +212,26 @@ job_events = Table(
     postgresql_partition_by="RANGE (at)",
 )
 
+# The backups the control plane holds of each instance, as the provisioner reported them after
+# each backup job; removed_at is set once the provisioner no longer has one (retention).
+backups = Table(
+    "backups",
+    metadata,
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), nullable=False),
+    # The provisioner's name for the backup, unique per instance.
+    Column("backup_id", Text, nullable=False),
+    # 'scheduled' (the plan's schedule) or 'on_demand' (asked for by a customer or an SRE).
+    Column("kind", Text, nullable=False),
+    Column("taken_at", TZ, nullable=False),
+    Column("size_bytes", BigInteger),
+    # Where the provisioner keeps it: for the SRE view only, never shown to customers.
+    Column("location", Text, nullable=False, server_default=text("''")),
+    Column("recorded_at", TZ, nullable=False, server_default=NOW),
+    Column("removed_at", TZ),
+    PrimaryKeyConstraint("instance_id", "backup_id"),
+    Index("ix_backups_held", "instance_id", "taken_at", postgresql_where=text("removed_at IS NULL")),
+)
+
 stripe_events = Table(
     "stripe_events",
     metadata,
@@ -280,6 +302,7 @@ __all__ = [
     "audit_checkpoint_heads",
     "audit_checkpoints",
     "audit_keys",
+    "backups",
     "idempotency_keys",
     "instance_events",
     "instances",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -68,6 +69,24 @@ class Settings:
     audit_checkpoint_interval_s: float = 300.0
     # Months of event-table partitions the reconciler keeps made ahead of the current one.
     audit_partition_months_ahead: int = 3
+    # The kubernetes provisioner's CloudNativePG clusters: storage class of their volumes (empty:
+    # the cluster's default) and PostgreSQL image (empty: the operator's default).
+    kubernetes_storage_class: str | None = None
+    kubernetes_image: str | None = None
+    # A barman-cloud ObjectStore in the instances namespace: WAL archive, scheduled and final
+    # backups, restores. Empty: no continuous backup (and no restore).
+    kubernetes_backup_object_store: str | None = None
+    # When the scheduled base backup runs (six-field cron, seconds first, as CloudNativePG reads it).
+    kubernetes_backup_schedule: str = "0 0 3 * * *"
+    # How customers reach instances: "cluster" (the -rw Service, inside the cluster) or
+    # "loadbalancer" (a LoadBalancer Service per instance as well).
+    kubernetes_expose: str = "cluster"
+    # DNS zone for external names: an instance is <cluster name>.<domain>, in its certificate.
+    kubernetes_external_domain: str | None = None
+    # Comma-separated CIDRs allowed to connect from outside the cluster (with "loadbalancer").
+    kubernetes_client_cidrs: str | None = None
+    # Where the CloudNativePG operator runs (its pods reach the instances' status port).
+    kubernetes_operator_namespace: str = "cnpg-system"
     log_level: str = "INFO"
     log_format: str = "json"
     extra: Mapping[str, str] = field(default_factory=dict)
@@ -157,7 +176,26 @@ def validate(settings: Settings) -> None:
         raise SettingsError("CONTROLPLANE_AUDIT_PARTITION_MONTHS_AHEAD must be between 1 and 24")
     if settings.audit_checkpoint_interval_s <= 0:
         raise SettingsError("CONTROLPLANE_AUDIT_CHECKPOINT_INTERVAL_S must be positive")
+    if settings.kubernetes_expose not in {"cluster", "loadbalancer"}:
+        raise SettingsError(
+            f"CONTROLPLANE_KUBERNETES_EXPOSE={settings.kubernetes_expose!r}: expected cluster or loadbalancer"
+        )
+    if settings.kubernetes_expose == "loadbalancer" and not settings.kubernetes_external_domain:
+        raise SettingsError(
+            "CONTROLPLANE_KUBERNETES_EXPOSE=loadbalancer needs CONTROLPLANE_KUBERNETES_EXTERNAL_DOMAIN:"
+            " the name clients verify the server's certificate against"
+        )
+    for cidr in client_cidrs(settings):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise SettingsError(f"CONTROLPLANE_KUBERNETES_CLIENT_CIDRS: {cidr!r} is not a CIDR") from None
     if settings.provisioner not in {"local", "kubernetes", "noop"}:
         raise SettingsError(
             f"CONTROLPLANE_PROVISIONER={settings.provisioner!r}: expected local, kubernetes or noop"
         )
+
+
+def client_cidrs(settings: Settings) -> list[str]:
+    """CONTROLPLANE_KUBERNETES_CLIENT_CIDRS as a list (empty when unset)."""
+    return [part.strip() for part in (settings.kubernetes_client_cidrs or "").split(",") if part.strip()]

@@ -66,6 +66,7 @@ INSTANCE_TABLE = EntityTable(
         "deadline_at = now() + make_interval(secs => (m.patch->>'deadline_s')::float8)",
         "deadline_retries = COALESCE((m.patch->>'deadline_retries')::int, 0)",
         _keep_unless("failure_reason", "m.patch->>'failure_reason'"),
+        _keep_unless("failure_code", "m.patch->>'failure_code'"),
         _keep_unless("observed_generation", "(m.patch->>'observed_generation')::bigint"),
         _keep_unless("failed_generation", "(m.patch->>'failed_generation')::bigint"),
         _keep_unless("observed_spec", "m.patch->'observed_spec'"),
@@ -326,14 +327,24 @@ SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
        i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
-       i.suspended_by_billing, o.billing_hold,
+       i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at,
        ARRAY(SELECT j.kind FROM jobs j
              WHERE j.instance_id = i.id AND j.state NOT IN ('completed', 'abandoned')) AS live_jobs,
+       (SELECT max(b.taken_at) FROM backups b
+        WHERE b.instance_id = i.id AND b.removed_at IS NULL) AS newest_backup_at,
        COALESCE(%(now)s::timestamptz, now()) AS now
 FROM instances i JOIN organisations o ON o.id = i.org_id
 WHERE {LIVE_INSTANCE}
 ORDER BY i.last_reconciled_at NULLS FIRST, i.id
 LIMIT %(limit)s
+"""
+
+# Reconciler: what is wrong with an instance whose state has no edge to say it (a degraded or
+# suspended instance whose data is then lost): the code and reason, in place, guarded by version.
+SET_FAILURE_IN_PLACE = """
+UPDATE instances
+SET failure_code = %(code)s, failure_reason = %(reason)s, updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s
 """
 
 # Reconciler: mark the instances a pass looked at.
@@ -400,4 +411,44 @@ FROM jobs
 WHERE state IN ('claimed', 'running')
   AND heartbeat_at < now() - make_interval(secs => %(stale_after_s)s::float8)
 ORDER BY heartbeat_at
+"""
+
+# Backups: what the provisioner holds after a backup job, recorded (a new one, or one seen again).
+RECORD_BACKUPS = """
+INSERT INTO backups (instance_id, backup_id, kind, taken_at, size_bytes, location)
+SELECT %(instance_id)s::uuid, b.backup_id, b.kind, b.taken_at, b.size_bytes, b.location
+FROM unnest(%(ids)s::text[], %(kinds)s::text[], %(taken)s::timestamptz[], %(sizes)s::bigint[],
+            %(locations)s::text[]) AS b(backup_id, kind, taken_at, size_bytes, location)
+ON CONFLICT (instance_id, backup_id)
+DO UPDATE SET removed_at = NULL, size_bytes = EXCLUDED.size_bytes, location = EXCLUDED.location
+"""
+
+# Backups: those the provisioner no longer holds (retention removed them) are no longer held.
+FORGET_BACKUPS = """
+UPDATE backups SET removed_at = now()
+WHERE instance_id = %(instance_id)s AND removed_at IS NULL AND NOT (backup_id = ANY(%(ids)s::text[]))
+"""
+
+# Backups held of one instance, newest first, after a cursor (ix_backups_held serves it).
+HELD_BACKUPS = """
+SELECT * FROM backups
+WHERE instance_id = %(instance_id)s AND removed_at IS NULL
+  AND (%(before_taken)s::timestamptz IS NULL
+       OR (taken_at, backup_id) < (%(before_taken)s::timestamptz, %(before_id)s::text))
+ORDER BY taken_at DESC, backup_id DESC
+LIMIT %(limit)s
+"""
+
+# One held backup by its id.
+HELD_BACKUP = """
+SELECT * FROM backups WHERE instance_id = %(instance_id)s AND backup_id = %(backup_id)s AND removed_at IS NULL
+"""
+
+# One instance as the API shows it (with its organisation's hold and time in state), scoped to an
+# organisation unless `org` is NULL (an SRE's look-up).
+INSTANCE_IN_SCOPE = """
+SELECT i.*, o.billing_hold,
+       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
+FROM instances i JOIN organisations o ON o.id = i.org_id
+WHERE i.id = %(id)s AND (%(org)s::uuid IS NULL OR i.org_id = %(org)s::uuid)
 """

@@ -35,3 +35,12 @@ def build(settings: Settings, environ: Mapping[str, str] | None = None) -> Provi
         raise ValueError(f"unknown provisioner {settings.provisioner!r}: expected local, kubernetes or noop")
     faults = faults_from(settings.extra, environ)
     return FaultyProvisioner(inner, faults) if faults else inner
+
+
+# The provisioners whose allocate_storage restores from a backup (their class's supports_restore;
+# known by name so that the API can refuse a restore without building a provisioner).
+RESTORING = frozenset({"kubernetes"})
+
+
+def supports_restore(name: str) -> bool:
+    return name in RESTORING

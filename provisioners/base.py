@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,51 @@ STEPS = (
     "suspend",
     "resume",
     "deprovision",
+    "take_backup",
+    "restore",
 )
 PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_database")
+
+
+@dataclass(frozen=True)
+class RestoreSource:
+    """Where a new instance's data comes from: another instance's backups.
+
+    `backup` names one backup of that instance to start from; `point_in_time` (RFC 3339) replays
+    its archived WAL up to that moment (from the backup, or from the last one before it); neither
+    restores everything archived (the latest state).
+    """
+
+    instance_id: uuid.UUID
+    backup: str | None = None
+    point_in_time: str | None = None
+
+    @classmethod
+    def from_spec(cls, value: Any) -> RestoreSource:
+        """From the `restore_from` of an instance's spec; a malformed one can never be provisioned."""
+        if not isinstance(value, Mapping):
+            raise PermanentError(f"restore_from must be an object, not {value!r}")
+        try:
+            source = uuid.UUID(str(value.get("instance_id")))
+        except ValueError:
+            raise PermanentError(f"restore_from.instance_id {value.get('instance_id')!r} is no id") from None
+        backup = value.get("backup")
+        point = value.get("point_in_time")
+        if point is not None:
+            try:
+                moment = datetime.fromisoformat(str(point))
+            except ValueError:
+                raise PermanentError(f"restore_from.point_in_time {point!r} is not RFC 3339") from None
+            if moment.tzinfo is None:
+                raise PermanentError(f"restore_from.point_in_time {point!r} has no time zone")
+        return cls(source, None if backup is None else str(backup), None if point is None else str(point))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "instance_id": str(self.instance_id),
+            "backup": self.backup,
+            "point_in_time": self.point_in_time,
+        }
 
 
 @dataclass(frozen=True)
@@ -39,22 +83,31 @@ class InstanceSpec:
     plan: str = "dev"
     generation: int = 1
     version: str | None = None
-    storage_gb: int = 1
+    # The volume of each server; by default the plan's (a spec may ask for more).
+    storage_gb: int | None = None
     region: str | None = None
+    # The organisation the instance belongs to (labels of what the provisioner creates).
+    org_id: uuid.UUID | None = None
+    restore_from: RestoreSource | None = None
 
     @classmethod
-    def from_row(cls, spec: Mapping[str, Any], generation: int = 1) -> InstanceSpec:
+    def from_row(
+        cls, spec: Mapping[str, Any], generation: int = 1, *, org_id: uuid.UUID | None = None
+    ) -> InstanceSpec:
         """From the instance's `spec` column; an unknown plan can never be provisioned."""
         plan = str(spec.get("plan", "dev"))
         if not plans.is_plan(plan):
             raise PermanentError(f"unknown plan {plan!r}; plans are {', '.join(plans.plan_names())}")
-        storage = spec.get("storage_gb", spec.get("storage", 1))
+        storage = spec.get("storage_gb", spec.get("storage"))
+        restore = spec.get("restore_from")
         return cls(
             plan=plan,
             generation=generation,
             version=None if spec.get("version") is None else str(spec["version"]),
-            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else 1,
+            storage_gb=max(1, int(storage)) if isinstance(storage, int | float | str) else None,
             region=None if spec.get("region") is None else str(spec["region"]),
+            org_id=org_id,
+            restore_from=None if restore is None else RestoreSource.from_spec(restore),
         )
 
     @classmethod
@@ -65,9 +118,30 @@ class InstanceSpec:
         except PermanentError:
             return cls(generation=generation)
 
+    @property
+    def shape(self) -> plans.Shape:
+        return plans.get_shape(self.plan)
+
+    @property
+    def volume_gb(self) -> int:
+        """The volume each server gets: what the spec asks for, at least the plan's."""
+        return max(self.storage_gb or 0, self.shape.storage_gb)
+
     def server_settings(self) -> dict[str, str]:
         """The PostgreSQL settings the plan fixes, as configuration-file values."""
         return {key: str(value) for key, value in plans.get_plan(self.plan).items()}
+
+    def backup_schedule(self) -> plans.BackupSchedule:
+        """How often the plan's instances are backed up, and how many backups are kept."""
+        return plans.backup_schedule(self.plan)
+
+
+class DataLost(PermanentError):
+    """The instance's storage is gone: re-running the steps would make an empty database.
+
+    Raised by a step instead of re-creating storage for an instance that had some; only
+    `restore` (from a backup, or empty once someone accepted the loss) brings it back.
+    """
 
 
 @dataclass(frozen=True)
@@ -79,10 +153,25 @@ class ConnectionInfo:
     dbname: str
     user: str
     password: str = field(repr=False)
+    # When TLS is required: the libpq sslmode to connect with (verify-full: the server's certificate
+    # is checked), and the CA that signs the server's certificate (PEM; public, served by the API so
+    # clients can verify the server).
+    sslmode: str | None = None
+    ca_certificate: str | None = None
 
     def public(self) -> dict[str, Any]:
         """The connection details that may be stored in the clear and shown (no password)."""
-        return {"host": self.host, "port": self.port, "dbname": self.dbname, "user": self.user}
+        shown: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "dbname": self.dbname,
+            "user": self.user,
+        }
+        if self.sslmode is not None:
+            shown["sslmode"] = self.sslmode
+        if self.ca_certificate is not None:
+            shown["ca_certificate"] = self.ca_certificate
+        return shown
 
 
 @dataclass(frozen=True)
@@ -97,10 +186,13 @@ class Observation:
     plan_applied: str | None = None
     generation: int | None = None
     detail: str = ""
+    # The instance had storage and it is gone (not merely stopped): only a restore brings it back.
+    data_lost: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "exists": self.exists,
+            "data_lost": self.data_lost,
             "running": self.running,
             "healthy": self.healthy,
             "read_only": self.read_only,
@@ -120,6 +212,30 @@ class Resource:
     instance_id: uuid.UUID | None
 
 
+# Kinds of backup: taken by the plan's schedule, or asked for (by a customer or an SRE).
+BACKUP_KINDS = ("scheduled", "on_demand")
+
+
+@dataclass(frozen=True)
+class BackupInfo:
+    """One completed backup of an instance: its name (what a restore names) and when it ended."""
+
+    # The provisioner's name for it, unique per instance and stable.
+    name: str
+    instance_id: uuid.UUID
+    # When it completed (RFC 3339): the point its data is from.
+    completed_at: str | None = None
+    detail: str = ""
+    kind: str = "on_demand"
+    size_bytes: int | None = None
+    # Where the provisioner keeps it (a path, an object name): shown to SREs, never to customers.
+    location: str = ""
+
+    @property
+    def taken_at(self) -> datetime | None:
+        return None if self.completed_at is None else datetime.fromisoformat(self.completed_at)
+
+
 @dataclass(frozen=True)
 class DeprovisionResult:
     """What deprovision left behind: the final backup, unless skipped or nothing was there."""
@@ -137,6 +253,8 @@ class Provisioner(abc.ABC):
     """
 
     name: str = "abstract"
+    # Whether allocate_storage can fill a new instance from another's backups (spec.restore_from).
+    supports_restore: bool = False
 
     @abc.abstractmethod
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
@@ -182,6 +300,11 @@ class Provisioner(abc.ABC):
     async def inventory(self) -> list[Resource]:
         """Every resource this provisioner manages, with the instance id it carries."""
 
+    def refuse_unsupported_restore(self, spec: InstanceSpec) -> None:
+        """A restore this provisioner cannot do must fail, never quietly create an empty database."""
+        if spec.restore_from is not None and not self.supports_restore:
+            raise PermanentError(f"restoring from a backup is not supported by the {self.name} provisioner")
+
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release clients and connections."""
 
@@ -195,6 +318,51 @@ class Provisioner(abc.ABC):
     async def stop_all(self) -> list[uuid.UUID]:
         """Stop every server this host runs for its instances (on shutdown); returns their ids."""
         return []
+
+    # ---- backups and restore ----------------------------------------------------------------
+    #
+    # A provisioner whose backups the control plane schedules and records says so in
+    # `supports_backups`: the reconciler then enqueues a `backup` job per the plan's schedule
+    # (`spec.backup_schedule()`), the worker records what `list_backups` returns after each one,
+    # and an instance whose data is lost is restored in place with `restore`. (A provisioner may
+    # take on-demand backups without that, its own schedule running elsewhere: the kubernetes one,
+    # whose operator schedules them.) The defaults below are those of a provisioner that takes none.
+
+    @property
+    def supports_backups(self) -> bool:
+        """Whether `take_backup`, `list_backups` and `restore` work, on the control plane's schedule."""
+        return False
+
+    async def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
+        """Back the running instance up now and wait until it is complete (consistent and
+        restorable on its own); `kind` is `scheduled` or `on_demand`.
+
+        Afterwards the oldest backups beyond `spec.backup_schedule().keep` may be removed
+        (retention, where the provisioner keeps them). Fenced like every step.
+        """
+        raise PermanentError(f"on-demand backups are not supported by the {self.name} provisioner")
+
+    async def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
+        """The instance's backups this provisioner holds now, oldest first (takes no fence)."""
+        return []
+
+    async def restore(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
+    ) -> None:
+        """Put the instance's storage back from backup `backup_id` (one `list_backups` names).
+
+        `backup_id=None` re-creates the storage empty: only when someone accepted that the data
+        is lost. Existing storage is never destroyed (it is set aside). The operations then run
+        `configure_network`, `initialize_database` and `apply_plan` as a heal does.
+        """
+        raise PermanentError(f"the {self.name} provisioner cannot restore")
+
+    async def ca_certificate(self) -> str | None:
+        """The PEM certificate of the CA that signs the instances' server certificates (what a
+        client verifies a server with, `sslmode=verify-full`); None when it issues none."""
+        return None
 
 
 def fence_key(instance_id: uuid.UUID) -> str:

@@ -14,6 +14,7 @@ from controlplane.handlers import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,
+    BackupInfo,
     ConnectionInfo,
     DeprovisionResult,
     InstanceSpec,
@@ -112,6 +113,7 @@ class FaultyProvisioner(Provisioner):
         self.inner = inner
         self.faults = faults
         self.name = f"faulty-{inner.name}"
+        self.supports_restore = inner.supports_restore
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.
         self.fired: list[tuple[str, int]] = []
@@ -183,6 +185,30 @@ class FaultyProvisioner(Provisioner):
 
     async def observe(self, instance_id: uuid.UUID) -> Observation:
         return await self._around("observe", lambda: self.inner.observe(instance_id))
+
+    @property
+    def supports_backups(self) -> bool:
+        return self.inner.supports_backups
+
+    async def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
+        return await self._around(
+            "take_backup", lambda: self.inner.take_backup(instance_id, spec, fence, kind=kind)
+        )
+
+    async def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
+        return await self.inner.list_backups(instance_id)
+
+    async def restore(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
+    ) -> None:
+        await self._around(
+            "restore", lambda: self.inner.restore(instance_id, spec, fence, backup_id=backup_id)
+        )
+
+    async def ca_certificate(self) -> str | None:
+        return await self.inner.ca_certificate()
 
     async def inventory(self) -> list[Resource]:
         return await self.inner.inventory()

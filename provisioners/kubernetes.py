@@ -1,4 +1,4 @@
-"""The kubernetes provisioner: pure manifest builders, and steps as server-side applies via the client."""
+"""The kubernetes provisioner: steps as fenced server-side applies of CloudNativePG objects via the client."""
 
 from __future__ import annotations
 
@@ -20,350 +20,55 @@ from controlplane import fencing
 from controlplane.handlers import PermanentError, StaleFence, TemporaryError
 from controlplane.settings import Settings
 from provisioners.base import (
+    BackupInfo,
     ConnectionInfo,
     DeprovisionResult,
     InstanceSpec,
     Observation,
     Provisioner,
     Resource,
+    RestoreSource,
+)
+from provisioners.cnpg import (
+    APPLY_CONTENT_TYPE,
+    CNPG_API_VERSION,
+    CNPG_CLUSTER_LABEL,
+    DBNAME,
+    FENCE_ANNOTATION,
+    FIELD_MANAGER,
+    GENERATION_ANNOTATION,
+    INSTANCE_LABEL,
+    MANAGED_BY,
+    MERGE_CONTENT_TYPE,
+    OWNER,
+    PLAN_ANNOTATION,
+    PORT,
+    RESTORE_SOURCE,
+    SSLMODE,
+    ClusterOptions,
+    Credentials,
+    Replica,
+    backup_manifest,
+    bootstrap_stanza,
+    cluster_health,
+    cluster_manifest,
+    credentials_name,
+    final_backup_name,
+    gib,
+    is_read_only,
+    network_policy_manifest,
+    owned_selector,
+    recovery_target,
+    resource_name,
+    restore_reference,
+    scheduled_backup_manifest,
+    secret_manifest,
+    servers_lag,
+    status_of,
 )
 
 log = logging.getLogger(__name__)
-
-FIELD_MANAGER = "controlplane"
-APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
-MANAGED_BY = "app.kubernetes.io/managed-by"
-INSTANCE_LABEL = "controlplane.io/instance-id"
-BACKUP_OF_LABEL = "controlplane.io/backup-of"
-FENCE_ANNOTATION = "controlplane.io/fence"
-PLAN_ANNOTATION = "controlplane.io/plan"
-GENERATION_ANNOTATION = "controlplane.io/generation"
-READ_ONLY_ANNOTATION = "controlplane.io/read-only"
-DEFAULT_IMAGE = "postgres:{version}"
-DEFAULT_VERSION = "15"
-POSTGRES_UID = 999
-PORT = 5432
-DBNAME = "app"
-ADMIN_USER = "postgres"
 T = TypeVar("T")
-
-# CPU and memory each plan asks for (the PostgreSQL settings come from controlplane.plans).
-PLAN_RESOURCES: Mapping[str, tuple[str, str]] = {
-    "dev": ("250m", "256Mi"),
-    "small": ("500m", "512Mi"),
-    "medium": ("1", "1Gi"),
-}
-DEFAULT_RESOURCES = ("500m", "512Mi")
-
-# Runs before the image's entrypoint: a suspended instance starts in standby mode (hard read-only,
-# which no session, not even a superuser's, can switch off without pg_promote); a resumed one
-# starts as a primary again. The env change itself rolls the pod, which ends every session.
-START_SCRIPT = """\
-set -e
-if [ -s "$PGDATA/PG_VERSION" ]; then
-  if [ "$CONTROLPLANE_READ_ONLY" = "true" ]; then touch "$PGDATA/standby.signal"
-  else rm -f "$PGDATA/standby.signal"; fi
-fi
-exec docker-entrypoint.sh postgres -c listen_addresses='*' -c hot_standby=on \\
-  -c password_encryption=scram-sha-256 \\
-  -c max_connections="$PG_MAX_CONNECTIONS" -c shared_buffers="$PG_SHARED_BUFFERS"
-"""
-
-# Runs once, on an empty data directory: the customer's role is never a superuser.
-INIT_SCRIPT = """\
-#!/bin/sh
-set -e
-psql -v ON_ERROR_STOP=1 -v owner="$OWNER_USER" -v password="$OWNER_PASSWORD" -v db="$OWNER_DB" \\
-  --username "$POSTGRES_USER" --dbname postgres <<'EOSQL'
-CREATE ROLE :"owner" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD :'password';
-CREATE DATABASE :"db" OWNER :"owner";
-REVOKE CONNECT ON DATABASE :"db" FROM PUBLIC;
-GRANT CONNECT ON DATABASE :"db" TO :"owner";
-EOSQL
-"""
-
-
-# ---- pure manifest builders ----------------------------------------------------------------------
-
-
-def resource_name(instance_id: uuid.UUID) -> str:
-    return f"pg-{instance_id}"
-
-
-def owner_user(instance_id: uuid.UUID) -> str:
-    return f"app_{instance_id.hex[:12]}"
-
-
-def selector_labels(instance_id: uuid.UUID) -> dict[str, str]:
-    """What the StatefulSet selects its pods by (immutable once created)."""
-    return {"app.kubernetes.io/name": "postgresql", INSTANCE_LABEL: str(instance_id)}
-
-
-def labels(instance_id: uuid.UUID) -> dict[str, str]:
-    """Every resource of the instance carries its id and the manager, so a sweep can find it."""
-    return {
-        **selector_labels(instance_id),
-        "app.kubernetes.io/instance": resource_name(instance_id),
-        "app.kubernetes.io/component": "database",
-        MANAGED_BY: FIELD_MANAGER,
-    }
-
-
-def _metadata(instance_id: uuid.UUID, namespace: str, name: str, fence: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": namespace,
-        "labels": labels(instance_id),
-        "annotations": {FENCE_ANNOTATION: str(fence)},
-        **extra,
-    }
-
-
-@dataclass(frozen=True)
-class Credentials:
-    user: str
-    password: str = ""
-    admin_password: str = ""
-
-    @classmethod
-    def generate(cls, instance_id: uuid.UUID, password: str | None = None) -> Credentials:
-        return cls(owner_user(instance_id), password or secrets.token_urlsafe(24), secrets.token_urlsafe(32))
-
-
-def secret_manifest(
-    instance_id: uuid.UUID, namespace: str, credentials: Credentials, fence: int
-) -> dict[str, Any]:
-    def b64(text: str) -> str:
-        return base64.b64encode(text.encode()).decode()
-
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _metadata(instance_id, namespace, f"{resource_name(instance_id)}-credentials", fence),
-        "type": "Opaque",
-        "data": {
-            "username": b64(credentials.user),
-            "password": b64(credentials.password),
-            "database": b64(DBNAME),
-            "admin-password": b64(credentials.admin_password),
-        },
-    }
-
-
-def init_config_manifest(instance_id: uuid.UUID, namespace: str, fence: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _metadata(instance_id, namespace, f"{resource_name(instance_id)}-init", fence),
-        "data": {"10-owner.sh": INIT_SCRIPT},
-    }
-
-
-def service_manifest(instance_id: uuid.UUID, namespace: str, fence: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(instance_id, namespace, resource_name(instance_id), fence),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(instance_id),
-            "ports": [{"name": "postgresql", "port": PORT, "targetPort": "postgresql", "protocol": "TCP"}],
-        },
-    }
-
-
-def statefulset_manifest(
-    instance_id: uuid.UUID,
-    namespace: str,
-    spec: InstanceSpec,
-    fence: int,
-    *,
-    replicas: int,
-    read_only: bool,
-    resource_version: str | None = None,
-) -> dict[str, Any]:
-    """The instance's server: one pod, its storage from a volume claim template, settings from the plan."""
-    name = resource_name(instance_id)
-    secret = f"{name}-credentials"
-    cpu, memory = PLAN_RESOURCES.get(spec.plan, DEFAULT_RESOURCES)
-    settings = spec.server_settings()
-    metadata = _metadata(instance_id, namespace, name, fence)
-    metadata["annotations"].update(
-        {
-            PLAN_ANNOTATION: spec.plan,
-            GENERATION_ANNOTATION: str(spec.generation),
-            READ_ONLY_ANNOTATION: "true" if read_only else "false",
-        }
-    )
-    if resource_version is not None:
-        metadata["resourceVersion"] = resource_version  # apply only over what was read: fenced
-
-    def from_secret(key: str) -> dict[str, Any]:
-        return {"valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
-
-    env = [
-        {"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"},
-        {"name": "POSTGRES_USER", "value": ADMIN_USER},
-        {"name": "POSTGRES_PASSWORD", **from_secret("admin-password")},
-        {"name": "POSTGRES_INITDB_ARGS", "value": "--auth=scram-sha-256"},
-        {"name": "POSTGRES_HOST_AUTH_METHOD", "value": "scram-sha-256"},
-        {"name": "OWNER_USER", **from_secret("username")},
-        {"name": "OWNER_PASSWORD", **from_secret("password")},
-        {"name": "OWNER_DB", **from_secret("database")},
-        {"name": "PG_MAX_CONNECTIONS", "value": settings["max_connections"]},
-        {"name": "PG_SHARED_BUFFERS", "value": settings["shared_buffers"]},
-        {"name": "CONTROLPLANE_READ_ONLY", "value": "true" if read_only else "false"},
-    ]
-    container = {
-        "name": "postgres",
-        "image": DEFAULT_IMAGE.format(version=spec.version or DEFAULT_VERSION),
-        "command": ["sh", "-c", START_SCRIPT],
-        "env": env,
-        "ports": [{"name": "postgresql", "containerPort": PORT, "protocol": "TCP"}],
-        "readinessProbe": {
-            "exec": {"command": ["sh", "-c", f'pg_isready -h 127.0.0.1 -p {PORT} -U "$POSTGRES_USER"']},
-            "periodSeconds": 5,
-            "failureThreshold": 3,
-        },
-        "resources": {
-            "requests": {"cpu": cpu, "memory": memory},
-            "limits": {"memory": memory},
-        },
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
-        "volumeMounts": [
-            {"name": "data", "mountPath": "/var/lib/postgresql/data"},
-            {"name": "init", "mountPath": "/docker-entrypoint-initdb.d", "readOnly": True},
-        ],
-    }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": metadata,
-        "spec": {
-            "serviceName": name,
-            "replicas": replicas,
-            "selector": {"matchLabels": selector_labels(instance_id)},
-            "template": {
-                "metadata": {"labels": labels(instance_id)},
-                "spec": {
-                    "securityContext": {
-                        "runAsUser": POSTGRES_UID,
-                        "runAsGroup": POSTGRES_UID,
-                        "fsGroup": POSTGRES_UID,
-                        "runAsNonRoot": True,
-                    },
-                    "terminationGracePeriodSeconds": 30,
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "init",
-                            "configMap": {"name": f"{name}-init", "defaultMode": 0o555},
-                        }
-                    ],
-                },
-            },
-            "volumeClaimTemplates": [
-                {
-                    "metadata": {"name": "data", "labels": labels(instance_id)},
-                    "spec": {
-                        "accessModes": ["ReadWriteOnce"],
-                        "resources": {"requests": {"storage": f"{spec.storage_gb}Gi"}},
-                    },
-                }
-            ],
-        },
-    }
-
-
-def backup_claim_manifest(
-    instance_id: uuid.UUID, namespace: str, spec: InstanceSpec, fence: int
-) -> dict[str, Any]:
-    """Where the final dump is kept: not labelled with the instance id, so deletion spares it."""
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {
-            "name": f"{resource_name(instance_id)}-final-backup",
-            "namespace": namespace,
-            "labels": {MANAGED_BY: FIELD_MANAGER, BACKUP_OF_LABEL: str(instance_id)},
-            "annotations": {FENCE_ANNOTATION: str(fence)},
-        },
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": f"{spec.storage_gb}Gi"}},
-        },
-    }
-
-
-def backup_job_manifest(
-    instance_id: uuid.UUID, namespace: str, spec: InstanceSpec, fence: int
-) -> dict[str, Any]:
-    """A Job that runs pg_dump against the instance's service into the backup claim."""
-    name = resource_name(instance_id)
-    script = (
-        f'pg_dump --format=custom --host={name} --port={PORT} --username="$PGUSER" '
-        f'--file=/backup/{instance_id}.dump "$PGDATABASE"'
-    )
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": _metadata(instance_id, namespace, f"{name}-final-backup", fence),
-        "spec": {
-            "backoffLimit": 3,
-            "template": {
-                "metadata": {"labels": labels(instance_id)},
-                "spec": {
-                    "restartPolicy": "OnFailure",
-                    "securityContext": {
-                        "runAsUser": POSTGRES_UID,
-                        "runAsGroup": POSTGRES_UID,
-                        "fsGroup": POSTGRES_UID,
-                        "runAsNonRoot": True,
-                    },
-                    "containers": [
-                        {
-                            "name": "pg-dump",
-                            "image": DEFAULT_IMAGE.format(version=spec.version or DEFAULT_VERSION),
-                            "command": ["sh", "-c", script],
-                            "env": [
-                                {"name": "PGUSER", "value": ADMIN_USER},
-                                {"name": "PGDATABASE", "value": DBNAME},
-                                {
-                                    "name": "PGPASSWORD",
-                                    "valueFrom": {
-                                        "secretKeyRef": {
-                                            "name": f"{name}-credentials",
-                                            "key": "admin-password",
-                                        }
-                                    },
-                                },
-                            ],
-                            "volumeMounts": [{"name": "backup", "mountPath": "/backup"}],
-                        }
-                    ],
-                    "volumes": [
-                        {"name": "backup", "persistentVolumeClaim": {"claimName": f"{name}-final-backup"}}
-                    ],
-                },
-            },
-        },
-    }
-
-
-def all_manifests(
-    instance_id: uuid.UUID, namespace: str, spec: InstanceSpec, fence: int
-) -> list[dict[str, Any]]:
-    """Every manifest the provisioner can apply for one instance (what the schema tests validate)."""
-    credentials = Credentials.generate(instance_id)
-    return [
-        secret_manifest(instance_id, namespace, credentials, fence),
-        init_config_manifest(instance_id, namespace, fence),
-        service_manifest(instance_id, namespace, fence),
-        statefulset_manifest(instance_id, namespace, spec, fence, replicas=1, read_only=False),
-        statefulset_manifest(instance_id, namespace, spec, fence, replicas=1, read_only=True),
-        backup_claim_manifest(instance_id, namespace, spec, fence),
-        backup_job_manifest(instance_id, namespace, spec, fence),
-    ]
 
 
 def translate(exc: BaseException) -> Exception:
@@ -371,10 +76,13 @@ def translate(exc: BaseException) -> Exception:
     if isinstance(exc, kubernetes.client.exceptions.ApiException):
         status = int(exc.status or 0)
         message = f"kubernetes API {status} {exc.reason or ''}".strip()
+        detail = _api_message(exc)
+        if detail:
+            message += f": {detail}"
         if status == 429:
             retry_after = (exc.headers or {}).get("Retry-After")
             delay = float(retry_after) if retry_after and str(retry_after).isdigit() else None
-            return TemporaryError(f"{message}: throttled", delay_s=delay)
+            return TemporaryError(f"{message} (throttled)", delay_s=delay)
         if status == 409 or status >= 500 or status == 0:
             return TemporaryError(message)
         if status in (400, 401, 403, 404, 422):
@@ -385,16 +93,27 @@ def translate(exc: BaseException) -> Exception:
     return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
 
 
+def _api_message(exc: kubernetes.client.exceptions.ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or "")[:300]
+    except (ValueError, AttributeError):
+        return ""
+
+
 # ---- the API edge ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Kind:
-    """One resource kind the provisioner manages, and where its collection lives."""
+    """One resource kind the provisioner reads or writes, and where its collection lives."""
 
     kind: str
     api_version: str
     plural: str
+
+    @property
+    def group(self) -> str:
+        return "" if "/" not in self.api_version else self.api_version.split("/")[0]
 
     def path(self, namespace: str, name: str | None = None) -> str:
         base = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
@@ -402,19 +121,21 @@ class Kind:
         return path if name is None else f"{path}/{name}"
 
 
-STATEFULSET = Kind("StatefulSet", "apps/v1", "statefulsets")
-SERVICE = Kind("Service", "v1", "services")
+CLUSTER = Kind("Cluster", CNPG_API_VERSION, "clusters")
+BACKUP = Kind("Backup", CNPG_API_VERSION, "backups")
+SCHEDULED_BACKUP = Kind("ScheduledBackup", CNPG_API_VERSION, "scheduledbackups")
+NETWORK_POLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")
 SECRET = Kind("Secret", "v1", "secrets")
-CONFIGMAP = Kind("ConfigMap", "v1", "configmaps")
+POD = Kind("Pod", "v1", "pods")
 PVC = Kind("PersistentVolumeClaim", "v1", "persistentvolumeclaims")
-JOB = Kind("Job", "batch/v1", "jobs")
-KINDS = {k.kind: k for k in (STATEFULSET, SERVICE, SECRET, CONFIGMAP, PVC, JOB)}
-# Deleted by label on deprovision, dependants first.
-DELETION_ORDER = (JOB, STATEFULSET, SERVICE, CONFIGMAP, SECRET, PVC)
+KINDS = {k.kind: k for k in (CLUSTER, BACKUP, SCHEDULED_BACKUP, NETWORK_POLICY, SECRET, POD, PVC)}
+# What the provisioner creates per instance, deleted on deprovision in this order (the schedule
+# first, so no backup starts on a cluster going away; the Cluster's own objects go with it).
+DELETION_ORDER = (SCHEDULED_BACKUP, CLUSTER, NETWORK_POLICY, SECRET)
 
 
 class KubernetesApi:
-    """The few calls used, through the official client's ApiClient: apply, get, list, delete."""
+    """The few calls used, through the official client's ApiClient: apply, merge patch, get, list, delete."""
 
     def __init__(self, api_client: Any, timeout_s: float = 30, connect_timeout_s: float = 5) -> None:
         self.client = api_client
@@ -458,9 +179,25 @@ class KubernetesApi:
         result = self._call(
             "PATCH",
             kind.path(meta["namespace"], meta["name"]),
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            # Strict: an unknown field is refused, not silently dropped (custom resources prune).
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true"), ("fieldValidation", "Strict")],
             body=dict(manifest),
             content_type=APPLY_CONTENT_TYPE,
+        )
+        assert result is not None
+        return result
+
+    def annotate(
+        self, kind: Kind, namespace: str, name: str, annotations: Mapping[str, str], resource_version: str
+    ) -> dict[str, Any]:
+        """Set annotations only (a merge patch), over the version that was read."""
+        body = {"metadata": {"annotations": dict(annotations), "resourceVersion": resource_version}}
+        result = self._call(
+            "PATCH",
+            kind.path(namespace, name),
+            query=[("fieldManager", FIELD_MANAGER)],
+            body=body,
+            content_type=MERGE_CONTENT_TYPE,
         )
         assert result is not None
         return result
@@ -494,25 +231,37 @@ class KubernetesApi:
         return True
 
 
+# ---- the provisioner ---------------------------------------------------------------------------------
+
+# How often a fenced apply re-reads and tries again when the object changed in between (the
+# operator writes its status all the time); a higher fence seen on a re-read ends it at once.
+APPLY_TRIES = 5
+
+
 class KubernetesProvisioner(Provisioner):
-    """Instances as StatefulSets in one namespace; every step is a declarative, fenced apply."""
+    """Instances as CloudNativePG Clusters in one namespace; every step is a declarative, fenced apply."""
 
     name = "kubernetes"
+    supports_restore = True
 
     def __init__(
         self,
         api: KubernetesApi,
-        namespace: str,
+        options: ClusterOptions | str,
         *,
         ready_wait_s: float = 120,
         backup_wait_s: float = 600,
         poll_s: float = 2,
     ) -> None:
         self.api = api
-        self.namespace = namespace
+        self.options = ClusterOptions(options) if isinstance(options, str) else options
         self.ready_wait_s = ready_wait_s
         self.backup_wait_s = backup_wait_s
         self.poll_s = poll_s
+
+    @property
+    def namespace(self) -> str:
+        return self.options.namespace
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubernetesProvisioner:
@@ -530,7 +279,8 @@ class KubernetesProvisioner(Provisioner):
                 kubernetes.config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return cls(KubernetesApi(kubernetes.client.ApiClient(configuration)), settings.kubernetes_namespace)
+        api = KubernetesApi(kubernetes.client.ApiClient(configuration))
+        return cls(api, ClusterOptions.from_settings(settings))
 
     async def _run(self, work: Callable[[], T]) -> T:
         try:
@@ -540,179 +290,341 @@ class KubernetesProvisioner(Provisioner):
         except Exception as exc:
             raise translate(exc) from exc
 
-    # ---- fenced apply of the StatefulSet: every step goes through it -------------------------------
+    # ---- the fenced apply of the Cluster: every step goes through it -------------------------------
 
-    def _fenced_statefulset(
-        self,
-        instance_id: uuid.UUID,
-        spec: InstanceSpec,
-        fence: int,
-        *,
-        replicas: int | None = None,
-        read_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Read the StatefulSet, admit the fence against its annotation, apply over that version.
+    def _cluster(self, instance_id: uuid.UUID) -> dict[str, Any] | None:
+        return self.api.get(CLUSTER, self.namespace, resource_name(instance_id))
+
+    @staticmethod
+    def _admit(instance_id: uuid.UUID, current: Mapping[str, Any] | None, fence: int) -> None:
+        annotations = (current or {}).get("metadata", {}).get("annotations") or {}
+        seen = annotations.get(FENCE_ANNOTATION)
+        fencing.admit(f"cluster/{resource_name(instance_id)}", int(seen) if seen else None, fence)
+
+    def _fenced_cluster(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, replica: Replica | None = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """Read the Cluster, admit the fence against its annotation, apply over that version.
 
         The apply carries the resourceVersion that was read, so a worker with a lower fence that
         raced in between gets a 409 instead of overwriting: the fence is enforced by the API server.
+        What only the first apply decides (the bootstrap) and what must never go back (a volume's
+        size, the replica stanza unless asked) is taken from the Cluster that exists.
+        Returns the Cluster before and after.
         """
-        name = resource_name(instance_id)
-        current = self.api.get(STATEFULSET, self.namespace, name)
-        annotations = (current or {}).get("metadata", {}).get("annotations") or {}
-        seen = annotations.get(FENCE_ANNOTATION)
-        fencing.admit(f"statefulset/{name}", int(seen) if seen else None, fence)
-        if current is not None:
-            replicas = replicas if replicas is not None else int(current["spec"].get("replicas", 0))
-            if read_only is None:
-                read_only = annotations.get(READ_ONLY_ANNOTATION) == "true"
-        manifest = statefulset_manifest(
-            instance_id,
-            self.namespace,
-            spec,
-            fence,
-            replicas=replicas or 0,
-            read_only=bool(read_only),
-            resource_version=None if current is None else current["metadata"].get("resourceVersion"),
-        )
-        return self.api.apply(manifest)
+        for attempt in range(APPLY_TRIES):
+            current = self._cluster(instance_id)
+            self._admit(instance_id, current, fence)
+            if current is None:
+                bootstrap, clusters = self._first_bootstrap(instance_id, spec)
+                storage_gb = None
+            else:
+                bootstrap = current["spec"].get("bootstrap")
+                clusters = [
+                    c for c in current["spec"].get("externalClusters") or [] if c["name"] == RESTORE_SOURCE
+                ]
+                storage_gb = gib((current["spec"].get("storage") or {}).get("size"))
+            manifest = cluster_manifest(
+                instance_id,
+                spec,
+                self.options,
+                fence,
+                replica=replica if replica is not None else Replica.of(current),
+                bootstrap=bootstrap,
+                external_clusters=clusters,
+                storage_gb=storage_gb,
+                resource_version=None if current is None else current["metadata"].get("resourceVersion"),
+            )
+            try:
+                return current, self.api.apply(manifest)
+            except kubernetes.client.exceptions.ApiException as exc:
+                if exc.status != 409 or attempt == APPLY_TRIES - 1:
+                    raise
+                log.info("cluster of %s changed while being applied; reading it again", instance_id)
+        raise AssertionError("unreachable")
+
+    def _record_fence(self, instance_id: uuid.UUID, fence: int) -> dict[str, Any] | None:
+        """Admit the fence and mark the Cluster with it, declaring nothing else (a merge patch of one
+        annotation over the version read, re-read on a 409 as the fenced apply is). None: no Cluster."""
+        for attempt in range(APPLY_TRIES):
+            current = self._cluster(instance_id)
+            self._admit(instance_id, current, fence)
+            if current is None:
+                return None
+            meta = current["metadata"]
+            try:
+                return self.api.annotate(
+                    CLUSTER,
+                    self.namespace,
+                    meta["name"],
+                    {FENCE_ANNOTATION: str(fence)},
+                    meta["resourceVersion"],
+                )
+            except kubernetes.client.exceptions.ApiException as exc:
+                if exc.status != 409 or attempt == APPLY_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _first_bootstrap(
+        self, instance_id: uuid.UUID, spec: InstanceSpec
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """initdb, or recovery from the source's archive (resolving a named backup to its id)."""
+        source = spec.restore_from
+        if source is None:
+            return bootstrap_stanza(instance_id, self.options, None), []
+        reference = restore_reference(self.options, source)
+        backup_id = None if source.backup is None else self._backup_id(source)
+        return bootstrap_stanza(instance_id, self.options, recovery_target(source, backup_id)), [reference]
+
+    def _backup_id(self, source: RestoreSource) -> str:
+        assert source.backup is not None
+        backup = self.api.get(BACKUP, self.namespace, source.backup)
+        if backup is None:
+            raise PermanentError(f"backup {source.backup!r} does not exist")
+        if (backup.get("spec") or {}).get("cluster", {}).get("name") != resource_name(source.instance_id):
+            raise PermanentError(f"backup {source.backup!r} is not a backup of instance {source.instance_id}")
+        status = backup.get("status") or {}
+        if status.get("phase") == "failed":
+            raise PermanentError(f"backup {source.backup!r} failed: {status.get('error') or 'no detail'}")
+        if status.get("phase") != "completed" or not status.get("backupId"):
+            raise TemporaryError(f"backup {source.backup!r} is not complete yet", delay_s=30)
+        return str(status["backupId"])
 
     def _credentials(self, instance_id: uuid.UUID, password: str | None) -> Credentials:
         """Adopt the credentials of an existing Secret; generate them the first time."""
-        existing = self.api.get(SECRET, self.namespace, f"{resource_name(instance_id)}-credentials")
+        existing = self.api.get(SECRET, self.namespace, credentials_name(instance_id))
         if existing is None:
-            return Credentials.generate(instance_id, password)
+            return Credentials.generate(password)
         data = {k: base64.b64decode(v).decode() for k, v in (existing.get("data") or {}).items()}
         return Credentials(
-            data.get("username", owner_user(instance_id)),
-            password or data.get("password") or secrets.token_urlsafe(24),
-            data.get("admin-password") or secrets.token_urlsafe(32),
+            data.get("username") or OWNER, password or data.get("password") or secrets.token_urlsafe(24)
         )
 
-    def _wait_ready(self, instance_id: uuid.UUID) -> dict[str, Any]:
+    def _wait(
+        self, instance_id: uuid.UUID, what: str, done: Callable[[dict[str, Any]], str | None]
+    ) -> dict[str, Any]:
+        """Poll the Cluster until `done` reports nothing left (None), or give up temporarily."""
         deadline = time.monotonic() + self.ready_wait_s
         while True:
-            current = self.api.get(STATEFULSET, self.namespace, resource_name(instance_id))
-            if current is not None and _rolled_out(current):
+            current = self._cluster(instance_id)
+            lag = "cluster missing" if current is None else done(current)
+            if lag is None and current is not None:
                 return current
             if time.monotonic() >= deadline:
-                raise TemporaryError(f"statefulset of {instance_id} not ready yet", delay_s=10)
+                raise TemporaryError(f"{what} of {instance_id} not done yet: {lag}", delay_s=10)
             time.sleep(self.poll_s)
+
+    def _rolled_out(self, cluster: dict[str, Any]) -> str | None:
+        """None once the operator reports the Cluster healthy and its servers match the declaration."""
+        healthy, detail = cluster_health(cluster)
+        if not healthy:
+            return detail
+        selector = {CNPG_CLUSTER_LABEL: cluster["metadata"]["name"]}
+        pods = self.api.list(POD, self.namespace, selector)
+        return servers_lag(cluster, pods, self.api.list(PVC, self.namespace, selector))
+
+    @staticmethod
+    def _settled(cluster: dict[str, Any]) -> str | None:
+        healthy, detail = cluster_health(cluster)
+        return None if healthy else detail
 
     # ---- steps ---------------------------------------------------------------------------------------
 
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        """The credentials, then the Cluster (the operator creates its volumes and servers)."""
+
         def work() -> None:
-            self._fenced_statefulset(instance_id, spec, fence)
+            self._admit(instance_id, self._cluster(instance_id), fence)
             credentials = self._credentials(instance_id, None)
-            self.api.apply(secret_manifest(instance_id, self.namespace, credentials, fence))
-            self.api.apply(init_config_manifest(instance_id, self.namespace, fence))
+            self.api.apply(secret_manifest(instance_id, spec, self.options, credentials, fence))
+            self._fenced_cluster(instance_id, spec, fence)
 
         await self._run(work)
 
     async def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         def work() -> None:
-            self._fenced_statefulset(instance_id, spec, fence)
-            self.api.apply(service_manifest(instance_id, self.namespace, fence))
+            self._fenced_cluster(instance_id, spec, fence)
+            self.api.apply(network_policy_manifest(instance_id, spec, self.options, fence))
 
         await self._run(work)
 
     async def initialize_database(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
     ) -> ConnectionInfo:
+        """Wait for the operator's rollout; the scheduled backups; the connection with the operator's CA."""
+
         def work() -> ConnectionInfo:
             credentials = self._credentials(instance_id, password)
-            self._fenced_statefulset(instance_id, spec, fence, replicas=1)
-            self.api.apply(secret_manifest(instance_id, self.namespace, credentials, fence))
-            self._wait_ready(instance_id)
-            host = f"{resource_name(instance_id)}.{self.namespace}.svc.cluster.local"
-            return ConnectionInfo(host, PORT, DBNAME, credentials.user, credentials.password)
+            self.api.apply(secret_manifest(instance_id, spec, self.options, credentials, fence))
+            self._fenced_cluster(instance_id, spec, fence)
+            self._wait(instance_id, "rollout", self._rolled_out)
+            if self.options.object_store:
+                self.api.apply(scheduled_backup_manifest(instance_id, spec, self.options, fence))
+            return ConnectionInfo(
+                self.options.host(instance_id),
+                PORT,
+                DBNAME,
+                credentials.user,
+                credentials.password,
+                sslmode=SSLMODE,
+                ca_certificate=self._ca_certificate(instance_id),
+            )
 
         return await self._run(work)
 
+    def _ca_certificate(self, instance_id: uuid.UUID) -> str:
+        secret = self.api.get(SECRET, self.namespace, f"{resource_name(instance_id)}-ca")
+        encoded = ((secret or {}).get("data") or {}).get("ca.crt")
+        if not encoded:
+            raise TemporaryError(f"the operator has not issued the CA of {instance_id} yet")
+        return base64.b64decode(encoded).decode()
+
+    def _existing(self, instance_id: uuid.UUID, fence: int) -> dict[str, Any]:
+        current = self._cluster(instance_id)
+        self._admit(instance_id, current, fence)
+        if current is None:
+            raise TemporaryError(f"instance {instance_id} has no cluster")
+        return current
+
     async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        """A patch of the Cluster; done when the operator has rolled it out."""
+
         def work() -> bool:
-            before = self.api.get(STATEFULSET, self.namespace, resource_name(instance_id))
-            after = self._fenced_statefulset(instance_id, spec, fence)
-            self._wait_ready(instance_id)
-            return bool(_template(before) != _template(after))
+            self._existing(instance_id, fence)
+            before, after = self._fenced_cluster(instance_id, spec, fence)
+            assert before is not None
+            self._wait(instance_id, "plan change", self._rolled_out)
+            return bool(before["spec"] != after["spec"])
 
         return await self._run(work)
 
     async def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
-        return await self._set_read_only(instance_id, spec, fence, True)
+        """Demote the Cluster: its primary restarts in recovery, where no session can write."""
 
-    async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
-        return await self._set_read_only(instance_id, spec, fence, False)
-
-    async def _set_read_only(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, on: bool) -> bool:
         def work() -> bool:
-            before = self.api.get(STATEFULSET, self.namespace, resource_name(instance_id))
-            if before is None:
-                raise TemporaryError(f"instance {instance_id} has no statefulset")
-            was = (before["metadata"].get("annotations") or {}).get(READ_ONLY_ANNOTATION) == "true"
-            self._fenced_statefulset(instance_id, spec, fence, read_only=on)
-            self._wait_ready(instance_id)
-            return was != on
+            current = self._existing(instance_id, fence)
+            was = is_read_only(current)
+            self._fenced_cluster(instance_id, spec, fence, replica=Replica("demoted"))
+            self._wait(instance_id, "suspension", lambda c: None if is_read_only(c) else "still writable")
+            self._wait(instance_id, "suspension", self._settled)
+            return not was
 
         return await self._run(work)
+
+    async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        """Promote it again with the token of its own demotion: nothing replayed is lost."""
+
+        def work() -> bool:
+            current = self._existing(instance_id, fence)
+            was = is_read_only(current)
+            if Replica.of(current).state == "none":
+                return False  # never suspended
+            token = status_of(current).get("demotionToken") or None
+            self._fenced_cluster(instance_id, spec, fence, replica=Replica("promoted", token))
+            self._wait(instance_id, "resumption", lambda c: "still read-only" if is_read_only(c) else None)
+            self._wait(instance_id, "resumption", self._settled)
+            return was
+
+        return await self._run(work)
+
+    async def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
+        def work() -> BackupInfo:
+            self._require_backups(instance_id, fence)
+            name = f"{resource_name(instance_id)}-backup-{fence}"
+            return self._backup(instance_id, spec.org_id, name, "on-demand", fence)
+
+        return await self._run(work)
+
+    def _require_backups(self, instance_id: uuid.UUID, fence: int) -> None:
+        if not self.options.object_store:
+            raise PermanentError(
+                "no backup object store is configured (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE)"
+            )
+        if self._record_fence(instance_id, fence) is None:
+            raise PermanentError(f"instance {instance_id} has no cluster to back up")
+
+    def _backup(
+        self,
+        instance_id: uuid.UUID,
+        org_id: uuid.UUID | None,
+        name: str,
+        purpose: str,
+        fence: int,
+    ) -> BackupInfo:
+        """Apply a Backup (adopting one of that name) and wait until the operator reports it complete.
+
+        A failed Backup is deleted, so that the retry takes a new one under the same name.
+        """
+        existing = self.api.get(BACKUP, self.namespace, name)
+        if existing is None:
+            self.api.apply(backup_manifest(instance_id, org_id, self.options, name, purpose, fence))
+        deadline = time.monotonic() + self.backup_wait_s
+        while True:
+            backup = self.api.get(BACKUP, self.namespace, name) or {}
+            status = backup.get("status") or {}
+            if status.get("phase") == "completed":
+                return BackupInfo(
+                    name, instance_id, status.get("stoppedAt"), str(status.get("backupId") or "")
+                )
+            if status.get("phase") == "failed":
+                self.api.delete(BACKUP, self.namespace, name)
+                raise TemporaryError(f"backup {name} failed: {status.get('error') or 'no detail'}")
+            if time.monotonic() >= deadline:
+                raise TemporaryError(f"backup {name} still {status.get('phase') or 'pending'}", delay_s=30)
+            time.sleep(self.poll_s)
 
     async def deprovision(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
     ) -> DeprovisionResult:
+        """Final backup (waited for) unless skipped, then every object the instance had, by label."""
+
         def work() -> DeprovisionResult:
-            name = resource_name(instance_id)
-            current = self.api.get(STATEFULSET, self.namespace, name)
+            current = self._cluster(instance_id)
             backup: str | None = None
+            # A cluster that never had a primary never held data: there is nothing to back up.
+            held_data = current is not None and bool(status_of(current).get("currentPrimary"))
             if current is not None:
-                self._fenced_statefulset(instance_id, spec, fence)
-                if not skip_backup:
-                    backup = self._final_backup(instance_id, spec, fence)
+                if not skip_backup and held_data:
+                    if not self.options.object_store:
+                        raise PermanentError(
+                            "the final backup needs a backup object store"
+                            " (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE); delete with"
+                            " skip_final_backup to remove the instance without one"
+                        )
+                    self._require_backups(instance_id, fence)
+                    name = final_backup_name(instance_id)
+                    backup = self._backup(instance_id, spec.org_id, name, "final", fence).name
+                else:
+                    self._record_fence(instance_id, fence)
             removed = False
             for kind in DELETION_ORDER:
-                for item in self.api.list(kind, self.namespace, {INSTANCE_LABEL: str(instance_id)}):
+                for item in self.api.list(kind, self.namespace, owned_selector(instance_id)):
                     removed = self.api.delete(kind, self.namespace, item["metadata"]["name"]) or removed
             return DeprovisionResult(backup=backup, removed=removed or current is not None)
 
         return await self._run(work)
 
-    def _final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str:
-        claim = backup_claim_manifest(instance_id, self.namespace, spec, fence)
-        self.api.apply(claim)
-        self.api.apply(backup_job_manifest(instance_id, self.namespace, spec, fence))
-        deadline = time.monotonic() + self.backup_wait_s
-        job_name = f"{resource_name(instance_id)}-final-backup"
-        while True:
-            job = self.api.get(JOB, self.namespace, job_name) or {}
-            status = job.get("status") or {}
-            if int(status.get("succeeded") or 0) >= 1:
-                return f"pvc/{claim['metadata']['name']}/{instance_id}.dump"
-            if int(status.get("failed") or 0) > 3:
-                raise TemporaryError(f"final backup job {job_name} failed")
-            if time.monotonic() >= deadline:
-                raise TemporaryError(f"final backup job {job_name} still running", delay_s=30)
-            time.sleep(self.poll_s)
-
     # ---- reading -------------------------------------------------------------------------------------
 
     async def observe(self, instance_id: uuid.UUID) -> Observation:
         def work() -> Observation:
-            current = self.api.get(STATEFULSET, self.namespace, resource_name(instance_id))
+            current = self._cluster(instance_id)
             if current is None:
-                return Observation(False, detail="statefulset missing")
+                return Observation(False, detail="cluster missing")
             annotations = current["metadata"].get("annotations") or {}
-            status = current.get("status") or {}
-            ready = int(status.get("readyReplicas") or 0)
-            wanted = int(current["spec"].get("replicas") or 0)
+            healthy, detail = cluster_health(current)
             generation = annotations.get(GENERATION_ANNOTATION)
             return Observation(
                 True,
-                running=int(status.get("replicas") or 0) > 0,
-                healthy=wanted > 0 and _rolled_out(current),
-                read_only=annotations.get(READ_ONLY_ANNOTATION) == "true",
-                endpoint=(f"{resource_name(instance_id)}.{self.namespace}.svc.cluster.local", PORT),
+                running=int(status_of(current).get("readyInstances") or 0) > 0,
+                healthy=healthy,
+                read_only=is_read_only(current),
+                endpoint=(self.options.host(instance_id), PORT),
                 plan_applied=annotations.get(PLAN_ANNOTATION),
                 generation=int(generation) if generation else None,
-                detail=f"{ready}/{wanted} ready",
+                detail=detail,
             )
 
         return await self._run(work)
@@ -731,23 +643,6 @@ class KubernetesProvisioner(Provisioner):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.api.client.close)
-
-
-def _rolled_out(statefulset: Mapping[str, Any]) -> bool:
-    """Every wanted replica ready on the latest revision, as the controller reports it."""
-    spec, status = statefulset.get("spec") or {}, statefulset.get("status") or {}
-    wanted = int(spec.get("replicas") or 0)
-    meta_generation = int((statefulset.get("metadata") or {}).get("generation") or 0)
-    return (
-        int(status.get("observedGeneration") or 0) >= meta_generation
-        and int(status.get("readyReplicas") or 0) >= wanted
-        and int(status.get("updatedReplicas") or 0) >= wanted
-        and status.get("currentRevision") == status.get("updateRevision")
-    )
-
-
-def _template(statefulset: Mapping[str, Any] | None) -> Any:
-    return None if statefulset is None else statefulset.get("spec", {}).get("template")
 
 
 def _as_uuid(text: str | None) -> uuid.UUID | None:

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -24,12 +25,17 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
+from controlplane.files import write_atomically
 from controlplane.handlers import PermanentError, TemporaryError
 from controlplane.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
 from controlplane.secretbox import SecretBox, load_box
 from controlplane.settings import Settings
+from controlplane.tls import CaStore, CertificateAuthority, needs_new_certificate
 from provisioners.base import (
+    BACKUP_KINDS,
+    BackupInfo,
     ConnectionInfo,
+    DataLost,
     DeprovisionResult,
     InstanceSpec,
     Observation,
@@ -54,16 +60,32 @@ BASE_SETTINGS = {
     "log_min_messages": "warning",
     "log_line_prefix": "%m [%p] ",
     "log_statement": "none",
+    # The certificate and key are server.crt and server.key in the data directory (the defaults).
+    "ssl": "on",
 }
 
-# Password authentication everywhere; no replication connections at all.
+# TLS and a password for every connection; a plain-text connection is refused. Replication only
+# for the control plane's own backups, taken from this host.
 PG_HBA = """\
-# Managed by the control plane: SCRAM for every connection, no replication.
-local   all          all                 scram-sha-256
-host    replication  all   all           reject
-host    all          all   0.0.0.0/0     scram-sha-256
-host    all          all   ::/0          scram-sha-256
+# Managed by the control plane: TLS and SCRAM for every connection; plain TCP is refused.
+local      all          all                    scram-sha-256
+hostnossl  all          all        all         reject
+hostssl    replication  cp_admin   samehost    scram-sha-256
+hostssl    replication  all        all         reject
+hostssl    all          all        0.0.0.0/0   scram-sha-256
+hostssl    all          all        ::/0        scram-sha-256
 """
+
+# What clients are told to check: the server's certificate, against the control plane's CA.
+SSLMODE = "verify-full"
+SERVER_CERT = "server.crt"
+SERVER_KEY = "server.key"
+# A backup is a directory: the compressed base backup, then (written last) what describes it.
+BACKUP_ARCHIVE = "base.tar.gz"
+BACKUP_META = "backup.json"
+# Files a restored cluster must not keep: the old server's run state, and the signals that would
+# start it as a standby.
+NOT_RESTORED = ("postmaster.pid", "postmaster.opts", "standby.signal", "recovery.signal")
 
 T = TypeVar("T")
 
@@ -99,7 +121,7 @@ class PortAllocator:
             before = dict(table)
             yield table
             if table != before:
-                _write_atomically(self.path, json.dumps(table, sort_keys=True, indent=1))
+                write_atomically(self.path, json.dumps(table, sort_keys=True, indent=1))
         finally:
             os.close(fd)
 
@@ -138,21 +160,6 @@ class PortAllocator:
             return table.pop(str(instance_id), None) is not None
 
 
-def _write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _postmaster_pids_for(datadir: Path) -> list[int]:
     """Servers still running from `datadir` (found by command line), e.g. after it was deleted."""
     wanted = str(datadir)
@@ -184,11 +191,13 @@ class LocalProvisioner(Provisioner):
         self.settings = settings
         self.root = Path(settings.data_dir).resolve() / "instances"
         self.backups = Path(settings.data_dir).resolve() / "backups"
+        self.tls_dir = Path(settings.data_dir).resolve() / "tls"
         self.listen_host = settings.local_listen_host
         self.connect_host = "127.0.0.1" if self.listen_host in WILDCARD_HOSTS else self.listen_host
         self.advertise_host = socket.gethostname() if self.listen_host in WILDCARD_HOSTS else self.listen_host
         self._run_as = run_as
         self._box = box
+        self._ca: CertificateAuthority | None = None
         self.fences = fences_for(Path(settings.data_dir).resolve())
         self.ports = PortAllocator(
             self.root / "ports.json", settings.local_port_min, settings.local_port_max, self.listen_host
@@ -208,8 +217,22 @@ class LocalProvisioner(Provisioner):
             self._box = load_box(self.settings)
         return self._box
 
+    @property
+    def ca_store(self) -> CaStore:
+        return CaStore(self.tls_dir, self.box)
+
+    def _authority(self) -> CertificateAuthority:
+        """The control plane's CA (made on first use), which signs every instance's certificate."""
+        if self._ca is None:
+            self._ca = self.ca_store.load()
+        return self._ca
+
     def instance_dir(self, instance_id: uuid.UUID) -> Path:
         return self.root / str(instance_id)
+
+    def backup_dir(self, instance_id: uuid.UUID) -> Path:
+        """The instance's periodic and on-demand backups (outside its directory: they outlive it)."""
+        return self.backups / str(instance_id)
 
     def datadir(self, instance_id: uuid.UUID) -> Path:
         return self.instance_dir(instance_id) / "pgdata"
@@ -225,7 +248,7 @@ class LocalProvisioner(Provisioner):
         return state
 
     def _save_state(self, instance_id: uuid.UUID, state: Mapping[str, Any]) -> None:
-        _write_atomically(self._state_path(instance_id), json.dumps(dict(state), sort_keys=True, indent=1))
+        write_atomically(self._state_path(instance_id), json.dumps(dict(state), sort_keys=True, indent=1))
 
     def _seal(self, secret: str) -> str:
         return base64.b64encode(self.box.encrypt(secret)).decode()
@@ -247,8 +270,14 @@ class LocalProvisioner(Provisioner):
                 mode = os.stat(directory).st_mode
                 os.chmod(directory, mode | 0o111)  # noqa: S103 (the server user must traverse it)
 
+    def _chown(self, path: Path) -> None:
+        if self.run_as.is_switch:
+            assert self.run_as.uid is not None and self.run_as.gid is not None
+            os.chown(path, self.run_as.uid, self.run_as.gid)
+
     def _admin(self, instance_id: uuid.UUID, port: int, *, timeout: int = 10) -> psycopg.Connection[Any]:
         state = self._load_state(instance_id)
+        self._authority()
         return psycopg.connect(
             host=self.connect_host,
             port=port,
@@ -257,6 +286,71 @@ class LocalProvisioner(Provisioner):
             dbname="postgres",
             connect_timeout=timeout,
             autocommit=True,
+            sslmode=SSLMODE,
+            sslrootcert=str(self.ca_store.cert_path),
+        )
+
+    def _client_tool(
+        self, instance_id: uuid.UUID, server: InstanceServer, tool: str, args: list[str]
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a client tool (pg_dump, pg_basebackup) against the server as the admin, over TLS."""
+        self._authority()
+        env = dict(
+            os.environ,
+            PGPASSWORD=self._unseal(self._load_state(instance_id)["admin_password"]),
+            PGSSLMODE=SSLMODE,
+            PGSSLROOTCERT=str(self.ca_store.cert_path),
+            LC_ALL="C",
+        )
+        connection = [f"--host={self.connect_host}", f"--port={server.port}", f"--username={ADMIN_USER}"]
+        return subprocess.run(
+            [server.bin(tool), *connection, "--no-password", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def _tls_hosts(self) -> list[str]:
+        """The names clients reach the servers by: the advertised host and the one we connect to."""
+        return list(dict.fromkeys([self.advertise_host, self.connect_host]))
+
+    def _ensure_tls(self, server: PostgresServer) -> bool:
+        """The server's certificate from the control plane's CA, for its hosts; True when (re)issued."""
+        cert_path = server.datadir / SERVER_CERT
+        current = cert_path.read_bytes() if cert_path.exists() else None
+        ca = self._authority()
+        if not needs_new_certificate(current, ca, self._tls_hosts()):
+            return False
+        issued = ca.issue_server(self._tls_hosts(), common_name=server.datadir.parent.name)
+        key_path = server.datadir / SERVER_KEY
+        write_atomically(key_path, issued.key_pem, 0o600)
+        write_atomically(cert_path, issued.cert_pem, 0o644)
+        self._chown(key_path)
+        self._chown(cert_path)
+        return True
+
+    def _conform(self, server: InstanceServer, spec: InstanceSpec) -> None:
+        """Certificate, access rules and managed settings as they must be; a running server reloads."""
+        changed = self._ensure_tls(server)
+        hba = server.datadir / "pg_hba.conf"
+        if hba.read_text() != PG_HBA:
+            hba.write_text(PG_HBA)
+            changed = True
+        desired = {**BASE_SETTINGS, **spec.server_settings()}
+        managed = server.datadir / "controlplane.conf"
+        if not managed.exists() or managed.read_text() != _settings_text(desired):
+            server.write_settings(desired)
+            changed = True
+        if changed and server.is_running():
+            server.reload()
+
+    def _had_cluster(self, instance_id: uuid.UUID) -> bool:
+        """Whether a cluster was made for the instance once: if it is not there, it was lost."""
+        return bool(self._load_state(instance_id).get("cluster_created_at")) or (
+            self.ports.port_of(instance_id) is not None
         )
 
     def _require_storage(self, instance_id: uuid.UUID) -> InstanceServer:
@@ -273,6 +367,7 @@ class LocalProvisioner(Provisioner):
 
     def _ensure_started(self, server: InstanceServer, attempts: int = 5) -> None:
         """Start the server, waiting out the processes of a killed postmaster that still hold it."""
+        self._ensure_tls(server)  # ssl = on: no server starts without its certificate
         for attempt in range(attempts):
             try:
                 server.start()
@@ -301,12 +396,12 @@ class LocalProvisioner(Provisioner):
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         await self._step(instance_id, fence, lambda: self._allocate_storage(instance_id, spec, fence))
 
-    def _allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+    def _prepare_instance(self, instance_id: uuid.UUID, state: dict[str, Any]) -> dict[str, Any]:
+        """The instance's directory, and its state with an admin password (generated once)."""
         self._prepare_root()
         directory = self.instance_dir(instance_id)
         directory.mkdir(mode=0o711, exist_ok=True)
         os.chmod(directory, 0o711)  # noqa: S103 (the server user traverses; state.json stays 0600)
-        state = self._load_state(instance_id)
         if "admin_password" not in state:
             state = {
                 "instance_id": str(instance_id),
@@ -314,12 +409,32 @@ class LocalProvisioner(Provisioner):
                 **state,
             }
             self._save_state(instance_id, state)
-        datadir = self.datadir(instance_id)
-        if (datadir / "PG_VERSION").exists():
+        return state
+
+    def _allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        state = self._prepare_instance(instance_id, self._load_state(instance_id))
+        if (self.datadir(instance_id) / "PG_VERSION").exists():
             return
-        for pid in _postmaster_pids_for(datadir):  # a server still running from a deleted directory
+        if self._had_cluster(instance_id):
+            raise DataLost(
+                f"the data directory of instance {instance_id} is gone: restore a backup, or accept "
+                "an empty re-initialisation"
+            )
+        self._build_cluster(instance_id, spec, fence, state)
+
+    def _stop_strays(self, datadir: Path) -> None:
+        """Stop servers still running from `datadir` (found by command line), e.g. after it was deleted."""
+        for pid in _postmaster_pids_for(datadir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGQUIT)
+
+    def _build_cluster(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, state: dict[str, Any]
+    ) -> None:
+        """initdb into a partial directory, renamed into place: a crash leaves nothing to adopt."""
+        directory = self.instance_dir(instance_id)
+        datadir = self.datadir(instance_id)
+        self._stop_strays(datadir)
         if datadir.exists():  # a directory without a cluster: nothing worth keeping
             shutil.rmtree(datadir)
         for partial in directory.glob("pgdata.partial-*"):  # an initdb cut short by a crash
@@ -332,21 +447,18 @@ class LocalProvisioner(Provisioner):
             ADMIN_USER, self._unseal(state["admin_password"]), {**BASE_SETTINGS, **spec.server_settings()}
         )
         os.replace(partial, datadir)
+        self._save_state(instance_id, {**state, "cluster_created_at": dt.datetime.now(dt.UTC).isoformat()})
 
     async def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
-        await self._step(instance_id, fence, lambda: self._configure_network(instance_id))
+        await self._step(instance_id, fence, lambda: self._configure_network(instance_id, spec))
 
-    def _configure_network(self, instance_id: uuid.UUID) -> None:
+    def _configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec) -> None:
         server = self._require_storage(instance_id)
         port = self.ports.allocate(instance_id)
         if not server.is_running() and port_in_use(port, self.connect_host):
             log.warning("port %s of instance %s is taken by another process; moving", port, instance_id)
             port = self.ports.allocate(instance_id, avoid=port)
-        hba = server.datadir / "pg_hba.conf"
-        if hba.read_text() != PG_HBA:
-            hba.write_text(PG_HBA)
-            if server.is_running():
-                server.reload()
+        self._conform(server, spec)
 
     async def initialize_database(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
@@ -379,7 +491,10 @@ class LocalProvisioner(Provisioner):
         if "plan" not in state:
             state.update(plan=spec.plan, generation=spec.generation)
             self._save_state(instance_id, state)
-        return ConnectionInfo(self.advertise_host, port, DBNAME, role, password)
+        ca = self._authority().cert_pem.decode()
+        return ConnectionInfo(
+            self.advertise_host, port, DBNAME, role, password, sslmode=SSLMODE, ca_certificate=ca
+        )
 
     async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return await self._step(instance_id, fence, lambda: self._apply_plan(instance_id, spec))
@@ -467,11 +582,15 @@ class LocalProvisioner(Provisioner):
             backup = str(self._final_backup(instance_id, server))
             state["final_backup"] = backup
             self._save_state(instance_id, state)
+        held = self._list_backups(instance_id)
+        if backup is not None or skip_backup:
+            shutil.rmtree(self.backup_dir(instance_id), ignore_errors=True)
+        elif held:
+            # No data left to dump (it was lost): the newest backup is what remains, and is kept.
+            backup = held[-1].location
         if server.initialised:
             server.stop("fast")
-        for pid in _postmaster_pids_for(server.datadir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGQUIT)
+        self._stop_strays(server.datadir)
         if directory.exists():
             shutil.rmtree(directory)
         self.ports.release(instance_id)
@@ -485,24 +604,8 @@ class LocalProvisioner(Provisioner):
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         final = self.backups / f"{instance_id}-{stamp}.dump"
         partial = final.with_name(final.name + ".partial")
-        env = dict(os.environ, PGPASSWORD=self._unseal(self._load_state(instance_id)["admin_password"]))
-        result = subprocess.run(
-            [
-                server.bin("pg_dump"),
-                "--format=custom",
-                f"--file={partial}",
-                f"--host={self.connect_host}",
-                f"--port={server.port}",
-                f"--username={ADMIN_USER}",
-                "--no-password",
-                DBNAME,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=3600,
-            check=False,
-            stdin=subprocess.DEVNULL,
+        result = self._client_tool(
+            instance_id, server, "pg_dump", ["--format=custom", f"--file={partial}", DBNAME]
         )
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
@@ -522,7 +625,12 @@ class LocalProvisioner(Provisioner):
         endpoint = None if port is None else (self.advertise_host, port)
         plan, generation = state.get("plan"), state.get("generation")
         if not server.initialised:
-            return Observation(False, endpoint=endpoint, detail="data directory missing")
+            return Observation(
+                False,
+                endpoint=endpoint,
+                detail="data directory missing",
+                data_lost=self._had_cluster(instance_id),
+            )
         if not server.is_running():
             return Observation(
                 True, endpoint=endpoint, plan_applied=plan, generation=generation, detail="server not running"
@@ -577,6 +685,11 @@ class LocalProvisioner(Provisioner):
         for instance_id in instance_ids:
             server = self._server(instance_id)
             if server.port and server.initialised and not server.is_running():
+                state = self._load_state(instance_id)
+                applied = InstanceSpec.for_removal(
+                    {"plan": state.get("plan", "dev")}, int(state.get("generation", 1))
+                )
+                self._conform(server, applied)  # servers made before a change of the rules get them
                 self._ensure_started(server)
                 started.append(instance_id)
         return started
@@ -597,6 +710,143 @@ class LocalProvisioner(Provisioner):
                     stopped.append(instance_id)
         return stopped
 
+    # ---- backups, restore, the CA -----------------------------------------------------------
+
+    @property
+    def supports_backups(self) -> bool:
+        return True
+
+    async def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
+        return await self._step(instance_id, fence, lambda: self._take_backup(instance_id, spec, kind))
+
+    def _take_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, kind: str) -> BackupInfo:
+        """pg_basebackup (tar, gzip, the WAL it needs included) into a partial directory, renamed."""
+        if kind not in BACKUP_KINDS:
+            raise PermanentError(f"unknown backup kind {kind!r}; kinds are {', '.join(BACKUP_KINDS)}")
+        server = self._require_storage(instance_id)
+        port = self._require_port(instance_id)
+        if not server.is_running():
+            raise TemporaryError(f"instance {instance_id} is not running; a backup needs its server")
+        taken = dt.datetime.now(dt.UTC)
+        backup_id = taken.strftime("%Y%m%dT%H%M%S") + f"{taken.microsecond // 1000:03d}Z"
+        root = self.backup_dir(instance_id)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in root.glob(".partial-*"):  # a backup cut short by a crash
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = root / f".partial-{backup_id}"
+        partial.mkdir(mode=0o700)
+        server.port = port
+        options = ["--format=tar", "--wal-method=fetch", "--checkpoint=fast", "--compress=client-gzip:1"]
+        result = self._client_tool(
+            instance_id,
+            server,
+            "pg_basebackup",
+            [f"--pgdata={partial}", *options, f"--label=controlplane {backup_id}"],
+        )
+        if result.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise TemporaryError(f"backup of {instance_id} failed: {result.stderr.strip()[-500:]}")
+        state = self._load_state(instance_id)
+        meta = {
+            "id": backup_id,
+            "instance_id": str(instance_id),
+            # The end of the backup: the point its data is from (the WAL it holds reaches it).
+            "completed_at": dt.datetime.now(dt.UTC).isoformat(),
+            "kind": kind,
+            "size_bytes": sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()),
+            "plan": spec.plan,
+            "generation": spec.generation,
+            # The sealed passwords the backup's cluster knows, for a restore after state.json is lost.
+            "state": {key: state[key] for key in ("admin_password", "owner_password") if key in state},
+        }
+        write_atomically(partial / BACKUP_META, json.dumps(meta, indent=1))
+        os.replace(partial, root / backup_id)
+        self._prune(instance_id, spec.backup_schedule().keep)
+        return _backup_of(root / backup_id, meta)
+
+    def _prune(self, instance_id: uuid.UUID, keep: int) -> None:
+        """Retention: remove the oldest backups beyond the newest `keep` (at least one is kept)."""
+        held = self._list_backups(instance_id)
+        for old in held[: -max(1, keep)]:
+            shutil.rmtree(old.location, ignore_errors=True)
+
+    async def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
+        return await asyncio.to_thread(self._list_backups, instance_id)
+
+    def _list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
+        root = self.backup_dir(instance_id)
+        if not root.exists():
+            return []
+        held = []
+        for entry in root.iterdir():
+            meta_path = entry / BACKUP_META
+            if entry.name.startswith(".") or not meta_path.exists():
+                continue
+            held.append(_backup_of(entry, json.loads(meta_path.read_text())))
+        return sorted(held, key=lambda backup: backup.completed_at or "")
+
+    async def restore(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
+    ) -> None:
+        await self._step(instance_id, fence, lambda: self._restore(instance_id, spec, fence, backup_id))
+
+    def _restore(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, backup_id: str | None) -> None:
+        """The cluster from backup `backup_id` (or a new empty one), in place of whatever is there."""
+        meta: dict[str, Any] | None = None
+        source = self.backup_dir(instance_id) / (backup_id or "")
+        if backup_id is not None:
+            if "/" in backup_id or backup_id.startswith(".") or not (source / BACKUP_META).exists():
+                raise PermanentError(f"instance {instance_id} has no backup {backup_id!r}")
+            meta = json.loads((source / BACKUP_META).read_text())
+        state = self._load_state(instance_id)
+        if meta is not None:
+            # The restored cluster knows the admin password of the time of its backup.
+            state.update({key: value for key, value in meta["state"].items() if key == "admin_password"})
+            state.setdefault("owner_password", meta["state"].get("owner_password"))
+        state = self._prepare_instance(instance_id, {k: v for k, v in state.items() if v is not None})
+        self._save_state(instance_id, state)
+        server = self._server(instance_id)
+        if server.is_running():
+            server.stop("fast")
+        self._stop_strays(server.datadir)
+        self._set_aside(instance_id)
+        if meta is None:
+            self._build_cluster(instance_id, spec, fence, state)
+            return
+        directory = self.instance_dir(instance_id)
+        for stale in directory.glob("pgdata.restoring-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = directory / f"pgdata.restoring-{fence}"
+        partial.mkdir(mode=0o700)
+        with tarfile.open(source / BACKUP_ARCHIVE) as archive:
+            archive.extractall(partial, filter="data")
+        for name in NOT_RESTORED:
+            (partial / name).unlink(missing_ok=True)
+        os.chmod(partial, 0o700)
+        for path in (partial, *partial.rglob("*")):
+            self._chown(path)
+        os.replace(partial, server.datadir)
+        self._save_state(
+            instance_id,
+            {
+                **state,
+                "cluster_created_at": state.get("cluster_created_at") or meta["completed_at"],
+                "restored_from": backup_id,
+            },
+        )
+
+    def _set_aside(self, instance_id: uuid.UUID) -> None:
+        """Whatever is left of a data directory is moved aside, never removed (it may hold data)."""
+        datadir = self.datadir(instance_id)
+        if datadir.exists():
+            stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+            os.replace(datadir, datadir.with_name(f"pgdata.replaced-{stamp}"))
+
+    async def ca_certificate(self) -> str | None:
+        return (await asyncio.to_thread(self._authority)).cert_pem.decode()
+
     def roles(self, instance_id: uuid.UUID) -> list[str]:
         """Login roles of the instance's server other than the control plane's own (for checks)."""
         port = self._require_port(instance_id)
@@ -605,6 +855,17 @@ class LocalProvisioner(Provisioner):
                 "SELECT rolname FROM pg_roles WHERE rolcanlogin AND rolname <> %s ORDER BY 1", (ADMIN_USER,)
             ).fetchall()
         return [row[0] for row in rows]
+
+
+def _backup_of(path: Path, meta: Mapping[str, Any]) -> BackupInfo:
+    return BackupInfo(
+        name=str(meta["id"]),
+        instance_id=uuid.UUID(str(meta["instance_id"])),
+        completed_at=str(meta["completed_at"]),
+        kind=str(meta.get("kind", "scheduled")),
+        size_bytes=None if meta.get("size_bytes") is None else int(meta["size_bytes"]),
+        location=str(path),
+    )
 
 
 def _as_uuid(text: str) -> uuid.UUID | None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.failures import DATA_LOST
+from controlplane.handlers import BACKUP, DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
 
 # The operation that drives each transitional state forward, re-enqueued when it stalls.
 DRIVING_JOB = {
@@ -22,6 +23,8 @@ OBSERVED_STATES = frozenset({"ready", "degraded", "suspended"})
 # degrades) decides. Degrading under it would defer it, and the heal would undo it.
 WORKING_ON_READY = frozenset({SUSPEND, RESUME})
 DEPROVISIONABLE = frozenset({"ready", "degraded", "suspended"})
+# States in which an instance is backed up by its plan's schedule (its server runs).
+BACKED_UP_STATES = frozenset({"ready", "suspended"})
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class Observed:
     healthy: bool
     read_only: bool
     detail: str = ""
+    # The instance had storage and it is gone: nothing but a restore may bring it back.
+    data_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,28 @@ class InstanceView:
     failed_generation: int | None = None
     # After heals were given up, no new heal before this time (the reconciler's heal backoff).
     heal_not_before: datetime | None = None
+    # The stable code of what is wrong (e.g. data_lost), if anything.
+    failure_code: str | None = None
+    # The newest backup held, and when the instance was created (the schedule's start).
+    newest_backup_at: datetime | None = None
+    created_at: datetime | None = None
+    # Seconds between scheduled backups; None: this instance is not backed up by a schedule.
+    backup_interval_s: float | None = None
 
 
 @dataclass(frozen=True)
 class Transition:
     event: str
+    reason: str
+    # A stable code for what went wrong (with `fail` or `degrade`).
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class RecordFailure:
+    """What is wrong, recorded in place: the state has no edge to say it (degraded, suspended)."""
+
+    code: str
     reason: str
 
 
@@ -74,7 +96,7 @@ class ExtendDeadline:
     reason: str
 
 
-Action = Transition | Enqueue | ExtendDeadline
+Action = Transition | Enqueue | ExtendDeadline | RecordFailure
 
 
 def timeout_reason(state: str, deadline_retries: int) -> str:
@@ -104,6 +126,10 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
     why = seen.detail or (
         "missing" if not seen.exists else "not running" if not seen.running else "unhealthy"
     )
+    if seen.data_lost:
+        return plan_data_lost(view, why)
+    if view.state == "degraded" and view.failure_code == DATA_LOST and broken:
+        return []  # what remains of lost data is not healed: a restore (or a decision) brings it back
     if view.state == "ready" and broken:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
@@ -124,6 +150,34 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
     if view.state == "ready" and seen.read_only and not view.billing_hold and not view.live_jobs:
         return [Enqueue(RESUME, "ready but read-only without a hold: resume")]
     return []
+
+
+def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
+    """Lost data is never healed into an empty database: degraded with the code, and restored from
+    the newest backup held (once, when the loss is first recorded), or left for a decision."""
+    recorded = view.failure_code == DATA_LOST
+    reason = f"data lost: {why}"
+    if view.state == "suspended":
+        # No edge leaves suspended for degraded: recorded, and degraded once it is resumed.
+        return [] if recorded else [RecordFailure(DATA_LOST, reason)]
+    if view.state == "degraded" and recorded:
+        return []  # a restore runs, or someone decides
+    restore: list[Action] = []
+    if view.newest_backup_at is not None and RESTORE not in view.live_jobs:
+        restore = [Enqueue(RESTORE, "data lost: restore from the newest backup held")]
+    if view.state == "ready":
+        return [Transition("degrade", reason, code=DATA_LOST), *restore]
+    return [RecordFailure(DATA_LOST, reason), *restore]
+
+
+def plan_backup(view: InstanceView, now: datetime) -> list[Action]:
+    """A scheduled backup once the newest one (or, before the first, the creation) is an interval old."""
+    if view.backup_interval_s is None or view.state not in BACKED_UP_STATES or view.live_jobs:
+        return []
+    since = view.newest_backup_at or view.created_at
+    if since is not None and now < since + timedelta(seconds=view.backup_interval_s):
+        return []
+    return [Enqueue(BACKUP, "scheduled backup")]
 
 
 def plan_intents(view: InstanceView) -> list[Action]:
@@ -152,4 +206,9 @@ def heal_backoff_s(failures: int, base_s: float, max_s: float) -> float:
 
 def plan(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
     """Everything to do about one instance this pass, most urgent first; at most one kind of move."""
-    return plan_deadline(view, now, max_retries) or plan_observed(view, now) or plan_intents(view)
+    return (
+        plan_deadline(view, now, max_retries)
+        or plan_observed(view, now)
+        or plan_intents(view)
+        or plan_backup(view, now)
+    )

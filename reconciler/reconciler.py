@@ -16,10 +16,11 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane import jobs, lifecycle, metrics, sql
+from controlplane import jobs, lifecycle, metrics, plans, sql
 from controlplane.checkpoints import AuditMaintenance, MaintenanceResult
 from controlplane.db import AsyncConn
-from controlplane.handlers import RESUME, SUSPEND, JobRegistry
+from controlplane.failures import DATA_LOST
+from controlplane.handlers import BACKUP, RESUME, SUSPEND, JobRegistry
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
 from controlplane.supervisor import PassResult, Supervisor
@@ -55,8 +56,15 @@ class PassSummary:
         metrics.RECONCILE_ACTIONS.labels(action).inc()
 
 
+def _backup_interval_s(row: Mapping[str, Any], backed_up: bool) -> float | None:
+    plan = str((row["spec"] or {}).get("plan"))
+    if not backed_up or not plans.is_plan(plan):
+        return None
+    return plans.backup_schedule(plan).interval_s
+
+
 def _view(
-    row: Mapping[str, Any], observed: planning.Observed | None, settings: Settings
+    row: Mapping[str, Any], observed: planning.Observed | None, settings: Settings, *, backed_up: bool = False
 ) -> planning.InstanceView:
     heal_not_before = None
     if row["heal_given_up_at"] is not None:
@@ -77,6 +85,10 @@ def _view(
         observed=observed,
         failed_generation=row["failed_generation"],
         heal_not_before=heal_not_before,
+        failure_code=row["failure_code"],
+        newest_backup_at=row["newest_backup_at"],
+        created_at=row["created_at"],
+        backup_interval_s=_backup_interval_s(row, backed_up),
     )
 
 
@@ -119,8 +131,9 @@ class Reconciler:
             rows = await cursor.fetchall()
         summary.scanned = len(rows)
         observations = await self._observe_all(rows, summary)
+        backed_up = bool(self.provisioner.supports_backups)
         for row in rows:
-            view = _view(row, observations.get(row["id"]), self.settings)
+            view = _view(row, observations.get(row["id"]), self.settings, backed_up=backed_up)
             actions = planning.plan(view, row["now"], self.settings.deadline_max_retries)
             if actions:
                 await self._apply(row, actions, summary)
@@ -176,6 +189,7 @@ class Reconciler:
                 healthy=seen.healthy,
                 read_only=bool(seen.read_only),
                 detail=seen.detail,
+                data_lost=seen.data_lost,
             )
 
         results = await asyncio.gather(*(observe(i) for i in targets))
@@ -201,7 +215,10 @@ class Reconciler:
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
-            patch: dict[str, Any] = {"failure_reason": action.reason if failing else None}
+            patch: dict[str, Any] = {
+                "failure_reason": action.reason if failing else None,
+                "failure_code": action.code if failing else None,
+            }
             if row["state"] == "updating" and failing:
                 # An update past its deadline and its retries is given up, as an abandoned one is.
                 patch["failed_generation"] = row["spec_generation"]
@@ -218,8 +235,25 @@ class Reconciler:
             )
             summary.count(action.event)
             log.info("instance %s: %s (%s)", row["id"], action.event, action.reason)
+            if action.code == DATA_LOST:
+                self._data_lost(row, action.reason)
+        elif isinstance(action, planning.RecordFailure):
+            await conn.execute(
+                sql.SET_FAILURE_IN_PLACE,
+                {
+                    "id": row["id"],
+                    "state_version": row["state_version"],
+                    "code": action.code,
+                    "reason": action.reason,
+                },
+            )
+            summary.count(f"record_{action.code}")
+            if action.code == DATA_LOST:
+                self._data_lost(row, action.reason)
         elif isinstance(action, planning.Enqueue):
             payload: dict[str, Any] = {"reason": action.reason}
+            if action.kind == BACKUP:
+                payload["kind"] = "scheduled"
             if action.kind == SUSPEND and row["billing_hold"]:
                 payload["billing"] = True
             if action.kind == RESUME:
@@ -237,6 +271,18 @@ class Reconciler:
                 {"id": row["id"], "state_version": row["state_version"], "deadline_s": deadline_s},
             )
             summary.count("deadline_retry")
+
+    def _data_lost(self, row: Mapping[str, Any], reason: str) -> None:
+        metrics.DATA_LOSS.inc()
+        log.error(
+            "instance %s (%s): %s; it comes back only with a restore: from the newest backup held"
+            " (%s), or as someone decides",
+            row["id"],
+            row["state"],
+            reason,
+            row["newest_backup_at"] or "none held",
+            extra={"instance_id": str(row["id"]), "failure_code": DATA_LOST},
+        )
 
     async def _record_gauges(self, conn: AsyncConn) -> None:
         cursor = await conn.execute(sql.COUNT_LIVE_INSTANCES)

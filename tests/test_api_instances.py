@@ -108,6 +108,7 @@ async def test_get_shows_connection_with_password_once_ready(
         "resize",
         "set_deletion_protection",
         "delete",
+        "backup",
     ]
     assert body["connection"] == {
         "host": "127.0.0.1",
@@ -115,6 +116,8 @@ async def test_get_shows_connection_with_password_once_ready(
         "dbname": "app",
         "user": "app_owner",
         "password": "s3cret/with:chars",
+        "sslmode": None,
+        "ca_certificate": None,
         "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
     }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
@@ -342,6 +345,17 @@ async def test_events_are_the_audit_log_oldest_first_with_cursor(
 async def test_lifecycle_and_plans_are_public(client: httpx.AsyncClient) -> None:
     tables = (await client.get("/v1/lifecycle")).json()
     assert len(tables["instance"]["transitions"]) == 18 and len(tables["job"]["transitions"]) == 11
-    assert set(tables["customer_actions"]) == {"resize", "set_deletion_protection", "delete"}
+    assert set(tables["customer_actions"]) == {
+        "resize",
+        "set_deletion_protection",
+        "delete",
+        "backup",
+        "restore",
+    }
     plans = (await client.get("/v1/plans")).json()["items"]
     assert {"dev", "small"} <= {p["name"] for p in plans}
+    by_name = {p["name"]: p for p in plans}
+    assert (by_name["dev"]["instances"], by_name["dev"]["storage_gb"]) == (1, 1)
+    assert by_name["medium"]["instances"] == 3 and by_name["medium"]["memory"] == "1Gi"
+    dev = next(p for p in plans if p["name"] == "dev")
+    assert dev["backups"] == {"interval_s": 86400.0, "keep": 3}

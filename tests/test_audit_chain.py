@@ -590,9 +590,9 @@ async def test_the_chain_holds_under_racing_writers_as_the_runtime_role(
     assert (await audit.check(conn)).mismatches == []
 
 
-def test_0005_chains_the_events_already_there(empty_database: str) -> None:
+def test_0006_chains_the_events_already_there(empty_database: str) -> None:
     config = alembic_config(empty_database)
-    command.upgrade(config, "0004")
+    command.upgrade(config, "0005")
     with psycopg.connect(empty_database, autocommit=True) as conn:
         org = conn.execute("INSERT INTO organisations (name) VALUES ('o') RETURNING id").fetchone()
         assert org is not None

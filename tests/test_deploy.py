@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import kubernetes_validate
 import pytest
@@ -21,6 +22,7 @@ import controlplane.metrics
 from controlplane import db
 from controlplane import settings as settings_module
 from controlplane.settings import Settings, env_name
+from provisioners import cnpg_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -103,6 +105,8 @@ def config_map() -> Doc:
 
 
 def secret(name: str = "controlplane-secrets") -> Doc:
+    """A Secret by name: the control plane's settings by default (database.yaml has the database's
+    roles', migration-secret.yaml the owner's URL)."""
     (doc,) = [doc for doc in of_kind("Secret") if doc["metadata"]["name"] == name]
     return doc
 
@@ -154,6 +158,7 @@ def test_manifests_exist_and_kustomization_lists_them_all() -> None:
         "RoleBinding",
         "PodDisruptionBudget",
         "NetworkPolicy",
+        "Cluster",
     }
     assert expected <= kinds
 
@@ -164,8 +169,9 @@ def test_manifests_exist_and_kustomization_lists_them_all() -> None:
     [pytest.param(path, doc, id=doc_id(path, doc)) for path, doc in all_documents()],
 )
 def test_manifest_validates_against_the_kubernetes_schema(path: Path, doc: Doc, version: str) -> None:
-    # strict: unknown fields are errors too. A kind without a schema raises, not skips.
-    kubernetes_validate.validate(doc, version, strict=True)
+    # strict: unknown fields are errors too. A kind without a schema raises, not skips; the
+    # CloudNativePG Cluster is checked against the CRD of the operator's release manifest.
+    cnpg_schema.validate(doc, f"{version}.0")
 
 
 def test_manifests_leave_the_namespace_to_kustomize() -> None:
@@ -287,7 +293,7 @@ def test_only_the_migration_gets_the_owner_role() -> None:
     )
     assert db.url_user(settings.database_url) == "controlplane_app"
     target = db.migration_target(settings)
-    assert (db.url_user(target.url), target.runtime_role) == ("controlplane_owner", "controlplane_app")
+    assert (db.url_user(target.url), target.runtime_role) == ("controlplane", "controlplane_app")
     for name in UNIT_COMMANDS:
         files = re.findall(r"^EnvironmentFile=(.+)$", (SYSTEMD / name).read_text(), re.MULTILINE)
         migrate = name == "controlplane-migrate.service"
@@ -309,6 +315,46 @@ def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
 
 def kubernetes_settings() -> Settings:
     return settings_module.load({**config_map()["data"], **secret_values(secret())})
+
+
+def database_cluster() -> Doc:
+    (doc,) = of_kind("Cluster")
+    return doc
+
+
+def test_the_database_is_a_three_instance_cluster_with_synchronous_commits() -> None:
+    cluster = database_cluster()
+    spec = cluster["spec"]
+    assert spec["instances"] == 3
+    assert spec["postgresql"]["synchronous"] == {"method": "any", "number": 1, "dataDurability": "required"}
+    assert "hostnossl all all 0.0.0.0/0 reject" in spec["postgresql"]["pg_hba"]
+    assert spec["enableSuperuserAccess"] is False
+    initdb = spec["bootstrap"]["initdb"]
+    (owner,) = [d for d in of_kind("Secret") if d["metadata"]["name"] == initdb["secret"]["name"]]
+    (app_role,) = spec["managed"]["roles"]
+    (app,) = [d for d in of_kind("Secret") if d["metadata"]["name"] == app_role["passwordSecret"]["name"]]
+    for role in (owner, app):
+        assert role["type"] == "kubernetes.io/basic-auth" and "REPLACE_ME" in role["stringData"]["password"]
+    # The runtime role: a login and nothing else (migrate grants it its privileges).
+    assert app_role["login"] is True and not any(app_role[k] for k in ("superuser", "createdb", "createrole"))
+    name = cluster["metadata"]["name"]
+    runtime = urlsplit(secret_values(secret())["CONTROLPLANE_DATABASE_URL"])
+    migration = urlsplit(secret_values(secret(MIGRATION_SECRET))["CONTROLPLANE_MIGRATION_DATABASE_URL"])
+    assert runtime.username == app["stringData"]["username"] == app_role["name"]
+    assert migration.username == owner["stringData"]["username"] == initdb["owner"]
+    # Both to the -rw Service of that Cluster, to its database, TLS verified with its CA.
+    for url in (runtime, migration):
+        assert url.hostname == f"{name}-rw" and url.port == 5432
+        assert url.path == "/" + initdb["database"]
+        assert url.query == runtime.query
+    query = parse_qs(runtime.query)
+    assert query["sslmode"] == ["verify-full"]
+    (ca_path,) = query["sslrootcert"]
+    for workload in workloads():
+        volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+        for container in containers(workload):
+            (mount,) = [m for m in container["volumeMounts"] if ca_path.startswith(m["mountPath"] + "/")]
+            assert volumes[mount["name"]]["secret"]["secretName"] == f"{name}-ca"
 
 
 def test_config_map_and_secret_load_as_settings() -> None:
@@ -335,20 +381,12 @@ def test_role_binds_exactly_the_provisioner_resources_in_the_instances_namespace
     (binding,) = of_kind("RoleBinding")
     namespace = config_map()["data"]["CONTROLPLANE_KUBERNETES_NAMESPACE"]
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
-    granted: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
-    assert "*" not in {verb for verbs in granted.values() for verb in verbs}
-    manage = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    assert granted == {
-        ("apps", "statefulsets"): manage,
-        ("", "services"): manage,
-        ("", "secrets"): manage,
-        ("", "persistentvolumeclaims"): manage - {"create"},
-        ("", "pods"): {"get", "list", "watch"},
-    }
+    verbs = {verb for rule in role["rules"] for verb in rule["verbs"]}
+    groups = {group for rule in role["rules"] for group in rule["apiGroups"]}
+    resources = {resource for rule in role["rules"] for resource in rule["resources"]}
+    assert "*" not in verbs | groups | resources
+    # Which verbs: exactly the provisioner's calls, checked by tests/test_kubernetes_rbac.py.
+    assert "watch" not in verbs and "update" not in verbs, "the provisioner only applies and reads"
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "Role",
@@ -498,7 +536,7 @@ def test_kustomize_build_places_resources_in_their_namespaces() -> None:
     assert len(docs) == len(all_documents())
     instances = config_map()["data"]["CONTROLPLANE_KUBERNETES_NAMESPACE"]
     for doc in docs:
-        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[0], strict=True)
+        cnpg_schema.validate(doc, f"{KUBERNETES_VERSIONS[0]}.0")
         namespace = doc["metadata"].get("namespace")
         if doc["kind"] == "Namespace":
             assert namespace is None
@@ -613,6 +651,8 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert "> 0" in over_deadline["expr"]
     stale = rule_using("time() - max(controlplane_reconciler_last_success_timestamp_seconds)")
     assert stale["labels"]["severity"] == "warning" and "> 120" in stale["expr"]
+    data_lost = rule_using("controlplane_data_loss_total")
+    assert data_lost["labels"]["severity"] == "page" and "for" not in data_lost
     failed = rule_using('controlplane_entities{entity="job", state="failed"}')
     assert failed["labels"]["severity"] == "warning" and failed["for"] == "15m"
 

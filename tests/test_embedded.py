@@ -13,7 +13,7 @@ from psycopg.conninfo import conninfo_to_dict
 from controlplane import db
 from controlplane.embedded import FAST_SETTINGS, OWNER_ROLE, RUNTIME_ROLE, open_embedded
 from controlplane.postgres import find_bindir, port_in_use
-from controlplane.settings import Settings, load
+from controlplane.settings import Settings, SettingsError, load
 
 
 def owner_uid(pid: int) -> int:
@@ -49,12 +49,17 @@ def test_embedded_server_starts_stops_and_is_reused(pg_root: Path) -> None:
     assert not first.server.is_running()
     assert not port_in_use(first.server.port)
 
-    # With no database URL configured, the control plane opens the same server under data_dir/db,
-    # as its runtime role; the database made before the roles existed is handed to the owner role.
+    # With no database URL configured, a client command uses the running server under
+    # data_dir/db, and never starts it: stopped, it says so in one line.
     settings = Settings(database_url=None, data_dir=data_dir)
-    reopened_url = db.resolve_database_url(settings)
+    with pytest.raises(SettingsError, match="is not running: start `controlplane up`"):
+        db.resolve_database_url(settings)
+    assert not first.server.is_running()
     second = open_embedded(root)
     try:
+        # Running, as its runtime role; the database made before the roles existed is handed over
+        # to the owner role.
+        reopened_url = db.resolve_database_url(settings)
         assert second.server.port == first.server.port and second.password == first.password
         assert conninfo_to_dict(reopened_url)["user"] == RUNTIME_ROLE
         assert oct((root / "roles.json").stat().st_mode & 0o777) == "0o600"
@@ -101,3 +106,17 @@ def test_configured_url_skips_the_embedded_server(tmp_path: Path) -> None:
 def test_only_postgres_urls_are_accepted(bad: str) -> None:
     with pytest.raises(ValueError, match="not a PostgreSQL URL"):
         db.sqlalchemy_url(bad)
+
+
+def test_pools_retry_at_least_every_second_and_never_give_up() -> None:
+    """psycopg_pool's own backoff doubles without bound and gives up after 300 s; ours does neither."""
+    pool = db.pool("postgresql://nobody@127.0.0.1:1/none")
+    assert pool.reconnect_timeout == float("inf")
+    attempt = db._CappedBackoff(timeout=pool.reconnect_timeout)
+    now = 0.0
+    for _ in range(40):  # forty failed attempts in a row: over half a minute of outage
+        attempt.update_delay(now)
+        assert attempt.delay <= db.RECONNECT_MAX_DELAY_S
+        now += attempt.delay
+        assert not attempt.time_to_give_up(now)
+    assert now > 30

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane import audit, db
 from controlplane.db import AsyncConn
-from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.handlers import DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, transition
 from provisioners.faults import FaultyProvisioner, parse_faults
@@ -168,7 +168,7 @@ async def degrade(conn: AsyncConn, instance_id: uuid.UUID, why: str) -> None:
     )
 
 
-async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
+async def test_heal_restarts_a_killed_server_but_never_rebuilds_lost_data(
     conn: AsyncConn, local_settings: Settings
 ) -> None:
     local = LocalProvisioner(local_settings)
@@ -190,14 +190,27 @@ async def test_heal_restarts_a_killed_server_and_rebuilds_a_removed_directory(
         customer.execute("CREATE TABLE after_restart (x int)")
 
     shutil.rmtree(local.datadir(iid))
-    assert (await local.observe(iid)).exists is False
+    assert (await local.observe(iid)).data_lost
     await degrade(conn, iid, "data directory missing")
     heal_job = await enqueue(conn, HEAL, iid)
     await run_until(local_settings, registry, job_finished(heal_job["id"]))
+    healed = await job(conn, heal_job["id"])
+    assert healed["state"] == "abandoned" and "data is lost" in healed["last_error"]
+    assert (await instance(conn, iid))["state"] == "degraded"
+    assert not (local.datadir(iid) / "PG_VERSION").exists()  # no empty database in its place
+
+    # Accepted (here by an operator): re-created empty, same id, port, role and password.
+    await conn.execute("UPDATE instances SET failure_code = 'data_lost' WHERE id = %s", (iid,))
+    restore = await enqueue(conn, RESTORE, iid, empty=True, accepted_by="operator:tests")
+    await run_until(local_settings, registry, job_finished(restore["id"]))
     row = await instance(conn, iid)
     assert row["state"] == "ready" and credentials(local_settings, row) == info
-    assert (await job(conn, heal_job["id"]))["verdict"]["repaired"] == "data directory missing"
-    with connect(info) as customer:  # same id, port, role and password on a rebuilt server
+    assert (await job(conn, restore["id"]))["verdict"] == {
+        "result": "ready",
+        "restored_from": None,
+        "empty": True,
+    }
+    with connect(info) as customer:
         customer.execute("CREATE TABLE rebuilt (x int)")
     assert [r.kind for r in await local.inventory()] == ["data_directory", "server", "port"]
     assert await audit.verify(conn) == []

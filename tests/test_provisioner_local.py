@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.handlers import StaleFence, TemporaryError
 from controlplane.postgres import port_in_use
-from provisioners.base import ConnectionInfo, InstanceSpec
+from provisioners.base import ConnectionInfo, DataLost, InstanceSpec
 from provisioners.local import LocalProvisioner, owner_role
 from tests.provisioning_support import connect, real_instances
 
@@ -139,9 +139,14 @@ async def test_observe_sees_a_killed_server_and_a_removed_directory(local: Local
     shutil.rmtree(local.datadir(iid))
     observed = await local.observe(iid)
     assert not observed.exists and observed.detail == "data directory missing"
+    assert observed.data_lost
     with pytest.raises(TemporaryError):
         await local.initialize_database(iid, DEV, fence=3)
 
+    # Lost data is never re-created empty by re-running the steps: only an explicit restore does.
+    with pytest.raises(DataLost):
+        await provision(local, iid, fence=3)
+    await local.restore(iid, DEV, fence=3, backup_id=None)
     repaired = await provision(local, iid, fence=3)
     assert repaired.port == info.port and repaired.user == info.user
     with connect(repaired) as conn:

@@ -72,31 +72,26 @@ async def test_a_killed_server_and_a_removed_data_directory_are_degraded_and_hea
         with connect(credentials(local_settings, row)) as customer:
             customer.execute("CREATE TABLE before_the_loss (x int)")
 
-        # The data directory removed, behind the control plane's back: never left ready.
+        # The data directory removed, behind the control plane's back: degraded as data lost, and
+        # never healed into an empty database (no backup is held: it waits for a decision).
         shutil.rmtree(local.datadir(iid))
         summary = await rec.run_once()
-        assert summary.actions == {"degrade": 1, "enqueue_heal": 1}
+        assert summary.actions == {"degrade": 1}
         row = await instance(conn, iid)
-        assert (row["state"], row["failure_reason"]) == ("degraded", "observed data directory missing")
+        assert (row["state"], row["failure_code"]) == ("degraded", "data_lost")
+        assert row["failure_reason"] == "data lost: data directory missing"
         async with working(local_settings, registry):
-            await passes_until(rec, recovered(iid))
-    row = await instance(conn, iid)
-    with connect(credentials(local_settings, row)) as customer:  # re-provisioned: an empty database
-        customer.execute("CREATE TABLE after_the_rebuild (x int)")
-        assert customer.execute("SELECT to_regclass('before_the_loss')").fetchone() == (None,)
+            assert (await rec.run_once()).actions == {}
+        assert await live_jobs(conn, iid) == []
     assert [(f, t, a.split(":")[0]) for f, t, _, a in await instance_events(conn, iid)][3:] == [
         ("ready", "degraded", "reconciler"),
         ("degraded", "ready", "worker"),
         ("ready", "degraded", "reconciler"),
-        ("degraded", "ready", "worker"),
     ]
     cursor = await conn.execute(
         "SELECT reason FROM instance_events WHERE instance_id = %s AND event = 'recover' ORDER BY id", (iid,)
     )
-    assert [r["reason"] for r in await cursor.fetchall()] == [
-        "repaired (server not running)",
-        "repaired (data directory missing)",
-    ]
+    assert [r["reason"] for r in await cursor.fetchall()] == ["repaired (server not running)"]
     assert await audit.verify(conn) == []
 
 

@@ -22,6 +22,7 @@ TABLES = {
     "organisations",
     "api_keys",
     "instances",
+    "backups",
     "instance_events",
     "jobs",
     "job_events",

@@ -11,12 +11,22 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from controlplane import db
-from controlplane.api import errors, routes_admin, routes_instances, routes_orgs, routes_public, webhooks
+from controlplane.api import (
+    errors,
+    routes_admin,
+    routes_backups,
+    routes_instances,
+    routes_orgs,
+    routes_public,
+    routes_tls,
+    webhooks,
+)
 from controlplane.api.errors import Problem
 from controlplane.api.state import AppState, KeyCache
 from controlplane.handlers import JobRegistry
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
+from provisioners.base import Provisioner
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +34,19 @@ API_VERSION = "1"
 
 
 def create_app(
-    settings: Settings, *, database_url: str | None = None, job_registry: JobRegistry | None = None
+    settings: Settings,
+    *,
+    database_url: str | None = None,
+    job_registry: JobRegistry | None = None,
+    provisioner: Provisioner | None = None,
 ) -> FastAPI:
     """A new application; its database pool opens and closes with the lifespan.
 
     `database_url` overrides the settings' (e.g. the embedded server's URL resolved by the caller);
     `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (else
-    CONTROLPLANE_JOB_REGISTRY names them, loaded at the first abandon).
+    CONTROLPLANE_JOB_REGISTRY names them, loaded at the first abandon); `provisioner` is the one
+    whose CA the API publishes (else one is built from the settings when first asked, and closed
+    with the application).
     """
 
     @asynccontextmanager
@@ -45,10 +61,14 @@ def create_app(
             box=load_box(settings),
             job_registry=job_registry,
             keys=KeyCache(settings.api_key_cache_s),
+            provisioner=provisioner,
         )
         try:
             yield
         finally:
+            built = app.state.controlplane.provisioner
+            if built is not None and built is not provisioner:
+                await built.close()
             await pool.close()
             app.state.controlplane = None
 
@@ -62,10 +82,12 @@ def create_app(
     errors.install(app)
     for router in (
         routes_instances.router,
+        routes_backups.router,
         routes_orgs.router,
         routes_admin.router,
         webhooks.router,
         routes_public.router,
+        routes_tls.router,
     ):
         app.include_router(router)
     app.add_middleware(errors.BodySizeLimit, max_bytes=settings.max_body_bytes)

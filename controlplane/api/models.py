@@ -47,6 +47,28 @@ def _known_plan(value: str | None) -> str | None:
     return value
 
 
+class RestoreFrom(Strict):
+    instance_id: uuid.UUID = Field(description="an instance of this organisation, live or deleted")
+    backup: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="one of that instance's backups (its final backup is named in the audit log);"
+        " with point_in_time, the base the replay starts from",
+    )
+    point_in_time: Timestamp | None = Field(
+        None, description="RFC 3339, with a time zone: replay that instance's archive up to this moment"
+    )
+
+    @field_validator("point_in_time")
+    @classmethod
+    def _with_time_zone(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("point_in_time needs a time zone (RFC 3339)")
+        return value
+
+
 class InstanceCreate(Strict):
     name: str = Field(
         min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
@@ -58,6 +80,9 @@ class InstanceCreate(Strict):
     )
     region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
     deletion_protection: bool = False
+    restore_from: RestoreFrom | None = Field(
+        None, description="fill the new instance from another's backup or point in time (kubernetes)"
+    )
 
     _plan = field_validator("plan")(_known_plan)
 
@@ -77,6 +102,14 @@ class Connection(BaseModel):
     dbname: str
     user: str
     password: str | None = Field(description="shown by GET /v1/instances/{id} only")
+    sslmode: str | None = Field(
+        None,
+        description="the libpq sslmode to connect with, when TLS is required (verify-full: check the"
+        " server's certificate against ca_certificate, or the CA of GET /v1/ca.pem)",
+    )
+    ca_certificate: str | None = Field(
+        None, description="PEM of the CA that signs the server's certificate (sslrootcert)"
+    )
     uri: str
 
 
@@ -89,6 +122,9 @@ class Instance(BaseModel):
         " is pending or after it was given up"
     )
     region: str
+    instances: int | None = Field(description="PostgreSQL servers of the plan (a primary and standbys)")
+    storage_gb: int | None = Field(description="the volume of each server, GiB")
+    restore_from: RestoreFrom | None = Field(None, description="where its data came from, if restored")
     state: InstanceState
     state_version: int
     progress: str | None
@@ -103,6 +139,9 @@ class Instance(BaseModel):
     time_in_state_s: float
     deadline_at: datetime | None
     failure_reason: str | None
+    failure_code: str | None = Field(
+        description="a stable code of what is wrong: data_lost (restore it: POST /v1/instances/{id}/restore)"
+    )
     deletion_protection: bool
     billing_hold: bool
     deletion_requested: bool
@@ -234,9 +273,70 @@ class DwellStats(BaseModel):
     states: list[DwellStat]
 
 
+class BackupSchedule(BaseModel):
+    interval_s: float = Field(description="a backup every this many seconds")
+    keep: int = Field(description="how many backups are kept (the newest)")
+
+
 class Plan(BaseModel):
     name: str
     settings: dict[str, Any]
+    instances: int = Field(description="PostgreSQL servers: one primary, the rest standbys it fails over to")
+    storage_gb: int
+    cpu: str
+    memory: str
+    backups: BackupSchedule
+
+
+class Backup(BaseModel):
+    id: str = Field(description="the backup's name, unique per instance: what a restore names")
+    kind: Literal["scheduled", "on_demand"]
+    taken_at: datetime
+    size_bytes: int | None
+
+
+class AdminBackup(Backup):
+    location: str = Field(description="where the provisioner keeps it")
+    recorded_at: datetime
+
+
+class BackupPage(BaseModel):
+    items: list[Backup]
+    next_cursor: str | None
+
+
+class AdminBackupPage(BaseModel):
+    items: list[AdminBackup]
+    next_cursor: str | None
+
+
+class BackupRequested(BaseModel):
+    instance_id: uuid.UUID
+    job_id: uuid.UUID
+    created: bool = Field(description="false when a backup of the instance was already under way")
+
+
+class RestoreFromBackup(Strict):
+    """Bring back an instance whose data is lost from one of its backups (the newest by default)."""
+
+    backup_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$",
+        description="a backup listed by GET /v1/instances/{id}/backups; omitted: the newest one",
+    )
+    reason: str | None = Field(None, max_length=500, description="why, for the audit log")
+
+
+class RestoreEmpty(Strict):
+    """Re-create an instance whose data is lost empty: the loss is accepted (no backup is used)."""
+
+    empty: Literal[True]
+    reason: str | None = Field(None, max_length=500, description="why, for the audit log")
+
+
+RestoreRequest = RestoreFromBackup | RestoreEmpty
 
 
 class PlanList(BaseModel):

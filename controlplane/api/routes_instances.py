@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from psycopg.rows import DictRow
 
+import provisioners
 from controlplane import handlers, jobs, lifecycle
 from controlplane.api import errors, idempotency, views, watch
 from controlplane.api.auth import Customer, customer
@@ -67,6 +68,18 @@ async def _load(conn: AsyncConn, who: Customer, instance_id: uuid.UUID, *, lock:
     return row
 
 
+async def _check_restore_source(conn: AsyncConn, who: Customer, source: uuid.UUID, provisioner: str) -> None:
+    """A restore names an instance of the caller's own organisation (404 otherwise, as for a read),
+    on a provisioner that restores (422 otherwise)."""
+    cursor = await conn.execute("SELECT 1 FROM instances WHERE id = %s AND org_id = %s", (source, who.org_id))
+    if await cursor.fetchone() is None:
+        raise ProblemError("not-found", f"restore_from.instance_id: no instance {source}")
+    if not provisioners.supports_restore(provisioner):
+        raise ProblemError(
+            "validation", f"restore_from is not supported by the {provisioner} provisioner of this service"
+        )
+
+
 def _refuse_state(row: DictRow, detail: str, kind: str = "invalid-state") -> ProblemError:
     return ProblemError(
         kind,
@@ -82,7 +95,7 @@ def _refuse_state(row: DictRow, detail: str, kind: str = "invalid-state") -> Pro
     response_model=Instance,
     responses={
         202: {"headers": {"Location": {"schema": {"type": "string"}}}},
-        **errors.responses(400, 401, 403, 409, 413, 422),
+        **errors.responses(400, 401, 403, 404, 409, 413, 422),
     },
     summary="Create an instance (provisioned in the background)",
 )
@@ -93,7 +106,9 @@ async def create(
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
     state = app_state(request)
-    spec = {"plan": body.plan, "region": body.region}
+    spec: dict[str, Any] = {"plan": body.plan, "region": body.region}
+    if body.restore_from is not None:
+        spec["restore_from"] = body.restore_from.model_dump(mode="json")
     digest = idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
     async with state.pool.connection() as conn:
         try:
@@ -104,6 +119,10 @@ async def create(
                     if stored is not None:
                         headers = {**stored.headers, "Idempotent-Replayed": "true"}
                         return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
+                if body.restore_from is not None:
+                    await _check_restore_source(
+                        conn, who, body.restore_from.instance_id, state.settings.provisioner
+                    )
                 row = await create_instance(
                     conn,
                     who.org_id,

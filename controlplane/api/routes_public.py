@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -33,12 +34,16 @@ async def readyz(request: Request) -> Any:
     if app.head_revision is None:
         app.head_revision = db.head_revision()
     try:
-        async with app.pool.connection(timeout=5) as conn:
+        # The pool's own wait: short while the database is known to be unreachable.
+        async with app.pool.connection() as conn:
             cursor = await conn.execute("SELECT version_num FROM alembic_version")
             rows = [r["version_num"] for r in await cursor.fetchall()]
     except Exception as exc:
         return errors.problem_response(
-            "unavailable", f"database not reachable: {type(exc).__name__}", instance="/readyz"
+            "unavailable",
+            f"database not reachable: {type(exc).__name__}",
+            instance="/readyz",
+            headers={"Retry-After": "1"},
         )
     if rows != [app.head_revision]:
         return errors.problem_response(
@@ -79,4 +84,14 @@ async def lifecycle_tables() -> JSONResponse:
 
 @router.get("/v1/plans", response_model=PlanList, tags=["reference"], summary="The plans on offer")
 async def list_plans() -> dict[str, Any]:
-    return {"items": [{"name": name, "settings": dict(plans.PLANS[name])} for name in plans.plan_names()]}
+    return {
+        "items": [
+            {
+                "name": name,
+                "settings": dict(plans.PLANS[name]),
+                **plans.get_shape(name).as_dict(),
+                "backups": dataclasses.asdict(plans.backup_schedule(name)),
+            }
+            for name in plans.plan_names()
+        ]
+    }

@@ -15,6 +15,7 @@ from controlplane.handlers import JobRegistry
 from controlplane.secretbox import SecretBox
 from controlplane.settings import Settings
 from controlplane.tenants import Principal
+from provisioners.base import Provisioner
 
 
 class KeyCache:
@@ -58,6 +59,17 @@ class AppState:
     job_registry: JobRegistry | None = None
     extra: dict[str, object] = field(default_factory=dict)
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
+    # The provisioner of the instances (for the CA it publishes); built on first use when not given.
+    provisioner: Provisioner | None = None
+
+
+def provisioner_of(state: AppState) -> Provisioner:
+    """The application's provisioner: the one it was given, else one built from its settings."""
+    if state.provisioner is None:
+        import provisioners
+
+        state.provisioner = provisioners.build(state.settings)
+    return state.provisioner
 
 
 def app_state(request: HTTPConnection) -> AppState:

@@ -10,7 +10,7 @@ from functools import cache
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from controlplane import lifecycle
+from controlplane import backups, lifecycle, plans
 from controlplane.api.errors import ProblemError
 from controlplane.secretbox import SecretBox
 
@@ -21,6 +21,8 @@ CUSTOMER_ACTIONS: dict[str, str] = {
     "resize": "PATCH {plan}: runs now when ready, otherwise as soon as the instance is ready",
     "set_deletion_protection": "PATCH {deletion_protection}: takes effect at once",
     "delete": "DELETE: starts now when ready, degraded or suspended, otherwise as soon as it can",
+    "backup": "POST /backups: a backup now, beside the plan's schedule (ready or suspended)",
+    "restore": "POST /restore {backup_id | empty}: bring back an instance whose data is lost",
 }
 
 # Columns every instance query selects (the table is aliased `i`, organisations `o`).
@@ -59,7 +61,9 @@ def can_deprovision_now(state: str) -> bool:
     return "deprovision" in lifecycle.INSTANCE.allowed_events(state)
 
 
-def allowed_actions(state: str, *, deletion_protection: bool, deletion_requested: bool) -> list[str]:
+def allowed_actions(
+    state: str, *, deletion_protection: bool, deletion_requested: bool, failure_code: str | None = None
+) -> list[str]:
     """Customer actions the instance accepts now, from the lifecycle and the recorded intents."""
     if deletion_requested:
         return []
@@ -68,6 +72,10 @@ def allowed_actions(state: str, *, deletion_protection: bool, deletion_requested
         actions += ["resize", "set_deletion_protection"]
     if can_still_deprovision(state) and not deletion_protection:
         actions.append("delete")
+    if backups.can_back_up(state):
+        actions.append("backup")
+    if backups.can_restore({"state": state, "failure_code": failure_code}):
+        actions.append("restore")
     return actions
 
 
@@ -76,6 +84,7 @@ def row_actions(row: Mapping[str, Any]) -> list[str]:
         row["state"],
         deletion_protection=row["deletion_protection"],
         deletion_requested=row["deletion_requested_at"] is not None,
+        failure_code=row.get("failure_code"),
     )
 
 
@@ -87,25 +96,33 @@ def connection(row: Mapping[str, Any], box: SecretBox, *, reveal: bool) -> dict[
     dbname, user = str(info.get("dbname", "postgres")), str(info.get("user", "postgres"))
     password = box.decrypt(row["secret"]) if reveal and row.get("secret") else None
     credentials = quote(user, safe="") + (f":{quote(password, safe='')}" if password is not None else "")
+    sslmode = info.get("sslmode")
+    query = f"?sslmode={quote(str(sslmode), safe='')}" if sslmode else ""
     return {
         "host": host,
         "port": port,
         "dbname": dbname,
         "user": user,
         "password": password,
-        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}",
+        "sslmode": sslmode,
+        "ca_certificate": info.get("ca_certificate"),
+        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}{query}",
     }
 
 
 def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) -> dict[str, Any]:
     """The API representation of an instance row (joined with its organisation's billing hold)."""
     spec = row["spec"] or {}
+    shape = plans.SHAPES.get(str(spec.get("plan")))
     return {
         "id": row["id"],
         "name": row["name"],
         "plan": spec.get("plan"),
         "observed_plan": (row["observed_spec"] or {}).get("plan"),
         "region": spec.get("region"),
+        "instances": None if shape is None else shape.instances,
+        "storage_gb": None if shape is None else max(shape.storage_gb, int(spec.get("storage_gb") or 0)),
+        "restore_from": spec.get("restore_from"),
         "state": row["state"],
         "state_version": row["state_version"],
         "progress": row["progress"],
@@ -117,6 +134,7 @@ def instance(row: Mapping[str, Any], box: SecretBox, *, reveal: bool = False) ->
         "time_in_state_s": max(0.0, round(float(row["time_in_state_s"]), 3)),
         "deadline_at": row["deadline_at"],
         "failure_reason": row["failure_reason"],
+        "failure_code": row.get("failure_code"),
         "deletion_protection": row["deletion_protection"],
         "billing_hold": row["billing_hold"],
         "deletion_requested": row["deletion_requested_at"] is not None,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -53,6 +56,32 @@ def register(commands: Any) -> None:
     watch = _action(actions, "watch", "follow a database's state changes", cmd_watch)
     watch.add_argument("id")
 
+    listing = _action(actions, "backups", "a database's backups, newest first", cmd_backups)
+    listing.add_argument("id")
+
+    backup = _action(actions, "backup", "take a backup now (beside the plan's schedule)", cmd_backup)
+    backup.add_argument("id")
+
+    restore = _action(
+        actions, "restore", "bring back a database whose data is lost: from a backup, or empty", cmd_restore
+    )
+    restore.add_argument("id")
+    source = restore.add_mutually_exclusive_group(required=True)
+    source.add_argument("--backup", metavar="BACKUP_ID", help="a backup listed by `instances backups`")
+    source.add_argument("--newest", action="store_true", help="the newest backup held")
+    source.add_argument(
+        "--empty", action="store_true", help="re-create it empty: accept that its data is lost"
+    )
+    restore.add_argument("--reason", help="why, for the audit log")
+    restore.add_argument("--wait", action="store_true", help="follow progress until ready")
+
+    ca = commands.add_parser(
+        "ca", help="the CA certificate the databases' server certificates are checked against"
+    )
+    ca.add_argument("--url", default=None, help="API URL (env CONTROLPLANE_URL)")
+    ca.add_argument("--output", type=Path, help="write it to this file (else print it)")
+    ca.set_defaults(handler=cmd_ca)
+
 
 def _action(actions: Any, name: str, help_text: str, handler: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = actions.add_parser(name, help=help_text)
@@ -66,14 +95,22 @@ def _action(actions: Any, name: str, help_text: str, handler: Any) -> argparse.A
 class Api:
     """A thin client of the REST API that turns problem+json errors into one-line CommandErrors."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, *, need_key: bool = True) -> None:
         url = args.url or os.environ.get("CONTROLPLANE_URL") or "http://127.0.0.1:8700"
-        key = args.api_key or os.environ.get("CONTROLPLANE_API_KEY")
-        if not key:
+        key = getattr(args, "api_key", None) or os.environ.get("CONTROLPLANE_API_KEY")
+        if not key and need_key:
             raise CommandError("no API key: set CONTROLPLANE_API_KEY or pass --api-key")
-        self.client = httpx.Client(
-            base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {key}"}, timeout=30
-        )
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30)
+
+    def ca_pem(self) -> str:
+        try:
+            response = self.client.get("/v1/ca.pem")
+        except httpx.HTTPError as exc:
+            raise CommandError(f"cannot reach the API at {self.client.base_url}: {exc}") from None
+        if response.status_code >= 400:
+            raise CommandError(problem_line(response))
+        return response.text
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -111,14 +148,40 @@ def problem_line(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {detail}{extra}"
 
 
-def show_instance(instance: dict[str, Any], as_json: bool) -> None:
+def ca_file(api: Api, pem: str | None = None) -> Path:
+    """A CA certificate (`pem`, else the API's) in a file of this user's: CONTROLPLANE_CA_FILE, else
+    one per certificate under $XDG_CONFIG_HOME/controlplane; written when missing or different."""
+    pem = pem or api.ca_pem()
+    configured = os.environ.get("CONTROLPLANE_CA_FILE")
+    if configured:
+        path = Path(configured).expanduser()
+    else:
+        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+        path = base / "controlplane" / f"ca-{hashlib.sha256(pem.encode()).hexdigest()[:16]}.pem"
+    if not path.exists() or path.read_text() != pem:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(pem)
+    return path
+
+
+def connection_uri(api: Api, connection: dict[str, Any]) -> str:
+    """The URI to give libpq (psql): with `sslrootcert` naming the CA when the server is verified
+    (the instance's own CA when its connection names one, else the API's)."""
+    uri = str(connection["uri"])
+    if connection.get("sslmode") not in ("verify-full", "verify-ca"):
+        return uri
+    path = ca_file(api, connection.get("ca_certificate"))
+    return f"{uri}&sslrootcert={quote(str(path), safe='/')}"
+
+
+def show_instance(instance: dict[str, Any], as_json: bool, api: Api | None = None) -> None:
     if as_json:
         print_json(instance)
         return
     rows = [(key, instance.get(key)) for key in instance if key != "connection"]
     connection = instance.get("connection")
     if connection:
-        rows.append(("uri", connection.get("uri")))
+        rows.append(("uri", connection_uri(api, connection) if api else connection.get("uri")))
     print_table(rows, ("field", "value"))
 
 
@@ -173,7 +236,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     if args.json:
         print_json(final)
     elif final["state"] == "ready" and final.get("connection"):
-        print(final["connection"]["uri"])
+        print(connection_uri(api, final["connection"]))
     if final["state"] != "ready":
         raise CommandError(f"instance ended {final['state']}: {final.get('failure_reason') or 'no reason'}")
     return 0
@@ -190,13 +253,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    instance = Api(args).request("GET", f"/v1/instances/{args.id}")
+    api = Api(args)
+    instance = api.request("GET", f"/v1/instances/{args.id}")
     if args.uri:
         if not instance.get("connection"):
             raise CommandError(f"instance {args.id} has no connection yet (state {instance['state']})")
-        print(instance["connection"]["uri"])
+        print(connection_uri(api, instance["connection"]))
         return 0
-    show_instance(instance, args.json)
+    show_instance(instance, args.json, api)
     return 0
 
 
@@ -278,4 +342,61 @@ def cmd_watch(args: argparse.Namespace) -> int:
         json.dump(event, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
+    return 0
+
+
+def cmd_backups(args: argparse.Namespace) -> int:
+    items = _all_items(Api(args), f"/v1/instances/{args.id}/backups")
+    if args.json:
+        print_json(items)
+        return 0
+    print_table(
+        [(b["id"], b["kind"], b["taken_at"], b["size_bytes"]) for b in items],
+        ("id", "kind", "taken_at", "size_bytes"),
+    )
+    return 0
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    requested = Api(args).request("POST", f"/v1/instances/{args.id}/backups")
+    if args.json:
+        print_json(requested)
+    elif requested["created"]:
+        job = requested["job_id"]
+        print(f"{args.id}: backup requested (job {job}); `instances backups` lists it once taken")
+    else:
+        print(f"{args.id}: a backup is already under way (job {requested['job_id']})")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    api = Api(args)
+    body: dict[str, Any] = {"empty": True} if args.empty else {}
+    if args.backup:
+        body["backup_id"] = args.backup
+    if args.reason:
+        body["reason"] = args.reason
+    instance = api.request("POST", f"/v1/instances/{args.id}/restore", json=body)
+    if not args.wait:
+        if args.json:
+            print_json(instance)
+        else:
+            source = "empty" if args.empty else args.backup or "the newest backup"
+            print(f"{args.id}: restore requested ({source})")
+        return 0
+    final = follow(api, args.id, ("ready",), args.json)
+    if args.json:
+        print_json(final)
+    if final["state"] != "ready":
+        raise CommandError(f"instance is {final['state']}: {final.get('failure_reason') or 'no reason'}")
+    return 0
+
+
+def cmd_ca(args: argparse.Namespace) -> int:
+    pem = Api(args, need_key=False).ca_pem()
+    if args.output is None:
+        sys.stdout.write(pem)
+        return 0
+    args.output.write_text(pem)
+    print(f"CA certificate written to {args.output} (use it as sslrootcert)")
     return 0

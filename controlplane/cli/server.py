@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import aio, db, logs, roles
+from controlplane import aio, datadir, db, logs, roles
 from controlplane.cli.common import CommandError, add_settings_flags, settings_from
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
@@ -26,6 +26,14 @@ PROVISIONER = (
     "local_listen_host",
     "kubernetes_namespace",
     "kubernetes_host",
+    "kubernetes_storage_class",
+    "kubernetes_image",
+    "kubernetes_backup_object_store",
+    "kubernetes_backup_schedule",
+    "kubernetes_expose",
+    "kubernetes_external_domain",
+    "kubernetes_client_cidrs",
+    "kubernetes_operator_namespace",
     "secret_key",
 )
 METRICS = ("metrics_port", "api_host")
@@ -108,19 +116,23 @@ def _configured(args: argparse.Namespace, default_format: str = "json") -> Setti
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    embedded = None
-    if not settings.database_url:
-        from controlplane.embedded import open_embedded
-
-        embedded = open_embedded(settings.data_dir / "db")
     try:
-        target = db.migration_target(settings)
-        db.migrate(target.url, runtime_role=target.runtime_role)
+        if settings.database_url or datadir.holder(settings.data_dir) is not None:
+            target = db.migration_target(settings)  # the configured URLs, or the running `up`'s
+            db.migrate(target.url, runtime_role=target.runtime_role)
+        else:
+            from controlplane.embedded import open_embedded
+
+            # No `up` runs here: the embedded server is started for the migration only, under the lock.
+            with datadir.held(settings.data_dir):
+                embedded = open_embedded(settings.data_dir / "db")
+                try:
+                    target = db.migration_target(settings, embedded)
+                    db.migrate(target.url, runtime_role=target.runtime_role)
+                finally:
+                    embedded.stop()
     except db.RoleError as exc:
         raise CommandError(str(exc)) from None
-    finally:
-        if embedded is not None and embedded.started_here:
-            embedded.stop()
     print(f"database migrated to revision {db.head_revision()}")
     if target.runtime_role:
         print(f"runtime role {target.runtime_role}: SELECT and INSERT only on the audit log")
@@ -136,12 +148,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
-    registry = roles.registry_for(provisioners.build(settings))
+    provisioner = provisioners.build(settings)
+    registry = roles.registry_for(provisioner)
 
     async def run() -> None:
         stop = asyncio.Event()
         roles.stop_on_signals(stop)
-        await roles.run_api(settings, url, registry, stop)
+        try:
+            await roles.run_api(settings, url, registry, stop, provisioner=provisioner)
+        finally:
+            await provisioner.close()
 
     aio.run(run())
     return 0

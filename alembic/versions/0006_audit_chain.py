@@ -1,7 +1,7 @@
 """audit chain: hash-chained events, monthly partitions, signed checkpoints
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-01
 
 Every event row carries its entity's sequence number (0, 1, 2 ... without gaps), the hash of its
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from alembic import op
 
-revision: str = "0005"
-down_revision: str | None = "0004"
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | None = None
 depends_on: str | None = None
 
@@ -157,7 +157,7 @@ def _create_event_table(table: str, fk: str, entity_table: str) -> list[str]:
 
 def _copy_with_chain(entity: str, table: str, fk: str, entity_table: str) -> list[str]:
     """Copy the old rows, computing each entity's chain level by level (seq 0 of every entity, then 1...)."""
-    old = f"{table}_0004"
+    old = f"{table}_0005"
 
     def hashed(prev: str) -> str:
         return (
@@ -209,7 +209,7 @@ def _copy_with_chain(entity: str, table: str, fk: str, entity_table: str) -> lis
 
 
 def _rename_old(table: str, fk: str, entity_table: str) -> list[str]:
-    old = f"{table}_0004"
+    old = f"{table}_0005"
     return [
         f"ALTER TABLE {table} RENAME TO {old}",
         f"ALTER TABLE {old} RENAME CONSTRAINT pk_{table} TO pk_{old}",

@@ -1,0 +1,588 @@
+"""CloudNativePG manifests for one instance (pure functions) and what the operator's status means."""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Literal
+
+from kubernetes.utils import quantity
+
+from controlplane.handlers import PermanentError
+from controlplane.settings import Settings, client_cidrs
+from provisioners.base import InstanceSpec, RestoreSource
+
+FIELD_MANAGER = "controlplane"
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+MERGE_CONTENT_TYPE = "application/merge-patch+json"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+INSTANCE_LABEL = "controlplane.io/instance-id"
+ORG_LABEL = "controlplane.io/org-id"
+BACKUP_OF_LABEL = "controlplane.io/backup-of"
+FENCE_ANNOTATION = "controlplane.io/fence"
+PLAN_ANNOTATION = "controlplane.io/plan"
+GENERATION_ANNOTATION = "controlplane.io/generation"
+PURPOSE_ANNOTATION = "controlplane.io/backup-purpose"
+CNPG_CLUSTER_LABEL = "cnpg.io/cluster"
+CNPG_API_VERSION = "postgresql.cnpg.io/v1"
+BARMAN_PLUGIN = "barman-cloud.cloudnative-pg.io"
+EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
+IMAGE = "ghcr.io/cloudnative-pg/postgresql:{version}"
+HEALTHY_PHASE = "Cluster in healthy state"
+PORT = 5432
+STATUS_PORT = 8000  # the instance manager's HTTP endpoint (operator and peers)
+DBNAME = "app"
+OWNER = "app"
+SSLMODE = "verify-full"
+# The external cluster a suspended instance pretends to follow: it does not exist, so the demoted
+# primary stays in recovery (read-only) with nothing to replay, until it is promoted again.
+SUSPENDED_SUFFIX = "-suspended"
+RESTORE_SOURCE = "origin"
+# Kubernetes quantities ("512Mi", "1", "250m") as numbers, the way the API server compares them.
+parse_quantity: Callable[[str], Decimal] = quantity.parse_quantity
+
+# ---- names and labels ------------------------------------------------------------------------------
+
+
+def resource_name(instance_id: uuid.UUID) -> str:
+    """The Cluster's name (at most 50 characters, a DNS-1035 label): everything else derives from it."""
+    return f"pg-{instance_id}"
+
+
+def credentials_name(instance_id: uuid.UUID) -> str:
+    return f"{resource_name(instance_id)}-credentials"
+
+
+def suspended_source(instance_id: uuid.UUID) -> str:
+    return resource_name(instance_id) + SUSPENDED_SUFFIX
+
+
+def labels(instance_id: uuid.UUID, org_id: uuid.UUID | None) -> dict[str, str]:
+    """What every object the provisioner creates carries: the instance, its organisation, the manager."""
+    found = {
+        "app.kubernetes.io/name": "postgresql",
+        "app.kubernetes.io/instance": resource_name(instance_id),
+        "app.kubernetes.io/component": "database",
+        MANAGED_BY: FIELD_MANAGER,
+        INSTANCE_LABEL: str(instance_id),
+    }
+    if org_id is not None:
+        found[ORG_LABEL] = str(org_id)
+    return found
+
+
+def owned_selector(instance_id: uuid.UUID) -> dict[str, str]:
+    """The objects this provisioner created for one instance (not the operator's, which inherit ids)."""
+    return {MANAGED_BY: FIELD_MANAGER, INSTANCE_LABEL: str(instance_id)}
+
+
+def _metadata(
+    instance_id: uuid.UUID, org_id: uuid.UUID | None, namespace: str, name: str, fence: int
+) -> dict[str, Any]:
+    annotations = {FENCE_ANNOTATION: str(fence), INSTANCE_LABEL: str(instance_id)}
+    if org_id is not None:
+        annotations[ORG_LABEL] = str(org_id)
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels(instance_id, org_id),
+        "annotations": annotations,
+    }
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How this installation builds clusters (from CONTROLPLANE_KUBERNETES_* settings)."""
+
+    namespace: str
+    storage_class: str | None = None
+    image: str | None = None
+    object_store: str | None = None
+    backup_schedule: str = "0 0 3 * * *"
+    expose: str = "cluster"
+    external_domain: str | None = None
+    client_cidrs: tuple[str, ...] = ()
+    operator_namespace: str = "cnpg-system"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ClusterOptions:
+        return cls(
+            namespace=settings.kubernetes_namespace,
+            storage_class=settings.kubernetes_storage_class,
+            image=settings.kubernetes_image,
+            object_store=settings.kubernetes_backup_object_store,
+            backup_schedule=settings.kubernetes_backup_schedule,
+            expose=settings.kubernetes_expose,
+            external_domain=settings.kubernetes_external_domain,
+            client_cidrs=tuple(client_cidrs(settings)),
+            operator_namespace=settings.kubernetes_operator_namespace,
+        )
+
+    def external_host(self, instance_id: uuid.UUID) -> str | None:
+        if self.expose != "loadbalancer" or not self.external_domain:
+            return None
+        return f"{resource_name(instance_id)}.{self.external_domain.strip('.')}"
+
+    def host(self, instance_id: uuid.UUID) -> str:
+        """Where customers connect: the external name, else the -rw Service (both in the certificate)."""
+        return self.external_host(instance_id) or f"{resource_name(instance_id)}-rw.{self.namespace}.svc"
+
+
+# ---- pure manifest builders ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str = field(default="", repr=False)
+
+    @classmethod
+    def generate(cls, password: str | None = None) -> Credentials:
+        return cls(OWNER, password or secrets.token_urlsafe(24))
+
+
+def secret_manifest(
+    instance_id: uuid.UUID, spec: InstanceSpec, options: ClusterOptions, credentials: Credentials, fence: int
+) -> dict[str, Any]:
+    """The owner's credentials: the bootstrap secret of the Cluster (basic-auth, as the operator reads it)."""
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(
+            instance_id, spec.org_id, options.namespace, credentials_name(instance_id), fence
+        ),
+        "type": "kubernetes.io/basic-auth",
+        "data": {"username": b64(credentials.user), "password": b64(credentials.password)},
+    }
+
+
+@dataclass(frozen=True)
+class Replica:
+    """The Cluster's replica stanza: never set, demoted (suspended), or promoted again with a token."""
+
+    state: Literal["none", "demoted", "promoted"] = "none"
+    promotion_token: str | None = None
+
+    @classmethod
+    def of(cls, cluster: Mapping[str, Any] | None) -> Replica:
+        stanza = ((cluster or {}).get("spec") or {}).get("replica") or {}
+        if not stanza:
+            return cls()
+        name = (cluster or {}).get("metadata", {}).get("name")
+        if stanza.get("primary") == name:
+            return cls("promoted", stanza.get("promotionToken") or None)
+        return cls("demoted")
+
+
+def _streaming_source(name: str, host: str, **parameters: str) -> dict[str, Any]:
+    """An external cluster reached by streaming replication, as the operator's replica clusters are."""
+    return {
+        "name": name,
+        "connectionParameters": {
+            "host": host,
+            "user": "streaming_replica",
+            "dbname": "postgres",
+            **parameters,
+        },
+    }
+
+
+def _self_reference(instance_id: uuid.UUID, namespace: str) -> dict[str, Any]:
+    """This cluster as an external cluster (the distributed topology names its members this way)."""
+    name = resource_name(instance_id)
+    return {
+        **_streaming_source(name, f"{name}-rw.{namespace}.svc", sslmode=SSLMODE),
+        "sslKey": {"name": f"{name}-replication", "key": "tls.key"},
+        "sslCert": {"name": f"{name}-replication", "key": "tls.crt"},
+        "sslRootCert": {"name": f"{name}-ca", "key": "ca.crt"},
+    }
+
+
+def _suspension_source(instance_id: uuid.UUID) -> dict[str, Any]:
+    """A primary that does not exist (.invalid never resolves): a demoted cluster follows nothing."""
+    name = suspended_source(instance_id)
+    return _streaming_source(name, f"{name}.invalid")
+
+
+def replica_stanza(instance_id: uuid.UUID, replica: Replica) -> dict[str, Any] | None:
+    name, phantom = resource_name(instance_id), suspended_source(instance_id)
+    if replica.state == "demoted":
+        return {"primary": phantom, "source": phantom}
+    if replica.state == "promoted":
+        stanza = {"primary": name, "source": phantom}
+        if replica.promotion_token:
+            stanza["promotionToken"] = replica.promotion_token
+        return stanza
+    return None
+
+
+def bootstrap_stanza(
+    instance_id: uuid.UUID, options: ClusterOptions, recovery: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """initdb of an empty database owned by the customer's role, or recovery from another's backups."""
+    owner = {"database": DBNAME, "owner": OWNER, "secret": {"name": credentials_name(instance_id)}}
+    if recovery is None:
+        return {"initdb": {**owner, "dataChecksums": True}}
+    return {"recovery": {"source": RESTORE_SOURCE, **owner, **recovery}}
+
+
+def restore_reference(options: ClusterOptions, source: RestoreSource) -> dict[str, Any]:
+    """The source instance's archive in the object store, as an external cluster."""
+    if not options.object_store:
+        raise PermanentError(
+            "restoring needs a backup object store (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE)"
+        )
+    return {
+        "name": RESTORE_SOURCE,
+        "plugin": {
+            "name": BARMAN_PLUGIN,
+            "parameters": {
+                "barmanObjectName": options.object_store,
+                "serverName": resource_name(source.instance_id),
+            },
+        },
+    }
+
+
+def recovery_target(source: RestoreSource, backup_id: str | None) -> dict[str, Any]:
+    """What to recover: from one backup (by its id) and/or up to a point in time; else everything."""
+    target: dict[str, Any] = {}
+    if backup_id is not None:
+        target["backupID"] = backup_id
+    if source.point_in_time is not None:
+        target["targetTime"] = source.point_in_time
+    return {"recoveryTarget": target} if target else {}
+
+
+def gib(quantity: str | None) -> int:
+    """A storage quantity in whole GiB, rounded up (0 when absent)."""
+    if not quantity:
+        return 0
+    value: Decimal = parse_quantity(quantity)
+    return int(-(-value // (1024**3)))
+
+
+def cluster_manifest(
+    instance_id: uuid.UUID,
+    spec: InstanceSpec,
+    options: ClusterOptions,
+    fence: int,
+    *,
+    replica: Replica = Replica(),
+    bootstrap: Mapping[str, Any] | None = None,
+    external_clusters: Sequence[Mapping[str, Any]] = (),
+    storage_gb: int | None = None,
+    resource_version: str | None = None,
+) -> dict[str, Any]:
+    """The instance's CloudNativePG Cluster: the plan's servers, volume, resources and settings."""
+    name = resource_name(instance_id)
+    shape = spec.shape
+    metadata = _metadata(instance_id, spec.org_id, options.namespace, name, fence)
+    metadata["annotations"].update({PLAN_ANNOTATION: spec.plan, GENERATION_ANNOTATION: str(spec.generation)})
+    if resource_version is not None:
+        metadata["resourceVersion"] = resource_version  # apply only over what was read: fenced
+    storage: dict[str, Any] = {
+        "size": f"{max(storage_gb or 0, spec.volume_gb)}Gi",
+        "resizeInUseVolumes": True,
+    }
+    if options.storage_class:
+        storage["storageClass"] = options.storage_class
+    postgresql: dict[str, Any] = {
+        "parameters": spec.server_settings(),
+        # TLS only: a connection without it is refused before any password is asked for.
+        "pg_hba": ["hostnossl all all 0.0.0.0/0 reject", "hostnossl all all ::/0 reject"],
+    }
+    if shape.instances > 1:
+        # An acknowledged commit is on a standby while one is in sync; a lost standby does not stop writes.
+        postgresql["synchronous"] = {"method": "any", "number": 1, "dataDurability": "preferred"}
+    inherited = {INSTANCE_LABEL: str(instance_id)}
+    if spec.org_id is not None:
+        inherited[ORG_LABEL] = str(spec.org_id)
+    body: dict[str, Any] = {
+        "instances": shape.instances,
+        "primaryUpdateStrategy": "unsupervised",
+        "enableSuperuserAccess": False,
+        "storage": storage,
+        "resources": {
+            "requests": {"cpu": shape.cpu, "memory": shape.memory},
+            "limits": {"memory": shape.memory},
+        },
+        "postgresql": postgresql,
+        "bootstrap": dict(bootstrap or bootstrap_stanza(instance_id, options, None)),
+        "inheritedMetadata": {"labels": inherited},
+    }
+    image = options.image or (IMAGE.format(version=spec.version) if spec.version else None)
+    if image:
+        body["imageName"] = image
+    external_host = options.external_host(instance_id)
+    if external_host:
+        body["certificates"] = {"serverAltDNSNames": [external_host]}
+        service: dict[str, Any] = {"type": "LoadBalancer", "externalTrafficPolicy": "Local"}
+        if options.client_cidrs:
+            service["loadBalancerSourceRanges"] = list(options.client_cidrs)
+        body["managed"] = {
+            "services": {
+                "additional": [
+                    {
+                        "selectorType": "rw",
+                        "serviceTemplate": {
+                            "metadata": {
+                                "name": f"{name}-external",
+                                "labels": inherited,
+                                "annotations": {EXTERNAL_DNS_ANNOTATION: external_host},
+                            },
+                            "spec": service,
+                        },
+                    }
+                ]
+            }
+        }
+    if options.object_store:
+        body["plugins"] = [
+            {
+                "name": BARMAN_PLUGIN,
+                "isWALArchiver": True,
+                "parameters": {"barmanObjectName": options.object_store},
+            }
+        ]
+    clusters = [dict(item) for item in external_clusters]
+    stanza = replica_stanza(instance_id, replica)
+    if stanza is not None:
+        body["replica"] = stanza
+        clusters += [_self_reference(instance_id, options.namespace), _suspension_source(instance_id)]
+    if clusters:
+        body["externalClusters"] = clusters
+    return {"apiVersion": CNPG_API_VERSION, "kind": "Cluster", "metadata": metadata, "spec": body}
+
+
+def network_policy_manifest(
+    instance_id: uuid.UUID, spec: InstanceSpec, options: ClusterOptions, fence: int
+) -> dict[str, Any]:
+    """Who may reach the instance's servers: its own peers, the operator, and its customers only.
+
+    Customers are pods in namespaces labelled with the organisation's id and, when the instance is
+    exposed, the configured client networks. Other pods of the Kubernetes cluster are refused.
+    """
+    name = resource_name(instance_id)
+    own = {"podSelector": {"matchLabels": {CNPG_CLUSTER_LABEL: name}}}
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": options.operator_namespace}}
+    }
+
+    def ports(*numbers: int) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": number} for number in numbers]
+
+    ingress: list[dict[str, Any]] = [
+        {"from": [own], "ports": ports(PORT, STATUS_PORT)},
+        {"from": [operator], "ports": ports(STATUS_PORT)},
+    ]
+    customers: list[dict[str, Any]] = []
+    if spec.org_id is not None:
+        customers.append({"namespaceSelector": {"matchLabels": {ORG_LABEL: str(spec.org_id)}}})
+    if options.external_host(instance_id):
+        customers += [{"ipBlock": {"cidr": cidr}} for cidr in options.client_cidrs or ("0.0.0.0/0",)]
+    if customers:
+        ingress.append({"from": customers, "ports": ports(PORT)})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(instance_id, spec.org_id, options.namespace, name, fence),
+        "spec": {
+            "podSelector": {"matchLabels": {CNPG_CLUSTER_LABEL: name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def scheduled_backup_manifest(
+    instance_id: uuid.UUID, spec: InstanceSpec, options: ClusterOptions, fence: int
+) -> dict[str, Any]:
+    """A base backup on the schedule, the first at once; its Backups go with it when it is deleted."""
+    name = resource_name(instance_id)
+    return {
+        "apiVersion": CNPG_API_VERSION,
+        "kind": "ScheduledBackup",
+        "metadata": _metadata(instance_id, spec.org_id, options.namespace, f"{name}-scheduled", fence),
+        "spec": {
+            "schedule": options.backup_schedule,
+            "cluster": {"name": name},
+            "method": "plugin",
+            "pluginConfiguration": {"name": BARMAN_PLUGIN},
+            "backupOwnerReference": "self",
+            "immediate": True,
+        },
+    }
+
+
+def backup_manifest(
+    instance_id: uuid.UUID,
+    org_id: uuid.UUID | None,
+    options: ClusterOptions,
+    name: str,
+    purpose: str,
+    fence: int,
+) -> dict[str, Any]:
+    """An on-demand backup. Labelled as a backup of the instance, not as the instance's own object,
+    so deleting the instance spares it (a restore can still name it)."""
+    metadata = _metadata(instance_id, org_id, options.namespace, name, fence)
+    metadata["labels"] = {MANAGED_BY: FIELD_MANAGER, BACKUP_OF_LABEL: str(instance_id)}
+    if org_id is not None:
+        metadata["labels"][ORG_LABEL] = str(org_id)
+    metadata["annotations"][PURPOSE_ANNOTATION] = purpose
+    return {
+        "apiVersion": CNPG_API_VERSION,
+        "kind": "Backup",
+        "metadata": metadata,
+        "spec": {
+            "cluster": {"name": resource_name(instance_id)},
+            "method": "plugin",
+            "pluginConfiguration": {"name": BARMAN_PLUGIN},
+        },
+    }
+
+
+def final_backup_name(instance_id: uuid.UUID) -> str:
+    return f"{resource_name(instance_id)}-final"
+
+
+def all_manifests(
+    instance_id: uuid.UUID, spec: InstanceSpec, options: ClusterOptions, fence: int
+) -> list[dict[str, Any]]:
+    """Every manifest the provisioner can apply for one instance (what the schema tests validate)."""
+    source = RestoreSource(uuid.uuid4(), backup="pg-source-final")
+    recovered = bootstrap_stanza(instance_id, options, recovery_target(source, "20260101T000000"))
+    pitr = RestoreSource(source.instance_id, point_in_time="2026-01-01T00:00:00+00:00")
+    manifests = [
+        secret_manifest(instance_id, spec, options, Credentials.generate(), fence),
+        network_policy_manifest(instance_id, spec, options, fence),
+        cluster_manifest(instance_id, spec, options, fence),
+        cluster_manifest(instance_id, spec, options, fence, replica=Replica("demoted")),
+        cluster_manifest(instance_id, spec, options, fence, replica=Replica("promoted", _example_token())),
+    ]
+    if options.object_store:
+        manifests += [
+            cluster_manifest(
+                instance_id,
+                spec,
+                options,
+                fence,
+                bootstrap=recovered,
+                external_clusters=[restore_reference(options, source)],
+            ),
+            cluster_manifest(
+                instance_id,
+                spec,
+                options,
+                fence,
+                bootstrap=bootstrap_stanza(instance_id, options, recovery_target(pitr, None)),
+                external_clusters=[restore_reference(options, pitr)],
+            ),
+            scheduled_backup_manifest(instance_id, spec, options, fence),
+            backup_manifest(
+                instance_id, spec.org_id, options, final_backup_name(instance_id), "final", fence
+            ),
+        ]
+    return manifests
+
+
+def _example_token() -> str:
+    fields = {"databaseSystemIdentifier": "7000000000000000000", "latestCheckpointTimelineID": "1"}
+    return base64.b64encode(json.dumps(fields).encode()).decode()
+
+
+# ---- what the operator reports -----------------------------------------------------------------------
+
+
+def status_of(cluster: Mapping[str, Any]) -> dict[str, Any]:
+    status: dict[str, Any] = cluster.get("status") or {}
+    return status
+
+
+def is_read_only(cluster: Mapping[str, Any]) -> bool:
+    """In recovery: demoted, and the demotion not yet undone by a promotion with its token."""
+    status = status_of(cluster)
+    token = status.get("demotionToken")
+    return bool(token) and token != status.get("lastPromotionToken")
+
+
+def cluster_health(cluster: Mapping[str, Any]) -> tuple[bool, str]:
+    """Healthy as the operator reports it: its healthy phase, Ready, every instance ready."""
+    status = status_of(cluster)
+    wanted = int((cluster.get("spec") or {}).get("instances") or 0)
+    ready = int(status.get("readyInstances") or 0)
+    phase = str(status.get("phase") or "no status yet")
+    condition = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    primary = status.get("currentPrimary")
+    switching = primary != status.get("targetPrimary")
+    healthy = (
+        phase == HEALTHY_PHASE
+        and ready >= wanted > 0
+        and (condition is None or condition.get("status") == "True")
+        and bool(primary)
+        and not switching
+    )
+    detail = f"{phase}; {ready}/{wanted} ready"
+    if switching:
+        detail += f"; primary moving from {primary} to {status.get('targetPrimary')}"
+    return healthy, detail
+
+
+def _container(pod: Mapping[str, Any], name: str = "postgres") -> Mapping[str, Any]:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == name:
+            found: Mapping[str, Any] = container
+            return found
+    return {}
+
+
+def _same_quantities(have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    try:
+        return set(have) == set(want) and all(
+            parse_quantity(have[k]) == parse_quantity(want[k]) for k in want
+        )
+    except ValueError:
+        return False
+
+
+def servers_lag(
+    cluster: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], claims: Sequence[Mapping[str, Any]]
+) -> str | None:
+    """What the servers still lack of the declared Cluster, or None when they match it.
+
+    The operator's healthy phase is necessary but not enough: right after an apply it may still
+    report the previous state. So the servers it runs are checked too: as many instance pods as
+    declared, each ready and with the declared resources, and volumes at least the declared size.
+    """
+    spec = cluster.get("spec") or {}
+    wanted = int(spec.get("instances") or 0)
+    instances = [
+        p for p in pods if (p.get("metadata", {}).get("labels") or {}).get("cnpg.io/podRole") == "instance"
+    ]
+    if len(instances) != wanted:
+        return f"{len(instances)} of {wanted} servers running"
+    resources = spec.get("resources") or {}
+    for pod in instances:
+        name = pod["metadata"]["name"]
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            return f"server {name} not ready"
+        have = _container(pod).get("resources") or {}
+        for bound in ("requests", "limits"):
+            if not _same_quantities(have.get(bound) or {}, resources.get(bound) or {}):
+                return f"server {name} still runs with its previous {bound}"
+    size = gib((spec.get("storage") or {}).get("size"))
+    for claim in claims:
+        capacity = gib(((claim.get("status") or {}).get("capacity") or {}).get("storage"))
+        if capacity < size:
+            return f"volume {claim['metadata']['name']} is {capacity}Gi of {size}Gi"
+    return None

@@ -1,0 +1,173 @@
+"""Helpers of the tests that run `controlplane up` (or `python3 dev.py up`) as a real process tree."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from controlplane.postgres import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "controlplane.cli"]
+# The last line of the banner `up` prints once everything serves.
+BANNER_END = r"Ctrl-C stops everything"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line mentions `text` (e.g. a data directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if text in cmdline and "State:\tZ" not in status:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(text: str, timeout: float = 15) -> list[int]:
+    """The processes still mentioning `text` once none is left or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(text)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def kill_leftovers(text: str) -> None:
+    """Teardown: SIGKILL whatever a failed test left running under `text`."""
+    for pid in processes_mentioning(text):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _chunks(proc: subprocess.Popen[bytes], timeout: float) -> Iterator[str]:
+    """`proc`'s output as it comes, until its pipe closes, it exits, or `timeout` passes.
+
+    Reads the pipe's file descriptor directly: a buffered reader could hold lines that select()
+    no longer reports.
+    """
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if not ready:
+            if proc.poll() is not None:
+                return
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        yield chunk.decode(errors="replace")
+
+
+def read_until(
+    proc: subprocess.Popen[bytes], pattern: str, timeout: float, seen: list[str] | None = None
+) -> str:
+    """`proc`'s output up to the first line matching `pattern` (fails on timeout or exit);
+    `seen` collects everything read, across calls."""
+    text = ""
+    for piece in _chunks(proc, timeout):
+        text += piece
+        if seen is not None:
+            seen.append(piece)
+        if any(re.search(pattern, line) for line in text.splitlines()):
+            return text
+    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{text}")
+
+
+def drain(proc: subprocess.Popen[bytes], timeout: float = 5) -> str:
+    """What `proc` still writes (never blocks past `timeout`: a child that outlived it may hold the
+    pipe open)."""
+    return "".join(_chunks(proc, timeout))
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """The test's environment without CONTROLPLANE_* variables, plus `settings` as variables."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("CONTROLPLANE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({f"CONTROLPLANE_{key.upper()}": value for key, value in settings.items()})
+    return env
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A directory the server user can reach (pytest's tmp_path parents are private)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        kill_leftovers(str(root))
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def up_env(root: Path, **settings: str) -> dict[str, str]:
+    """The environment of an `up` under `root`: its API port, a window of instance ports, quick
+    passes, and the CLI's CA file under `root`."""
+    instance_port = free_port()
+    return clean_env(
+        api_port=str(free_port()),
+        local_port_min=str(instance_port),
+        local_port_max=str(instance_port + 20),
+        reconcile_interval_s="0.5",
+        shutdown_grace_s="2",
+        **settings,
+    ) | {"XDG_CONFIG_HOME": str(root / "config")}
+
+
+@contextlib.contextmanager
+def running_up(
+    data_dir: Path, env: dict[str, str], *, launcher: bool, stop_with: int = signal.SIGTERM
+) -> Iterator[tuple[subprocess.Popen[bytes], list[str]]]:
+    """`python3 dev.py up` (launcher) or `controlplane up`, in a session of its own (so that only
+    it gets the signals the test sends, as from `timeout`, systemd or a plain `kill`), from the
+    moment its banner is out; sent `stop_with` after the block unless the block stopped it. The
+    output read so far, and after, is in the list."""
+    command = [sys.executable, "dev.py"] if launcher else CLI
+    process = subprocess.Popen(
+        [*command, "up", "--data-dir", str(data_dir), "--api-port", env["CONTROLPLANE_API_PORT"]],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    output: list[str] = []
+    try:
+        read_until(process, BANNER_END, timeout=300, seen=output)
+        yield process, output
+    finally:
+        if process.poll() is None:
+            process.send_signal(stop_with)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        output.append(drain(process))
+        print("".join(output))
+
+
+def run_cli(
+    args: list[str], env: Mapping[str, str], cwd: Path | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, env=dict(env), cwd=cwd, timeout=timeout, check=False
+    )
+    print("$ controlplane", " ".join(args), "\n", result.stdout, result.stderr)
+    return result
