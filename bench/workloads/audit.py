@@ -175,7 +175,7 @@ class AuditWorkload(Workload):
         self.notes = [
             f"small = {small:,} events, large = {large:,}: {DEPTH} events per instance (creation, "
             "provisioning, then suspend and resume in turn), hash-chained as the transition path writes "
-            f"them, spread over the last {HISTORY_DAYS} days (14 monthly partitions); bulk-loaded one "
+            f"them, spread over the last {HISTORY_DAYS} days (13 monthly partitions); bulk-loaded one "
             "chain step at a time for all instances, then VACUUM ANALYZE.",
             f"GET: the product's API (one uvicorn process, as `controlplane serve`) reading the first page "
             f"(100 events) of random instances' logs, open loop at {RATE:g} req/s over {CONNECTIONS} "
