@@ -112,6 +112,16 @@ EVENT_COLUMNS = (
 )
 
 
+def _append_only(table: str) -> list[str]:
+    """The triggers that refuse UPDATE, DELETE and TRUNCATE of `table`."""
+    return [
+        f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table}"
+        " FOR EACH ROW EXECUTE FUNCTION cp_append_only()",
+        f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table}"
+        " FOR EACH STATEMENT EXECUTE FUNCTION cp_append_only()",
+    ]
+
+
 def _event_columns(fk: str) -> str:
     """The event tables' columns as 0001 made them (without the id's default)."""
     return f"""
@@ -148,10 +158,7 @@ def _create_event_table(table: str, fk: str, entity_table: str) -> list[str]:
         f"CREATE INDEX ix_{table}_at ON {table} (at)"
         if table == "instance_events"
         else f"CREATE INDEX ix_{table}_at ON {table} USING brin (at)",
-        f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table}"
-        " FOR EACH ROW EXECUTE FUNCTION cp_append_only()",
-        f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table}"
-        " FOR EACH STATEMENT EXECUTE FUNCTION cp_append_only()",
+        *_append_only(table),
     ]
 
 
@@ -282,14 +289,8 @@ def upgrade() -> None:
         """
     )
     for table in APPEND_ONLY:
-        op.execute(
-            f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table}"
-            " FOR EACH ROW EXECUTE FUNCTION cp_append_only()"
-        )
-        op.execute(
-            f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table}"
-            " FOR EACH STATEMENT EXECUTE FUNCTION cp_append_only()"
-        )
+        for statement in _append_only(table):
+            op.execute(statement)
 
 
 def _unpartition(table: str, fk: str, entity_table: str) -> list[str]:
@@ -307,10 +308,7 @@ def _unpartition(table: str, fk: str, entity_table: str) -> list[str]:
         f" FOREIGN KEY ({fk}) REFERENCES {entity_table} (id)",
         f"CREATE INDEX ix_{table}_{fk}_id ON {table} ({fk}, id)",
         *([f"CREATE INDEX ix_{table}_at ON {table} (at)"] if table == "instance_events" else []),
-        f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table}"
-        " FOR EACH ROW EXECUTE FUNCTION cp_append_only()",
-        f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table}"
-        " FOR EACH STATEMENT EXECUTE FUNCTION cp_append_only()",
+        *_append_only(table),
     ]
 
 

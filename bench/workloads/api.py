@@ -151,30 +151,25 @@ class ApiWorkload(Workload):
         ]
 
     def _at_rate(self, ctx: Context, base: str, path: str, key: str) -> tuple[list[float], int]:
-        result = ctx.procs.run_json(
-            [
-                ctx.project_python,
-                "-m",
-                "bench.drivers.loadgen",
-                "rate",
-                "--base",
-                base,
-                "--path",
-                path,
-                "--key",
-                key if path == PATHS["ours"] else "",
-                "--rate",
-                str(RATE),
-                "--seconds",
-                str(self.seconds),
-                "--connections",
-                str(RATE_CONNECTIONS),
-            ],
-            name="w4-loadgen-rate",
-            timeout=self.seconds + 120,
-        )
-        errors = sum(n for status, n in result["statuses"].items() if not 200 <= int(status) < 300)
-        return list(result["latencies_ms"]), errors
+        requests = ["--path", path, "--key", key if path == PATHS["ours"] else ""]
+        return at_rate(ctx, base, requests, RATE, self.seconds, RATE_CONNECTIONS, "w4-loadgen-rate")
+
+
+def at_rate(
+    ctx: Context, base: str, requests: list[str], rate: float, seconds: float, connections: int, name: str
+) -> tuple[list[float], int]:
+    """The load generator's open loop (`requests`: its --path/--paths-file and --key flags): the
+    latencies (ms) and the number of non-2xx answers."""
+    result = ctx.procs.run_json(
+        [
+            *(ctx.project_python, "-m", "bench.drivers.loadgen", "rate", "--base", base, *requests),
+            *("--rate", str(rate), "--seconds", str(seconds), "--connections", str(connections)),
+        ],
+        name=name,
+        timeout=seconds + 120,
+    )
+    errors = sum(n for status, n in result["statuses"].items() if not 200 <= int(status) < 300)
+    return list(result["latencies_ms"]), errors
 
 
 def start_api(ctx: Context, url: str, data_dir: Path, name: str) -> tuple[subprocess.Popen[str], str]:

@@ -14,7 +14,7 @@ import psycopg
 
 from bench.bulk import create_indexes, drop_indexes, load_chains, partitions_since
 from bench.core import Context, Metric, Target, Workload, percentile
-from bench.workloads.api import base_env, start_api
+from bench.workloads.api import at_rate, base_env, start_api
 
 P50 = Metric("get_p50_ms", "GET events p50 ms", "ms", 2)
 P99 = Metric("get_p99_ms", "GET events p99 ms", "ms", 2)
@@ -206,32 +206,12 @@ class AuditWorkload(Workload):
         server, base = start_api(ctx, url, ctx.work_dir / f"audit-{variant}", f"w7-server-{variant}")
         try:
             ctx.cluster.checkpoint()
-            result = ctx.procs.run_json(
-                [
-                    ctx.project_python,
-                    "-m",
-                    "bench.drivers.loadgen",
-                    "rate",
-                    "--base",
-                    base,
-                    "--paths-file",
-                    str(paths),
-                    "--key",
-                    key,
-                    "--rate",
-                    str(RATE),
-                    "--seconds",
-                    str(self.seconds),
-                    "--connections",
-                    str(CONNECTIONS),
-                ],
-                name=f"w7-reads-{variant}",
-                timeout=self.seconds + 120,
+            requests = ["--paths-file", str(paths), "--key", key]
+            latencies, errors = at_rate(
+                ctx, base, requests, RATE, self.seconds, CONNECTIONS, f"w7-reads-{variant}"
             )
         finally:
             ctx.procs.stop(server)
-        latencies = list(result["latencies_ms"])
-        errors = sum(n for status, n in result["statuses"].items() if not 200 <= int(status) < 300)
         return {
             P50.key: percentile(latencies, 50),
             P99.key: percentile(latencies, 99),
