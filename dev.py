@@ -16,9 +16,9 @@ VENV = ROOT / ".venv"
 USAGE = """usage: python3 dev.py up|test|bench|check|shell [args...]
 
   up     start the whole control plane (embedded PostgreSQL, API, worker, reconciler)
-  test   run the test suite, then ruff and mypy
+  test   run the test suite, then ruff, mypy and the import contracts
   bench  run the benchmarks (own environment; writes bench/results/)
-  check  ruff and mypy only
+  check  ruff, mypy and the import contracts only
   shell  run a command inside the virtual environment, e.g. dev.py shell controlplane --help
 """
 
@@ -73,7 +73,9 @@ def run(argv: list[str]) -> int:
 
 def checks() -> int:
     code = run([venv_bin("ruff"), "check", "."])
-    return code or run([venv_bin("mypy")])
+    code = code or run([venv_bin("mypy")])
+    # The layering (pyproject.toml, [tool.importlinter]): the pure core, provisioners, the API.
+    return code or run([venv_bin("lint-imports")])
 
 
 def main() -> int:

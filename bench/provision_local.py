@@ -14,11 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from controlplane import db, jobs
+from controlplane import db, jobs, operations
 from controlplane.embedded import FAST_SETTINGS, open_embedded
-from controlplane.handlers import DEPROVISION, PROVISION, JobRegistry
 from controlplane.instances import create_instance
-from controlplane.operations import operation_kinds
+from controlplane.kinds import DEPROVISION, PROVISION
 from controlplane.postgres import free_port
 from controlplane.settings import Settings
 from controlplane.transitions import Actor
@@ -52,7 +51,7 @@ async def measure(count: int, root: Path) -> list[float]:
         heartbeat_interval_s=1.0,
     )
     local = LocalProvisioner(settings)
-    registry = JobRegistry(operation_kinds(local))
+    registry = operations.registry(local)
     pool = db.pool(url, min_size=2, max_size=8)
     await pool.open(wait=True)
     worker = Worker("bench", settings, pool, registry)

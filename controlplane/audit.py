@@ -14,13 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from controlplane import chain, checkpoints, lifecycle, signing
+from controlplane import chain, checkpoints, lifecycle, signing, sql
 from controlplane.db import AsyncConn
-
-_EVENTS = {
-    "instance": ("instances", "instance_events", "instance_id"),
-    "job": ("jobs", "job_events", "job_id"),
-}
 
 
 @dataclass(frozen=True)
@@ -217,29 +212,8 @@ class Result:
         return [m for m in self.mismatches if m.seq is not None]
 
 
-_COLUMNS = """
-    e.id, e.seq, e.prev_hash, e.hash, e.from_state, e.to_state, e.event, e.actor_kind, e.actor_id,
-    e.reason, e.detail::text AS detail_text, e.request_id, e.state_version, e.at
-"""
-
-
 async def _rows(conn: AsyncConn, entity: str, window: Window | None) -> AsyncIterator[dict[str, Any]]:
-    table, events, fk = _EVENTS[entity]
-    if window is None:
-        query = f"""
-            SELECT r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
-                   r.chain_seq, r.chain_head, {_COLUMNS}
-            FROM {table} r LEFT JOIN {events} e ON e.{fk} = r.id
-            ORDER BY r.id, e.id
-        """
-    else:
-        query = f"""
-            SELECT r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
-                   r.chain_seq, r.chain_head, {_COLUMNS}
-            FROM {events} e JOIN {table} r ON r.id = e.{fk}
-            WHERE e.at >= %(since)s
-            ORDER BY e.{fk}, e.id
-        """
+    query = sql.AUDIT_LOG[entity] if window is None else sql.AUDIT_LOG_SINCE[entity]
     async with conn.cursor(name=f"audit_{entity}") as cursor:
         cursor.itersize = 5000
         await cursor.execute(query, {"since": None if window is None else window.since})
@@ -285,7 +259,7 @@ async def check(conn: AsyncConn, window: Window | None = None) -> Result:
     """
     result = Result()
     async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        await conn.execute(sql.READ_ONLY_SNAPSHOT)
         for entity, table in lifecycle.LIFECYCLES.items():
             walk: _Entity | None = None
             async for row in _rows(conn, entity, window):
@@ -334,28 +308,6 @@ class CheckpointResult:
         return 0 if self.first is None or self.last is None else self.last - self.first + 1
 
 
-_HEADS = (
-    " UNION ALL ".join(
-        f"""
-    (SELECT h.checkpoint, h.entity, h.entity_id, h.seq, h.hash, h.at, e.hash AS event_hash
-     FROM audit_checkpoint_heads h
-     LEFT JOIN {events} e ON e.{fk} = h.entity_id AND e.seq = h.seq AND e.at = h.at
-     WHERE h.checkpoint >= %(since)s AND h.entity = '{entity}')
-    """
-        for entity, (_table, events, fk) in _EVENTS.items()
-    )
-    + " ORDER BY checkpoint, entity, entity_id"
-)
-
-# The count the newest checkpoint states: every chain's newest recorded head, seq + 1.
-_COVERED = """
-SELECT COALESCE(sum(seq + 1), 0) AS n FROM (
-    SELECT DISTINCT ON (entity, entity_id) seq FROM audit_checkpoint_heads
-    ORDER BY entity, entity_id, checkpoint DESC
-) heads
-"""
-
-
 async def check_checkpoints(
     conn: AsyncConn, keys: dict[str, Any], since: int | None = None
 ) -> CheckpointResult:
@@ -364,10 +316,8 @@ async def check_checkpoints(
     head it recorded is still in the log with that hash."""
     result = CheckpointResult()
     async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        cursor = await conn.execute(
-            "SELECT * FROM audit_checkpoints WHERE number >= %(since)s ORDER BY number", {"since": since or 0}
-        )
+        await conn.execute(sql.READ_ONLY_SNAPSHOT)
+        cursor = await conn.execute(sql.CHECKPOINTS_FROM, {"since": since or 0})
         rows = await cursor.fetchall()
         by_number = {}
         prev = None
@@ -405,7 +355,7 @@ async def check_checkpoints(
             prev = row
         await _check_heads(conn, since or 0, by_number, result)
         if since is None and prev is not None:
-            covered = int(await _scalar(conn, _COVERED))
+            covered = int(await _scalar(conn, sql.EVENTS_COVERED_BY_HEADS))
             if covered != prev["events"]:
                 result.problems.append(
                     f"checkpoint {prev['number']} counts {prev['events']} events; its chains' recorded "
@@ -428,7 +378,7 @@ async def _check_heads(
     counts: dict[int, int] = {}
     async with conn.cursor(name="audit_heads") as cursor:
         cursor.itersize = 5000
-        await cursor.execute(_HEADS, {"since": since})
+        await cursor.execute(sql.RECORDED_HEADS_IN_LOG, {"since": since})
         async for row in cursor:
             number = row["checkpoint"]
             head = chain.Head(row["entity"], str(row["entity_id"]), row["seq"], bytes(row["hash"]), row["at"])

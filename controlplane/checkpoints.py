@@ -22,47 +22,17 @@ from typing import Any
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import chain, metrics, signing
+from controlplane import chain, metrics, signing, sql
 from controlplane.db import AsyncConn
 from controlplane.secretbox import SecretBox
 from controlplane.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# (entity, event table, foreign key, entity table)
-ENTITIES = (
-    ("instance", "instance_events", "instance_id", "instances"),
-    ("job", "job_events", "job_id", "jobs"),
-)
 # Held while a checkpoint is made, so two makers (the reconciler, an export) take turns.
 CHECKPOINT_LOCK = 0x637063686B7074
 # How often the reconciler makes sure the partitions ahead exist.
 PARTITION_CHECK_EVERY = timedelta(hours=1)
-
-# Before the checkpoint's snapshot: no running transaction started earlier than this.
-CUT = """
-SELECT least(clock_timestamp(), min(xact_start)) AS cut FROM pg_stat_activity
-WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid()
-"""
-LATEST = "SELECT * FROM audit_checkpoints ORDER BY number DESC LIMIT 1"
-BY_NUMBER = "SELECT * FROM audit_checkpoints WHERE number = %(number)s"
-ENSURE_PARTITIONS = "SELECT cp_ensure_event_partitions(%(through)s::timestamptz) AS name"
-
-
-def _heads_query(entity: str, events: str, fk: str, windowed: bool) -> str:
-    """The last event of each chain with events in the window (all chains without one)."""
-    window = "WHERE e.at >= %(since)s" if windowed else ""
-    return f"""
-        SELECT DISTINCT ON (e.{fk}) e.{fk} AS entity_id, e.seq, e.hash, e.at
-        FROM {events} e {window}
-        ORDER BY e.{fk}, e.id DESC
-    """
-
-
-def _count_query(windowed: bool) -> str:
-    window = "WHERE at >= %(since)s" if windowed else ""
-    counts = " + ".join(f"(SELECT count(*) FROM {events} {window})" for _, events, _, _ in ENTITIES)
-    return f"SELECT {counts} AS n"
 
 
 def as_checkpoint(row: DictRow) -> chain.Checkpoint:
@@ -78,12 +48,12 @@ def as_checkpoint(row: DictRow) -> chain.Checkpoint:
 
 
 async def latest(conn: AsyncConn) -> DictRow | None:
-    cursor = await conn.execute(LATEST)
+    cursor = await conn.execute(sql.LATEST_CHECKPOINT)
     return await cursor.fetchone()
 
 
 async def by_number(conn: AsyncConn, number: int) -> DictRow | None:
-    cursor = await conn.execute(BY_NUMBER, {"number": number})
+    cursor = await conn.execute(sql.CHECKPOINT_BY_NUMBER, {"number": number})
     return await cursor.fetchone()
 
 
@@ -96,8 +66,9 @@ async def _scalar(conn: AsyncConn, query: str, params: dict[str, Any] | None = N
 
 async def _heads(conn: AsyncConn, since: datetime | None) -> list[chain.Head]:
     heads: list[chain.Head] = []
-    for entity, events, fk, _ in ENTITIES:
-        cursor = await conn.execute(_heads_query(entity, events, fk, since is not None), {"since": since})
+    for entity in sql.ENTITY_TABLES:
+        query = sql.CHAIN_HEADS[entity] if since is None else sql.CHAIN_HEADS_SINCE[entity]
+        cursor = await conn.execute(query, {"since": since})
         heads += [
             chain.Head(entity, str(row["entity_id"]), row["seq"], bytes(row["hash"]), row["at"])
             for row in await cursor.fetchall()
@@ -109,20 +80,21 @@ async def record(conn: AsyncConn, box: SecretBox) -> DictRow | None:
     """Make, sign and store a checkpoint of what is committed now; None when nothing was added
     since the last one. `conn` must be in autocommit mode (the cut is read before the snapshot)."""
     key = await signing.ensure_key(conn, box)
-    await conn.execute("SELECT pg_advisory_lock(%s)", (CHECKPOINT_LOCK,))
+    await conn.execute(sql.LOCK_CHECKPOINTS, {"key": CHECKPOINT_LOCK})
     try:
-        cut = await _scalar(conn, CUT)
+        cut = await _scalar(conn, sql.CHECKPOINT_CUT)
         async with conn.transaction():
-            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            await conn.execute(sql.SNAPSHOT)
             prev = await latest(conn)
             since = None if prev is None else prev["cut"]
             heads = await _heads(conn, since)
-            seen = int(await _scalar(conn, _count_query(since is not None), {"since": since}))
+            counted = sql.COUNT_EVENTS if since is None else sql.COUNT_EVENTS_SINCE
+            seen = int(await _scalar(conn, counted, {"since": since}))
             events = seen if prev is None else prev["events"] - prev["tail"] + seen
             if prev is not None and events == prev["events"]:
                 return None
-            tail = int(await _scalar(conn, _count_query(True), {"since": cut}))
-            at = await _scalar(conn, "SELECT now()")
+            tail = int(await _scalar(conn, sql.COUNT_EVENTS_SINCE, {"since": cut}))
+            at = await _scalar(conn, sql.DATABASE_NOW)
             checkpoint = chain.Checkpoint(
                 number=1 if prev is None else prev["number"] + 1,
                 at=at,
@@ -133,14 +105,7 @@ async def record(conn: AsyncConn, box: SecretBox) -> DictRow | None:
                 heads_digest=chain.heads_digest(heads),
             )
             cursor = await conn.execute(
-                """
-                INSERT INTO audit_checkpoints
-                    (number, at, cut, prev_hash, events, tail, heads, heads_digest, hash,
-                     key_fingerprint, signature)
-                VALUES (%(number)s, %(at)s, %(cut)s, %(prev_hash)s, %(events)s, %(tail)s, %(heads)s,
-                        %(heads_digest)s, %(hash)s, %(key)s, %(signature)s)
-                RETURNING *
-                """,
+                sql.RECORD_CHECKPOINT,
                 {
                     "number": checkpoint.number,
                     "at": checkpoint.at,
@@ -156,15 +121,13 @@ async def record(conn: AsyncConn, box: SecretBox) -> DictRow | None:
                 },
             )
             row = await cursor.fetchone()
-            async with conn.cursor().copy(
-                "COPY audit_checkpoint_heads (checkpoint, entity, entity_id, seq, hash, at) FROM STDIN"
-            ) as copy:
+            async with conn.cursor().copy(sql.COPY_CHECKPOINT_HEADS) as copy:
                 for head in heads:
                     await copy.write_row(
                         (checkpoint.number, head.entity, head.entity_id, head.seq, head.hash, head.at)
                     )
     finally:
-        await conn.execute("SELECT pg_advisory_unlock(%s)", (CHECKPOINT_LOCK,))
+        await conn.execute(sql.UNLOCK_CHECKPOINTS, {"key": CHECKPOINT_LOCK})
     assert row is not None
     metrics.AUDIT_CHECKPOINT_AT.set(row["at"].timestamp())
     log.info(
@@ -177,7 +140,7 @@ async def record(conn: AsyncConn, box: SecretBox) -> DictRow | None:
 async def ensure_partitions(conn: AsyncConn, now: datetime, months_ahead: int) -> list[str]:
     """Make the event tables' monthly partitions through `months_ahead` months after `now`'s."""
     through = month_start(now, months_ahead)
-    cursor = await conn.execute(ENSURE_PARTITIONS, {"through": through})
+    cursor = await conn.execute(sql.ENSURE_PARTITIONS, {"through": through})
     made = [row["name"] for row in await cursor.fetchall()]
     metrics.AUDIT_PARTITIONS_UNTIL.set(month_start(now, months_ahead + 1).timestamp())
     for name in made:
@@ -211,15 +174,15 @@ class AuditMaintenance:
         """`now` replaces the database clock in the decisions (tests)."""
         result = MaintenanceResult()
         async with self.pool.connection() as conn:
-            clock: datetime = now or await _scalar(conn, "SELECT now()")
+            clock: datetime = now or await _scalar(conn, sql.DATABASE_NOW)
             checked = self._partitions_checked
             if checked is None or not timedelta(0) <= clock - checked < PARTITION_CHECK_EVERY:
                 result.partitions = await ensure_partitions(
-                    conn, clock, self.settings.audit_partition_months_ahead
+                    conn, clock, self.settings.reconciler.audit_partition_months_ahead
                 )
                 self._partitions_checked = clock
             last = await latest(conn)
-            interval = timedelta(seconds=self.settings.audit_checkpoint_interval_s)
+            interval = timedelta(seconds=self.settings.reconciler.audit_checkpoint_interval_s)
             if last is None or clock - last["at"] >= interval:
                 made = await record(conn, self.box)
                 result.checkpoint = None if made is None else made["number"]

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from controlplane.settings import SettingsError
+from controlplane.settings import NotAvailable
 
 LOCK_FILE = "up.lock"
 
@@ -33,7 +33,7 @@ def holder(data_dir: Path) -> int | None:
 
 @contextlib.contextmanager
 def held(data_dir: Path) -> Iterator[None]:
-    """Hold `data_dir` exclusively for the block (its pid recorded), or SettingsError naming the holder.
+    """Hold `data_dir` exclusively for the block (its pid recorded), or NotAvailable naming the holder.
 
     A flock: the kernel releases it when the process dies, however it dies, so a crashed `up`
     never leaves the directory locked.
@@ -47,7 +47,7 @@ def held(data_dir: Path) -> Iterator[None]:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
         who = f"pid {text}" if text.isdigit() else "another process"
-        raise SettingsError(
+        raise NotAvailable(
             f"the data directory {data_dir} is in use by another `controlplane up` ({who}); stop it "
             "first, or start this one with another --data-dir"
         ) from None

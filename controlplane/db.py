@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import pq
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import DictRow, dict_row
@@ -146,11 +149,12 @@ def migration_target(settings: Settings, embedded: EmbeddedDatabase | None = Non
     """The owner's URL: CONTROLPLANE_MIGRATION_DATABASE_URL, else CONTROLPLANE_DATABASE_URL (one
     role for everything), else the owner role of the embedded server (`embedded`, or the one a
     running `up` keeps in data_dir)."""
-    if settings.migration_database_url:
-        runtime = settings.runtime_role or url_user(settings.database_url)
-        return MigrationTarget(libpq_url(settings.migration_database_url), runtime)
-    if settings.database_url:
-        return MigrationTarget(libpq_url(settings.database_url), settings.runtime_role)
+    database = settings.database
+    if database.migration_url_value:
+        runtime = database.runtime_role or url_user(database.url_value)
+        return MigrationTarget(libpq_url(database.migration_url_value), runtime)
+    if database.url_value:
+        return MigrationTarget(libpq_url(database.url_value), database.runtime_role)
     from controlplane.embedded import open_roles, running_embedded
 
     roles = open_roles(embedded or running_embedded(Path(settings.data_dir) / "db"))
@@ -173,13 +177,24 @@ def resolve_database_url(settings: Settings) -> str:
     keeps in data_dir (its runtime role).
 
     Never starts a server: a command that finds neither says in one line what to set
-    (SettingsError). Only `up` (and `migrate`, for its own run) start the embedded server.
+    (NotAvailable). Only `up` (and `migrate`, for its own run) start the embedded server.
     """
-    if settings.database_url:
-        return libpq_url(settings.database_url)
+    if settings.database.url_value:
+        return libpq_url(settings.database.url_value)
     from controlplane.embedded import open_roles, running_embedded
 
     return open_roles(running_embedded(Path(settings.data_dir) / "db")).runtime_url
+
+
+@contextlib.asynccontextmanager
+async def transaction(conn: AsyncConn) -> AsyncIterator[None]:
+    """The caller's transaction when one is open (a use case inside the API's idempotent request
+    joins it: no savepoint, no extra round trips), else a transaction of its own."""
+    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        yield
+        return
+    async with conn.transaction():
+        yield
 
 
 async def connect(url: str, *, autocommit: bool = True) -> AsyncConn:

@@ -9,30 +9,6 @@ from typing import Any
 from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
 
-# Each event opens a stay in its to_state; the entity's next event (by id) closes it. A stay not
-# yet closed is measured up to now(). Terminal states are never left, so they are not stays.
-_DWELL = """
-WITH stays AS (
-    SELECT e.to_state AS state, e.at AS entered_at,
-           lead(e.at) OVER (PARTITION BY e.{fk} ORDER BY e.id) AS left_at
-    FROM {events_table} e
-), measured AS (
-    SELECT state, left_at IS NULL AS open,
-           extract(epoch FROM COALESCE(left_at, now()) - entered_at)::float8 AS seconds
-    FROM stays
-    WHERE state = ANY(%(states)s::text[])
-      AND (%(since)s::timestamptz IS NULL OR COALESCE(left_at, now()) >= %(since)s::timestamptz)
-)
-SELECT state,
-       count(*) AS count,
-       count(*) FILTER (WHERE open) AS current,
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds) AS p50_s,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds) AS p95_s,
-       max(seconds) AS max_s
-FROM measured
-GROUP BY state
-"""
-
 
 @dataclass(frozen=True)
 class DwellStat:
@@ -49,11 +25,6 @@ class DwellStat:
         return asdict(self)
 
 
-def dwell_query(entity: str) -> str:
-    spec = sql.ENTITY_TABLES[lifecycle.lifecycle(entity).entity]
-    return _DWELL.format(fk=spec.fk, events_table=spec.events_table)
-
-
 async def dwell_stats(conn: AsyncConn, entity: str, *, since: datetime | None = None) -> list[DwellStat]:
     """Per non-terminal state of `entity` ('instance' or 'job'): count, p50, p95, max seconds.
 
@@ -62,7 +33,7 @@ async def dwell_stats(conn: AsyncConn, entity: str, *, since: datetime | None = 
     """
     table = lifecycle.lifecycle(entity)
     states = list(table.live_states())
-    cursor = await conn.execute(dwell_query(entity), {"states": states, "since": since})
+    cursor = await conn.execute(sql.DWELL_STATS[table.entity], {"states": states, "since": since})
     rows = {row["state"]: row for row in await cursor.fetchall()}
     return [
         DwellStat(

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 
 from controlplane.postgres import PostgresError, PostgresServer, free_port, make_owned_dir, server_user, url
-from controlplane.settings import SettingsError
+from controlplane.settings import NotAvailable
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,13 @@ class EmbeddedDatabase:
         self.server.stop()
 
 
-def open_embedded(root: Path, settings: dict[str, str] | None = None) -> EmbeddedDatabase:
-    """Initialise (first time) and start the server under `root`; reuse it on later calls."""
+def open_embedded(
+    root: Path, settings: dict[str, str] | None = None, *, bindir: Path | None = None
+) -> EmbeddedDatabase:
+    """Initialise (first time) and start the server under `root`; reuse it on later calls.
+
+    `bindir` is where to look for the server binaries first (CONTROLPLANE_PG_BINDIR).
+    """
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     run_as = server_user()
@@ -85,7 +90,9 @@ def open_embedded(root: Path, settings: dict[str, str] | None = None) -> Embedde
         state = {"port": free_port(), "password": secrets.token_urlsafe(32)}
         state_file.write_text(json.dumps(state))
         os.chmod(state_file, 0o600)
-    server = PostgresServer(datadir=root / "pg", port=int(state["port"]), run_as=run_as)
+    server = PostgresServer(
+        datadir=root / "pg", port=int(state["port"]), run_as=run_as, preferred_bindir=bindir
+    )
     if not server.initialised:
         make_owned_dir(root / "pg", run_as)
         server.initdb(SUPERUSER, state["password"], settings or SERVER_SETTINGS)
@@ -98,19 +105,19 @@ def open_embedded(root: Path, settings: dict[str, str] | None = None) -> Embedde
 
 def running_embedded(root: Path) -> EmbeddedDatabase:
     """The embedded server a running `up` keeps under `root` (found from its embedded.json), never
-    started here: SettingsError, in one line saying what to do, when there is none or it is down."""
+    started here: NotAvailable, in one line saying what to do, when there is none or it is down."""
     root = root.resolve()
     state_file = root / "embedded.json"
     try:
         state = json.loads(state_file.read_text())
     except (OSError, ValueError):
-        raise SettingsError(
+        raise NotAvailable(
             f"no database to use: set CONTROLPLANE_DATABASE_URL (or --database-url), or point "
             f"--data-dir at the data directory of a running `controlplane up` (none in {root.parent})"
         ) from None
     server = PostgresServer(datadir=root / "pg", port=int(state["port"]))
     if not server.is_running():
-        raise SettingsError(
+        raise NotAvailable(
             f"the embedded PostgreSQL in {root} is not running: start `controlplane up` "
             "(or set CONTROLPLANE_DATABASE_URL)"
         )

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from controlplane import chain, checkpoints, signing
+from controlplane import chain, checkpoints, signing, sql
 from controlplane.db import AsyncConn
 from controlplane.secretbox import SecretBox
 
@@ -158,30 +158,6 @@ class ExportSummary:
     last: int = 0
 
 
-_EVENTS = {
-    "instance": ("instance_events", "instance_id"),
-    "job": ("job_events", "job_id"),
-}
-
-
-def _events_query(events: str, fk: str, windowed: bool) -> str:
-    """The events the checkpoints `first`..`last` cover (up to each chain's newest recorded head)."""
-    window = "AND e.at >= %(start)s" if windowed else ""
-    return f"""
-        WITH heads AS (
-            SELECT DISTINCT ON (entity_id) entity_id, seq FROM audit_checkpoint_heads
-            WHERE entity = %(entity)s AND checkpoint BETWEEN %(first)s AND %(last)s
-            ORDER BY entity_id, checkpoint DESC
-        )
-        SELECT e.{fk} AS entity_id, e.seq, e.prev_hash, e.hash, e.at, e.from_state, e.to_state,
-               e.event, e.actor_kind, e.actor_id, e.reason, e.request_id, e.state_version,
-               e.detail::text AS detail_text
-        FROM {events} e JOIN heads h ON h.entity_id = e.{fk}
-        WHERE e.seq <= h.seq {window}
-        ORDER BY e.{fk}, e.id
-    """
-
-
 async def resolve_since(conn: AsyncConn, since: int | datetime | None) -> int | None:
     """A checkpoint number from `--since`: a number, the newest checkpoint at or before a time, or
     None (from the beginning)."""
@@ -191,9 +167,7 @@ async def resolve_since(conn: AsyncConn, since: int | datetime | None) -> int | 
         if await checkpoints.by_number(conn, since) is None:
             raise ExportError(f"there is no checkpoint {since}")
         return since
-    cursor = await conn.execute(
-        "SELECT max(number) AS number FROM audit_checkpoints WHERE at <= %(at)s", {"at": since}
-    )
+    cursor = await conn.execute(sql.NEWEST_CHECKPOINT_AT_OR_BEFORE, {"at": since})
     row = await cursor.fetchone()
     return None if row is None else row["number"]
 
@@ -214,16 +188,13 @@ async def export(
         summary.lines += 1
 
     async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        await conn.execute(sql.READ_ONLY_SNAPSHOT)
         number = await resolve_since(conn, since)
         newest = await checkpoints.latest(conn)
         assert newest is not None
         summary.first, summary.last = number or 1, newest["number"]
         params = {"first": summary.first, "last": summary.last}
-        cursor = await conn.execute(
-            "SELECT min(cut) AS start FROM audit_checkpoints WHERE number BETWEEN %(first)s AND %(last)s",
-            params,
-        )
+        cursor = await conn.execute(sql.CHECKPOINTS_EARLIEST_CUT, params)
         start_row = await cursor.fetchone()
         start = None if number is None or start_row is None else start_row["start"]
         write(
@@ -240,12 +211,11 @@ async def export(
             )
         )
         await _write_checkpoints(conn, params, write)
-        for entity, (events, fk) in _EVENTS.items():
+        for entity in sql.ENTITY_TABLES:
+            query = sql.EXPORT_EVENTS[entity] if start is None else sql.EXPORT_EVENTS_SINCE[entity]
             async with conn.cursor(name=f"export_{entity}") as rows:
                 rows.itersize = 5000
-                await rows.execute(
-                    _events_query(events, fk, start is not None), {**params, "entity": entity, "start": start}
-                )
+                await rows.execute(query, {**params, "entity": entity, "start": start})
                 async for row in rows:
                     write(event_line(entity, row))
                     summary.events += 1
@@ -265,18 +235,12 @@ async def export(
 
 
 async def _write_checkpoints(conn: AsyncConn, params: dict[str, Any], write: Callable[[bytes], None]) -> None:
-    cursor = await conn.execute(
-        "SELECT * FROM audit_checkpoints WHERE number BETWEEN %(first)s AND %(last)s ORDER BY number", params
-    )
+    cursor = await conn.execute(sql.CHECKPOINTS_BETWEEN, params)
     for row in await cursor.fetchall():
         write(checkpoint_line(row))
         async with conn.cursor(name="export_heads") as heads:
             heads.itersize = 5000
-            await heads.execute(
-                "SELECT * FROM audit_checkpoint_heads WHERE checkpoint = %(number)s"
-                " ORDER BY entity, entity_id",
-                {"number": row["number"]},
-            )
+            await heads.execute(sql.CHECKPOINT_HEADS, {"number": row["number"]})
             async for head in heads:
                 write(head_line(head))
 

@@ -1,4 +1,4 @@
-"""Instance records: creation in the initial state with its audit row, and look-ups."""
+"""Instance records: creation in the initial state with its audit row, moves of a row as read, look-ups."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from psycopg.rows import DictRow
 
 from controlplane import sql
 from controlplane.db import AsyncConn
-from controlplane.transitions import Actor
+from controlplane.records import Instance, InstancePatch
+from controlplane.transitions import Actor, transition
 
 
 async def create_instance(
@@ -46,5 +47,31 @@ async def create_instance(
 
 
 async def get_instance(conn: AsyncConn, instance_id: uuid.UUID) -> DictRow | None:
-    cursor = await conn.execute("SELECT * FROM instances WHERE id = %s", (instance_id,))
+    cursor = await conn.execute(sql.INSTANCE_BY_ID, {"id": instance_id})
     return await cursor.fetchone()
+
+
+async def transition_instance(
+    conn: AsyncConn,
+    inst: Instance,
+    event: str,
+    actor: Actor,
+    *,
+    reason: str | None = None,
+    detail: Mapping[str, Any] | None = None,
+    patch: InstancePatch | None = None,
+) -> Instance:
+    """`event` on the instance as it was read: guarded by the state and version read."""
+    row = await transition(
+        conn,
+        "instance",
+        inst.id,
+        event,
+        inst.state_version,
+        expected_state=inst.state,
+        actor=actor,
+        reason=reason,
+        detail=detail,
+        patch=patch,
+    )
+    return Instance.from_row(row)

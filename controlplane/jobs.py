@@ -12,17 +12,28 @@ from psycopg.rows import DictRow
 
 from controlplane import sql
 from controlplane.db import AsyncConn
+from controlplane.kinds import Payload
 from controlplane.transitions import Actor
 
 
 @dataclass(frozen=True)
 class NewJob:
+    """A job to enqueue: an instance job kind takes its payload dataclass; other kinds a mapping."""
+
     kind: str
     instance_id: uuid.UUID | None = None
-    payload: Mapping[str, Any] = field(default_factory=dict)
+    payload: Payload | Mapping[str, Any] = field(default_factory=dict)
     priority: int = 100
     max_attempts: int = 5
     delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.payload, Payload) and self.payload.kind != self.kind:
+            raise ValueError(f"a {self.kind} job cannot take a {type(self.payload).__name__}")
+
+    def payload_json(self) -> str:
+        payload = self.payload.to_json() if isinstance(self.payload, Payload) else dict(self.payload)
+        return json.dumps(payload)
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ async def enqueue_many(
         {
             "kinds": [j.kind for j in jobs],
             "instance_ids": [j.instance_id for j in jobs],
-            "payloads": [json.dumps(dict(j.payload)) for j in jobs],
+            "payloads": [j.payload_json() for j in jobs],
             "priorities": [j.priority for j in jobs],
             "max_attempts": [j.max_attempts for j in jobs],
             "delays": [j.delay_s for j in jobs],
@@ -89,5 +100,5 @@ async def enqueue(conn: AsyncConn, job: NewJob, actor: Actor, *, request_id: str
 
 
 async def get_job(conn: AsyncConn, job_id: uuid.UUID) -> DictRow | None:
-    cursor = await conn.execute("SELECT * FROM jobs WHERE id = %s", (job_id,))
+    cursor = await conn.execute(sql.JOB_BY_ID, {"id": job_id})
     return await cursor.fetchone()

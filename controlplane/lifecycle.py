@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal
 
@@ -33,6 +34,8 @@ class Lifecycle:
     terminal: frozenset[str]
     transitions: Mapping[tuple[str, str], str]
     creation_event: str
+    # States that work is expected to leave within a deadline (the reconciler's per-state deadlines).
+    transitional: frozenset[str] = field(default_factory=frozenset)
 
     def apply(self, state: str, event: str, entity_id: object = None) -> str:
         """Return the state reached by `event` from `state`, or raise IllegalTransition."""
@@ -48,6 +51,43 @@ class Lifecycle:
     def live_states(self) -> tuple[str, ...]:
         """The states that are not terminal, in table order."""
         return tuple(state for state in self.states if state not in self.terminal)
+
+    def states_allowing(self, *events: str) -> tuple[str, ...]:
+        """The states from which any of `events` is legal, in table order."""
+        return tuple(s for s in self.states if any((s, e) in self.transitions for e in events))
+
+    def targets_of(self, *events: str) -> tuple[str, ...]:
+        """The states that any of `events` leads to, in table order."""
+        reached = {dst for (_, event), dst in self.transitions.items() if event in events}
+        return tuple(s for s in self.states if s in reached)
+
+    def settled_states(self) -> tuple[str, ...]:
+        """Live states that are not transitional: where an entity stays until someone acts."""
+        return tuple(s for s in self.live_states() if s not in self.transitional)
+
+    def reachable_from(self, state: str) -> frozenset[str]:
+        """States reachable from `state` (itself included) along the table."""
+        return self._reachable[state]
+
+    @cached_property
+    def _reachable(self) -> Mapping[str, frozenset[str]]:
+        reach: dict[str, frozenset[str]] = {}
+        for start in self.states:
+            seen = {start}
+            frontier = [start]
+            while frontier:
+                current = frontier.pop()
+                for event in self.allowed_events(current):
+                    nxt = self.transitions[(current, event)]
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        frontier.append(nxt)
+            reach[start] = frozenset(seen)
+        return MappingProxyType(reach)
+
+    def can_still(self, event: str, state: str) -> bool:
+        """`event` is legal from `state` or from a state it can still reach."""
+        return any((s, event) in self.transitions for s in self.reachable_from(state))
 
     def events(self) -> tuple[str, ...]:
         """Every event name of this lifecycle, in table order, without repeats."""
@@ -96,6 +136,7 @@ INSTANCE = Lifecycle(
     initial="pending",
     terminal=frozenset({"deleted", "failed"}),
     creation_event="create",
+    transitional=frozenset({"pending", "provisioning", "updating", "deprovisioning"}),
     transitions=_table(
         [
             ("pending", "start_provisioning", "provisioning"),
@@ -144,6 +185,36 @@ JOB = Lifecycle(
 )
 
 LIFECYCLES: Mapping[str, Lifecycle] = MappingProxyType({"instance": INSTANCE, "job": JOB})
+
+
+def _in_table_order(table: Lifecycle, states: frozenset[str] | tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(s for s in table.states if s in states)
+
+
+# ---- state sets derived from the tables: the code names these, it never retypes the states ----
+
+# Instances a deletion can start from now: the sources of `deprovision`.
+DEPROVISIONABLE = INSTANCE.states_allowing("deprovision")
+# Instances that stay where they are until someone acts (not transitional, not terminal): the
+# reconciler observes their health.
+SETTLED = INSTANCE.settled_states()
+# Instances the provision job drives: the sources of its two events.
+PROVISIONING = INSTANCE.states_allowing("start_provisioning", "provisioned")
+# Instances gone or going away: terminal, or deprovisioning.
+GONE_OR_GOING = _in_table_order(INSTANCE, INSTANCE.terminal | frozenset(INSTANCE.targets_of("deprovision")))
+# Live instances that have had a server (every live state reachable from `ready`).
+WITH_SERVER = _in_table_order(INSTANCE, frozenset(INSTANCE.live_states()) & INSTANCE.reachable_from("ready"))
+# Instances whose server runs and serves their data (read-only while suspended): the sources and
+# the target of `suspend`. They are backed up, by the plan's schedule or on demand.
+BACKED_UP = _in_table_order(
+    INSTANCE, frozenset(INSTANCE.states_allowing("suspend")) | frozenset(INSTANCE.targets_of("suspend"))
+)
+# Instances a restore can bring back to ready (with `recover`), once their data is lost.
+RESTORABLE = INSTANCE.states_allowing("recover")
+# Terminal job states, in table order (the partial indexes' predicate).
+JOB_TERMINAL = _in_table_order(JOB, JOB.terminal)
+# Jobs a worker holds: claimed or running, heartbeated, watched by the supervisor.
+JOB_HELD = JOB.targets_of("claim", "start")
 
 
 def lifecycle(entity: str) -> Lifecycle:

@@ -19,10 +19,10 @@ class PostgresError(RuntimeError):
     """The PostgreSQL server could not be found, initialised, started or stopped."""
 
 
-def find_bindir() -> Path:
-    """System server binaries when present, otherwise those of the `pgserver` PyPI package."""
-    override = os.environ.get("CONTROLPLANE_PG_BINDIR")
-    candidates: list[Path] = [Path(override)] if override else []
+def find_bindir(preferred: Path | None = None) -> Path:
+    """`preferred` (CONTROLPLANE_PG_BINDIR) when it holds a server, else the system's server
+    binaries, otherwise those of the `pgserver` PyPI package."""
+    candidates: list[Path] = [preferred] if preferred else []
     on_path = shutil.which("postgres")
     if on_path:
         candidates.append(Path(on_path).resolve().parent)
@@ -110,6 +110,8 @@ class PostgresServer:
     host: str = "127.0.0.1"
     run_as: RunAs = RunAs()
     bindir: Path | None = None
+    # Where to look for the binaries first (CONTROLPLANE_PG_BINDIR), when `bindir` is not given.
+    preferred_bindir: Path | None = None
 
     @property
     def logfile(self) -> Path:
@@ -117,7 +119,7 @@ class PostgresServer:
 
     def bin(self, name: str) -> str:
         if self.bindir is None:
-            self.bindir = find_bindir()
+            self.bindir = find_bindir(self.preferred_bindir)
         return str(self.bindir / name)
 
     def _run(self, args: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:

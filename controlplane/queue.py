@@ -13,8 +13,10 @@ from psycopg.rows import DictRow
 
 from controlplane import lifecycle, sql
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry, Verdict
+from controlplane.domain_errors import InvalidRequest, InvalidState, NotFound
 from controlplane.jobs import get_job
+from controlplane.records import JobPatch
+from controlplane.registry import JobRegistry, Verdict
 from controlplane.retry import Decision, ErrorKind
 from controlplane.transitions import (
     Actor,
@@ -35,13 +37,17 @@ OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
 MAX_ERROR_CHARS = 4000
 
 
-class JobNotFound(LookupError):
+class JobNotFound(NotFound):
     def __init__(self, job_id: uuid.UUID) -> None:
         super().__init__(f"job {job_id} does not exist")
         self.job_id = job_id
 
+    @property
+    def detail(self) -> str:
+        return f"no job {self.job_id}"
 
-class ActionRefused(Exception):
+
+class ActionRefused(InvalidState):
     """An operator action the job's current state does not allow (or cannot be done safely)."""
 
     def __init__(self, job_id: uuid.UUID, action: str, state: str, why: str | None = None) -> None:
@@ -51,7 +57,11 @@ class ActionRefused(Exception):
         self.state = state
         self.allowed = allowed
         detail = why or f"allowed from {state!r}: {', '.join(allowed) or 'nothing (it is final)'}"
-        super().__init__(f"cannot {action} job {job_id}: it is {state!r}; {detail}")
+        super().__init__(
+            f"cannot {action} job {job_id}: it is {state!r}; {detail}",
+            current_state=state,
+            allowed_actions=allowed,
+        )
 
 
 def _move(job: Mapping[str, Any], event: str, **kwargs: Any) -> Move:
@@ -99,7 +109,7 @@ async def finish_many(
     conn: AsyncConn, done: Sequence[tuple[Mapping[str, Any], Verdict]], actor: Actor
 ) -> BatchResult:
     """running -> completed, each with its verdict ("nothing to do" is a completion too)."""
-    moves = [_move(job, "finish", patch={"verdict": dict(verdict)}) for job, verdict in done]
+    moves = [_move(job, "finish", patch=JobPatch(verdict=dict(verdict))) for job, verdict in done]
     return await _batch(conn, moves, actor)
 
 
@@ -129,12 +139,9 @@ class JobFailure:
                 "why": self.decision.why,
             },
             # delay_s sets run_at: the moment the supervisor retries (or abandons) the job.
-            patch={
-                "attempt": attempt,
-                "last_error": message,
-                "error_kind": self.kind,
-                "delay_s": self.decision.delay_s,
-            },
+            patch=JobPatch(
+                attempt=attempt, last_error=message, error_kind=self.kind, delay_s=self.decision.delay_s
+            ),
         )
 
 
@@ -162,7 +169,7 @@ async def retry_many(
     conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor, reason: str
 ) -> BatchResult:
     """failed -> queued, due now (run_at = now())."""
-    moves = [_move(job, "retry", reason=reason, patch={"delay_s": 0}) for job in jobs]
+    moves = [_move(job, "retry", reason=reason, patch=JobPatch(delay_s=0)) for job in jobs]
     return await _batch(conn, moves, actor)
 
 
@@ -224,10 +231,7 @@ async def own_conflicts(
     conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
     if not conflicts:
         return OwnConflicts({}, [])
-    cursor = await conn.execute(
-        "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])",
-        {"ids": [c.move.id for c in conflicts]},
-    )
+    cursor = await conn.execute(sql.JOBS_BY_IDS, {"ids": [c.move.id for c in conflicts]})
     rows = {row["id"]: row for row in await cursor.fetchall()}
     applied: dict[uuid.UUID, DictRow] = {}
     again: list[Move] = []
@@ -263,7 +267,7 @@ def move_of(failure: TransitionError) -> Move:
 def _require_reason(reason: str | None) -> str:
     text = (reason or "").strip()
     if not text:
-        raise ValueError("an operator action needs a reason")
+        raise InvalidRequest("reason", "an operator action needs a reason")
     return text
 
 
@@ -308,7 +312,7 @@ async def operator_action(
                         "cannot run (force to abandon without it)",
                     )
                 return await abandon_job(conn, job, actor, why, registry)
-            patch = {"delay_s": 0} if action == "retry" else {}
+            patch = JobPatch(delay_s=0) if action == "retry" else JobPatch()
             result = await transition_many(conn, "job", [_move(job, action, reason=why, patch=patch)], actor)
             if result.failed:
                 raise result.failed[0]
@@ -354,17 +358,6 @@ async def list_jobs(
     if state is not None and state not in lifecycle.JOB.states:
         raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(lifecycle.JOB.states)}")
     cursor = await conn.execute(
-        """
-        SELECT id, kind, instance_id, state, state_version, attempt, max_attempts, priority, run_at,
-               claimed_by, fence, heartbeat_at, error_kind, last_error, verdict, created_at,
-               state_entered_at
-        FROM jobs
-        WHERE (%(state)s::text IS NULL OR state = %(state)s)
-          AND (%(kind)s::text IS NULL OR kind = %(kind)s)
-          AND (%(instance)s::uuid IS NULL OR instance_id = %(instance)s::uuid)
-        ORDER BY created_at DESC, id
-        LIMIT %(limit)s
-        """,
-        {"state": state, "kind": kind, "instance": instance_id, "limit": limit},
+        sql.LIST_JOBS, {"state": state, "kind": kind, "instance": instance_id, "limit": limit}
     )
     return await cursor.fetchall()

@@ -17,23 +17,22 @@ import uvicorn
 from prometheus_client import start_http_server
 
 import provisioners
-from controlplane import datadir, db, tenants
+from controlplane import datadir, db, lifecycle, operations, sql, tenants
 from controlplane.api.app import create_app
-from controlplane.handlers import JobRegistry
-from controlplane.operations import operation_kinds
-from controlplane.settings import Settings, SettingsError
+from controlplane.registry import JobRegistry
+from controlplane.settings import NotAvailable, Settings
 from controlplane.worker import Worker, default_worker_id
 from provisioners.base import Provisioner
 from reconciler.leader import LeaderElection
+from reconciler.reconciler import Reconciler
 
 if TYPE_CHECKING:
     from controlplane.embedded import EmbeddedDatabase
-from reconciler.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
 
 # Instances whose servers `up` brings back after a restart of the host or of `up` itself.
-ADOPTED_STATES = ("ready", "updating", "degraded", "suspended", "deprovisioning")
+ADOPTED_STATES = lifecycle.WITH_SERVER
 
 
 class _QuietServer(uvicorn.Server):
@@ -52,28 +51,24 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 
 def serve_metrics(settings: Settings) -> None:
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.api_host)
-        log.info("metrics on %s:%d/metrics", settings.api_host, settings.metrics_port)
-
-
-def registry_for(provisioner: Provisioner) -> JobRegistry:
-    return JobRegistry(operation_kinds(provisioner))
+        start_http_server(settings.metrics_port, addr=settings.api.host)
+        log.info("metrics on %s:%d/metrics", settings.api.host, settings.metrics_port)
 
 
 def bind_api_socket(settings: Settings) -> socket.socket:
-    """The API's listening socket, bound now: a port in use is refused in one line (SettingsError)."""
-    host, port = settings.api_host, settings.api_port
+    """The API's listening socket, bound now: a port in use is refused in one line (NotAvailable)."""
+    host, port = settings.api.host, settings.api.port
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
-        raise SettingsError(f"cannot listen on {host}:{port}: {exc.strerror}; check --api-host") from None
+        raise NotAvailable(f"cannot listen on {host}:{port}: {exc.strerror}; check --api-host") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise SettingsError(
+        raise NotAvailable(
             f"port {port} on {host} is not free ({exc.strerror}): choose another with --api-port "
             "(or CONTROLPLANE_API_PORT)"
         ) from None
@@ -94,7 +89,7 @@ async def run_api(
     """Serve the API until `stop`; `listening` is set once it accepts requests on its socket."""
     app = create_app(settings, database_url=url, job_registry=registry, provisioner=provisioner)
     config = uvicorn.Config(
-        app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True
+        app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True
     )
     server = _QuietServer(config)
     sock = sock or bind_api_socket(settings)
@@ -109,7 +104,7 @@ async def run_api(
     await serving
     stopping.cancel()
     if not server.started and not stop.is_set():
-        raise RuntimeError(f"the API did not start on {settings.api_host}:{settings.api_port}")
+        raise RuntimeError(f"the API did not start on {settings.api.host}:{settings.api.port}")
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
@@ -122,8 +117,8 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
-    worker_id = settings.worker_id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker_concurrency + 3, name=f"worker-{worker_id}")
+    worker_id = settings.worker.id or default_worker_id()
+    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
     await pool.open(wait=True, timeout=30)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
@@ -150,7 +145,7 @@ async def run_reconciler_role(
     dry_run_orphans: bool = False,
 ) -> None:
     reconciler_id = f"reconciler-{socket.gethostname()}-{os.getpid()}"
-    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconcile_concurrency + 1), name=reconciler_id)
+    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconciler.concurrency + 1), name=reconciler_id)
     await pool.open(wait=True, timeout=30)
     reconciler = Reconciler(
         settings,
@@ -216,10 +211,10 @@ async def _up(
     leave_instances_running: bool,
 ) -> int:
     embedded = None
-    if not settings.database_url:
+    if not settings.database.url_value:
         from controlplane.embedded import open_embedded
 
-        embedded = await asyncio.to_thread(open_embedded, data_dir / "db")
+        embedded = await asyncio.to_thread(open_embedded, data_dir / "db", bindir=settings.database.pg_bindir)
     target = await asyncio.to_thread(db.migration_target, settings, embedded)
     url = await asyncio.to_thread(db.resolve_database_url, settings)
     provisioner = provisioners.build(settings)
@@ -227,7 +222,7 @@ async def _up(
         await asyncio.to_thread(db.migrate, target.url, runtime_role=target.runtime_role)
         await provisioner.ca_certificate()  # the CA that signs the instances' certificates, made once
         report = UpReport(
-            url=settings.api_url,
+            url=settings.api.url,
             admin_key=await _first_admin_key(url),
             admin_key_file=data_dir / "admin.key",
             embedded=embedded is not None,
@@ -259,7 +254,7 @@ async def _serve_all(
     """The services (and the embedded server's supervisor) until `stop` or one of them fails."""
     from controlplane.embedded import keep_running
 
-    registry = registry_for(provisioner)
+    registry = operations.registry(provisioner)
     listening = asyncio.Event()
     api = run_api(settings, url, registry, stop, provisioner=provisioner, sock=sock, listening=listening)
     services = [
@@ -290,7 +285,7 @@ async def _first_admin_key(url: str) -> str | None:
 async def _adopt_instances(url: str, provisioner: Provisioner) -> None:
     conn = await db.connect(url)
     async with conn:
-        cursor = await conn.execute("SELECT id FROM instances WHERE state = ANY(%s)", (list(ADOPTED_STATES),))
+        cursor = await conn.execute(sql.INSTANCE_IDS_IN, {"states": list(ADOPTED_STATES)})
         ids = [row["id"] for row in await cursor.fetchall()]
     started = await provisioner.start_all(ids)
     if started:

@@ -21,6 +21,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
 
+from controlplane.lifecycle import INSTANCE
+from controlplane.sql import FINISHED, HELD, state_list
+
 metadata = MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -35,8 +38,9 @@ TZ = TIMESTAMP(timezone=True)
 NOW = text("now()")
 NEW_UUID = text("gen_random_uuid()")
 
-INSTANCE_LIVE = "state NOT IN ('deleted', 'failed')"
-JOB_LIVE = "state NOT IN ('completed', 'abandoned')"
+# The predicates of the partial indexes, from the lifecycle tables (as the hot-path SQL states them).
+INSTANCE_LIVE = "state NOT IN " + state_list(tuple(s for s in INSTANCE.states if s in INSTANCE.terminal))
+JOB_LIVE = f"state NOT IN {FINISHED}"
 
 job_fence_seq = Sequence("job_fence_seq", metadata=metadata)
 
@@ -189,7 +193,7 @@ jobs = Table(
     Index(
         "ix_jobs_live_heartbeat",
         "heartbeat_at",
-        postgresql_where=text("state IN ('claimed', 'running')"),
+        postgresql_where=text(f"state IN {HELD}"),
     ),
     Index("ix_jobs_queued_order", "priority", "run_at", postgresql_where=text("state = 'queued'")),
     Index("ix_jobs_failed_run_at", "run_at", postgresql_where=text("state = 'failed'")),

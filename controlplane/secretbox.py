@@ -26,8 +26,8 @@ class SecretBox:
 
 def load_box(settings: Settings) -> SecretBox:
     """The configured key (CONTROLPLANE_SECRET_KEY), else one generated once into data_dir."""
-    if settings.secret_key:
-        return SecretBox(settings.secret_key)
+    if settings.secret_key is not None:
+        return SecretBox(settings.secret_key.get_secret_value())
     path = Path(settings.data_dir) / "secret.key"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from controlplane import sql
 from controlplane.db import AsyncConn
 from controlplane.secretbox import SecretBox
 
@@ -75,11 +76,14 @@ async def ensure_key(conn: AsyncConn, box: SecretBox) -> SigningKey:
     )
     public = raw_public(private.public_key())
     await conn.execute(
-        "INSERT INTO audit_keys (fingerprint, public_key, private_key) VALUES (%s, %s, %s)"
-        " ON CONFLICT DO NOTHING",
-        (fingerprint(public), public, box.encrypt(base64.b64encode(raw).decode())),
+        sql.STORE_SIGNING_KEY,
+        {
+            "fingerprint": fingerprint(public),
+            "public": public,
+            "private": box.encrypt(base64.b64encode(raw).decode()),
+        },
     )
-    cursor = await conn.execute("SELECT fingerprint, public_key, private_key FROM audit_keys")
+    cursor = await conn.execute(sql.SIGNING_KEY)
     row = await cursor.fetchone()
     assert row is not None
     stored = Ed25519PrivateKey.from_private_bytes(base64.b64decode(box.decrypt(row["private_key"])))
@@ -93,14 +97,8 @@ async def ensure_key(conn: AsyncConn, box: SecretBox) -> SigningKey:
 
 async def public_keys(conn: AsyncConn) -> dict[str, Ed25519PublicKey]:
     """Every stored public key by fingerprint (what a verification trusts unless given its own)."""
-    cursor = await conn.execute("SELECT fingerprint, public_key FROM audit_keys")
+    cursor = await conn.execute(sql.PUBLIC_KEYS)
     return {
         row["fingerprint"]: Ed25519PublicKey.from_public_bytes(bytes(row["public_key"]))
         for row in await cursor.fetchall()
     }
-
-
-async def stored_public_key(conn: AsyncConn) -> bytes | None:
-    cursor = await conn.execute("SELECT public_key FROM audit_keys")
-    row = await cursor.fetchone()
-    return None if row is None else bytes(row["public_key"])

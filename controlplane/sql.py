@@ -1,14 +1,27 @@
-"""Hot-path SQL: every statement that moves state, heartbeats or scans, each named for what it does.
+"""Every statement on the control plane's database, each named for what it does, in sections by area.
 
 The transition statements are built from one template so that instances and jobs share one path:
 guarded UPDATE (id + state_version + state), version bump, event row, pg_notify, in one statement.
+Every write to `instances` and `jobs` is here. (The servers the control plane runs, its embedded
+database and the local provisioner's instances, are administered in `postgres.py`, `embedded.py`
+and `provisioners/local.py`.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.lifecycle import INSTANCE, JOB
+from controlplane.lifecycle import INSTANCE, JOB, JOB_HELD, JOB_TERMINAL
+
+
+def state_list(states: tuple[str, ...]) -> str:
+    """A state set as an SQL list literal, e.g. ('claimed', 'running')."""
+    return "(" + ", ".join(f"'{s}'" for s in states) + ")"
+
+
+# Jobs a worker holds, and finished jobs (the partial indexes' predicates use the same lists).
+HELD = state_list(JOB_HELD)
+FINISHED = state_list(JOB_TERMINAL)
 
 
 def _live_states(table: str, terminal: frozenset[str], states: tuple[str, ...]) -> str:
@@ -21,6 +34,8 @@ def _live_states(table: str, terminal: frozenset[str], states: tuple[str, ...]) 
 
 
 LIVE_INSTANCE = _live_states("i.", INSTANCE.terminal, INSTANCE.states)
+
+# ---- the one transition path (instances and jobs) -------------------------------------------------
 
 # The per-row input of every transition: which row, from where, by which event, with what patch.
 _MOVES_INPUT = """
@@ -86,7 +101,7 @@ JOB_TABLE = EntityTable(
     fk="job_id",
     sets=(
         "updated_at = now()",
-        "heartbeat_at = CASE WHEN m.to_state IN ('claimed', 'running') THEN now() END",
+        f"heartbeat_at = CASE WHEN m.to_state IN {HELD} THEN now() END",
         "claimed_by = CASE WHEN m.to_state = 'queued' THEN NULL ELSE t.claimed_by END",
         "run_at = CASE WHEN m.patch ? 'delay_s'"
         " THEN now() + make_interval(secs => (m.patch->>'delay_s')::float8) ELSE t.run_at END",
@@ -178,6 +193,8 @@ CURRENT_STATES = {
     for entity, spec in ENTITY_TABLES.items()
 }
 
+# ---- jobs: the queue's hot path (claim, heartbeat, enqueue) ---------------------------------------
+
 # The claim's event fields: the fence is taken once per row (in `picked`), for the row and its event.
 _CLAIM_FIELDS = (
     "'queued', 'claimed', 'claim', %(actor_kind)s, %(actor_id)s, NULL,"
@@ -218,9 +235,9 @@ WITH locked AS (
 """
 
 # Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.
-HEARTBEAT_JOBS = """
+HEARTBEAT_JOBS = f"""
 UPDATE jobs SET heartbeat_at = now()
-WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN ('claimed', 'running')
+WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN {HELD}
   AND fence = ANY(%(fences)s::bigint[])
 RETURNING id, fence
 """
@@ -246,7 +263,7 @@ WITH input AS (
            now() + make_interval(secs => delay_s), at, 0,
            {event_hash("job", "id", "0", "NULL", _ENQUEUE_FIELDS, "at")}
     FROM input
-    ON CONFLICT (instance_id, kind) WHERE state NOT IN ('completed', 'abandoned') DO NOTHING
+    ON CONFLICT (instance_id, kind) WHERE state NOT IN {FINISHED} DO NOTHING
     RETURNING *
 ), audit AS (
     INSERT INTO job_events (job_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
@@ -261,11 +278,13 @@ FROM created
 """
 
 # The live job of each (instance, kind) pair: what a de-duplicated enqueue found instead.
-LIVE_JOBS_FOR = """
+LIVE_JOBS_FOR = f"""
 SELECT * FROM jobs
 WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(kinds)s::text[]))
-  AND state NOT IN ('completed', 'abandoned')
+  AND state NOT IN {FINISHED}
 """
+
+# ---- instances: creation ---------------------------------------------------------------------------
 
 # The creation event's fields of an instance (from the input row, or the created one).
 _CREATE_FIELDS = (
@@ -298,12 +317,14 @@ SELECT created.*, o.billing_hold, 0::float8 AS time_in_state_s,
 FROM created JOIN organisations o ON o.id = created.org_id
 """
 
+# ---- the supervisor's scans -------------------------------------------------------------------------
+
 # Supervisor: claimed or running jobs whose heartbeat is older than the threshold (as of `now`,
 # injected by the caller or the database's own), locked so two supervisors do not both act.
 # Served by the partial index ix_jobs_live_heartbeat.
-SCAN_STALE_JOBS = """
+SCAN_STALE_JOBS = f"""
 SELECT * FROM jobs
-WHERE state IN ('claimed', 'running')
+WHERE state IN {HELD}
   AND heartbeat_at < COALESCE(%(now)s::timestamptz, now()) - make_interval(secs => %(stale_after_s)s::float8)
 ORDER BY heartbeat_at
 LIMIT %(limit)s
@@ -320,6 +341,8 @@ LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
 
+# ---- the reconciler ---------------------------------------------------------------------------------
+
 # Reconciler: a batch of live instances, least recently reconciled first, with the kinds of
 # their live jobs and their organisation's hold. Served by the partial index ix_instances_live_state
 # (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
@@ -329,7 +352,7 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
        i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at,
        ARRAY(SELECT j.kind FROM jobs j
-             WHERE j.instance_id = i.id AND j.state NOT IN ('completed', 'abandoned')) AS live_jobs,
+             WHERE j.instance_id = i.id AND j.state NOT IN {FINISHED}) AS live_jobs,
        (SELECT max(b.taken_at) FROM backups b
         WHERE b.instance_id = i.id AND b.removed_at IS NULL) AS newest_backup_at,
        COALESCE(%(now)s::timestamptz, now()) AS now
@@ -369,15 +392,17 @@ SELECT state, count(*) AS n FROM jobs WHERE {_live_states("", JOB.terminal, JOB.
 """
 
 # Orphan sweep: what the database knows of the instances the provisioner's inventory names.
-INSTANCES_BY_ID = """
+INSTANCES_BY_ID = f"""
 SELECT i.id, i.state, i.spec, i.spec_generation,
        EXISTS (SELECT 1 FROM jobs j WHERE j.instance_id = i.id
-               AND j.state NOT IN ('completed', 'abandoned')) AS has_live_job
+               AND j.state NOT IN {FINISHED}) AS has_live_job
 FROM instances i WHERE i.id = ANY(%(ids)s::uuid[])
 """
 
 # A fence for work done outside a job (the orphan sweep): higher than every claim so far.
 NEXT_FENCE = "SELECT nextval('job_fence_seq') AS fence"
+
+# ---- SRE views: the audit log of all instances, stuck instances, silent jobs -------------------------
 
 # The audit log of all instances, filtered, oldest first after a cursor (SRE views: API and CLI).
 SEARCH_INSTANCE_EVENTS = """
@@ -405,13 +430,273 @@ ORDER BY deadline_at
 """
 
 # Stuck: claimed or running jobs whose heartbeat is older than the reclaim threshold.
-SILENT_JOBS = """
+SILENT_JOBS = f"""
 SELECT id, kind, instance_id, state, claimed_by, heartbeat_at, attempt, now() - heartbeat_at AS silent_for
 FROM jobs
-WHERE state IN ('claimed', 'running')
+WHERE state IN {HELD}
   AND heartbeat_at < now() - make_interval(secs => %(stale_after_s)s::float8)
 ORDER BY heartbeat_at
 """
+
+# ---- instances as the customer sees them (the use cases and the API) --------------------------
+
+# The row, its organisation's billing hold and its time in state (the table is `i`, its organisation `o`).
+_CUSTOMER_INSTANCE = """
+SELECT i.*, o.billing_hold,
+       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
+FROM instances i JOIN organisations o ON o.id = i.org_id
+"""
+
+# One instance of an organisation (scoped in SQL: another organisation's id finds nothing).
+ORG_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s AND i.org_id = %(org)s"
+# The same, locked for a change (plan, deletion protection, deletion request).
+LOCK_ORG_INSTANCE = ORG_INSTANCE + " FOR UPDATE OF i"
+# Whether an organisation has (or had) an instance of this id, live or not (a restore's source).
+ORG_HAS_INSTANCE = "SELECT 1 FROM instances WHERE id = %(id)s AND org_id = %(org)s"
+# One instance of any organisation (an SRE's look-up: its backups, a restore it decides), and locked.
+ANY_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s"
+LOCK_ANY_INSTANCE = ANY_INSTANCE + " FOR UPDATE OF i"
+
+# A page of an organisation's instances, oldest first, after a (created_at, id) cursor.
+LIST_ORG_INSTANCES = (
+    _CUSTOMER_INSTANCE
+    + """WHERE i.org_id = %(org)s
+  AND (%(state)s::text IS NULL OR i.state = %(state)s::text)
+  AND (%(after_created)s::timestamptz IS NULL
+       OR (i.created_at, i.id) > (%(after_created)s::timestamptz, %(after_id)s::uuid))
+ORDER BY i.created_at, i.id LIMIT %(limit)s
+"""
+)
+
+# A page of one instance's audit log, oldest first, after an event id.
+ORG_INSTANCE_EVENTS = """
+SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE e.instance_id = %(id)s AND i.org_id = %(org)s AND e.id > %(after)s ORDER BY e.id LIMIT %(limit)s
+"""
+
+# Change: a new plan is a new spec generation; deletion protection takes effect at once.
+CHANGE_INSTANCE_SPEC = """
+UPDATE instances SET
+    spec = CASE WHEN %(new_plan)s THEN spec || jsonb_build_object('plan', %(plan)s::text) ELSE spec END,
+    spec_generation = spec_generation + CASE WHEN %(new_plan)s THEN 1 ELSE 0 END,
+    deletion_protection = COALESCE(%(protection)s, deletion_protection),
+    updated_at = now()
+WHERE id = %(id)s AND org_id = %(org)s
+"""
+
+# Delete: record the request (carried out now or as soon as the instance can be deprovisioned).
+REQUEST_DELETION = """
+UPDATE instances SET deletion_requested_at = now(), skip_final_backup = %(skip_final_backup)s,
+    updated_at = now()
+WHERE id = %(id)s AND org_id = %(org)s
+"""
+
+# ---- billing (Stripe events) ------------------------------------------------------------------
+
+# Store a verified event by id; a duplicate returns nothing (and is a no-op).
+RECORD_STRIPE_EVENT = """
+INSERT INTO stripe_events (id, type, customer_id, created, outcome)
+VALUES (%(id)s, %(type)s, %(customer)s, %(created)s, 'received') ON CONFLICT (id) DO NOTHING RETURNING id
+"""
+SET_STRIPE_EVENT_OUTCOME = "UPDATE stripe_events SET outcome = %(outcome)s WHERE id = %(id)s"
+
+# The organisation of a Stripe customer, locked while its hold is decided.
+LOCK_ORGANISATION_OF_CUSTOMER = """
+SELECT id, billing_event_created FROM organisations WHERE stripe_customer_id = %(customer)s FOR UPDATE
+"""
+SET_BILLING_HOLD = """
+UPDATE organisations SET billing_hold = %(hold)s, billing_status = %(status)s,
+    billing_event_created = %(created)s
+WHERE id = %(id)s
+"""
+
+# An organisation's instances in some states (a hold suspends those that can be suspended).
+ORG_INSTANCES_IN = "SELECT id FROM instances WHERE org_id = %(org)s AND state = ANY(%(states)s::text[])"
+# Those the billing hold suspended (a release resumes them, and only them).
+ORG_INSTANCES_SUSPENDED_BY_BILLING = ORG_INSTANCES_IN + " AND suspended_by_billing"
+
+# ---- instances: look-ups, and as the operations see them (job handlers, abandonment hooks) ----------
+
+INSTANCE_BY_ID = "SELECT * FROM instances WHERE id = %(id)s"
+# The ids of the instances in some states (`up` starts their servers again after a restart).
+INSTANCE_IDS_IN = "SELECT id FROM instances WHERE state = ANY(%(states)s::text[])"
+
+# One instance with its organisation's billing hold (what a handler decides from).
+INSTANCE_WITH_HOLD = """
+SELECT i.*, o.billing_hold FROM instances i JOIN organisations o ON o.id = i.org_id WHERE i.id = %(id)s
+"""
+
+# One instance, locked (an abandonment hook, in the abandoning transaction).
+LOCK_INSTANCE = "SELECT * FROM instances WHERE id = %(id)s FOR UPDATE"
+
+# The step a handler runs now; matches nothing once the instance has moved (the handler decides again).
+SET_PROGRESS = """
+UPDATE instances SET progress = %(progress)s, updated_at = now()
+WHERE id = %(id)s AND state = %(state)s AND state_version = %(state_version)s
+"""
+
+# A degraded instance whose suspend, resume or heal was given up: the reason, and for a heal the
+# count and time the reconciler's heal backoff reads (not a state change).
+RECORD_DEGRADED_FAILURE = """
+UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = now(),
+    heal_failures = heal_failures + CASE WHEN %(heal)s THEN 1 ELSE 0 END,
+    heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END
+WHERE id = %(id)s
+"""
+
+# ---- jobs: look-ups and the operator's list -------------------------------------------------------
+
+JOB_BY_ID = "SELECT * FROM jobs WHERE id = %(id)s"
+# The current rows of jobs whose moves conflicted (did the holder's own earlier write land?).
+JOBS_BY_IDS = "SELECT * FROM jobs WHERE id = ANY(%(ids)s::uuid[])"
+
+# Jobs newest first, optionally of one state, kind and/or instance (SRE views: API and CLI).
+LIST_JOBS = """
+SELECT id, kind, instance_id, state, state_version, attempt, max_attempts, priority, run_at,
+       claimed_by, fence, heartbeat_at, error_kind, last_error, verdict, created_at,
+       state_entered_at
+FROM jobs
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(kind)s::text IS NULL OR kind = %(kind)s)
+  AND (%(instance)s::uuid IS NULL OR instance_id = %(instance)s::uuid)
+ORDER BY created_at DESC, id
+LIMIT %(limit)s
+"""
+
+# ---- notifications: the channels the transition path notifies, and who listens -------------------
+
+# `cp_<entity>_<state>` carries '<id>:<state_version>' of each move into that state (see _audit_tail).
+INSTANCE_CHANNEL_PREFIX = "cp_instance_"
+JOB_QUEUED_CHANNEL = "cp_job_queued"
+# A worker wakes on every enqueued or re-queued job.
+LISTEN_JOB_QUEUED = f"LISTEN {JOB_QUEUED_CHANNEL}"
+# A watch follows every state an instance can reach.
+INSTANCE_CHANNELS = tuple(INSTANCE_CHANNEL_PREFIX + state for state in INSTANCE.states)
+LISTEN_INSTANCE_CHANNELS = "; ".join(f"LISTEN {channel}" for channel in INSTANCE_CHANNELS)
+
+# ---- organisations and API keys ---------------------------------------------------------------------
+
+CREATE_ORGANISATION = """
+INSERT INTO organisations (name, stripe_customer_id) VALUES (%(name)s, %(stripe_customer_id)s) RETURNING *
+"""
+ORGANISATION_BY_ID = "SELECT * FROM organisations WHERE id = %(id)s"
+
+CREATE_API_KEY = """
+INSERT INTO api_keys (org_id, is_admin, prefix, key_hash, name)
+VALUES (%(org_id)s, %(is_admin)s, %(prefix)s, %(key_hash)s, %(name)s) RETURNING id
+"""
+# Serialises the first start's admin key across replicas (a transaction-scoped advisory lock).
+LOCK_ADMIN_KEY_CREATION = "SELECT pg_advisory_xact_lock(%(key)s)"
+ANY_LIVE_ADMIN_KEY = "SELECT 1 FROM api_keys WHERE is_admin AND revoked_at IS NULL LIMIT 1"
+LIVE_KEY_BY_PREFIX = """
+SELECT id, org_id, is_admin, key_hash FROM api_keys WHERE prefix = %(prefix)s AND revoked_at IS NULL
+"""
+# Revoke a live key of an organisation (any organisation's when org is NULL: an admin).
+REVOKE_API_KEY = """
+UPDATE api_keys SET revoked_at = now()
+WHERE id = %(id)s AND revoked_at IS NULL AND (%(org)s::uuid IS NULL OR org_id = %(org)s::uuid)
+RETURNING id
+"""
+LIST_API_KEYS = """
+SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %(org)s ORDER BY created_at, id
+"""
+
+# ---- idempotency keys (the API's creating requests) ----------------------------------------------
+
+# Claim an (organisation, key) pair for this transaction; false while another request holds it.
+TRY_IDEMPOTENCY_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock)s, 0)) AS locked"
+# The response stored for a key within its retention.
+STORED_RESPONSE = """
+SELECT request_hash, status_code, response, headers FROM idempotency_keys
+WHERE org_id = %(org)s AND key = %(key)s AND created_at >= now() - make_interval(secs => %(retention_s)s)
+"""
+SAVE_RESPONSE = """
+INSERT INTO idempotency_keys (org_id, key, request_hash, status_code, response, headers)
+VALUES (%(org)s, %(key)s, %(hash)s, %(status)s, %(response)s, %(headers)s)
+ON CONFLICT (org_id, key) DO UPDATE SET request_hash = EXCLUDED.request_hash,
+    status_code = EXCLUDED.status_code, response = EXCLUDED.response,
+    headers = EXCLUDED.headers, created_at = now()
+"""
+# Delete a bounded batch of expired keys (skipping rows another purge holds).
+PURGE_IDEMPOTENCY_KEYS = """
+DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM idempotency_keys WHERE created_at < now() - make_interval(secs => %(retention_s)s)
+    LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+"""
+
+# ---- the audit log: replay and chain checks, dwell times ------------------------------------------
+
+# Rows and logs read at one moment: the audit checks' transaction (a checkpoint's also writes).
+READ_ONLY_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
+SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+
+# What the replay and the chain check read of each event (the detail as its jsonb text: hashed).
+_AUDIT_COLUMNS = """
+       r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
+       r.chain_seq, r.chain_head,
+       e.id, e.seq, e.prev_hash, e.hash, e.from_state, e.to_state, e.event, e.actor_kind, e.actor_id,
+       e.reason, e.detail::text AS detail_text, e.request_id, e.state_version, e.at
+"""
+
+# Every row of an entity with its events in order (rows without events too): the whole-log check.
+AUDIT_LOG = {
+    entity: f"""
+SELECT {_AUDIT_COLUMNS}
+FROM {spec.table} r LEFT JOIN {spec.events_table} e ON e.{spec.fk} = r.id
+ORDER BY r.id, e.id
+"""
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# The events at or after a checkpoint's cut, with their rows: the incremental check. Each chain is
+# in time order, so these are the end of each chain that moved (partitions pruned, the at index).
+AUDIT_LOG_SINCE = {
+    entity: f"""
+SELECT {_AUDIT_COLUMNS}
+FROM {spec.events_table} e JOIN {spec.table} r ON r.id = e.{spec.fk}
+WHERE e.at >= %(since)s
+ORDER BY e.{spec.fk}, e.id
+"""
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# Time in each state, per entity. Each event opens a stay in its to_state; the entity's next
+# event (by id) closes it. A stay not yet closed is measured up to now(). Terminal states are
+# never left, so they are not stays.
+DWELL_STATS = {
+    entity: f"""
+WITH stays AS (
+    SELECT e.to_state AS state, e.at AS entered_at,
+           lead(e.at) OVER (PARTITION BY e.{spec.fk} ORDER BY e.id) AS left_at
+    FROM {spec.events_table} e
+), measured AS (
+    SELECT state, left_at IS NULL AS open,
+           extract(epoch FROM COALESCE(left_at, now()) - entered_at)::float8 AS seconds
+    FROM stays
+    WHERE state = ANY(%(states)s::text[])
+      AND (%(since)s::timestamptz IS NULL OR COALESCE(left_at, now()) >= %(since)s::timestamptz)
+)
+SELECT state,
+       count(*) AS count,
+       count(*) FILTER (WHERE open) AS current,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds) AS p50_s,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY seconds) AS p95_s,
+       max(seconds) AS max_s
+FROM measured
+GROUP BY state
+"""
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# ---- the schema's revision (readiness) and the reconciler's leader lock ----------------------------
+
+SCHEMA_REVISION = "SELECT version_num FROM alembic_version"
+
+PING = "SELECT 1"
+TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s) AS locked"
+RELEASE_LEADER_LOCK = "SELECT pg_advisory_unlock(%(key)s)"
+
+# ---- backups: what the control plane holds of each instance -----------------------------------------
 
 # Backups: what the provisioner holds after a backup job, recorded (a new one, or one seen again).
 RECORD_BACKUPS = """
@@ -444,11 +729,124 @@ HELD_BACKUP = """
 SELECT * FROM backups WHERE instance_id = %(instance_id)s AND backup_id = %(backup_id)s AND removed_at IS NULL
 """
 
-# One instance as the API shows it (with its organisation's hold and time in state), scoped to an
-# organisation unless `org` is NULL (an SRE's look-up).
-INSTANCE_IN_SCOPE = """
-SELECT i.*, o.billing_hold,
-       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
-FROM instances i JOIN organisations o ON o.id = i.org_id
-WHERE i.id = %(id)s AND (%(org)s::uuid IS NULL OR i.org_id = %(org)s::uuid)
+# ---- the audit log: signed checkpoints, the signing key, partitions, exports ----------------------
+
+# Before a checkpoint's snapshot: no running transaction started earlier than this.
+CHECKPOINT_CUT = """
+SELECT least(clock_timestamp(), min(xact_start)) AS cut FROM pg_stat_activity
+WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid()
 """
+LOCK_CHECKPOINTS = "SELECT pg_advisory_lock(%(key)s)"
+UNLOCK_CHECKPOINTS = "SELECT pg_advisory_unlock(%(key)s)"
+DATABASE_NOW = "SELECT now() AS now"
+LATEST_CHECKPOINT = "SELECT * FROM audit_checkpoints ORDER BY number DESC LIMIT 1"
+CHECKPOINT_BY_NUMBER = "SELECT * FROM audit_checkpoints WHERE number = %(number)s"
+CHECKPOINTS_FROM = "SELECT * FROM audit_checkpoints WHERE number >= %(since)s ORDER BY number"
+CHECKPOINTS_BETWEEN = (
+    "SELECT * FROM audit_checkpoints WHERE number BETWEEN %(first)s AND %(last)s ORDER BY number"
+)
+# The time an export's window starts: the earliest cut of the checkpoints it covers.
+CHECKPOINTS_EARLIEST_CUT = (
+    "SELECT min(cut) AS start FROM audit_checkpoints WHERE number BETWEEN %(first)s AND %(last)s"
+)
+NEWEST_CHECKPOINT_AT_OR_BEFORE = "SELECT max(number) AS number FROM audit_checkpoints WHERE at <= %(at)s"
+RECORD_CHECKPOINT = """
+INSERT INTO audit_checkpoints
+    (number, at, cut, prev_hash, events, tail, heads, heads_digest, hash, key_fingerprint, signature)
+VALUES (%(number)s, %(at)s, %(cut)s, %(prev_hash)s, %(events)s, %(tail)s, %(heads)s,
+        %(heads_digest)s, %(hash)s, %(key)s, %(signature)s)
+RETURNING *
+"""
+COPY_CHECKPOINT_HEADS = (
+    "COPY audit_checkpoint_heads (checkpoint, entity, entity_id, seq, hash, at) FROM STDIN"
+)
+CHECKPOINT_HEADS = (
+    "SELECT * FROM audit_checkpoint_heads WHERE checkpoint = %(number)s ORDER BY entity, entity_id"
+)
+
+
+def _chain_heads(spec: EntityTable, windowed: bool) -> str:
+    """The last event of each chain with events in the window (all chains without one)."""
+    window = "WHERE e.at >= %(since)s" if windowed else ""
+    return f"""
+SELECT DISTINCT ON (e.{spec.fk}) e.{spec.fk} AS entity_id, e.seq, e.hash, e.at
+FROM {spec.events_table} e {window}
+ORDER BY e.{spec.fk}, e.id DESC
+"""
+
+
+# What a checkpoint records: the heads of the chains that moved since the previous one's cut.
+CHAIN_HEADS_SINCE = {entity: _chain_heads(spec, True) for entity, spec in ENTITY_TABLES.items()}
+CHAIN_HEADS = {entity: _chain_heads(spec, False) for entity, spec in ENTITY_TABLES.items()}
+COUNT_EVENTS = (
+    "SELECT "
+    + " + ".join(f"(SELECT count(*) FROM {spec.events_table})" for spec in ENTITY_TABLES.values())
+    + " AS n"
+)
+COUNT_EVENTS_SINCE = (
+    "SELECT "
+    + " + ".join(
+        f"(SELECT count(*) FROM {spec.events_table} WHERE at >= %(since)s)" for spec in ENTITY_TABLES.values()
+    )
+    + " AS n"
+)
+
+# Each head the checkpoints from `since` recorded, with the hash of that event in the log now.
+RECORDED_HEADS_IN_LOG = (
+    " UNION ALL ".join(
+        f"""
+(SELECT h.checkpoint, h.entity, h.entity_id, h.seq, h.hash, h.at, e.hash AS event_hash
+ FROM audit_checkpoint_heads h
+ LEFT JOIN {spec.events_table} e ON e.{spec.fk} = h.entity_id AND e.seq = h.seq AND e.at = h.at
+ WHERE h.checkpoint >= %(since)s AND h.entity = '{entity}')
+"""
+        for entity, spec in ENTITY_TABLES.items()
+    )
+    + " ORDER BY checkpoint, entity, entity_id"
+)
+
+# The count the newest checkpoint states: every chain's newest recorded head, seq + 1.
+EVENTS_COVERED_BY_HEADS = """
+SELECT COALESCE(sum(seq + 1), 0) AS n FROM (
+    SELECT DISTINCT ON (entity, entity_id) seq FROM audit_checkpoint_heads
+    ORDER BY entity, entity_id, checkpoint DESC
+) heads
+"""
+# The heads one checkpoint recorded, for an incremental check starting from it.
+HEADS_OF_CHECKPOINT = (
+    "SELECT entity, entity_id, seq, hash FROM audit_checkpoint_heads WHERE checkpoint = %(number)s"
+)
+
+# The event tables' monthly partitions through a time (cp_ensure_event_partitions, as the owner).
+ENSURE_PARTITIONS = "SELECT cp_ensure_event_partitions(%(through)s::timestamptz) AS name"
+
+# The signing key: stored once (the table holds one), read with its private half encrypted.
+STORE_SIGNING_KEY = """
+INSERT INTO audit_keys (fingerprint, public_key, private_key)
+VALUES (%(fingerprint)s, %(public)s, %(private)s)
+ON CONFLICT DO NOTHING
+"""
+SIGNING_KEY = "SELECT fingerprint, public_key, private_key FROM audit_keys"
+PUBLIC_KEYS = "SELECT fingerprint, public_key FROM audit_keys"
+
+
+def _export_events(spec: EntityTable, windowed: bool) -> str:
+    """The events the checkpoints `first`..`last` cover (up to each chain's newest recorded head)."""
+    window = "AND e.at >= %(start)s" if windowed else ""
+    return f"""
+WITH heads AS (
+    SELECT DISTINCT ON (entity_id) entity_id, seq FROM audit_checkpoint_heads
+    WHERE entity = %(entity)s AND checkpoint BETWEEN %(first)s AND %(last)s
+    ORDER BY entity_id, checkpoint DESC
+)
+SELECT e.{spec.fk} AS entity_id, e.seq, e.prev_hash, e.hash, e.at, e.from_state, e.to_state,
+       e.event, e.actor_kind, e.actor_id, e.reason, e.request_id, e.state_version,
+       e.detail::text AS detail_text
+FROM {spec.events_table} e JOIN heads h ON h.entity_id = e.{spec.fk}
+WHERE e.seq <= h.seq {window}
+ORDER BY e.{spec.fk}, e.id
+"""
+
+
+EXPORT_EVENTS = {entity: _export_events(spec, False) for entity, spec in ENTITY_TABLES.items()}
+EXPORT_EVENTS_SINCE = {entity: _export_events(spec, True) for entity, spec in ENTITY_TABLES.items()}

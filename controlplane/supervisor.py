@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from controlplane import queue, sql
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.retry import Decision, RetryPolicy
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, BatchResult, Conflict
@@ -67,8 +67,10 @@ class Supervisor:
         self.settings = settings
         self.registry = registry
         self.actor = Actor("supervisor", supervisor_id)
-        self.policy = policy or RetryPolicy(settings.retry_base_delay_s, settings.retry_max_delay_s)
-        self.batch_size = batch_size or settings.reconcile_batch_size
+        self.policy = policy or RetryPolicy(
+            settings.worker.retry_base_delay_s, settings.worker.retry_max_delay_s
+        )
+        self.batch_size = batch_size or settings.reconciler.batch_size
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[AsyncConn]:
@@ -100,7 +102,7 @@ class Supervisor:
     async def _scan(self, conn: AsyncConn, statement: str, now: datetime | None) -> list[DictRow]:
         cursor = await conn.execute(
             statement,
-            {"now": now, "stale_after_s": self.settings.reclaim_after_s, "limit": self.batch_size},
+            {"now": now, "stale_after_s": self.settings.worker.reclaim_after_s, "limit": self.batch_size},
             prepare=True,
         )
         return await cursor.fetchall()
@@ -122,7 +124,7 @@ class Supervisor:
             ]
             last_ids = {job["id"] for job in last}
             reclaim = [job for job in stale if job["id"] not in last_ids]
-            reason = f"heartbeat older than {self.settings.reclaim_after_s:g}s"
+            reason = f"heartbeat older than {self.settings.worker.reclaim_after_s:g}s"
             moved = await queue.reclaim_many(conn, reclaim, self.actor, reason)
             result.reclaimed += [row["id"] for row in moved.moved]
             failures = [
@@ -189,7 +191,7 @@ class Supervisor:
 
     async def run(self, stop: asyncio.Event, interval_s: float | None = None) -> None:
         """Pass after pass until `stop` is set; a lost database only delays the next pass."""
-        interval = interval_s if interval_s is not None else self.settings.heartbeat_interval_s
+        interval = interval_s if interval_s is not None else self.settings.worker.heartbeat_interval_s
         while not stop.is_set():
             try:
                 await self.run_once()

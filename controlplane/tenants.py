@@ -8,10 +8,12 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-import psycopg
 from psycopg.rows import DictRow
 
+from controlplane import sql
+from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
+from controlplane.domain_errors import OrgExists as OrgExists  # raised by create_org
 
 KEY_SCHEME = "cpk"
 # The public part of a key (looked up in the database) and the secret part (256 random bits).
@@ -23,10 +25,6 @@ ADMIN_KEY_LOCK = 0x6370_6B65_7900_0001
 
 class TenantError(Exception):
     """A tenant operation that cannot be carried out as asked."""
-
-
-class OrgExists(TenantError):
-    """An organisation with this name or Stripe customer already exists."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +74,14 @@ async def create_key(
         raise TenantError("a key belongs to exactly one organisation, or is an admin key")
     prefix, plaintext = generate_key()
     cursor = await conn.execute(
-        "INSERT INTO api_keys (org_id, is_admin, prefix, key_hash, name) VALUES (%s, %s, %s, %s, %s)"
-        " RETURNING id",
-        (org_id, is_admin, prefix, hash_key(plaintext), name),
+        sql.CREATE_API_KEY,
+        {
+            "org_id": org_id,
+            "is_admin": is_admin,
+            "prefix": prefix,
+            "key_hash": hash_key(plaintext),
+            "name": name,
+        },
     )
     row = await cursor.fetchone()
     assert row is not None
@@ -88,19 +91,16 @@ async def create_key(
 async def create_org(
     conn: AsyncConn, name: str, stripe_customer_id: str | None = None
 ) -> tuple[DictRow, NewKey]:
-    """Create an organisation and its first key in one transaction."""
-    try:
+    """Create an organisation and its first key in one transaction (OrgExists if the name or the
+    Stripe customer is taken)."""
+    with unique_violations(name=name):
         async with conn.transaction():
             cursor = await conn.execute(
-                "INSERT INTO organisations (name, stripe_customer_id) VALUES (%s, %s) RETURNING *",
-                (name, stripe_customer_id),
+                sql.CREATE_ORGANISATION, {"name": name, "stripe_customer_id": stripe_customer_id}
             )
             org = await cursor.fetchone()
             assert org is not None
             key = await create_key(conn, org["id"], name="first key")
-    except psycopg.errors.UniqueViolation as exc:
-        what = "Stripe customer" if "stripe_customer" in str(exc.diag.constraint_name) else "name"
-        raise OrgExists(f"an organisation with this {what} already exists") from None
     return org, key
 
 
@@ -111,8 +111,8 @@ async def create_admin_key(conn: AsyncConn, name: str = "admin") -> NewKey:
 async def ensure_admin_key(conn: AsyncConn) -> str | None:
     """Create an admin key if none is live; return its plaintext only then (print it once)."""
     async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADMIN_KEY_LOCK,))
-        cursor = await conn.execute("SELECT 1 FROM api_keys WHERE is_admin AND revoked_at IS NULL LIMIT 1")
+        await conn.execute(sql.LOCK_ADMIN_KEY_CREATION, {"key": ADMIN_KEY_LOCK})
+        cursor = await conn.execute(sql.ANY_LIVE_ADMIN_KEY)
         if await cursor.fetchone() is not None:
             return None
         key = await create_admin_key(conn, name="first admin key")
@@ -124,10 +124,7 @@ async def authenticate(conn: AsyncConn, plaintext: str) -> Principal | None:
     prefix = split_key(plaintext)
     if prefix is None:
         return None
-    cursor = await conn.execute(
-        "SELECT id, org_id, is_admin, key_hash FROM api_keys WHERE prefix = %s AND revoked_at IS NULL",
-        (prefix,),
-    )
+    cursor = await conn.execute(sql.LIVE_KEY_BY_PREFIX, {"prefix": prefix})
     row = await cursor.fetchone()
     presented = hash_key(plaintext)
     stored = bytes(row["key_hash"]) if row is not None else hash_key(secrets.token_hex(8))
@@ -138,24 +135,15 @@ async def authenticate(conn: AsyncConn, plaintext: str) -> Principal | None:
 
 async def revoke_key(conn: AsyncConn, key_id: uuid.UUID, org_id: uuid.UUID | None) -> bool:
     """Revoke a key of `org_id` (any key when org_id is None); False if there is no such live key."""
-    cursor = await conn.execute(
-        "UPDATE api_keys SET revoked_at = now()"
-        " WHERE id = %(id)s AND revoked_at IS NULL"
-        " AND (%(org)s::uuid IS NULL OR org_id = %(org)s::uuid) RETURNING id",
-        {"id": key_id, "org": org_id},
-    )
+    cursor = await conn.execute(sql.REVOKE_API_KEY, {"id": key_id, "org": org_id})
     return await cursor.fetchone() is not None
 
 
 async def list_keys(conn: AsyncConn, org_id: uuid.UUID) -> list[DictRow]:
-    cursor = await conn.execute(
-        "SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %s"
-        " ORDER BY created_at, id",
-        (org_id,),
-    )
+    cursor = await conn.execute(sql.LIST_API_KEYS, {"org": org_id})
     return await cursor.fetchall()
 
 
 async def get_org(conn: AsyncConn, org_id: uuid.UUID) -> DictRow | None:
-    cursor = await conn.execute("SELECT * FROM organisations WHERE id = %s", (org_id,))
+    cursor = await conn.execute(sql.ORGANISATION_BY_ID, {"id": org_id})
     return await cursor.fetchone()

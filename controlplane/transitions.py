@@ -14,6 +14,7 @@ from psycopg.rows import DictRow
 
 from controlplane import lifecycle, metrics, sql
 from controlplane.db import AsyncConn
+from controlplane.records import InstancePatch, JobPatch
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class Actor:
         return f"{self.kind}:{self.id}"
 
 
+# What a move writes beside the state: a typed patch, or its JSON as a mapping.
+Patch = InstancePatch | JobPatch | Mapping[str, Any]
+
+
 @dataclass(frozen=True)
 class Move:
     """One requested transition: the row as the caller last saw it and the event to apply."""
@@ -47,7 +52,11 @@ class Move:
     event: str
     reason: str | None = None
     detail: Mapping[str, Any] | None = None
-    patch: Mapping[str, Any] = field(default_factory=dict)
+    patch: Patch = field(default_factory=dict)
+
+    def patch_json(self) -> str:
+        patch = self.patch if isinstance(self.patch, Mapping) else self.patch.to_json()
+        return json.dumps(dict(patch))
 
 
 class TransitionError(Exception):
@@ -102,7 +111,7 @@ def _params(entity: str, moves: Sequence[Move], actor: Actor, request_id: str | 
         "events": [m.event for m in moves],
         "reasons": [m.reason for m in moves],
         "details": [json.dumps(dict(m.detail)) if m.detail else None for m in moves],
-        "patches": [json.dumps(dict(m.patch)) for m in moves],
+        "patches": [m.patch_json() for m in moves],
         "actor_kind": actor.kind,
         "actor_id": actor.id,
         "request_id": request_id,
@@ -199,7 +208,7 @@ async def transition(
     actor: Actor,
     reason: str | None = None,
     detail: Mapping[str, Any] | None = None,
-    patch: Mapping[str, Any] | None = None,
+    patch: Patch | None = None,
     request_id: str | None = None,
 ) -> DictRow:
     """Move one row; return it as it is now, or raise Conflict / InvariantViolation / IllegalTransition."""

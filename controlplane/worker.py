@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -21,16 +20,10 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
-from controlplane import db, metrics, queue, transitions
+from controlplane import db, metrics, queue, sql, transitions
 from controlplane.db import AsyncConn
-from controlplane.handlers import (
-    JobContext,
-    JobRegistry,
-    PermanentError,
-    StaleFence,
-    TemporaryError,
-    Verdict,
-)
+from controlplane.errors import PermanentError, StaleFence, TemporaryError
+from controlplane.registry import JobContext, JobRegistry, Verdict
 from controlplane.retry import ErrorKind, RetryPolicy
 from controlplane.settings import Settings
 from controlplane.transitions import Actor, BatchResult
@@ -42,7 +35,6 @@ T = TypeVar("T")
 DATABASE_GONE = (psycopg.OperationalError, PoolTimeout)
 # How long to wait for a pooled connection before counting the database as unreachable.
 CONNECTION_TIMEOUT_S = 5.0
-WAKE_CHANNEL = "cp_job_queued"
 # Longest wait for more free slots before claiming into a backlog (bigger, fewer claim batches).
 CLAIM_LINGER_S = 0.05
 
@@ -110,7 +102,7 @@ class Outcome:
 
 
 class Worker:
-    """Runs up to `settings.worker_concurrency` jobs at once, of the kinds in `registry`.
+    """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`.
 
     Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), starts the claimed
     batch in one statement, heartbeats all held jobs in one statement on its own connection,
@@ -127,19 +119,21 @@ class Worker:
         services: Mapping[str, Any] | None = None,
         policy: RetryPolicy | None = None,
     ) -> None:
-        if not registry.names():
-            raise ValueError("a worker needs at least one registered job kind")
+        if not registry.runnable():
+            raise ValueError("a worker needs at least one job kind with a handler")
         self.worker_id = worker_id
         self.settings = settings
         self.pool = pool
         self.registry = registry
         self.services = services or {}
-        self.policy = policy or RetryPolicy(settings.retry_base_delay_s, settings.retry_max_delay_s)
+        self.policy = policy or RetryPolicy(
+            settings.worker.retry_base_delay_s, settings.worker.retry_max_delay_s
+        )
         self.actor = Actor("worker", worker_id)
         # Dedicated connections (heartbeat, LISTEN) go to the pool's database.
         self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
-        self.kinds = registry.names()
-        self.concurrency = settings.worker_concurrency
+        self.kinds = registry.runnable()
+        self.concurrency = settings.worker.concurrency
         # With a backlog, claim when at least this many slots are free (or after CLAIM_LINGER_S).
         self._batch_min = max(1, self.concurrency // 2)
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
@@ -164,7 +158,9 @@ class Worker:
         if not self._stop.is_set():
             log.info("worker %s stopping", self.worker_id)
             self._give_up_at = (
-                time.monotonic() + self.settings.shutdown_grace_s + self.settings.reclaim_after_s
+                time.monotonic()
+                + self.settings.worker.shutdown_grace_s
+                + self.settings.worker.reclaim_after_s
             )
         self._stop.set()
         self._kick.set()
@@ -197,7 +193,7 @@ class Worker:
     async def _shutdown(self, writer: asyncio.Task[None]) -> None:
         tasks = set(self._tasks)
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.worker.shutdown_grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -248,7 +244,7 @@ class Worker:
             if self.concurrency - len(self._tasks) <= 0:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=self.settings.poll_interval_s)
+                await asyncio.wait_for(self._kick.wait(), timeout=self.settings.worker.poll_interval_s)
 
     async def _gather_slots(self) -> None:
         """With a backlog, let up to half the slots free up (briefly) so claims come in batches."""
@@ -293,7 +289,7 @@ class Worker:
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, self.settings.poll_interval_s))
+            await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, self.settings.worker.poll_interval_s))
 
     def _launch(self, held: Held) -> None:
         task = asyncio.create_task(self._run_handler(held), name=f"job-{held.id}")
@@ -309,7 +305,7 @@ class Worker:
 
     async def _run_handler(self, held: Held) -> None:
         kind = self.registry.get(held.job["kind"])
-        assert kind is not None, "claimed a job of a kind this worker does not run"
+        assert kind is not None and kind.handler is not None, "claimed a job of a kind this worker cannot run"
         context = JobContext(
             job=held.job,
             worker_id=self.worker_id,
@@ -473,7 +469,7 @@ class Worker:
         conn: AsyncConn | None = None
         try:
             while True:
-                await asyncio.sleep(self.settings.heartbeat_interval_s)
+                await asyncio.sleep(self.settings.worker.heartbeat_interval_s)
                 holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
                 if not holdings:
                     continue
@@ -506,7 +502,7 @@ class Worker:
             try:
                 conn = await db.connect(self._url)
                 async with conn:
-                    await conn.execute(f"LISTEN {WAKE_CHANNEL}")
+                    await conn.execute(sql.LISTEN_JOB_QUEUED)
                     delay = 0.1
                     self._kick.set()  # jobs may have been queued while we were not listening
                     async for _ in conn.notifies():
@@ -530,18 +526,6 @@ def _not_a_verdict(verdict: object) -> str | None:
     return None
 
 
-def load_registry(spec: str) -> JobRegistry:
-    """A registry named "module:attribute": a JobRegistry, or a function returning one."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"job registry {spec!r}: expected 'module:attribute'")
-    value = getattr(importlib.import_module(module_name), attribute)
-    registry = value() if callable(value) and not isinstance(value, JobRegistry) else value
-    if not isinstance(registry, JobRegistry):
-        raise TypeError(f"job registry {spec!r} is a {type(registry).__name__}, not a JobRegistry")
-    return registry
-
-
 async def run_worker(
     settings: Settings,
     registry: JobRegistry,
@@ -551,8 +535,8 @@ async def run_worker(
 ) -> int:
     """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
     url = db.resolve_database_url(settings)
-    worker_id = settings.worker_id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker_concurrency + 3, name=f"worker-{worker_id}")
+    worker_id = settings.worker.id or default_worker_id()
+    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
     await pool.open(wait=True, timeout=30)
     worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
     loop = asyncio.get_running_loop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -10,37 +9,41 @@ if TYPE_CHECKING:
     from provisioners.base import Provisioner
 
 
-def build(settings: Settings, environ: Mapping[str, str] | None = None) -> Provisioner:
-    """The provisioner `settings.provisioner` names (local, kubernetes, noop).
+def build(settings: Settings) -> Provisioner:
+    """The provisioner `settings.provisioner.kind` names (local, kubernetes, noop).
 
-    Wrapped in fault injection when faults are configured (settings.extra["faults"] or the
-    CONTROLPLANE_FAULTS variable): how a test tells a worker process where to fail or die.
+    Wrapped in fault injection when faults are configured (CONTROLPLANE_FAULTS, read with the
+    other settings at start): how a test tells a worker process where to fail or die.
     """
-    from provisioners.faults import FaultyProvisioner, faults_from
+    from provisioners.faults import FaultyProvisioner, parse_faults
 
-    inner: Provisioner
-    if settings.provisioner == "local":
-        from provisioners.local import LocalProvisioner
-
-        inner = LocalProvisioner(settings)
-    elif settings.provisioner == "kubernetes":
-        from provisioners.kubernetes import KubernetesProvisioner
-
-        inner = KubernetesProvisioner.from_settings(settings)
-    elif settings.provisioner == "noop":
-        from provisioners.noop import NoopProvisioner
-
-        inner = NoopProvisioner()
-    else:
-        raise ValueError(f"unknown provisioner {settings.provisioner!r}: expected local, kubernetes or noop")
-    faults = faults_from(settings.extra, environ)
+    inner = provisioner_class(settings.provisioner.kind).from_settings(settings)
+    faults = parse_faults(settings.provisioner.faults)
     return FaultyProvisioner(inner, faults) if faults else inner
 
 
-# The provisioners whose allocate_storage restores from a backup (their class's supports_restore;
-# known by name so that the API can refuse a restore without building a provisioner).
-RESTORING = frozenset({"kubernetes"})
+def provisioner_class(kind: str) -> type[Provisioner]:
+    """The class of the provisioner `kind` names (what it can do is on the class)."""
+    if kind == "local":
+        from provisioners.local import LocalProvisioner
+
+        return LocalProvisioner
+    if kind == "kubernetes":
+        from provisioners.kubernetes import KubernetesProvisioner
+
+        return KubernetesProvisioner
+    if kind == "noop":
+        from provisioners.noop import NoopProvisioner
+
+        return NoopProvisioner
+    raise ValueError(f"unknown provisioner {kind!r}: expected local, kubernetes or noop")
 
 
-def supports_restore(name: str) -> bool:
-    return name in RESTORING
+def supports_restore(kind: str) -> bool:
+    """Whether provisioner `kind` fills a new instance from another's backup (known without building one)."""
+    return provisioner_class(kind).supports_restore
+
+
+def supports_backups(kind: str) -> bool:
+    """Whether provisioner `kind` takes the backups the control plane schedules and restores in place."""
+    return provisioner_class(kind).supports_backups

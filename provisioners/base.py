@@ -11,11 +11,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane import plans
+from controlplane.errors import PermanentError
 from controlplane.fencing import FileFences
-from controlplane.handlers import PermanentError
+
+if TYPE_CHECKING:
+    from controlplane.settings import Settings
 
 # The attempt of the job whose handler is calling the provisioner (set by the operations);
 # fault injection uses it to fire on a chosen attempt only.
@@ -255,6 +258,14 @@ class Provisioner(abc.ABC):
     name: str = "abstract"
     # Whether allocate_storage can fill a new instance from another's backups (spec.restore_from).
     supports_restore: bool = False
+    # Whether `take_backup`, `list_backups` and `restore` work, on the control plane's schedule
+    # (see "backups and restore" below).
+    supports_backups: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Provisioner:
+        """The provisioner as the settings configure it (built where a process starts)."""
+        return cls()
 
     @abc.abstractmethod
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
@@ -327,11 +338,6 @@ class Provisioner(abc.ABC):
     # and an instance whose data is lost is restored in place with `restore`. (A provisioner may
     # take on-demand backups without that, its own schedule running elsewhere: the kubernetes one,
     # whose operator schedules them.) The defaults below are those of a provisioner that takes none.
-
-    @property
-    def supports_backups(self) -> bool:
-        """Whether `take_backup`, `list_backups` and `restore` work, on the control plane's schedule."""
-        return False
 
     async def take_backup(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from kubernetes.utils import quantity
 
-from controlplane.handlers import PermanentError
-from controlplane.settings import Settings, client_cidrs
+from controlplane.errors import PermanentError
+from controlplane.settings import Settings
 from provisioners.base import InstanceSpec, RestoreSource
 
 FIELD_MANAGER = "controlplane"
@@ -111,16 +111,17 @@ class ClusterOptions:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ClusterOptions:
+        p = settings.provisioner
         return cls(
-            namespace=settings.kubernetes_namespace,
-            storage_class=settings.kubernetes_storage_class,
-            image=settings.kubernetes_image,
-            object_store=settings.kubernetes_backup_object_store,
-            backup_schedule=settings.kubernetes_backup_schedule,
-            expose=settings.kubernetes_expose,
-            external_domain=settings.kubernetes_external_domain,
-            client_cidrs=tuple(client_cidrs(settings)),
-            operator_namespace=settings.kubernetes_operator_namespace,
+            namespace=p.kubernetes_namespace,
+            storage_class=p.kubernetes_storage_class,
+            image=p.kubernetes_image,
+            object_store=p.kubernetes_backup_object_store,
+            backup_schedule=p.kubernetes_backup_schedule,
+            expose=p.kubernetes_expose,
+            external_domain=p.kubernetes_external_domain,
+            client_cidrs=p.client_cidrs,
+            operator_namespace=p.kubernetes_operator_namespace,
         )
 
     def external_host(self, instance_id: uuid.UUID) -> str | None:

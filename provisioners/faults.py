@@ -6,11 +6,11 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from controlplane.handlers import PermanentError, TemporaryError
+from controlplane.errors import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,
@@ -23,7 +23,6 @@ from provisioners.base import (
     Resource,
 )
 
-ENV_VAR = "CONTROLPLANE_FAULTS"
 Action = Literal["fail", "fail_permanent", "hang", "kill"]
 ACTIONS: tuple[Action, ...] = ("fail", "fail_permanent", "hang", "kill")
 T = TypeVar("T")
@@ -89,12 +88,6 @@ def parse_faults(text: str | None) -> list[Fault]:
     return faults
 
 
-def faults_from(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> list[Fault]:
-    """Faults from settings (extra["faults"]) or the environment (CONTROLPLANE_FAULTS)."""
-    env = os.environ if environ is None else environ
-    return parse_faults(extra.get("faults") or env.get(ENV_VAR))
-
-
 def kill_this_process() -> None:
     """What a crash looks like: SIGKILL, no cleanup, no goodbye."""
     os.kill(os.getpid(), signal.SIGKILL)
@@ -114,6 +107,7 @@ class FaultyProvisioner(Provisioner):
         self.faults = faults
         self.name = f"faulty-{inner.name}"
         self.supports_restore = inner.supports_restore
+        self.supports_backups = inner.supports_backups
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.
         self.fired: list[tuple[str, int]] = []
@@ -185,10 +179,6 @@ class FaultyProvisioner(Provisioner):
 
     async def observe(self, instance_id: uuid.UUID) -> Observation:
         return await self._around("observe", lambda: self.inner.observe(instance_id))
-
-    @property
-    def supports_backups(self) -> bool:
-        return self.inner.supports_backups
 
     async def take_backup(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"

@@ -17,7 +17,7 @@ import kubernetes
 import urllib3
 
 from controlplane import fencing
-from controlplane.handlers import PermanentError, StaleFence, TemporaryError
+from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.settings import Settings
 from provisioners.base import (
     BackupInfo,
@@ -265,14 +265,14 @@ class KubernetesProvisioner(Provisioner):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubernetesProvisioner:
-        """The API at settings.kubernetes_host, else in-cluster, else the kubeconfig."""
+        """The API at settings.provisioner.kubernetes_host, else in-cluster, else the kubeconfig."""
         configuration = kubernetes.client.Configuration()
-        host = settings.kubernetes_host or settings.extra.get("kubernetes_host")
+        host = settings.provisioner.kubernetes_host
         if host:
             configuration.host = host
-            token = settings.extra.get("kubernetes_token")
-            if token:
-                configuration.api_key = {"BearerToken": token}
+            token = settings.provisioner.kubernetes_token
+            if token is not None:
+                configuration.api_key = {"BearerToken": token.get_secret_value()}
                 configuration.api_key_prefix = {"BearerToken": "Bearer"}
         else:
             try:

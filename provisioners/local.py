@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
+from controlplane.errors import PermanentError, TemporaryError
 from controlplane.files import write_atomically
-from controlplane.handlers import PermanentError, TemporaryError
 from controlplane.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
 from controlplane.secretbox import SecretBox, load_box
 from controlplane.settings import Settings
@@ -160,8 +160,9 @@ class PortAllocator:
             return table.pop(str(instance_id), None) is not None
 
 
-def _postmaster_pids_for(datadir: Path) -> list[int]:
-    """Servers still running from `datadir` (found by command line), e.g. after it was deleted."""
+def _postmaster_pids_for(datadir: Path, programs: tuple[bytes, ...] = (b"postgres",)) -> list[int]:
+    """Servers still running from `datadir` (found by command line), e.g. after it was deleted;
+    with `programs`, any of those (an `initdb` into it)."""
     wanted = str(datadir)
     found: list[int] = []
     for entry in Path("/proc").iterdir():
@@ -171,15 +172,36 @@ def _postmaster_pids_for(datadir: Path) -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if args and args[0].endswith(b"postgres") and wanted.encode() in args:
+        if args and args[0].endswith(programs) and wanted.encode() in args:
             found.append(int(entry.name))
     return found
+
+
+def _remove_cut_short(partial: Path, timeout_s: float = 10.0) -> None:
+    """Remove what an initdb cut short left; an initdb still writing there (its worker was killed,
+    it was not) is killed first, and the removal repeated until nothing is left (the initdb's
+    bootstrap server may write a last file while it goes)."""
+    for pid in _postmaster_pids_for(partial, (b"initdb", b"postgres")):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while partial.exists():
+        shutil.rmtree(partial, ignore_errors=True)
+        if partial.exists():
+            if time.monotonic() > deadline:
+                raise TemporaryError(f"{partial} (an initdb cut short) cannot be removed yet")
+            time.sleep(0.05)
 
 
 class LocalProvisioner(Provisioner):
     """Instances as PostgreSQL servers under data_dir/instances/<id>/, on ports of the configured range."""
 
     name = "local"
+    supports_backups = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LocalProvisioner:
+        return cls(settings)
 
     def __init__(
         self,
@@ -192,7 +214,7 @@ class LocalProvisioner(Provisioner):
         self.root = Path(settings.data_dir).resolve() / "instances"
         self.backups = Path(settings.data_dir).resolve() / "backups"
         self.tls_dir = Path(settings.data_dir).resolve() / "tls"
-        self.listen_host = settings.local_listen_host
+        self.listen_host = settings.provisioner.local_listen_host
         self.connect_host = "127.0.0.1" if self.listen_host in WILDCARD_HOSTS else self.listen_host
         self.advertise_host = socket.gethostname() if self.listen_host in WILDCARD_HOSTS else self.listen_host
         self._run_as = run_as
@@ -200,7 +222,10 @@ class LocalProvisioner(Provisioner):
         self._ca: CertificateAuthority | None = None
         self.fences = fences_for(Path(settings.data_dir).resolve())
         self.ports = PortAllocator(
-            self.root / "ports.json", settings.local_port_min, settings.local_port_max, self.listen_host
+            self.root / "ports.json",
+            settings.provisioner.local_port_min,
+            settings.provisioner.local_port_max,
+            self.listen_host,
         )
 
     # ---- paths, state, helpers -------------------------------------------------------------
@@ -260,7 +285,11 @@ class LocalProvisioner(Provisioner):
         if port is None:
             port = self.ports.port_of(instance_id) or 0
         return InstanceServer(
-            datadir=self.datadir(instance_id), port=port, host=self.listen_host, run_as=self.run_as
+            datadir=self.datadir(instance_id),
+            port=port,
+            host=self.listen_host,
+            run_as=self.run_as,
+            preferred_bindir=self.settings.database.pg_bindir,
         )
 
     def _prepare_root(self) -> None:
@@ -438,11 +467,17 @@ class LocalProvisioner(Provisioner):
         if datadir.exists():  # a directory without a cluster: nothing worth keeping
             shutil.rmtree(datadir)
         for partial in directory.glob("pgdata.partial-*"):  # an initdb cut short by a crash
-            shutil.rmtree(partial, ignore_errors=True)
+            _remove_cut_short(partial)
         for password_file in directory.glob(".pgdata.partial-*.pw"):  # and its password file
             password_file.unlink(missing_ok=True)
         partial = directory / f"pgdata.partial-{fence}"
-        builder = InstanceServer(datadir=partial, port=0, host=self.listen_host, run_as=self.run_as)
+        builder = InstanceServer(
+            datadir=partial,
+            port=0,
+            host=self.listen_host,
+            run_as=self.run_as,
+            preferred_bindir=self.settings.database.pg_bindir,
+        )
         builder.initdb(
             ADMIN_USER, self._unseal(state["admin_password"]), {**BASE_SETTINGS, **spec.server_settings()}
         )
@@ -711,10 +746,6 @@ class LocalProvisioner(Provisioner):
         return stopped
 
     # ---- backups, restore, the CA -----------------------------------------------------------
-
-    @property
-    def supports_backups(self) -> bool:
-        return True
 
     async def take_backup(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"

@@ -6,7 +6,7 @@ import logging
 
 import psycopg
 
-from controlplane import db
+from controlplane import db, sql
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class LeaderElection:
         """
         if self._conn is not None:
             try:
-                await self._conn.execute("SELECT 1")
+                await self._conn.execute(sql.PING)
                 return True
             except psycopg.Error:
                 log.warning("reconciler lost its leader connection; standing down")
@@ -48,7 +48,7 @@ class LeaderElection:
         except psycopg.OperationalError as exc:
             log.warning("reconciler cannot reach the database: %s", exc)
             return False
-        cursor = await conn.execute("SELECT pg_try_advisory_lock(%s) AS locked", (self.key,))
+        cursor = await conn.execute(sql.TRY_LEADER_LOCK, {"key": self.key})
         row = await cursor.fetchone()
         if row is not None and row["locked"]:
             self._conn = conn
@@ -72,7 +72,7 @@ class LeaderElection:
     async def release(self) -> None:
         if self._conn is not None and not self._conn.closed:
             try:
-                await self._conn.execute("SELECT pg_advisory_unlock(%s)", (self.key,))
+                await self._conn.execute(sql.RELEASE_LEADER_LOCK, {"key": self.key})
             except psycopg.Error:
                 log.debug("advisory unlock failed; closing the connection releases it", exc_info=True)
         await self._drop()

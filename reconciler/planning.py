@@ -6,8 +6,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from controlplane import lifecycle
 from controlplane.failures import DATA_LOST
-from controlplane.handlers import BACKUP, DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
+from controlplane.kinds import BACKUP, DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
 
 # The operation that drives each transitional state forward, re-enqueued when it stalls.
 DRIVING_JOB = {
@@ -16,15 +17,17 @@ DRIVING_JOB = {
     "updating": UPDATE,
     "deprovisioning": DEPROVISION,
 }
-OBSERVED_STATES = frozenset({"ready", "degraded", "suspended"})
+assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
+# Settled instances are observed: their health and drift are the provisioner's to show.
+OBSERVED_STATES = frozenset(lifecycle.SETTLED)
 # Jobs that restart or promote the server of an instance while it is still `ready` (suspend
 # restarts it read-only before the move to `suspended`; resume starts or promotes it): while one
 # lives, an unhealthy observation is the job at work, and the job (or its abandonment, which
 # degrades) decides. Degrading under it would defer it, and the heal would undo it.
 WORKING_ON_READY = frozenset({SUSPEND, RESUME})
-DEPROVISIONABLE = frozenset({"ready", "degraded", "suspended"})
+DEPROVISIONABLE = frozenset(lifecycle.DEPROVISIONABLE)
 # States in which an instance is backed up by its plan's schedule (its server runs).
-BACKED_UP_STATES = frozenset({"ready", "suspended"})
+BACKED_UP_STATES = frozenset(lifecycle.BACKED_UP)
 
 
 @dataclass(frozen=True)

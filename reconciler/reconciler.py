@@ -7,20 +7,19 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any
 
 import psycopg
-from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane import jobs, lifecycle, metrics, plans, sql
+from controlplane import jobs, kinds, lifecycle, metrics, plans, sql
 from controlplane.checkpoints import AuditMaintenance, MaintenanceResult
 from controlplane.db import AsyncConn
 from controlplane.failures import DATA_LOST
-from controlplane.handlers import BACKUP, RESUME, SUSPEND, JobRegistry
+from controlplane.kinds import RESUME, SUSPEND
+from controlplane.records import InstancePatch, ScannedInstance
+from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
 from controlplane.supervisor import PassResult, Supervisor
@@ -56,40 +55,51 @@ class PassSummary:
         metrics.RECONCILE_ACTIONS.labels(action).inc()
 
 
-def _backup_interval_s(row: Mapping[str, Any], backed_up: bool) -> float | None:
-    plan = str((row["spec"] or {}).get("plan"))
+def _backup_interval_s(inst: ScannedInstance, backed_up: bool) -> float | None:
+    plan = str((inst.spec or {}).get("plan"))
     if not backed_up or not plans.is_plan(plan):
         return None
     return plans.backup_schedule(plan).interval_s
 
 
 def _view(
-    row: Mapping[str, Any], observed: planning.Observed | None, settings: Settings, *, backed_up: bool = False
+    inst: ScannedInstance, observed: planning.Observed | None, settings: Settings, *, backed_up: bool = False
 ) -> planning.InstanceView:
     heal_not_before = None
-    if row["heal_given_up_at"] is not None:
+    if inst.heal_given_up_at is not None:
         pause = planning.heal_backoff_s(
-            row["heal_failures"], settings.heal_backoff_base_s, settings.heal_backoff_max_s
+            inst.heal_failures,
+            settings.reconciler.heal_backoff_base_s,
+            settings.reconciler.heal_backoff_max_s,
         )
-        heal_not_before = row["heal_given_up_at"] + timedelta(seconds=pause)
+        heal_not_before = inst.heal_given_up_at + timedelta(seconds=pause)
     return planning.InstanceView(
-        state=row["state"],
-        spec_generation=row["spec_generation"],
-        observed_generation=row["observed_generation"],
-        deadline_at=row["deadline_at"],
-        deadline_retries=row["deadline_retries"],
-        deletion_requested=row["deletion_requested"],
-        billing_hold=row["billing_hold"],
-        suspended_by_billing=row["suspended_by_billing"],
-        live_jobs=tuple(row["live_jobs"]),
+        state=inst.state,
+        spec_generation=inst.spec_generation,
+        observed_generation=inst.observed_generation,
+        deadline_at=inst.deadline_at,
+        deadline_retries=inst.deadline_retries,
+        deletion_requested=inst.deletion_requested,
+        billing_hold=inst.billing_hold,
+        suspended_by_billing=inst.suspended_by_billing,
+        live_jobs=inst.live_jobs,
         observed=observed,
-        failed_generation=row["failed_generation"],
+        failed_generation=inst.failed_generation,
         heal_not_before=heal_not_before,
-        failure_code=row["failure_code"],
-        newest_backup_at=row["newest_backup_at"],
-        created_at=row["created_at"],
-        backup_interval_s=_backup_interval_s(row, backed_up),
+        failure_code=inst.failure_code,
+        newest_backup_at=inst.newest_backup_at,
+        created_at=inst.created_at,
+        backup_interval_s=_backup_interval_s(inst, backed_up),
     )
+
+
+def _payload(kind: str, reason: str, billing_hold: bool) -> kinds.Payload:
+    """What the reconciler asks of a job it enqueues: why, and for suspend and resume the billing side."""
+    if kind == SUSPEND:
+        return kinds.SuspendPayload(reason, billing=True if billing_hold else None)
+    if kind == RESUME:
+        return kinds.ResumePayload(reason, billing=False)
+    return kinds.PAYLOADS[kind](reason)
 
 
 class Reconciler:
@@ -125,21 +135,21 @@ class Reconciler:
         async with self.pool.connection() as conn:
             cursor = await conn.execute(
                 sql.SCAN_LIVE_INSTANCES,
-                {"now": now, "limit": self.settings.reconcile_batch_size},
+                {"now": now, "limit": self.settings.reconciler.batch_size},
                 prepare=True,
             )
-            rows = await cursor.fetchall()
-        summary.scanned = len(rows)
-        observations = await self._observe_all(rows, summary)
-        backed_up = bool(self.provisioner.supports_backups)
-        for row in rows:
-            view = _view(row, observations.get(row["id"]), self.settings, backed_up=backed_up)
-            actions = planning.plan(view, row["now"], self.settings.deadline_max_retries)
+            scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
+        summary.scanned = len(scanned)
+        observations = await self._observe_all(scanned, summary)
+        backed_up = self.provisioner.supports_backups
+        for inst in scanned:
+            view = _view(inst, observations.get(inst.id), self.settings, backed_up=backed_up)
+            actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
             if actions:
-                await self._apply(row, actions, summary)
+                await self._apply(inst, actions, summary)
         async with self.pool.connection() as conn:
-            if rows:
-                await conn.execute(sql.TOUCH_RECONCILED, {"ids": [row["id"] for row in rows]})
+            if scanned:
+                await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]})
             await self._record_gauges(conn)
         if self.sweep_orphans:
             await self._sweep(summary)
@@ -169,11 +179,11 @@ class Reconciler:
         return summary
 
     async def _observe_all(
-        self, rows: list[DictRow], summary: PassSummary
+        self, scanned: list[ScannedInstance], summary: PassSummary
     ) -> dict[uuid.UUID, planning.Observed]:
-        """Observe ready, degraded and suspended instances, a bounded number at a time."""
-        limit = asyncio.Semaphore(max(1, self.settings.reconcile_concurrency))
-        targets = [row["id"] for row in rows if row["state"] in planning.OBSERVED_STATES]
+        """Observe the settled instances (ready, degraded, suspended), a bounded number at a time."""
+        limit = asyncio.Semaphore(max(1, self.settings.reconciler.concurrency))
+        targets = [inst.id for inst in scanned if inst.state in planning.OBSERVED_STATES]
 
         async def observe(instance_id: uuid.UUID) -> tuple[uuid.UUID, planning.Observed | None]:
             async with limit:
@@ -196,92 +206,86 @@ class Reconciler:
         summary.observed = sum(1 for _, seen in results if seen is not None)
         return {instance_id: seen for instance_id, seen in results if seen is not None}
 
-    async def _apply(self, row: DictRow, actions: list[planning.Action], summary: PassSummary) -> None:
+    async def _apply(
+        self, inst: ScannedInstance, actions: list[planning.Action], summary: PassSummary
+    ) -> None:
         """Carry out one instance's actions in one transaction; a lost race leaves it to the next pass."""
         try:
             async with self.pool.connection() as conn, conn.transaction():
                 for action in actions:
-                    await self._apply_one(conn, row, action, summary)
+                    await self._apply_one(conn, inst, action, summary)
         except Conflict as exc:
             summary.conflicts += 1
-            log.info("reconciler lost a race on instance %s: %s", row["id"], exc)
+            log.info("reconciler lost a race on instance %s: %s", inst.id, exc)
         except InvariantViolation:
             # Logged at CRITICAL and counted by the transition path. The row is left as found
             # for an SRE; the other instances of the batch still get their pass.
             summary.invariant_violations += 1
 
     async def _apply_one(
-        self, conn: AsyncConn, row: DictRow, action: planning.Action, summary: PassSummary
+        self, conn: AsyncConn, inst: ScannedInstance, action: planning.Action, summary: PassSummary
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
-            patch: dict[str, Any] = {
-                "failure_reason": action.reason if failing else None,
-                "failure_code": action.code if failing else None,
-            }
-            if row["state"] == "updating" and failing:
+            patch = InstancePatch(
+                failure_reason=action.reason if failing else None,
+                failure_code=action.code if failing else None,
+            )
+            if inst.state == "updating" and failing:
                 # An update past its deadline and its retries is given up, as an abandoned one is.
-                patch["failed_generation"] = row["spec_generation"]
+                patch = replace(patch, failed_generation=inst.spec_generation)
             await transition(
                 conn,
                 "instance",
-                row["id"],
+                inst.id,
                 action.event,
-                row["state_version"],
-                expected_state=row["state"],
+                inst.state_version,
+                expected_state=inst.state,
                 actor=self.actor,
                 reason=action.reason,
                 patch=patch,
             )
             summary.count(action.event)
-            log.info("instance %s: %s (%s)", row["id"], action.event, action.reason)
+            log.info("instance %s: %s (%s)", inst.id, action.event, action.reason)
             if action.code == DATA_LOST:
-                self._data_lost(row, action.reason)
+                self._data_lost(inst, action.reason)
         elif isinstance(action, planning.RecordFailure):
             await conn.execute(
                 sql.SET_FAILURE_IN_PLACE,
                 {
-                    "id": row["id"],
-                    "state_version": row["state_version"],
+                    "id": inst.id,
+                    "state_version": inst.state_version,
                     "code": action.code,
                     "reason": action.reason,
                 },
             )
             summary.count(f"record_{action.code}")
             if action.code == DATA_LOST:
-                self._data_lost(row, action.reason)
+                self._data_lost(inst, action.reason)
         elif isinstance(action, planning.Enqueue):
-            payload: dict[str, Any] = {"reason": action.reason}
-            if action.kind == BACKUP:
-                payload["kind"] = "scheduled"
-            if action.kind == SUSPEND and row["billing_hold"]:
-                payload["billing"] = True
-            if action.kind == RESUME:
-                payload["billing"] = False
-            result = await jobs.enqueue(
-                conn, jobs.NewJob(action.kind, row["id"], payload=payload), self.actor
-            )
+            payload = _payload(action.kind, action.reason, inst.billing_hold)
+            result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)
             if result.created:
                 summary.count(f"enqueue_{action.kind}")
-                log.info("instance %s: enqueued %s (%s)", row["id"], action.kind, action.reason)
+                log.info("instance %s: enqueued %s (%s)", inst.id, action.kind, action.reason)
         else:
-            deadline_s = self.settings.deadline_s(row["state"]) or 0.0
+            deadline_s = self.settings.reconciler.deadline_s(inst.state) or 0.0
             await conn.execute(
                 sql.EXTEND_DEADLINE,
-                {"id": row["id"], "state_version": row["state_version"], "deadline_s": deadline_s},
+                {"id": inst.id, "state_version": inst.state_version, "deadline_s": deadline_s},
             )
             summary.count("deadline_retry")
 
-    def _data_lost(self, row: Mapping[str, Any], reason: str) -> None:
+    def _data_lost(self, inst: ScannedInstance, reason: str) -> None:
         metrics.DATA_LOSS.inc()
         log.error(
             "instance %s (%s): %s; it comes back only with a restore: from the newest backup held"
             " (%s), or as someone decides",
-            row["id"],
-            row["state"],
+            inst.id,
+            inst.state,
             reason,
-            row["newest_backup_at"] or "none held",
-            extra={"instance_id": str(row["id"]), "failure_code": DATA_LOST},
+            inst.newest_backup_at or "none held",
+            extra={"instance_id": str(inst.id), "failure_code": DATA_LOST},
         )
 
     async def _record_gauges(self, conn: AsyncConn) -> None:
@@ -345,7 +349,7 @@ class Reconciler:
 
     async def run(self, stop: asyncio.Event, election: LeaderElection | None = None) -> None:
         """Pass after pass while leading; a standby checks for the lock every interval."""
-        interval = self.settings.reconcile_interval_s
+        interval = self.settings.reconciler.interval_s
         while not stop.is_set():
             leading = election is None or await election.ensure()
             metrics.RECONCILER_LEADER.set(1 if leading else 0)

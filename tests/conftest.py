@@ -1,4 +1,5 @@
-"""Test harness: one real PostgreSQL server per run, a migrated template, a fresh database per test."""
+"""Test harness: one real PostgreSQL server per run, a migrated template, a fresh database per test;
+the group markers (unit, integration, e2e) from the directories."""
 
 from __future__ import annotations
 
@@ -24,10 +25,20 @@ from controlplane.embedded import (
     role_passwords,
 )
 from controlplane.settings import Settings
-from tests.provisioning_support import QUICK_RETRIES, real_instances
+from tests.provisioning_support import QUICK_RETRIES, pg_bindir, real_instances
 
 TEMPLATE = "cp_template"
 _counter = itertools.count()
+# The test groups: each directory of tests/ is a marker (registered in pyproject.toml).
+GROUPS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its group, the directory it lives in."""
+    for item in items:
+        group = item.path.parent.name
+        if group in GROUPS:
+            item.add_marker(getattr(pytest.mark, group))
 
 
 class TestServer:
@@ -94,7 +105,7 @@ def test_server(pg_root: Path) -> Iterator[TestServer]:
         ensure_roles(external, passwords)
         yield TestServer(external, None, passwords)
         return
-    embedded = open_embedded(pg_root / "db", FAST_SETTINGS)
+    embedded = open_embedded(pg_root / "db", FAST_SETTINGS, bindir=pg_bindir())
     try:
         ensure_roles(embedded.admin_url, passwords)
         yield TestServer(embedded.admin_url, embedded, passwords)
@@ -157,6 +168,7 @@ def settings(runtime_url: str, owner_url: str, tmp_path: Path) -> Settings:
         migration_database_url=owner_url,
         data_dir=data_dir,
         heartbeat_interval_s=0.2,
+        pg_bindir=pg_bindir(),
     )
 
 

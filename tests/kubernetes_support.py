@@ -12,13 +12,13 @@ from typing import Any
 
 import yaml
 
+from controlplane.db import ROOT
 from controlplane.settings import Settings
 from provisioners import build
 from provisioners.base import BackupInfo, InstanceSpec, RestoreSource
 from provisioners.kubernetes import KubernetesProvisioner
 from tests.kubernetes_fake import FakeCluster, Role, fake_api
 
-ROOT = Path(__file__).resolve().parent.parent
 RBAC = ROOT / "deploy" / "kubernetes" / "rbac.yaml"
 NAMESPACE = "controlplane-instances"
 OBJECT_STORE = "backups"
@@ -38,7 +38,7 @@ def provisioner_on_fake(
         values: dict[str, Any] = {
             "provisioner": "kubernetes",
             "kubernetes_namespace": NAMESPACE,
-            "extra": {"kubernetes_host": url},
+            "kubernetes_host": url,
             **settings,
         }
         provisioner = build(Settings(**values))

@@ -10,10 +10,10 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import db, jobs
+from controlplane import db, jobs, operations
 from controlplane.db import AsyncConn
-from controlplane.handlers import PROVISION, JobRegistry
-from controlplane.operations import operation_kinds
+from controlplane.kinds import PROVISION
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
 from controlplane.worker import Worker
@@ -24,7 +24,7 @@ Condition = Callable[[AsyncConn], Awaitable[bool]]
 
 
 def registry_for(provisioner: Provisioner) -> JobRegistry:
-    return JobRegistry(operation_kinds(provisioner))
+    return operations.registry(provisioner)
 
 
 async def run_until(
@@ -36,8 +36,8 @@ async def run_until(
     worker: bool = True,
 ) -> None:
     """Run a worker and supervisor passes until `done` holds (or fail after `timeout_s`)."""
-    assert settings.database_url is not None
-    pool = db.pool(settings.database_url, min_size=1, max_size=8, name="ops-test")
+    assert settings.database.url_value is not None
+    pool = db.pool(settings.database.url_value, min_size=1, max_size=8, name="ops-test")
     await pool.open(wait=True)
     runner = Worker(f"test-{uuid.uuid4().hex[:6]}", settings, pool, registry) if worker else None
     task = asyncio.create_task(runner.run()) if runner else None

@@ -13,10 +13,23 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from pydantic import SecretStr
 
 from controlplane.secretbox import load_box
-from controlplane.settings import Settings, env_name
+from controlplane.settings import SETTINGS, Settings, env_name
 from provisioners.base import ConnectionInfo
+
+
+def setting_value(settings: Settings, name: str) -> Any:
+    """The value of a setting by its flat name (`worker_concurrency` is settings.worker.concurrency)."""
+    entry = SETTINGS[name]
+    return getattr(settings if entry.group is None else getattr(settings, entry.group), entry.name)
+
+
+def pg_bindir() -> Path | None:
+    """The server binaries this run was pointed at (CONTROLPLANE_PG_BINDIR), for every server it starts."""
+    value = os.environ.get("CONTROLPLANE_PG_BINDIR")
+    return Path(value) if value else None
 
 
 def instance_settings(pg_root: Path, database_url: str | None = None, **overrides: Any) -> Settings:
@@ -30,6 +43,7 @@ def instance_settings(pg_root: Path, database_url: str | None = None, **override
         "local_port_min": low,
         "local_port_max": low + 40,
         "heartbeat_interval_s": 0.2,
+        "pg_bindir": pg_bindir(),
         **overrides,
     }
     return Settings(**values)
@@ -73,7 +87,9 @@ def stop_all_servers(data_dir: Path) -> None:
     for entry in instances.iterdir():
         datadir = entry / "pgdata"
         if datadir.exists():
-            server = InstanceServer(datadir=datadir, port=0, run_as=server_user())
+            server = InstanceServer(
+                datadir=datadir, port=0, run_as=server_user(), preferred_bindir=pg_bindir()
+            )
             if server.is_running():
                 server.stop("immediate")
         for pid in _postmaster_pids_for(datadir):
@@ -92,13 +108,16 @@ def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str
     for name in (
         "database_url",
         "data_dir",
+        "pg_bindir",
         "local_port_min",
         "local_port_max",
         "heartbeat_interval_s",
         "poll_interval_s",
         "provisioner",
     ):
-        env[env_name(name)] = str(getattr(settings, name))
+        value = setting_value(settings, name)
+        if value is not None:
+            env[env_name(name)] = str(value.get_secret_value() if isinstance(value, SecretStr) else value)
     env["CONTROLPLANE_FAULTS"] = faults
     env["CONTROLPLANE_WORKER_ID"] = worker_id
     return env
@@ -107,6 +126,9 @@ def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str
 # A worker subprocess running the instance operations, configured by worker_env.
 WORKER_SCRIPT = (
     "import asyncio\n"
+    "import provisioners\n"
     "from controlplane import operations, settings, worker\n"
-    "asyncio.run(worker.run_worker(settings.load(), operations.default_registry()))\n"
+    "configured = settings.load()\n"
+    "registry = operations.registry(provisioners.build(configured))\n"
+    "asyncio.run(worker.run_worker(configured, registry))\n"
 )

@@ -6,14 +6,8 @@ import asyncio
 from typing import Any
 
 from controlplane.db import AsyncConn
-from controlplane.handlers import (
-    JobContext,
-    JobKind,
-    JobRegistry,
-    PermanentError,
-    TemporaryError,
-    Verdict,
-)
+from controlplane.errors import PermanentError, TemporaryError
+from controlplane.registry import JobContext, JobKind, JobRegistry, Verdict
 
 EXECUTIONS_DDL = """
 CREATE TABLE IF NOT EXISTS test_executions (

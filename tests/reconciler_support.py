@@ -23,7 +23,7 @@ from psycopg.rows import DictRow
 
 from controlplane import db, queue
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.settings import Settings
 from controlplane.worker import Worker
 from provisioners.base import ConnectionInfo, Observation, Provisioner
@@ -47,11 +47,11 @@ async def reconciling(
     **options: Any,
 ) -> AsyncIterator[Reconciler]:
     """A Reconciler over `provisioner` on a pool of its own, as the reconcile role builds it."""
-    assert settings.database_url is not None
+    assert settings.database.url_value is not None
     pool = db.pool(
-        settings.database_url,
+        settings.database.url_value,
         min_size=1,
-        max_size=max(2, settings.reconcile_concurrency + 1),
+        max_size=max(2, settings.reconciler.concurrency + 1),
         name=reconciler_id,
     )
     await pool.open(wait=True)
@@ -73,9 +73,9 @@ async def working(
     settings: Settings, registry: JobRegistry, worker_id: str = "worker-test"
 ) -> AsyncIterator[Worker]:
     """A real worker running in this process until the block ends (then a graceful stop)."""
-    assert settings.database_url is not None
+    assert settings.database.url_value is not None
     pool = db.pool(
-        settings.database_url, min_size=1, max_size=settings.worker_concurrency + 3, name=worker_id
+        settings.database.url_value, min_size=1, max_size=settings.worker.concurrency + 3, name=worker_id
     )
     await pool.open(wait=True)
     worker = Worker(worker_id, settings, pool, registry)
@@ -291,6 +291,8 @@ class ReconcilerProcess:
         self.proc.wait(timeout=30)
         if self._reader is not None:
             self._reader.join(timeout=5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 @contextlib.contextmanager

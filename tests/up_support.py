@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from controlplane.db import ROOT
 from controlplane.postgres import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "controlplane.cli"]
 # The last line of the banner `up` prints once everything serves.
 BANNER_END = r"Ctrl-C stops everything"
@@ -160,6 +160,8 @@ def running_up(
             process.kill()
             process.wait()
         output.append(drain(process))
+        if process.stdout is not None:
+            process.stdout.close()
         print("".join(output))
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from bench.drivers.common import emit, quiet_logs
 from controlplane import aio, db
-from controlplane.handlers import JobContext, JobKind, JobRegistry, Verdict
 from controlplane.jobs import NewJob, enqueue_many
+from controlplane.registry import JobContext, JobKind, JobRegistry, Verdict
 from controlplane.settings import Settings
 from controlplane.supervisor import Supervisor
 from controlplane.transitions import Actor

@@ -93,20 +93,18 @@ async def one_pass(url: str, work_dir: Path) -> float:
     """Reconciler.run_once over the noop provisioner, wired as the product's reconcile role wires it
     (pool, provisioner, the operations' job registry): one warm pass, then the median of PASSES."""
     import provisioners
-    from controlplane import db
-    from controlplane.handlers import JobRegistry
-    from controlplane.operations import operation_kinds
+    from controlplane import db, operations
     from controlplane.settings import Settings
 
     reconciler_class = find_reconciler()
     settings = Settings(database_url=url, provisioner="noop", data_dir=work_dir / "reconciler")
     provisioner = provisioners.build(settings)
     pool = db.pool(
-        url, min_size=1, max_size=max(2, settings.reconcile_concurrency + 1), name="bench-reconciler"
+        url, min_size=1, max_size=max(2, settings.reconciler.concurrency + 1), name="bench-reconciler"
     )
     await pool.open(wait=True, timeout=30)
     try:
-        reconciler = reconciler_class(settings, pool, provisioner, JobRegistry(operation_kinds(provisioner)))
+        reconciler = reconciler_class(settings, pool, provisioner, operations.registry(provisioner))
         await reconciler.run_once()  # warm: prepared statements, pool connections
         times = []
         for _ in range(PASSES):

@@ -23,8 +23,9 @@ from controlplane.api import (
 )
 from controlplane.api.errors import Problem
 from controlplane.api.state import AppState, KeyCache
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
+from controlplane.services.policy import Policy
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
@@ -43,10 +44,10 @@ def create_app(
     """A new application; its database pool opens and closes with the lifespan.
 
     `database_url` overrides the settings' (e.g. the embedded server's URL resolved by the caller);
-    `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (else
-    CONTROLPLANE_JOB_REGISTRY names them, loaded at the first abandon); `provisioner` is the one
-    whose CA the API publishes (else one is built from the settings when first asked, and closed
-    with the application).
+    `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (the
+    process's one registry, built where it starts; without it, abandon is refused); `provisioner`
+    is the one whose CA the API publishes (else one is built from the settings when first asked,
+    and closed with the application).
     """
 
     @asynccontextmanager
@@ -59,8 +60,9 @@ def create_app(
             database_url=url,
             pool=pool,
             box=load_box(settings),
+            policy=Policy.from_settings(settings),
             job_registry=job_registry,
-            keys=KeyCache(settings.api_key_cache_s),
+            keys=KeyCache(settings.api.key_cache_s),
             provisioner=provisioner,
         )
         try:
@@ -90,7 +92,7 @@ def create_app(
         routes_tls.router,
     ):
         app.include_router(router)
-    app.add_middleware(errors.BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(errors.BodySizeLimit, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(errors.CatchAll)
     app.add_middleware(errors.RequestId)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -115,9 +117,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 def serve(
     settings: Settings, *, database_url: str | None = None, job_registry: JobRegistry | None = None
 ) -> None:
-    """Run the API with uvicorn on settings.api_host:api_port until interrupted."""
+    """Run the API with uvicorn on settings.api.host:api_port until interrupted."""
     import uvicorn
 
     app = create_app(settings, database_url=database_url, job_registry=job_registry)
-    log.info("API listening on %s", settings.api_url)
-    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_config=None, proxy_headers=True)
+    log.info("API listening on %s", settings.api.url)
+    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True)

@@ -1,4 +1,5 @@
-"""RFC 9457 problem responses: the error kinds, their handlers, and the request body size limit."""
+"""RFC 9457 problem responses: the error kinds, their handlers (domain refusals mapped in one place),
+and the request body size limit."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane import logs
+from controlplane.domain_errors import (
+    Conflict,
+    DeletionProtected,
+    DomainError,
+    InvalidRequest,
+    InvalidState,
+    NameTaken,
+    NotFound,
+    PreconditionFailed,
+    Unsupported,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +60,19 @@ KINDS: dict[str, tuple[int, str]] = {
     "internal": (500, "Internal server error"),
     "unavailable": (503, "Service unavailable"),
 }
+
+
+# The problem kind of each domain refusal; the most specific class first.
+DOMAIN_KINDS: tuple[tuple[type[DomainError], str], ...] = (
+    (DeletionProtected, "deletion-protected"),
+    (InvalidState, "invalid-state"),
+    (NotFound, "not-found"),
+    (NameTaken, "name-taken"),
+    (Conflict, "conflict"),
+    (PreconditionFailed, "precondition-failed"),
+    (InvalidRequest, "validation"),
+    (Unsupported, "validation"),
+)
 
 
 class Problem(BaseModel):
@@ -151,6 +176,26 @@ async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
     return _for_request(request, exc.kind, exc.detail, headers=exc.headers or None, **exc.ext)
 
 
+def domain_problem(exc: DomainError) -> ProblemError:
+    """The problem a domain refusal is answered with: its kind, its sentence, the state it names."""
+    kind = next((k for cls, k in DOMAIN_KINDS if isinstance(exc, cls)), "bad-request")
+    if isinstance(exc, InvalidState):
+        return ProblemError(
+            kind, exc.detail, current_state=exc.current_state, allowed_actions=exc.allowed_actions
+        )
+    if isinstance(exc, PreconditionFailed):
+        return ProblemError(kind, exc.detail, current_state=exc.current_state)
+    if isinstance(exc, InvalidRequest):
+        field = f"body.{exc.field}"
+        return ProblemError(kind, f"{field}: {exc}", errors=[{"field": field, "message": str(exc)}])
+    return ProblemError(kind, exc.detail)
+
+
+async def _on_domain(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DomainError)
+    return await _on_problem(request, domain_problem(exc))
+
+
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = validation_errors(exc.errors())
@@ -223,6 +268,7 @@ async def refuse_unknown_query(request: Request) -> None:
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ProblemError, _on_problem)
+    app.add_exception_handler(DomainError, _on_domain)
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane import sql
 from controlplane.api.errors import ProblemError
 from controlplane.db import AsyncConn
 
@@ -47,21 +48,14 @@ async def begin(conn: AsyncConn, org_id: uuid.UUID, key: str, digest: str) -> St
     request is refused (422). The claim is a transaction-scoped advisory lock, so it ends with
     the transaction whether it commits (and stores the response) or rolls back (and stores nothing).
     """
-    cursor = await conn.execute(
-        "SELECT pg_try_advisory_xact_lock(hashtextextended(%s, 0)) AS locked",
-        (f"idempotency:{org_id}:{key}",),
-    )
+    cursor = await conn.execute(sql.TRY_IDEMPOTENCY_LOCK, {"lock": f"idempotency:{org_id}:{key}"})
     row = await cursor.fetchone()
     if row is None or not row["locked"]:
         raise ProblemError(
             "idempotency-in-flight", "a request with this Idempotency-Key is still being processed"
         )
     await _purge(conn)
-    cursor = await conn.execute(
-        "SELECT request_hash, status_code, response, headers FROM idempotency_keys"
-        " WHERE org_id = %s AND key = %s AND created_at >= now() - make_interval(secs => %s)",
-        (org_id, key, RETENTION_S),
-    )
+    cursor = await conn.execute(sql.STORED_RESPONSE, {"org": org_id, "key": key, "retention_s": RETENTION_S})
     stored = await cursor.fetchone()
     if stored is None:
         return None
@@ -74,27 +68,18 @@ async def begin(conn: AsyncConn, org_id: uuid.UUID, key: str, digest: str) -> St
 
 async def save(conn: AsyncConn, org_id: uuid.UUID, key: str, digest: str, response: StoredResponse) -> None:
     await conn.execute(
-        "INSERT INTO idempotency_keys (org_id, key, request_hash, status_code, response, headers)"
-        " VALUES (%s, %s, %s, %s, %s, %s)"
-        " ON CONFLICT (org_id, key) DO UPDATE SET request_hash = EXCLUDED.request_hash,"
-        " status_code = EXCLUDED.status_code, response = EXCLUDED.response,"
-        " headers = EXCLUDED.headers, created_at = now()",
-        (
-            org_id,
-            key,
-            digest,
-            response.status_code,
-            json.dumps(response.body, default=str),
-            json.dumps(response.headers),
-        ),
+        sql.SAVE_RESPONSE,
+        {
+            "org": org_id,
+            "key": key,
+            "hash": digest,
+            "status": response.status_code,
+            "response": json.dumps(response.body, default=str),
+            "headers": json.dumps(response.headers),
+        },
     )
 
 
 async def _purge(conn: AsyncConn) -> None:
     """Delete a bounded batch of expired keys (skipping rows another purge holds)."""
-    await conn.execute(
-        "DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY("
-        " SELECT ctid FROM idempotency_keys WHERE created_at < now() - make_interval(secs => %s)"
-        " LIMIT %s FOR UPDATE SKIP LOCKED))",
-        (RETENTION_S, PURGE_BATCH),
-    )
+    await conn.execute(sql.PURGE_IDEMPOTENCY_KEYS, {"retention_s": RETENTION_S, "limit": PURGE_BATCH})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -11,7 +10,6 @@ from fastapi import APIRouter, Query, Request
 from controlplane import dwell, events, queue
 from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey
-from controlplane.api.errors import ProblemError
 from controlplane.api.models import (
     AdminEventPage,
     DwellStats,
@@ -22,12 +20,7 @@ from controlplane.api.models import (
     JobState,
     Timestamp,
 )
-from controlplane.api.state import AppState, app_state
-from controlplane.handlers import JobRegistry
-from controlplane.worker import load_registry
-
-# Names the job kinds ("module:attribute") when create_app is not given them; as the jobs CLI.
-REGISTRY_ENV = "CONTROLPLANE_JOB_REGISTRY"
+from controlplane.api.state import app_state
 
 router = APIRouter(prefix="/v1/admin", tags=["sre"])
 
@@ -117,32 +110,10 @@ async def admin_job_action(
     who: AdminKey,
 ) -> dict[str, Any]:
     app = app_state(request)
-    registry = job_registry(app) if action == "abandon" else None
+    registry = app.job_registry if action == "abandon" else None
     async with app.pool.connection() as conn:
-        try:
-            row = await queue.operator_action(
-                conn, job_id, action, who.actor.id, body.reason, registry=registry
-            )
-        except queue.JobNotFound:
-            raise ProblemError("not-found", f"no job {job_id}") from None
-        except queue.ActionRefused as exc:
-            raise ProblemError(
-                "invalid-state", str(exc), current_state=exc.state, allowed_actions=exc.allowed
-            ) from None
-        except ValueError as exc:
-            raise ProblemError(
-                "validation", f"body.reason: {exc}", errors=[{"field": "body.reason", "message": str(exc)}]
-            ) from None
+        row = await queue.operator_action(conn, job_id, action, who.actor.id, body.reason, registry=registry)
     return _job(row)
-
-
-def job_registry(app: AppState) -> JobRegistry | None:
-    """The job kinds (for their abandonment hooks): given to create_app, or named by settings/env."""
-    if app.job_registry is None:
-        spec = app.settings.extra.get("job_registry") or os.environ.get(REGISTRY_ENV)
-        if spec:
-            app.job_registry = load_registry(spec)
-    return app.job_registry
 
 
 @router.get(

@@ -1,5 +1,6 @@
 """Routes for the backups of an instance and the restore of one whose data is lost: customers'
-(scoped to their organisation) and SREs' (admin key). Thin: the use cases are controlplane.backups."""
+(scoped to their organisation) and SREs' (admin key). Thin: the use cases are
+controlplane.services.backups; their refusals are rendered by controlplane.api.errors."""
 
 from __future__ import annotations
 
@@ -10,12 +11,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
-from psycopg.rows import DictRow
 
-from controlplane import backups, sql
 from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey, Customer, customer
-from controlplane.api.errors import ProblemError
 from controlplane.api.models import (
     AdminBackupPage,
     BackupPage,
@@ -24,8 +22,9 @@ from controlplane.api.models import (
     RestoreEmpty,
     RestoreRequest,
 )
-from controlplane.api.state import app_state, provisioner_of
-from controlplane.db import AsyncConn
+from controlplane.api.state import app_state
+from controlplane.records import Backup as BackupRecord
+from controlplane.services import backups
 from controlplane.transitions import Actor
 
 router = APIRouter(tags=["backups"])
@@ -48,17 +47,6 @@ class Paging:
 Page = Annotated[Paging, Depends()]
 
 
-async def _instance(
-    conn: AsyncConn, instance_id: uuid.UUID, org_id: uuid.UUID | None, *, lock: bool = False
-) -> DictRow:
-    """The instance (the caller's organisation's, unless an SRE asks), or 404."""
-    query = sql.INSTANCE_IN_SCOPE + (" FOR UPDATE OF i" if lock else "")
-    row = await (await conn.execute(query, {"id": instance_id, "org": org_id})).fetchone()
-    if row is None:
-        raise ProblemError("not-found", f"no instance {instance_id}")
-    return row
-
-
 async def _page(
     request: Request, instance_id: uuid.UUID, org_id: uuid.UUID | None, paging: Paging, *, sre: bool = False
 ) -> dict[str, Any]:
@@ -70,24 +58,24 @@ async def _page(
         except ValueError:
             raise views.bad_cursor() from None
     limit = min(paging.limit, MAX_LIMIT)
+    asked = backups.ListBackups(instance_id, org_id, limit=limit + 1, before=before)
     async with app_state(request).pool.connection() as conn:
-        await _instance(conn, instance_id, org_id)
-        rows = await backups.held(conn, instance_id, limit=limit + 1, before=before)
+        rows = await backups.list_backups(conn, asked)
     page, next_cursor = views.page_of(
-        rows, limit, lambda last: views.encode_cursor(last["taken_at"].isoformat(), last["backup_id"])
+        rows, limit, lambda last: views.encode_cursor(last.taken_at.isoformat(), last.backup_id)
     )
-    return {"items": [_backup(row, sre=sre) for row in page], "next_cursor": next_cursor}
+    return {"items": [_backup(backup, sre=sre) for backup in page], "next_cursor": next_cursor}
 
 
-def _backup(row: DictRow, *, sre: bool = False) -> dict[str, Any]:
-    shown = {
-        "id": row["backup_id"],
-        "kind": row["kind"],
-        "taken_at": row["taken_at"],
-        "size_bytes": row["size_bytes"],
+def _backup(backup: BackupRecord, *, sre: bool = False) -> dict[str, Any]:
+    shown: dict[str, Any] = {
+        "id": backup.backup_id,
+        "kind": backup.kind,
+        "taken_at": backup.taken_at,
+        "size_bytes": backup.size_bytes,
     }
     if sre:
-        shown |= {"location": row["location"], "recorded_at": row["recorded_at"]}
+        shown |= {"location": backup.location, "recorded_at": backup.recorded_at}
     return shown
 
 
@@ -101,35 +89,12 @@ async def _restore(
 ) -> JSONResponse:
     app = app_state(request)
     if isinstance(body, RestoreEmpty):
-        choice = backups.RestoreChoice(empty=True, reason=body.reason)
+        asked = backups.RequestRestore(instance_id, org_id, empty=True, reason=body.reason)
     else:
-        choice = backups.RestoreChoice(backup_id=body.backup_id, reason=body.reason)
-    async with app.pool.connection() as conn, conn.transaction():
-        row = await _instance(conn, instance_id, org_id, lock=True)
-        try:
-            await backups.request_restore(
-                conn,
-                row,
-                choice,
-                actor,
-                max_attempts=app.settings.job_max_attempts,
-                request_id=request_id,
-            )
-        except backups.Refused as exc:
-            raise ProblemError(
-                "invalid-state", str(exc), current_state=exc.state, allowed_actions=views.row_actions(row)
-            ) from None
-        except backups.UnknownBackup as exc:
-            if choice.backup_id is None:
-                raise ProblemError(
-                    "invalid-state",
-                    str(exc),
-                    current_state=row["state"],
-                    allowed_actions=views.row_actions(row),
-                ) from None
-            errors_ = [{"field": "body.backup_id", "message": str(exc)}]
-            raise ProblemError("validation", str(exc), errors=errors_) from None
-    body_json = Instance.model_validate(views.instance(row, app.box)).model_dump(mode="json")
+        asked = backups.RequestRestore(instance_id, org_id, backup_id=body.backup_id, reason=body.reason)
+    async with app.pool.connection() as conn:
+        inst = await backups.request_restore(conn, actor, request_id, asked, app.policy)
+    body_json = Instance.model_validate(views.instance(inst, app.box)).model_dump(mode="json")
     return JSONResponse(body_json, status_code=202, headers={"Location": f"/v1/instances/{instance_id}"})
 
 
@@ -152,19 +117,10 @@ async def list_backups(instance_id: uuid.UUID, request: Request, who: Caller, pa
 )
 async def take_backup(instance_id: uuid.UUID, request: Request, who: Caller) -> dict[str, Any]:
     app = app_state(request)
-    if not provisioner_of(app).supports_backups:
-        raise ProblemError("conflict", f"the {provisioner_of(app).name} provisioner takes no backups")
-    async with app.pool.connection() as conn, conn.transaction():
-        row = await _instance(conn, instance_id, who.org_id, lock=True)
-        try:
-            enqueued = await backups.request_backup(
-                conn, row, who.actor, max_attempts=app.settings.job_max_attempts, request_id=who.request_id
-            )
-        except backups.Refused as exc:
-            raise ProblemError(
-                "invalid-state", str(exc), current_state=exc.state, allowed_actions=views.row_actions(row)
-            ) from None
-    return {"instance_id": instance_id, "job_id": enqueued.job["id"], "created": enqueued.created}
+    asked = backups.RequestBackup(instance_id, who.org_id)
+    async with app.pool.connection() as conn:
+        requested = await backups.request_backup(conn, who.actor, who.request_id, asked, app.policy)
+    return {"instance_id": requested.instance_id, "job_id": requested.job_id, "created": requested.created}
 
 
 @router.post(

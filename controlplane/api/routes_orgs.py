@@ -49,10 +49,7 @@ def _own_org(who: Principal, refusal: str) -> uuid.UUID:
 )
 async def create_org(body: OrgCreate, request: Request, _: AdminKey) -> Any:
     async with app_state(request).pool.connection() as conn:
-        try:
-            org, key = await tenants.create_org(conn, body.name, body.stripe_customer_id)
-        except tenants.OrgExists as exc:
-            raise ProblemError("conflict", str(exc)) from None
+        org, key = await tenants.create_org(conn, body.name, body.stripe_customer_id)
     return {"org": _org(org), "key": _new_key(key)}
 
 

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane import db, lifecycle, plans
-from controlplane.api import errors, views
+from controlplane import actions, db, lifecycle, plans, sql
+from controlplane.api import errors
 from controlplane.api.models import Health, Lifecycles, PlanList
 from controlplane.api.state import app_state
 
@@ -36,7 +36,7 @@ async def readyz(request: Request) -> Any:
     try:
         # The pool's own wait: short while the database is known to be unreachable.
         async with app.pool.connection() as conn:
-            cursor = await conn.execute("SELECT version_num FROM alembic_version")
+            cursor = await conn.execute(sql.SCHEMA_REVISION)
             rows = [r["version_num"] for r in await cursor.fetchall()]
     except Exception as exc:
         return errors.problem_response(
@@ -77,7 +77,7 @@ async def lifecycle_tables() -> JSONResponse:
         {
             "instance": lifecycle.INSTANCE.as_dict(),
             "job": lifecycle.JOB.as_dict(),
-            "customer_actions": views.CUSTOMER_ACTIONS,
+            "customer_actions": actions.CUSTOMER_ACTIONS,
         }
     )
 

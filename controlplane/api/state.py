@@ -1,4 +1,4 @@
-"""What the running application holds: settings, the database pool, the credential box."""
+"""What the running application holds: settings, the database pool, the credential box, the policy."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry
 from controlplane.secretbox import SecretBox
+from controlplane.services.policy import Policy
 from controlplane.settings import Settings
 from controlplane.tenants import Principal
 from provisioners.base import Provisioner
@@ -55,9 +56,9 @@ class AppState:
     database_url: str
     pool: AsyncConnectionPool[AsyncConn]
     box: SecretBox
+    policy: Policy = field(default_factory=Policy)
     head_revision: str | None = None
     job_registry: JobRegistry | None = None
-    extra: dict[str, object] = field(default_factory=dict)
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
     # The provisioner of the instances (for the CA it publishes); built on first use when not given.
     provisioner: Provisioner | None = None

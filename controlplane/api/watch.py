@@ -11,19 +11,15 @@ import anyio
 from psycopg.conninfo import make_conninfo
 from starlette.requests import Request
 
-from controlplane import db, lifecycle
+from controlplane import db, lifecycle, sql
 from controlplane.api import views
 from controlplane.api.state import AppState
 from controlplane.db import AsyncConn
+from controlplane.records import Instance
 
-CHANNEL_PREFIX = "cp_instance_"
 KEEPALIVE_S = 15.0
 # How a watch's dedicated connection shows in pg_stat_activity.
 APPLICATION_NAME = "controlplane-watch"
-
-
-def channels() -> list[str]:
-    return [CHANNEL_PREFIX + state for state in lifecycle.INSTANCE.states]
 
 
 def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
@@ -37,18 +33,15 @@ def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
 def parse_notification(channel: str, payload: str) -> tuple[str, str, int] | None:
     """(instance id, state, state_version) of a transition notification, or None if malformed."""
     instance_id, _, version = payload.partition(":")
-    if not channel.startswith(CHANNEL_PREFIX) or not version.isdigit():
+    if not channel.startswith(sql.INSTANCE_CHANNEL_PREFIX) or not version.isdigit():
         return None
-    return instance_id, channel.removeprefix(CHANNEL_PREFIX), int(version)
+    return instance_id, channel.removeprefix(sql.INSTANCE_CHANNEL_PREFIX), int(version)
 
 
 async def _snapshot(conn: AsyncConn, app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID) -> Any:
-    cursor = await conn.execute(
-        f"SELECT {views.INSTANCE_COLUMNS} FROM {views.INSTANCE_FROM} WHERE i.id = %s AND i.org_id = %s",
-        (instance_id, org_id),
-    )
+    cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
     row = await cursor.fetchone()
-    return None if row is None else views.instance(row, app.box)
+    return None if row is None else views.instance(Instance.from_row(row), app.box)
 
 
 async def instance_stream(
@@ -66,7 +59,7 @@ async def instance_stream(
     """
     conn = await db.connect(make_conninfo(app.database_url, application_name=APPLICATION_NAME))
     try:
-        await conn.execute("; ".join(f"LISTEN {channel}" for channel in channels()))
+        await conn.execute(sql.LISTEN_INSTANCE_CHANNELS)
         snapshot = await _snapshot(conn, app, instance_id, org_id)
         if snapshot is None:
             return

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from controlplane.cli import common, customer, jobs, orgs, server, sre
 from controlplane.postgres import PostgresError
-from controlplane.settings import SettingsError
+from controlplane.settings import NotAvailable, SettingsError
 
 COMMAND_MODULES = (server, customer, sre, jobs, orgs)
 
@@ -29,7 +29,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code = args.handler(args)
-    except (common.CommandError, SettingsError, PostgresError) as exc:
+    except NotAvailable as exc:
+        # Nothing wrong with the settings: what they point at is busy or down now.
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return 1
+    except SettingsError as exc:
+        # A setting that cannot be used: refused before anything starts, as a usage error.
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return 2
+    except (common.CommandError, PostgresError) as exc:
         print(f"controlplane: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -7,8 +7,6 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import fields
-from pathlib import Path
 from typing import Any, TypeVar
 
 from controlplane import db
@@ -24,17 +22,16 @@ class CommandError(Exception):
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
-    """Add --flag for each named setting; each defaults to its CONTROLPLANE_* variable."""
-    by_name = {f.name: f for f in fields(Settings)}
+    """Add --flag for each named setting (by its flat name); each defaults to its CONTROLPLANE_* variable."""
     for name in names:
-        field = by_name[name]
-        kind = str(field.type).replace(" | None", "")
+        entry = settings_module.SETTINGS[name]
+        default = entry.field.get_default(call_default_factory=True)
         parser.add_argument(
-            "--" + name.replace("_", "-"),
+            entry.flag,
             dest=f"setting_{name}",
-            type={"int": int, "float": float, "Path": Path}.get(kind, str),
+            type=entry.kind,
             default=None,
-            help=f"(env {settings_module.env_name(name)}, default {field.default!r})",
+            help=f"(env {entry.env}, default {default!r})",
         )
 
 

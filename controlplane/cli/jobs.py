@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import os
 import uuid
 from typing import Any, TypeVar
 
 from controlplane import dwell, lifecycle, queue
-from controlplane.cli.common import CommandError, add_settings_flags, print_json, print_table, run_with_db
+from controlplane import settings as settings_module
+from controlplane.cli.common import (
+    CommandError,
+    add_settings_flags,
+    print_json,
+    print_table,
+    run_with_db,
+    settings_from,
+)
 from controlplane.db import AsyncConn
-from controlplane.handlers import JobRegistry
+from controlplane.registry import JobRegistry, load_registry
 
 DB_FLAGS = ("database_url", "data_dir")
-REGISTRY_ENV = "CONTROLPLANE_JOB_REGISTRY"
-# The instance operations over the configured provisioner: their hooks fail or degrade the instance.
-DEFAULT_REGISTRY = "controlplane.operations:default_registry"
+# The instance job kinds: their abandonment hooks fail or degrade the instance (no provisioner needed).
+DEFAULT_REGISTRY = "controlplane.operations:registry"
 T = TypeVar("T")
 
 
@@ -48,9 +54,9 @@ def register(commands: Any) -> None:
         if action == "abandon":
             steer.add_argument(
                 "--registry",
-                default=os.environ.get(REGISTRY_ENV, "controlplane.operations:default_registry"),
-                help=f"job kinds as module:attribute, for the abandonment hook (env {REGISTRY_ENV}, "
-                f"default {DEFAULT_REGISTRY})",
+                default=None,
+                help="job kinds as module:attribute, for the abandonment hook "
+                f"(env {settings_module.env_name('job_registry')}, default {DEFAULT_REGISTRY})",
             )
             steer.add_argument(
                 "--force", action="store_true", help="abandon even if the kind's hook cannot run here"
@@ -112,9 +118,7 @@ def cmd_steer(args: argparse.Namespace) -> int:
     operator = args.operator or getpass.getuser()
     registry: JobRegistry | None = None
     if args.action == "abandon" and not args.force:
-        from controlplane.worker import load_registry
-
-        spec = args.registry or DEFAULT_REGISTRY
+        spec = args.registry or settings_from(args).worker.job_registry or DEFAULT_REGISTRY
         try:
             registry = load_registry(spec)
         except Exception as exc:

@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import aio, datadir, db, logs, roles
+from controlplane import aio, datadir, db, logs, operations, roles
 from controlplane.cli.common import CommandError, add_settings_flags, settings_from
+from controlplane.registry import load_registry
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
-DATABASE = ("database_url", "data_dir")
+DATABASE = ("database_url", "data_dir", "pg_bindir")
 MIGRATION = ("migration_database_url", "runtime_role")
 LOGGING = ("log_level", "log_format")
-API = ("api_host", "api_port", "public_url", "max_body_bytes", "stripe_webhook_secret", "secret_key")
+API = (
+    "api_host",
+    "api_port",
+    "public_url",
+    "max_body_bytes",
+    "api_key_cache_s",
+    "stripe_webhook_secret",
+    "secret_key",
+    "job_registry",
+)
 PROVISIONER = (
     "provisioner",
     "local_port_min",
@@ -26,6 +35,7 @@ PROVISIONER = (
     "local_listen_host",
     "kubernetes_namespace",
     "kubernetes_host",
+    "kubernetes_token",
     "kubernetes_storage_class",
     "kubernetes_image",
     "kubernetes_backup_object_store",
@@ -34,6 +44,7 @@ PROVISIONER = (
     "kubernetes_external_domain",
     "kubernetes_client_cidrs",
     "kubernetes_operator_namespace",
+    "faults",
     "secret_key",
 )
 METRICS = ("metrics_port", "api_host")
@@ -109,15 +120,14 @@ def register(commands: Any) -> None:
 
 def _configured(args: argparse.Namespace, default_format: str = "json") -> Settings:
     settings = settings_from(args)
-    explicit = args.setting_log_format is not None or "CONTROLPLANE_LOG_FORMAT" in os.environ
-    logs.configure(settings.log_level, settings.log_format if explicit else default_format)
+    logs.configure(settings.logging.level, settings.logging.format or default_format)
     return settings
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     try:
-        if settings.database_url or datadir.holder(settings.data_dir) is not None:
+        if settings.database.url_value or datadir.holder(settings.data_dir) is not None:
             target = db.migration_target(settings)  # the configured URLs, or the running `up`'s
             db.migrate(target.url, runtime_role=target.runtime_role)
         else:
@@ -125,7 +135,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
             # No `up` runs here: the embedded server is started for the migration only, under the lock.
             with datadir.held(settings.data_dir):
-                embedded = open_embedded(settings.data_dir / "db")
+                embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
                 try:
                     target = db.migration_target(settings, embedded)
                     db.migrate(target.url, runtime_role=target.runtime_role)
@@ -148,16 +158,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
-    provisioner = provisioners.build(settings)
-    registry = roles.registry_for(provisioner)
+    # The API runs no job, so it needs no provisioner: only the kinds' abandonment hooks (of the
+    # instance operations, or of the kinds CONTROLPLANE_JOB_REGISTRY names). The one whose CA it
+    # publishes (GET /v1/ca.pem) is built when first asked for, and closed with the application.
+    spec = settings.worker.job_registry
+    registry = load_registry(spec) if spec else operations.registry()
 
     async def run() -> None:
         stop = asyncio.Event()
         roles.stop_on_signals(stop)
-        try:
-            await roles.run_api(settings, url, registry, stop, provisioner=provisioner)
-        finally:
-            await provisioner.close()
+        await roles.run_api(settings, url, registry, stop)
 
     aio.run(run())
     return 0
@@ -188,7 +198,7 @@ def _run_role(args: argparse.Namespace, role: Role) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     async def worker(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
-        await roles.run_worker_role(settings, url, roles.registry_for(provisioner), stop)
+        await roles.run_worker_role(settings, url, operations.registry(provisioner), stop)
 
     return _run_role(args, worker)
 
@@ -199,7 +209,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             settings,
             url,
             provisioner,
-            roles.registry_for(provisioner),
+            operations.registry(provisioner),
             stop,
             once=args.once,
             dry_run_orphans=args.dry_run_orphans,

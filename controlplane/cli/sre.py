@@ -165,9 +165,7 @@ async def _verify(conn: AsyncConn, since: str | None, keys: dict[str, Any] | Non
                 "no checkpoint to start from" if since == "latest" else f"no checkpoint {since}"
             )
         number = row["number"]
-        cursor = await conn.execute(
-            "SELECT entity, entity_id, seq, hash FROM audit_checkpoint_heads WHERE checkpoint = %s", (number,)
-        )
+        cursor = await conn.execute(sql.HEADS_OF_CHECKPOINT, {"number": number})
         heads = {
             (h["entity"], str(h["entity_id"])): (h["seq"], bytes(h["hash"])) for h in await cursor.fetchall()
         }
@@ -290,7 +288,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_stuck(args: argparse.Namespace) -> int:
-    stale_after_s = settings_from(args).reclaim_after_s
+    stale_after_s = settings_from(args).worker.reclaim_after_s
 
     async def find(conn: AsyncConn) -> tuple[list[Any], list[Any]]:
         instances = await (await conn.execute(sql.STUCK_INSTANCES)).fetchall()

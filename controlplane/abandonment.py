@@ -1,0 +1,113 @@
+"""What an abandoned instance job does to its instance, in the abandoning transaction (no provisioner).
+
+The supervisor (attempts over, a permanent error) and an operator's abandon both run these hooks:
+a failed provision fails the instance and enqueues the cleanup of what it created; a failed plan
+change degrades it (its data is kept); a failed suspend, resume or heal degrades it; a failed
+deprovision fails it, leaving what remains to the orphan sweep.
+"""
+
+from __future__ import annotations
+
+from psycopg.rows import DictRow
+
+from controlplane import jobs, kinds, lifecycle, sql
+from controlplane.db import AsyncConn
+from controlplane.instances import transition_instance
+from controlplane.kinds import DEPROVISION, HEAL
+from controlplane.records import Instance, InstancePatch, Job
+from controlplane.transitions import Actor
+
+
+async def provision_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> None:
+    """pending/provisioning -> failed with the step and error; a cleanup job removes what exists."""
+    job = Job.from_row(row)
+    inst = await _lock_instance(conn, job)
+    if inst is None or inst.state not in lifecycle.PROVISIONING:
+        return
+    reason = _failure_reason(job, inst)
+    await _transition_in(conn, inst, "fail", actor, reason)
+    await _enqueue_cleanup(conn, inst, actor, skip_backup=True)
+
+
+async def update_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> None:
+    """updating -> degraded: a failed plan change must not destroy a database that holds data.
+
+    The instance keeps its data and its old plan; the reconciler heals it if it is broken and
+    recovers it to ready. The generation given up is recorded (`failed_generation`) and not
+    tried again by the reconciler: asking for a plan again makes a new generation.
+    """
+    job = Job.from_row(row)
+    inst = await _lock_instance(conn, job)
+    if inst is None or inst.state != "updating":
+        return
+    reason = _failure_reason(job, inst)
+    asked = kinds.UpdatePayload.from_json(job.payload).spec_generation
+    generation = int(asked or inst.spec_generation)
+    await transition_instance(
+        conn,
+        inst,
+        "degrade",
+        actor,
+        reason=reason,
+        patch=InstancePatch(failure_reason=reason, failed_generation=generation),
+    )
+
+
+async def degrade_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> None:
+    """A failed suspend, resume or heal: ready -> degraded with the reason (never failed)."""
+    job = Job.from_row(row)
+    inst = await _lock_instance(conn, job)
+    if inst is None:
+        return
+    reason = _failure_reason(job, inst)
+    if inst.state == "ready":
+        await _transition_in(conn, inst, "degrade", actor, reason)
+    elif inst.state == "degraded":
+        # A heal given up is counted: the reconciler waits longer before each next one.
+        await conn.execute(
+            sql.RECORD_DEGRADED_FAILURE, {"reason": reason, "heal": job.kind == HEAL, "id": inst.id}
+        )
+
+
+async def deprovision_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> None:
+    """deprovisioning -> failed; what remains is left to the orphan sweep and the SREs."""
+    job = Job.from_row(row)
+    inst = await _lock_instance(conn, job)
+    if inst is None or inst.state != "deprovisioning":
+        return
+    await _transition_in(conn, inst, "fail", actor, _failure_reason(job, inst))
+
+
+async def _lock_instance(conn: AsyncConn, job: Job) -> Instance | None:
+    if job.instance_id is None:
+        return None
+    cursor = await conn.execute(sql.LOCK_INSTANCE, {"id": job.instance_id})
+    row = await cursor.fetchone()
+    return None if row is None else Instance.from_row(row)
+
+
+def _failure_reason(job: Job, inst: Instance) -> str:
+    """The job's last error, with the step it happened in when the error does not say."""
+    error = str(job.last_error or "no error recorded")
+    step = inst.progress
+    if step and not error.startswith(f"{step}:"):
+        error = f"at {step}: {error}"
+    return f"{job.kind} failed after {job.attempt} attempt(s): {error}"[:1000]
+
+
+async def _transition_in(conn: AsyncConn, inst: Instance, event: str, actor: Actor, reason: str) -> None:
+    await transition_instance(
+        conn, inst, event, actor, reason=reason, patch=InstancePatch(failure_reason=reason)
+    )
+
+
+async def _enqueue_cleanup(conn: AsyncConn, inst: Instance, actor: Actor, *, skip_backup: bool) -> None:
+    await jobs.enqueue(
+        conn,
+        jobs.NewJob(
+            DEPROVISION,
+            inst.id,
+            payload=kinds.DeprovisionPayload(skip_final_backup=skip_backup, cleanup=True),
+        ),
+        actor,
+    )

@@ -1,0 +1,233 @@
+"""The instance use cases: create, change (plan, deletion protection) and request deletion.
+
+Each runs in one transaction: the instance row, its audit row and the job that carries the
+request out commit together or not at all. A request that cannot run now is recorded on the
+instance (a new spec generation, a deletion request) and carried out as soon as it can.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from controlplane import actions, db, instances, jobs, kinds, lifecycle, sql
+from controlplane.constraints import unique_violations
+from controlplane.db import AsyncConn
+from controlplane.domain_errors import (
+    DeletionProtected,
+    InvalidState,
+    NotFound,
+    PreconditionFailed,
+    Unsupported,
+)
+from controlplane.records import Instance
+from controlplane.services.policy import Policy
+from controlplane.transitions import Actor
+from provisioners.base import RestoreSource
+
+# Deletion can start at once from these states; from the others it waits (the reconciler enqueues it).
+DEPROVISIONABLE_NOW = lifecycle.INSTANCE.states_allowing("deprovision")
+# Where an instance is once its deletion has started.
+DEPROVISIONING = lifecycle.INSTANCE.targets_of("deprovision")
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The state versions a change was asked against (from an If-Match: ETags are versions)."""
+
+    allowed: frozenset[int]
+    # The precondition as the caller gave it, for the refusal.
+    given: str
+
+
+@dataclass(frozen=True)
+class CreateInstance:
+    org_id: uuid.UUID
+    name: str
+    plan: str
+    region: str | None = None
+    deletion_protection: bool = False
+    # Fill the new instance from another instance's backup or point in time (of the same organisation).
+    restore_from: RestoreSource | None = None
+
+
+@dataclass(frozen=True)
+class ChangeInstance:
+    org_id: uuid.UUID
+    instance_id: uuid.UUID
+    # A plan other than the declared one (or the declared one again after its update was given up).
+    plan: str | None = None
+    deletion_protection: bool | None = None
+    if_versions: Versions | None = None
+
+
+@dataclass(frozen=True)
+class RequestDeletion:
+    org_id: uuid.UUID
+    instance_id: uuid.UUID
+    skip_final_backup: bool = False
+    if_versions: Versions | None = None
+
+
+@dataclass(frozen=True)
+class InstanceResult:
+    """The instance as the use case left it, and the kind of the job it enqueued (if any)."""
+
+    instance: Instance
+    enqueued: str | None = None
+
+
+async def create(
+    conn: AsyncConn, actor: Actor, request_id: str | None, request: CreateInstance, policy: Policy
+) -> InstanceResult:
+    """A new instance in `pending` and its `provision` job; NameTaken if a live one has the name.
+
+    A `restore_from` names an instance of the same organisation (NotFound otherwise, as for a read)
+    and needs a provisioner that restores into a new instance (Unsupported otherwise)."""
+    spec: dict[str, object] = {"plan": request.plan, "region": request.region}
+    if request.restore_from is not None:
+        spec["restore_from"] = request.restore_from.as_dict()
+    with unique_violations(name=request.name):
+        async with db.transaction(conn):
+            if request.restore_from is not None:
+                await _check_restore_source(conn, request.org_id, request.restore_from, policy)
+            row = await instances.create_instance(
+                conn,
+                request.org_id,
+                request.name,
+                spec,
+                actor,
+                deadline_s=policy.pending_deadline_s,
+                deletion_protection=request.deletion_protection,
+                request_id=request_id,
+            )
+            inst = Instance.from_row(row)
+            enqueued = await _enqueue(conn, actor, request_id, policy, inst, kinds.ProvisionPayload())
+    return InstanceResult(inst, enqueued)
+
+
+async def change(
+    conn: AsyncConn, actor: Actor, request_id: str | None, request: ChangeInstance, policy: Policy
+) -> InstanceResult:
+    """Record a new plan (a new spec generation) and/or deletion protection; enqueue the update
+    when the instance can take it now (else the reconciler does once it is ready)."""
+    async with db.transaction(conn):
+        inst = await _load_to_change(conn, request.org_id, request.instance_id, request.if_versions)
+        if inst.deletion_requested or not actions.can_still_update(inst.state):
+            why = "its deletion has been requested" if inst.deletion_requested else f"it is {inst.state}"
+            raise InvalidState(
+                f"instance {inst.id} cannot be changed: {why}",
+                current_state=inst.state,
+                allowed_actions=actions.of(inst),
+            )
+        # A plan other than the declared one, or the declared one again after its update was
+        # given up (a retry): either makes a new spec generation.
+        new_plan = request.plan is not None and (
+            request.plan != inst.plan or inst.failed_generation == inst.spec_generation
+        )
+        protection = request.deletion_protection
+        if new_plan or (protection is not None and protection != inst.deletion_protection):
+            await conn.execute(
+                sql.CHANGE_INSTANCE_SPEC,
+                {
+                    "new_plan": new_plan,
+                    "plan": request.plan,
+                    "protection": protection,
+                    "id": inst.id,
+                    "org": request.org_id,
+                },
+            )
+        inst = await load(conn, request.org_id, request.instance_id)
+        enqueued = None
+        if new_plan and "update" in lifecycle.INSTANCE.allowed_events(inst.state):
+            payload = kinds.UpdatePayload(spec_generation=inst.spec_generation)
+            enqueued = await _enqueue(conn, actor, request_id, policy, inst, payload)
+    return InstanceResult(inst, enqueued)
+
+
+async def request_deletion(
+    conn: AsyncConn, actor: Actor, request_id: str | None, request: RequestDeletion, policy: Policy
+) -> InstanceResult:
+    """Record the deletion request; enqueue the deprovision when it can start now (else as soon as
+    it can). Asking again while the deletion is recorded or running changes nothing."""
+    async with db.transaction(conn):
+        inst = await _load_to_change(conn, request.org_id, request.instance_id, request.if_versions)
+        if inst.state in lifecycle.INSTANCE.terminal:
+            raise InvalidState(
+                f"instance {inst.id} is {inst.state}",
+                current_state=inst.state,
+                allowed_actions=actions.of(inst),
+            )
+        if inst.deletion_protection:
+            raise DeletionProtected(
+                f"instance {inst.id} has deletion protection on; turn it off with PATCH first",
+                current_state=inst.state,
+                allowed_actions=actions.of(inst),
+            )
+        enqueued = None
+        if not inst.deletion_requested and inst.state not in DEPROVISIONING:
+            await conn.execute(
+                sql.REQUEST_DELETION,
+                {"skip_final_backup": request.skip_final_backup, "id": inst.id, "org": request.org_id},
+            )
+            if inst.state in DEPROVISIONABLE_NOW:
+                payload = kinds.DeprovisionPayload(skip_final_backup=request.skip_final_backup)
+                enqueued = await _enqueue(conn, actor, request_id, policy, inst, payload)
+            inst = await load(conn, request.org_id, request.instance_id)
+    return InstanceResult(inst, enqueued)
+
+
+async def load(
+    conn: AsyncConn, org_id: uuid.UUID | None, instance_id: uuid.UUID, *, lock: bool = False
+) -> Instance:
+    """The organisation's instance (scoped in SQL), or NotFound; `org_id` None: of any organisation
+    (an SRE's request)."""
+    if org_id is None:
+        statement = sql.LOCK_ANY_INSTANCE if lock else sql.ANY_INSTANCE
+    else:
+        statement = sql.LOCK_ORG_INSTANCE if lock else sql.ORG_INSTANCE
+    cursor = await conn.execute(statement, {"id": instance_id, "org": org_id})
+    row = await cursor.fetchone()
+    if row is None:
+        raise NotFound(f"no instance {instance_id}")
+    return Instance.from_row(row)
+
+
+async def _check_restore_source(
+    conn: AsyncConn, org_id: uuid.UUID, source: RestoreSource, policy: Policy
+) -> None:
+    cursor = await conn.execute(sql.ORG_HAS_INSTANCE, {"id": source.instance_id, "org": org_id})
+    if await cursor.fetchone() is None:
+        raise NotFound(f"restore_from.instance_id: no instance {source.instance_id}")
+    if not policy.supports_restore:
+        raise Unsupported(
+            f"restore_from is not supported by the {policy.provisioner} provisioner of this service"
+        )
+
+
+async def _enqueue(
+    conn: AsyncConn,
+    actor: Actor,
+    request_id: str | None,
+    policy: Policy,
+    inst: Instance,
+    payload: kinds.Payload,
+) -> str:
+    """The job that carries the request out, in the use case's transaction; returns its kind."""
+    job = jobs.NewJob(payload.kind, inst.id, payload=payload, max_attempts=policy.job_max_attempts)
+    await jobs.enqueue(conn, job, actor, request_id=request_id)
+    return payload.kind
+
+
+async def _load_to_change(
+    conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID, if_versions: Versions | None
+) -> Instance:
+    """The instance locked for a change, once its version precondition (if any) holds."""
+    inst = await load(conn, org_id, instance_id, lock=True)
+    if if_versions is not None and inst.state_version not in if_versions.allowed:
+        raise PreconditionFailed(
+            f'If-Match {if_versions.given} does not match the instance\'s ETag "{inst.state_version}"',
+            current_state=inst.state,
+            current_version=inst.state_version,
+        )
+    return inst

@@ -1,0 +1,270 @@
+"""A lost data directory is never healed into an empty database that says `ready`: the instance is
+degraded with the code data_lost, the loss is audited and counted, and it comes back only with its
+data: restored from the newest backup held (taken on the plan's schedule), or as someone decides
+(a restore point, or empty, accepted explicitly). Real servers, a real worker and reconciler."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from controlplane import audit, metrics
+from controlplane.api.app import create_app
+from controlplane.db import AsyncConn
+from controlplane.kinds import HEAL, RESTORE
+from controlplane.services import backups
+from controlplane.settings import Settings
+from provisioners.base import DataLost, InstanceSpec
+from provisioners.local import LocalProvisioner
+from tests.api_support import Tenant, make_ready, make_tenant
+from tests.factories import make_instance
+from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
+from tests.provisioning_support import connect, credentials, real_instances
+from tests.reconciler_support import instance_events, live_jobs, passes_until, reconciling, working
+
+DEV = InstanceSpec("dev", 1)
+
+
+@pytest.fixture
+async def local_app(local_settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The API over the same database, data directory and secret key as the worker's."""
+    application: FastAPI = create_app(local_settings)
+    async with application.router.lifespan_context(application):
+        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            yield http
+
+
+def recovered(instance_id: uuid.UUID) -> Condition:
+    async def check(conn: AsyncConn) -> bool:
+        return await instance_in(instance_id, "ready")(conn) and not await live_jobs(conn, instance_id)
+
+    return check
+
+
+def held_backups(instance_id: uuid.UUID, count: int) -> Condition:
+    async def check(conn: AsyncConn) -> bool:
+        return len(await backups.held(conn, instance_id, limit=100)) >= count
+
+    return check
+
+
+async def reasons(conn: AsyncConn, instance_id: uuid.UUID, event: str) -> list[str]:
+    cursor = await conn.execute(
+        "SELECT reason FROM instance_events WHERE instance_id = %s AND event = %s ORDER BY id",
+        (instance_id, event),
+    )
+    return [row["reason"] for row in await cursor.fetchall()]
+
+
+async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_scheduled_backup(
+    conn: AsyncConn, local_settings: Settings, local_app: httpx.AsyncClient
+) -> None:
+    local = LocalProvisioner(local_settings)
+    registry = registry_for(local)
+    who = await make_tenant(conn)
+    iid = await ready_instance(conn, local_settings, registry, who.org_id)
+    info = credentials(local_settings, await instance(conn, iid))
+    with connect(info) as customer:
+        customer.execute("CREATE TABLE kept (x int)")
+        customer.execute("INSERT INTO kept VALUES (1), (2)")
+
+    async with reconciling(local_settings, local) as rec:
+        # The plan's schedule: the first backup is due one interval after creation.
+        assert (await rec.run_once()).actions == {}
+        created = (await instance(conn, iid))["created_at"]
+        due = created + timedelta(hours=24)  # the dev plan: daily
+        assert (await rec.run_once(due - timedelta(seconds=1))).actions == {}
+        assert (await rec.run_once(due)).actions == {"enqueue_backup": 1}
+        async with working(local_settings, registry):
+            await passes_until(rec, held_backups(iid, 1))
+            # And one on demand (asked twice: one backup job).
+            path = f"/v1/instances/{iid}/backups"
+            asked = [(await local_app.post(path, headers=who.headers)).json() for _ in range(2)]
+            assert [a["created"] for a in asked] == [True, False] and asked[0]["job_id"] == asked[1]["job_id"]
+            await passes_until(rec, held_backups(iid, 2))
+        listed = (await local_app.get(path, headers=who.headers)).json()["items"]
+        assert [b["kind"] for b in listed] == ["on_demand", "scheduled"] and listed[0]["size_bytes"] > 0
+        assert "location" not in listed[0]  # where it is kept is for SREs only
+        paged = (await local_app.get(path, params={"limit": 1}, headers=who.headers)).json()
+        rest = (
+            await local_app.get(path, params={"cursor": paged["next_cursor"]}, headers=who.headers)
+        ).json()
+        assert [b["id"] for b in paged["items"] + rest["items"]] == [b["id"] for b in listed]
+
+        with connect(info) as customer:
+            customer.execute("CREATE TABLE written_after_the_backup (x int)")
+
+        # The data directory removed behind the control plane's back.
+        shutil.rmtree(local.datadir(iid))
+        lost_before = metrics.DATA_LOSS._value.get()
+        summary = await rec.run_once()
+        assert summary.actions == {"degrade": 1, "enqueue_restore": 1}
+        assert metrics.DATA_LOSS._value.get() == lost_before + 1
+        row = await instance(conn, iid)
+        assert (row["state"], row["failure_code"]) == ("degraded", "data_lost")
+        assert row["failure_reason"] == "data lost: data directory missing"
+        assert await reasons(conn, iid, "degrade") == ["data lost: data directory missing"]
+        (restore,) = await live_jobs(conn, iid)
+        assert restore["kind"] == RESTORE
+        assert (await local_app.post(path, headers=who.headers)).status_code == 409  # nothing to back up
+
+        async with working(local_settings, registry):
+            await passes_until(rec, recovered(iid))
+
+    row = await instance(conn, iid)
+    assert (row["state"], row["failure_code"], row["failure_reason"]) == ("ready", None, None)
+    (recovery,) = await reasons(conn, iid, "recover")
+    assert recovery.startswith(f"restored from backup {listed[0]['id']} taken at ")
+    assert recovery.endswith("changes made after it are lost (the newest backup, by policy)")
+    with connect(credentials(local_settings, row)) as customer:
+        assert customer.execute("SELECT count(*) FROM kept").fetchone() == (2,)
+        assert customer.execute("SELECT to_regclass('written_after_the_backup')").fetchone() == (None,)
+    assert await audit.verify(conn) == []
+
+
+async def test_without_a_backup_lost_data_waits_for_an_explicit_audited_decision(
+    conn: AsyncConn, local_settings: Settings, local_app: httpx.AsyncClient
+) -> None:
+    local = LocalProvisioner(local_settings)
+    registry = registry_for(local)
+    who: Tenant = await make_tenant(conn)
+    iid = await ready_instance(conn, local_settings, registry, who.org_id)
+    with connect(credentials(local_settings, await instance(conn, iid))) as customer:
+        customer.execute("CREATE TABLE precious (x int)")
+
+    async with reconciling(local_settings, local) as rec:
+        shutil.rmtree(local.datadir(iid))
+        assert (await rec.run_once()).actions == {"degrade": 1}
+        # Never healed into an empty database: pass after pass, nothing is done by itself.
+        async with working(local_settings, registry):
+            for _ in range(3):
+                assert (await rec.run_once()).actions == {}
+        assert await live_jobs(conn, iid) == []
+        cursor = await conn.execute(
+            "SELECT count(*) AS n FROM jobs WHERE instance_id = %s AND kind = %s", (iid, HEAL)
+        )
+        assert (await cursor.fetchone() or {})["n"] == 0
+        assert not (local.datadir(iid) / "PG_VERSION").exists()
+
+        shown = (await local_app.get(f"/v1/instances/{iid}", headers=who.headers)).json()
+        assert (shown["state"], shown["failure_code"]) == ("degraded", "data_lost")
+        assert "restore" in shown["allowed_actions"] and "backup" not in shown["allowed_actions"]
+
+        path = f"/v1/instances/{iid}/restore"
+        newest = await local_app.post(path, json={}, headers=who.headers)
+        assert newest.status_code == 409 and "no backup" in newest.json()["detail"]
+        unknown = await local_app.post(path, json={"backup_id": "20200101T000000000Z"}, headers=who.headers)
+        assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "body.backup_id"
+        both = await local_app.post(path, json={"backup_id": "x", "empty": True}, headers=who.headers)
+        assert both.status_code == 422
+        other = await make_tenant(conn)
+        assert (await local_app.post(path, json={"empty": True}, headers=other.headers)).status_code == 404
+
+        accepted = await local_app.post(
+            path, json={"empty": True, "reason": "no copy exists"}, headers=who.headers
+        )
+        assert accepted.status_code == 202, accepted.text
+        again = await local_app.post(path, json={"empty": True}, headers=who.headers)
+        assert again.status_code == 409 and "already under way" in again.json()["detail"]
+        async with working(local_settings, registry):
+            await passes_until(rec, recovered(iid))
+
+    row = await instance(conn, iid)
+    key_id = str(
+        (
+            await (await conn.execute("SELECT id FROM api_keys WHERE org_id = %s", (who.org_id,))).fetchone()
+            or {}
+        )["id"]
+    )
+    (recovery,) = await reasons(conn, iid, "recover")
+    assert (
+        recovery == f"re-initialised empty: the loss of its data was accepted (decided by customer:{key_id})"
+    )
+    cursor = await conn.execute(
+        "SELECT e.actor_kind, e.actor_id, j.payload FROM job_events e JOIN jobs j ON j.id = e.job_id"
+        " WHERE j.instance_id = %s AND j.kind = %s AND e.event = 'enqueue'",
+        (iid, RESTORE),
+    )
+    (enqueued,) = await cursor.fetchall()
+    assert (enqueued["actor_kind"], enqueued["actor_id"]) == ("customer", key_id)
+    assert enqueued["payload"]["reason"] == "no copy exists"
+    with connect(credentials(local_settings, row)) as customer:  # empty, as accepted
+        assert customer.execute("SELECT to_regclass('precious')").fetchone() == (None,)
+    # The data is back (empty): no more restore to accept.
+    done = await local_app.post(f"/v1/instances/{iid}/restore", json={"empty": True}, headers=who.headers)
+    assert done.status_code == 409
+    assert [(f, t) for f, t, _, _ in await instance_events(conn, iid)][3:] == [
+        ("ready", "degraded"),
+        ("degraded", "ready"),
+    ]
+    assert await audit.verify(conn) == []
+
+
+async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instance_directory(
+    pg_root: Path,
+) -> None:
+    with real_instances(pg_root) as settings:
+        local = LocalProvisioner(settings)
+        iid = uuid.uuid4()
+        await local.allocate_storage(iid, DEV, 1)
+        await local.configure_network(iid, DEV, 1)
+        info = await local.initialize_database(iid, DEV, 1)
+        with connect(info) as customer:
+            customer.execute("CREATE TABLE t1 (x int)")
+        first = await local.take_backup(iid, DEV, 2, kind="scheduled")
+        with connect(info) as customer:
+            customer.execute("CREATE TABLE t2 (x int)")
+        second = await local.take_backup(iid, DEV, 2, kind="on_demand")
+        later = [await local.take_backup(iid, DEV, 2, kind="scheduled") for _ in range(2)]
+        # Retention: the plan keeps 3, the oldest goes.
+        held = await local.list_backups(iid)
+        assert [b.name for b in held] == [second.name, *(b.name for b in later)]
+        assert held[0].kind == "on_demand" and not Path(first.location).exists()
+        with connect(info) as customer:
+            customer.execute("CREATE TABLE t3 (x int)")
+
+        # The whole instance directory goes, its state (and the admin password) with it.
+        shutil.rmtree(local.instance_dir(iid))
+        seen = await local.observe(iid)
+        assert seen.data_lost and not seen.exists
+        with pytest.raises(DataLost):
+            await local.allocate_storage(iid, DEV, 3)
+        await local.restore(iid, DEV, 3, backup_id=second.name)
+        await local.configure_network(iid, DEV, 3)
+        again = await local.initialize_database(iid, DEV, 3, password=info.password)
+        assert (again.port, again.user, again.password) == (info.port, info.user, info.password)
+        with connect(again) as customer:
+            tables = customer.execute(
+                "SELECT relname FROM pg_class WHERE relname LIKE 't_' ORDER BY 1"
+            ).fetchall()
+            assert tables == [("t1",), ("t2",)]
+        assert (await local.observe(iid)).healthy
+
+        # Deleting the instance takes its final dump and removes its periodic backups.
+        result = await local.deprovision(iid, DEV, 4)
+        assert result.backup is not None and result.backup.endswith(".dump")
+        assert not local.backup_dir(iid).exists()
+
+
+async def test_backups_are_refused_where_the_provisioner_takes_none(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    who = await make_tenant(conn)
+    iid = (await make_instance(conn, who.org_id))["id"]
+    await make_ready(conn, local_settings, iid)
+    application = create_app(local_settings.replace(provisioner="noop"))
+    async with application.router.lifespan_context(application):
+        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            refused = await http.post(f"/v1/instances/{iid}/backups", headers=who.headers)
+            assert refused.status_code == 409 and "takes no backups" in refused.json()["detail"]
+            assert (await http.get("/v1/ca.pem")).status_code == 404  # and issues no certificates
+    assert await live_jobs(conn, iid) == []

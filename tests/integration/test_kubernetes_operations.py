@@ -1,0 +1,183 @@
+"""The API, the worker's operations and the kubernetes provisioner together, on the fake API server
+with the Role enforced: create, ready with TLS details, resize, restore into a new instance, delete
+with a final backup; restore_from refused across organisations and where nothing restores."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from controlplane.db import AsyncConn
+from controlplane.kinds import RESUME, SUSPEND
+from controlplane.services.policy import Policy
+from controlplane.settings import Settings
+from provisioners.kubernetes import KubernetesProvisioner
+from tests.api_support import WEBHOOK_SECRET, Tenant, create
+from tests.kubernetes_fake import FakeCluster
+from tests.kubernetes_support import NAMESPACE, OBJECT_STORE, provisioner_on_fake, role_from
+from tests.operations_support import enqueue, instance, instance_in, registry_for, run_until, scalar
+from tests.reconciler_support import reconciling
+
+pytest_plugins = ("tests.api_fixtures",)
+
+
+@pytest.fixture
+def api_settings(settings: Settings) -> Settings:
+    return settings.replace(
+        stripe_webhook_secret=WEBHOOK_SECRET,
+        provisioner="kubernetes",
+        kubernetes_namespace=NAMESPACE,
+        retry_base_delay_s=0.05,
+        retry_max_delay_s=0.2,
+        poll_interval_s=0.1,
+    )
+
+
+@pytest.fixture
+def k8s() -> Iterator[tuple[KubernetesProvisioner, FakeCluster]]:
+    with provisioner_on_fake(role_from(), kubernetes_backup_object_store=OBJECT_STORE) as pair:
+        yield pair
+
+
+async def test_an_instance_on_cloudnativepg_from_create_to_delete_and_restored(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    other_tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders")
+    await run_until(api_settings, registry, instance_in(uuid.UUID(made["id"]), "ready"))
+    body = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()
+    connection = body["connection"]
+    assert connection["host"] == f"pg-{made['id']}-rw.{NAMESPACE}.svc"
+    assert connection["sslmode"] == "verify-full" and "BEGIN CERTIFICATE" in connection["ca_certificate"]
+    assert connection["uri"].endswith("/app?sslmode=verify-full") and connection["password"]
+    assert (body["instances"], body["storage_gb"]) == (1, 1)
+    cluster = state.get("clusters", NAMESPACE, f"pg-{made['id']}")
+    assert cluster is not None
+    assert cluster["metadata"]["labels"]["controlplane.io/org-id"] == str(tenant.org_id)
+
+    changed = await client.patch(
+        f"/v1/instances/{made['id']}", json={"plan": "small"}, headers=tenant.headers
+    )
+    assert changed.status_code == 202, changed.text
+    await run_until(
+        api_settings,
+        registry,
+        lambda c: scalar(c, "SELECT observed_generation = 2 FROM instances WHERE id = %s", (made["id"],)),
+    )
+    cluster = state.get("clusters", NAMESPACE, f"pg-{made['id']}")
+    assert (
+        cluster is not None
+        and cluster["spec"]["instances"] == 2
+        and cluster["spec"]["storage"]["size"] == "10Gi"
+    )
+
+    # Another organisation cannot restore this one's data; this one can, to a point in time.
+    foreign = await client.post(
+        "/v1/instances",
+        json={"name": "copy", "plan": "dev", "restore_from": {"instance_id": made["id"]}},
+        headers=other_tenant.headers,
+    )
+    assert foreign.status_code == 404 and "no instance" in foreign.json()["detail"]
+    restored = await create(
+        client,
+        tenant,
+        "orders-copy",
+        restore_from={"instance_id": made["id"], "point_in_time": "2026-05-01T12:00:00Z"},
+    )
+    assert restored["restore_from"]["instance_id"] == made["id"]
+    await run_until(api_settings, registry, instance_in(uuid.UUID(restored["id"]), "ready"))
+    copy = state.get("clusters", NAMESPACE, f"pg-{restored['id']}")
+    assert copy is not None
+    recovery = copy["spec"]["bootstrap"]["recovery"]
+    assert recovery["recoveryTarget"] == {"targetTime": "2026-05-01T12:00:00Z"}
+    assert copy["spec"]["externalClusters"][0]["plugin"]["parameters"]["serverName"] == f"pg-{made['id']}"
+
+    deleted = await client.delete(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    assert deleted.status_code == 202, deleted.text
+    await run_until(api_settings, registry, instance_in(uuid.UUID(made["id"]), "deleted"))
+    backup = await scalar(
+        conn,
+        "SELECT detail->>'backup' FROM instance_events WHERE instance_id = %s AND event = 'deprovisioned'",
+        (made["id"],),
+    )
+    assert backup == f"pg-{made['id']}-final"
+    final = state.get("backups", NAMESPACE, backup)
+    assert final is not None and final["status"]["phase"] == "completed"
+    assert state.get("clusters", NAMESPACE, f"pg-{made['id']}") is None
+    assert state.denied == []
+
+
+async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
+    client: httpx.AsyncClient, tenant: Tenant, app: FastAPI, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    local = api_settings.replace(provisioner="local")
+    app.state.controlplane.settings = local
+    app.state.controlplane.policy = Policy.from_settings(local)
+    response = await client.post(
+        "/v1/instances",
+        json={"name": "copy", "plan": "dev", "restore_from": {"instance_id": made["id"]}},
+        headers=tenant.headers,
+    )
+    assert response.status_code == 422
+    assert (
+        response.json()["detail"] == "restore_from is not supported by the local provisioner of this service"
+    )
+    naive = await client.post(
+        "/v1/instances",
+        json={
+            "name": "copy",
+            "plan": "dev",
+            "restore_from": {"instance_id": made["id"], "point_in_time": "2026-01-01T00:00:00"},
+        },
+        headers=tenant.headers,
+    )
+    assert naive.status_code == 422 and "time zone" in naive.text
+
+
+async def test_a_failover_is_degraded_then_healed_and_a_suspension_is_read_only(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders", plan="small")
+    iid = uuid.UUID(made["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+
+    # The primary's server dies: the reconciler sees the operator failing over and degrades the
+    # instance; the heal waits for the operator and brings it back to ready.
+    state.fail_primary(NAMESPACE, f"pg-{iid}")
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+        row = await instance(conn, iid)
+        assert row["state"] == "degraded" and "Failing over" in row["failure_reason"]
+        await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None and cluster["status"]["currentPrimary"] == f"pg-{iid}-2"
+
+    # Suspension demotes the Cluster; resumption promotes it with its own demotion token.
+    await enqueue(conn, SUSPEND, iid, suspended_by_billing=False)
+    await run_until(api_settings, registry, instance_in(iid, "suspended"))
+    assert (await provisioner.observe(iid)).read_only is True
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None and cluster["spec"]["replica"]["primary"] == f"pg-{iid}-suspended"
+    await enqueue(conn, RESUME, iid)
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None
+    assert cluster["spec"]["replica"]["promotionToken"] == cluster["status"]["lastPromotionToken"]
+    assert (await provisioner.observe(iid)).read_only is False

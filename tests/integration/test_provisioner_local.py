@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from controlplane.errors import StaleFence, TemporaryError
+from controlplane.postgres import port_in_use
+from provisioners.base import ConnectionInfo, DataLost, InstanceSpec
+from provisioners.local import LocalProvisioner, owner_role
+from tests.provisioning_support import connect, real_instances
+
+DEV = InstanceSpec("dev", 1)
+
+
+@pytest.fixture
+def local(pg_root: Path) -> Iterator[LocalProvisioner]:
+    with real_instances(pg_root) as settings:
+        yield LocalProvisioner(settings)
+
+
+async def provision(
+    p: LocalProvisioner, instance_id: uuid.UUID, fence: int, spec: InstanceSpec = DEV
+) -> ConnectionInfo:
+    await p.allocate_storage(instance_id, spec, fence)
+    await p.configure_network(instance_id, spec, fence)
+    return await p.initialize_database(instance_id, spec, fence)
+
+
+def cannot_write(conn: psycopg.Connection[object]) -> None:
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        conn.execute("INSERT INTO notes VALUES ('while suspended')")
+
+
+async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> None:
+    iid = uuid.uuid4()
+    info = await provision(local, iid, fence=10)
+    assert info.port in range(
+        local.settings.provisioner.local_port_min, local.settings.provisioner.local_port_max + 1
+    )
+    assert info.user == owner_role(iid) and len(info.password) >= 24
+
+    # Every step run again creates nothing twice and adopts the same credentials.
+    again = await provision(local, iid, fence=10)
+    assert again == info and again.password == info.password
+    assert [r.kind for r in await local.inventory()] == ["data_directory", "server", "port"]
+    assert sorted(p.name for p in local.instance_dir(iid).iterdir()) == ["pgdata", "pgdata.log", "state.json"]
+    assert local.roles(iid) == [info.user]
+
+    owner = connect(info)
+    owner.execute("CREATE TABLE notes (body text)")
+    owner.execute("INSERT INTO notes VALUES ('hello')")
+    is_super = owner.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    assert is_super == (False,)
+    observed = await local.observe(iid)
+    assert observed.healthy and observed.read_only is False and observed.endpoint == (info.host, info.port)
+
+    # Suspended: the open session is ended, a new one reads but cannot write, whatever it tries.
+    assert await local.suspend(iid, DEV, fence=11) is True
+    assert await local.suspend(iid, DEV, fence=11) is False
+    with pytest.raises(psycopg.OperationalError):
+        owner.execute("INSERT INTO notes VALUES ('same session')")
+    reader = connect(info)
+    assert reader.execute("SELECT count(*) FROM notes").fetchone() == (1,)
+    cannot_write(reader)
+    reader.execute("SET default_transaction_read_only = off")
+    cannot_write(reader)
+    reader.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE")
+    cannot_write(reader)
+    with pytest.raises(psycopg.errors.FeatureNotSupported), reader.transaction():
+        reader.execute("SET TRANSACTION READ WRITE")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        reader.execute("SELECT pg_promote()")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        reader.execute("ALTER SYSTEM SET default_transaction_read_only = off")
+    assert (await local.observe(iid)).read_only is True
+
+    # Resumed: writes work again, in new sessions.
+    assert await local.resume(iid, DEV, fence=12) is True
+    assert await local.resume(iid, DEV, fence=12) is False
+    writer = connect(info)
+    writer.execute("INSERT INTO notes VALUES ('after resume')")
+    assert (await local.observe(iid)).read_only is False
+
+    # A plan change restarts with the plan's settings; applying it again changes nothing.
+    small = InstanceSpec("small", 2)
+    assert await local.apply_plan(iid, small, fence=13) is True
+    assert await local.apply_plan(iid, small, fence=13) is False
+    resized = connect(info)
+    assert resized.execute("SHOW max_connections").fetchone() == ("50",)
+    assert resized.execute("SHOW shared_buffers").fetchone() == ("128MB",)
+    observed = await local.observe(iid)
+    assert (observed.plan_applied, observed.generation) == ("small", 2)
+    for session in (owner, reader, writer, resized):
+        session.close()
+
+    # A lower fence than one already seen is refused, by every step.
+    with pytest.raises(StaleFence):
+        await local.apply_plan(iid, DEV, fence=12)
+    with pytest.raises(StaleFence):
+        await local.deprovision(iid, DEV, fence=3)
+
+    # Deprovision: final dump, server stopped, directory and port gone; again is a no-op.
+    result = await local.deprovision(iid, small, fence=14)
+    assert result.backup is not None and Path(result.backup).stat().st_size > 0
+    assert Path(result.backup).parent == Path(local.settings.data_dir).resolve() / "backups"
+    assert not local.instance_dir(iid).exists()
+    assert local.ports.port_of(iid) is None and not port_in_use(info.port)
+    assert await local.inventory() == []
+    assert (await local.observe(iid)).exists is False
+    again_result = await local.deprovision(iid, small, fence=14)
+    assert again_result.removed is False and again_result.backup is None
+    assert list(Path(result.backup).parent.iterdir()) == [Path(result.backup)]
+
+
+async def test_observe_sees_a_killed_server_and_a_removed_directory(local: LocalProvisioner) -> None:
+    iid, other = uuid.uuid4(), uuid.uuid4()
+    info = await provision(local, iid, fence=1)
+    other_port = local.ports.allocate(other)
+    assert other_port != info.port
+
+    server = local._server(iid)
+    pid = server.pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    server.wait_until_down()
+    observed = await local.observe(iid)
+    assert observed.exists and not observed.running and not observed.healthy
+    assert observed.detail == "server not running"
+
+    # Re-running the steps repairs: same port, same role, same password.
+    assert await provision(local, iid, fence=2) == info
+    assert (await local.observe(iid)).healthy
+
+    shutil.rmtree(local.datadir(iid))
+    observed = await local.observe(iid)
+    assert not observed.exists and observed.detail == "data directory missing"
+    assert observed.data_lost
+    with pytest.raises(TemporaryError):
+        await local.initialize_database(iid, DEV, fence=3)
+
+    # Lost data is never re-created empty by re-running the steps: only an explicit restore does.
+    with pytest.raises(DataLost):
+        await provision(local, iid, fence=3)
+    await local.restore(iid, DEV, fence=3, backup_id=None)
+    repaired = await provision(local, iid, fence=3)
+    assert repaired.port == info.port and repaired.user == info.user
+    with connect(repaired) as conn:
+        conn.execute("CREATE TABLE t (x int)")
+    table = json.loads((local.root / "ports.json").read_text())
+    assert table == {str(iid): info.port, str(other): other_port}
+    assert local.ports.release(other) is True

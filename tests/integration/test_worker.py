@@ -1,0 +1,261 @@
+"""The worker runtime in process: batching, wake-ups, retries, heartbeat loss, fencing, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane import audit, db, queue
+from controlplane.fencing import FileFences
+from controlplane.jobs import NewJob, enqueue, enqueue_many, get_job
+from controlplane.registry import JobRegistry
+from controlplane.settings import Settings
+from controlplane.supervisor import Supervisor
+from controlplane.transitions import Conflict
+from controlplane.worker import Worker
+from tests.factories import TEST_ACTOR
+from tests.queue_kinds import Gates, build_registry, count_in, db_now, events_of, gate_registry, until
+
+
+@pytest.fixture
+async def pool(fresh_database: str) -> AsyncIterator[Any]:
+    p = db.pool(fresh_database, max_size=12)
+    async with p:
+        yield p
+
+
+class Running:
+    """A Worker running as a task of the test's event loop."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.task = asyncio.create_task(worker.run())
+
+    async def stop(self) -> None:
+        self.worker.request_stop()
+        await asyncio.wait_for(self.task, timeout=20)
+
+
+def start_worker(
+    name: str,
+    settings: Settings,
+    pool: Any,
+    registry: JobRegistry | None = None,
+    services: Mapping[str, Any] | None = None,
+    **changes: Any,
+) -> Running:
+    tuned = settings.replace(**{"shutdown_grace_s": 0.5, "worker_concurrency": 8, **changes})
+    return Running(Worker(name, tuned, pool, registry or build_registry(), services=services))
+
+
+async def test_worker_runs_jobs_translates_errors_and_batches_writes(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    await enqueue_many(conn, [NewJob("noop") for _ in range(24)], TEST_ACTOR)
+    bad = await enqueue_many(
+        conn,
+        [
+            NewJob("always_fail", payload={"delay_s": 42}),
+            NewJob("permanent_fail"),
+            NewJob("crash"),
+            NewJob("bad_verdict"),
+        ],
+        TEST_ACTOR,
+    )
+    running = start_worker("w1", settings, pool)
+    await until(fresh_database, count_in("completed", 24))
+    await until(fresh_database, count_in("failed", 4))
+    await running.stop()
+    assert running.worker.counts["completed"] == 24 and running.worker.counts["failed"] == 4
+
+    rows = {r.job["kind"]: await get_job(conn, r.job["id"]) for r in bad}
+    temporary, permanent, crash = rows["always_fail"], rows["permanent_fail"], rows["crash"]
+    assert temporary is not None and permanent is not None and crash is not None
+    assert (temporary["error_kind"], temporary["attempt"]) == ("temporary", 1)
+    assert temporary["last_error"] == "failure on attempt 1"
+    assert 41 < (temporary["run_at"] - temporary["updated_at"]).total_seconds() < 43
+    assert (permanent["error_kind"], permanent["last_error"]) == ("permanent", "this can never work")
+    assert (crash["error_kind"], crash["last_error"]) == ("temporary", "RuntimeError: unexpected bug")
+    unrecordable = rows["bad_verdict"]
+    assert unrecordable is not None and "not JSON" in unrecordable["last_error"]
+
+    cursor = await conn.execute(
+        "SELECT event, count(*) AS n, count(DISTINCT at) AS statements FROM job_events"
+        " WHERE event IN ('start', 'finish') GROUP BY event"
+    )
+    for row in await cursor.fetchall():  # several jobs per statement: batched
+        assert row["statements"] < row["n"], row
+    cursor = await conn.execute("SELECT verdict FROM jobs WHERE kind = 'noop'")
+    assert {r["verdict"]["result"] for r in await cursor.fetchall()} == {"nothing to do"}
+    assert await audit.verify(conn) == []
+
+
+async def test_notify_wakes_an_idle_worker(fresh_database: str, settings: Settings, pool: Any) -> None:
+    running = start_worker("w1", settings, pool, poll_interval_s=600)
+    try:
+        conn = await db.connect(fresh_database)
+        async with conn:
+            await until(fresh_database, lambda c: _listening(c), channels=("cp_job_queued",), timeout=10)
+            await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+            await until(fresh_database, count_in("completed", 1), timeout=10)
+    finally:
+        await running.stop()
+
+
+async def _listening(conn: db.AsyncConn) -> bool:
+    """Some session of this database has run LISTEN cp_job_queued (the worker's listener)."""
+    cursor = await conn.execute(
+        "SELECT count(*) AS n FROM pg_stat_activity"
+        " WHERE datname = current_database() AND query = 'LISTEN cp_job_queued'"
+    )
+    row = await cursor.fetchone()
+    return row is not None and row["n"] > 0
+
+
+async def test_failed_jobs_are_retried_by_the_supervisor_and_run_again(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    job = (await enqueue(conn, NewJob("always_fail", max_attempts=2, payload={"delay_s": 0}), TEST_ACTOR)).job
+    sup = Supervisor(conn, settings, build_registry())
+    running = start_worker("w1", settings, pool)
+    try:
+        await until(fresh_database, count_in("failed", 1))
+        assert (await sup.run_once()).retried == [job["id"]]
+        await until(fresh_database, lambda c: _attempt_failed(c, job["id"], 2))
+        assert (await sup.run_once()).abandoned == [job["id"]]
+    finally:
+        await running.stop()
+    events = [e for e, _, _ in await events_of(conn, job["id"])]
+    assert events == ["enqueue", "claim", "start", "error", "retry", "claim", "start", "error", "abandon"]
+
+
+async def _attempt_failed(conn: db.AsyncConn, job_id: uuid.UUID, attempt: int) -> bool:
+    row = await get_job(conn, job_id)
+    return row is not None and row["state"] == "failed" and row["attempt"] == attempt
+
+
+async def test_heartbeat_loss_cancels_the_handler_and_reports_nothing(
+    settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    gates = Gates()
+    job = (await enqueue(conn, NewJob("gate"), TEST_ACTOR)).job
+    running = start_worker("w1", settings, pool, gate_registry(), {"gates": gates})
+    try:
+        ctx = await asyncio.wait_for(gates.contexts.get(), timeout=10)
+        assert ctx.job_id == job["id"] and ctx.job["state"] == "running"
+        await queue.pause(conn, job["id"], "alice", "hold everything")
+        cancelled = await asyncio.wait_for(gates.cancelled.get(), timeout=10)
+        assert cancelled == job["id"]
+        assert running.worker.counts["lost"] == 1
+    finally:
+        await running.stop()
+    assert running.worker.counts["handed_back"] == 0 and running.worker.counts["conflicts"] == 0
+    assert await events_of(conn, job["id"]) == [
+        ("enqueue", "system", "tests"),
+        ("claim", "worker", "w1"),
+        ("start", "worker", "w1"),
+        ("pause", "operator", "alice"),
+    ]
+
+
+async def test_a_job_paused_and_resumed_between_two_heartbeats_is_finished_by_its_worker(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    gates = Gates()
+    job = (await enqueue(conn, NewJob("gate"), TEST_ACTOR)).job
+    # No heartbeat runs while the test acts: the worker never sees the job paused.
+    running = start_worker("w1", settings, pool, gate_registry(), {"gates": gates}, heartbeat_interval_s=3600)
+    try:
+        ctx = await asyncio.wait_for(gates.contexts.get(), timeout=10)
+        await queue.pause(conn, job["id"], "alice", "hold on")
+        await queue.resume(conn, job["id"], "alice", "carry on")
+        gates.open(ctx.job_id)
+        await until(fresh_database, count_in("completed", 1), channels=("cp_job_completed",))
+    finally:
+        await running.stop()
+    assert running.worker.counts["conflicts"] == 0 and running.worker.counts["completed"] == 1
+    assert await events_of(conn, job["id"]) == [
+        ("enqueue", "system", "tests"),
+        ("claim", "worker", "w1"),
+        ("start", "worker", "w1"),
+        ("pause", "operator", "alice"),
+        ("resume", "operator", "alice"),
+        ("finish", "worker", "w1"),
+    ]
+    finished = await (await conn.execute("SELECT verdict FROM jobs WHERE id = %s", (job["id"],))).fetchone()
+    assert finished == {"verdict": {"result": "gate opened"}}
+
+
+async def test_a_hung_worker_is_fenced_off_after_reclaim(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn, tmp_path: Path
+) -> None:
+    fences = FileFences(tmp_path / "fences")
+    resource = tmp_path / "resource"
+    hung, healthy = Gates(), Gates(open_all=True)
+    job = (await enqueue(conn, NewJob("fenced_gate"), TEST_ACTOR)).job
+    # Worker A never heartbeats (as if hung) and has no slot to claim more: its handler is blocked.
+    a = start_worker(
+        "w-a",
+        settings,
+        pool,
+        gate_registry(),
+        {"gates": hung, "fences": fences, "resource": resource},
+        heartbeat_interval_s=3600,
+        worker_concurrency=1,
+    )
+    ctx_a = await asyncio.wait_for(hung.contexts.get(), timeout=10)
+    sup = Supervisor(conn, settings, gate_registry(), supervisor_id="sup")
+    later = await db_now(conn) + timedelta(seconds=settings.worker.reclaim_after_s + 1)
+    assert (await sup.run_once(later)).reclaimed == [job["id"]]
+
+    b = start_worker(
+        "w-b", settings, pool, gate_registry(), {"gates": healthy, "fences": fences, "resource": resource}
+    )
+    await until(fresh_database, count_in("completed", 1))
+    ctx_b = healthy.contexts.get_nowait()
+    assert ctx_b.fence > ctx_a.fence
+    assert resource.read_text() == f"w-b:{ctx_b.fence}"
+
+    hung.open(job["id"])  # A wakes up
+    await a.stop()
+    await b.stop()
+    assert a.worker.counts["stale_fence"] == 1 and a.worker.counts["completed"] == 0
+    assert resource.read_text() == f"w-b:{ctx_b.fence}"  # A's write was refused
+    late = await queue.finish_many(conn, [(ctx_a.job, {"result": "late"})], a.worker.actor)
+    assert late.moved == [] and isinstance(late.failed[0], Conflict)
+    assert [(e, who) for e, _, who in await events_of(conn, job["id"])] == [
+        ("enqueue", "tests"),
+        ("claim", "w-a"),
+        ("start", "w-a"),
+        ("reclaim", "sup"),
+        ("claim", "w-b"),
+        ("start", "w-b"),
+        ("finish", "w-b"),
+    ]
+    final = await get_job(conn, job["id"])
+    assert final is not None and final["verdict"] == {"result": "written", "fence": ctx_b.fence}
+
+
+async def test_stopping_hands_back_what_did_not_finish_within_the_grace(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    gates = Gates()
+    jobs = await enqueue_many(conn, [NewJob("gate"), NewJob("gate")], TEST_ACTOR)
+    running = start_worker("w1", settings, pool, gate_registry(), {"gates": gates})
+    first = await asyncio.wait_for(gates.contexts.get(), timeout=10)
+    await asyncio.wait_for(gates.contexts.get(), timeout=10)
+    gates.open(first.job_id)  # this one finishes; the other is still blocked at shutdown
+    await running.stop()
+    other = next(j.job["id"] for j in jobs if j.job["id"] != first.job_id)
+    assert await gates.cancelled.get() == other
+    assert running.worker.counts["handed_back"] == 1
+    assert (await events_of(conn, first.job_id))[-1] == ("finish", "worker", "w1")
+    assert (await events_of(conn, other))[-1] == ("reclaim", "worker", "w1")
+    row = await get_job(conn, other)
+    assert row is not None and row["state"] == "queued"

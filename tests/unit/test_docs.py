@@ -1,0 +1,39 @@
+"""The docs follow the code: every setting is documented, every documented command exists."""
+
+from __future__ import annotations
+
+import argparse
+
+from controlplane.cli import build_parser
+from controlplane.db import ROOT
+from controlplane.settings import SETTINGS, reference_table
+
+DOCS = ROOT / "docs"
+
+
+def test_every_setting_is_in_the_configuration_reference() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    names = [entry.env for entry in SETTINGS.values()]
+    missing = [name for name in names if name not in text]
+    assert missing == []
+
+
+def test_the_configuration_reference_is_the_table_the_settings_generate() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    assert reference_table() in text, "regenerate it: python -m controlplane.settings"
+
+
+def test_every_setting_has_its_flag_on_some_command() -> None:
+    flags = _options(build_parser())
+    assert [entry.flag for entry in SETTINGS.values() if entry.flag not in flags] == []
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of a parser and of all its sub-commands."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found |= set(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                found |= _options(command)
+    return found
