@@ -19,6 +19,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
+from controlplane import sql
 from controlplane.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -91,11 +92,7 @@ def grant_runtime(conn: psycopg.Connection[tuple[Any, ...]], role: str) -> None:
     INSERT and SELECT, through the partitioned parents only (the partitions, made later by
     cp_ensure_event_partitions, grant it nothing, and no default privileges are set).
     """
-    row = conn.execute(
-        "SELECT r.rolsuper, pg_has_role(r.oid, current_user, 'MEMBER') AS member, r.rolname = current_user"
-        " FROM pg_roles r WHERE r.rolname = %s",
-        (role,),
-    ).fetchone()
+    row = conn.execute(sql.ROLE_ATTRIBUTES, {"role": role}).fetchone()
     if row is None:
         raise RoleError(f"runtime role {role!r} does not exist (create it first: docs/deployment.md)")
     superuser, member, same = row
@@ -104,28 +101,28 @@ def grant_runtime(conn: psycopg.Connection[tuple[Any, ...]], role: str) -> None:
     if superuser:
         raise RoleError(f"runtime role {role!r} is a superuser: it could alter the audit log")
     ident = pgsql.Identifier(role)
-    tables = conn.execute(
-        "SELECT c.relname, c.relispartition FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace"
-        " AND c.relkind IN ('r', 'p') ORDER BY c.relname"
-    ).fetchall()
+    tables = conn.execute(sql.PUBLIC_TABLES).fetchall()
     with conn.transaction():
-        conn.execute(pgsql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(ident))
+        conn.execute(pgsql.SQL(sql.GRANT_SCHEMA_USAGE).format(role=ident))
         for name, is_partition in tables:
             table = pgsql.Identifier(name)
-            conn.execute(pgsql.SQL("REVOKE ALL ON {} FROM {}").format(table, ident))
+            conn.execute(pgsql.SQL(sql.REVOKE_TABLE).format(table=table, role=ident))
             if is_partition:
                 continue
             if name in APPEND_ONLY_TABLES:
-                privileges = "SELECT, INSERT"
+                privileges = sql.APPEND_ONLY_PRIVILEGES
             elif name in READ_ONLY_TABLES:
-                privileges = "SELECT"
+                privileges = sql.READ_ONLY_PRIVILEGES
             else:
-                privileges = "SELECT, INSERT, UPDATE, DELETE"
-            conn.execute(pgsql.SQL("GRANT " + privileges + " ON {} TO {}").format(table, ident))
-        conn.execute(pgsql.SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {}").format(ident))
+                privileges = sql.READ_WRITE_PRIVILEGES
+            statement = pgsql.SQL(sql.GRANT_TABLE).format(
+                privileges=pgsql.SQL(privileges), table=table, role=ident
+            )
+            conn.execute(statement)
+        conn.execute(pgsql.SQL(sql.GRANT_SEQUENCES).format(role=ident))
         for function in RUNTIME_FUNCTIONS:
-            conn.execute(pgsql.SQL("REVOKE EXECUTE ON FUNCTION " + function + " FROM PUBLIC"))
-            conn.execute(pgsql.SQL("GRANT EXECUTE ON FUNCTION " + function + " TO {}").format(ident))
+            conn.execute(pgsql.SQL(sql.REVOKE_FUNCTION_FROM_PUBLIC).format(function=pgsql.SQL(function)))
+            conn.execute(pgsql.SQL(sql.GRANT_FUNCTION).format(function=pgsql.SQL(function), role=ident))
     log.info("runtime role %s granted its privileges", role)
 
 
