@@ -86,3 +86,11 @@ JOBS_FINISHED = Counter(
     "Jobs finished by a worker, by kind and outcome.",
     ["kind", "outcome"],
 )
+AUDIT_CHECKPOINT_AT = Gauge(
+    "controlplane_audit_last_checkpoint_timestamp_seconds",
+    "Unix time of the newest signed checkpoint of the audit log this process made or saw.",
+)
+AUDIT_PARTITIONS_UNTIL = Gauge(
+    "controlplane_audit_partitions_until_timestamp_seconds",
+    "Unix time up to which the event tables have partitions, as last made sure by the reconciler.",
+)

@@ -236,6 +236,8 @@ class InstanceEvent(BaseModel):
     actor: Actor
     reason: str | None
     detail: dict[str, Any]
+    seq: int = Field(description="the event's place in the instance's hash chain: 0, 1, 2 ...")
+    hash: str = Field(description="SHA-256 of the event and the hash before it, hex (docs/architecture.md)")
 
 
 class InstanceEventPage(BaseModel):

@@ -130,6 +130,8 @@ def event(row: Mapping[str, Any]) -> dict[str, Any]:
         "actor": {"kind": row["actor_kind"], "id": row["actor_id"]},
         "reason": failures.reason(str(code)).message if code else row["reason"],
         "detail": detail,
+        "seq": row["seq"],
+        "hash": bytes(row["hash"]).hex(),
     }
 
 

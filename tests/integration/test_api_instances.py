@@ -331,8 +331,17 @@ async def test_events_are_the_audit_log_oldest_first_with_cursor(
         "actor",
         "reason",
         "detail",
+        "seq",
+        "hash",
     }
     assert rest["items"][0]["label"] == "Created"
+    # The instance's chain as the API shows it: seq 0, 1, 2, each hash the one in the log.
+    assert [e["seq"] for e in first["items"] + rest["items"]] == [0, 1, 2]
+    cursor = await conn.execute(
+        "SELECT hash FROM instance_events WHERE instance_id = %s ORDER BY seq", (made["id"],)
+    )
+    stored = [bytes(row["hash"]).hex() for row in await cursor.fetchall()]
+    assert [e["hash"] for e in first["items"] + rest["items"]] == stored
     assert await audit.verify(conn) == []
 
 
