@@ -77,6 +77,10 @@ class OrgExists(Conflict):
     """An organisation with this name or Stripe customer already exists."""
 
 
+class LimitReached(Conflict):
+    """The organisation holds as many of these as it may (API keys): one must go first."""
+
+
 class PreconditionFailed(DomainError):
     """The caller asked against versions of the instance it no longer has."""
 

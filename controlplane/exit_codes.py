@@ -22,6 +22,8 @@ UNAVAILABLE = 6
 UNAUTHORIZED = 7
 # What was waited for cannot happen: the instance ended failed (or deleted while waiting for ready).
 FAILED = 8
+# `resize --wait` on a suspended instance: the change is recorded, applied once it resumes.
+RECORDED = 9
 
 # Name and meaning of each code, in the order docs/api.md lists them.
 CODES: dict[int, tuple[str, str]] = {
@@ -34,6 +36,7 @@ CODES: dict[int, tuple[str, str]] = {
     UNAVAILABLE: ("unavailable", "the API cannot be reached, is unavailable or rate limited"),
     UNAUTHORIZED: ("unauthorized", "no key, a key not valid, or a key not allowed to do this"),
     FAILED: ("failed", "what was waited for cannot happen: the instance ended failed"),
+    RECORDED: ("recorded", "resize --wait on a suspended instance: the change waits for it to resume"),
 }
 
 # The exit code of each problem type (the part after urn:controlplane:problem:).

@@ -44,12 +44,35 @@ class Enqueued:
     created: bool
 
 
+# How many times an enqueue inserts again when the live job it collided with finished before the
+# look-up that follows (each statement sees the latest commits: the next insert goes through).
+ENQUEUE_ATTEMPTS = 3
+
+
 async def enqueue_many(
     conn: AsyncConn, jobs: Sequence[NewJob], actor: Actor, *, request_id: str | None = None
 ) -> list[Enqueued]:
     """Insert jobs in the caller's transaction; a duplicate live (instance, kind) is not created."""
     if not jobs:
         return []
+    results: list[Enqueued | None] = [None] * len(jobs)
+    pending = list(range(len(jobs)))
+    for _ in range(ENQUEUE_ATTEMPTS):
+        outcomes = await _enqueue_once(conn, [jobs[i] for i in pending], actor, request_id)
+        for i, outcome in zip(pending, outcomes, strict=True):
+            results[i] = outcome
+        pending = [i for i in pending if results[i] is None]
+        if not pending:
+            return [r for r in results if r is not None]
+    job = jobs[pending[0]]
+    raise RuntimeError(f"enqueue of {job.kind} for {job.instance_id} neither created nor found")
+
+
+async def _enqueue_once(
+    conn: AsyncConn, jobs: Sequence[NewJob], actor: Actor, request_id: str | None
+) -> list[Enqueued | None]:
+    """One insert of `jobs`: each created, or the live job it collided with, or None when that
+    job finished between the insert and the look-up (to insert again)."""
     cursor = await conn.execute(
         sql.ENQUEUE_JOBS,
         {
@@ -76,7 +99,7 @@ async def enqueue_many(
             {"instance_ids": [j.instance_id for j in missing], "kinds": [j.kind for j in missing]},
         )
         existing = {(row["instance_id"], row["kind"]): row for row in await cursor.fetchall()}
-    results: list[Enqueued] = []
+    results: list[Enqueued | None] = []
     claimed_keys: set[tuple[Any, str]] = set()
     for job in jobs:
         if job.instance_id is None:
@@ -88,9 +111,7 @@ async def enqueue_many(
             results.append(Enqueued(by_key[key], True))
         else:
             live = by_key.get(key) or existing.get(key)
-            if live is None:
-                raise RuntimeError(f"enqueue of {job.kind} for {job.instance_id} neither created nor found")
-            results.append(Enqueued(live, False))
+            results.append(None if live is None else Enqueued(live, False))
     return results
 
 

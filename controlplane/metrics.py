@@ -86,3 +86,23 @@ JOBS_FINISHED = Counter(
     "Jobs finished by a worker, by kind and outcome.",
     ["kind", "outcome"],
 )
+LOST_RACES = Counter(
+    "controlplane_lost_races_total",
+    "Transactions that lost to a deadlock or a serialization failure: run again, or given up "
+    "after the last attempt.",
+    ["outcome"],
+)
+DATABASE_REFUSALS = Counter(
+    "controlplane_api_database_refusals_total",
+    "API requests answered with a problem because of the database, by reason: lock_timeout (409), "
+    "lost_race (409), statement_timeout, read_only and unavailable (503).",
+    ["reason"],
+)
+AUDIT_CHECKPOINT_AT = Gauge(
+    "controlplane_audit_last_checkpoint_timestamp_seconds",
+    "Unix time of the newest signed checkpoint of the audit log this process made or saw.",
+)
+AUDIT_PARTITIONS_UNTIL = Gauge(
+    "controlplane_audit_partitions_until_timestamp_seconds",
+    "Unix time up to which the event tables have partitions, as last made sure by the reconciler.",
+)

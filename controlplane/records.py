@@ -78,6 +78,15 @@ class Instance(_Record):
         plan = self.spec.get("plan")
         return None if plan is None else str(plan)
 
+    @property
+    def etag(self) -> str:
+        """The version of all a client can change: the state (state_version, which every transition
+        bumps), the spec (spec_generation, which every plan change bumps), deletion protection and
+        the deletion request. A change of any of them changes it, so that a change made against an
+        ETag (If-Match) can never overwrite another one it did not see."""
+        flags = f"{int(self.deletion_protection)}.{int(self.deletion_requested)}"
+        return f"{self.state_version}.{self.spec_generation}.{flags}"
+
 
 @dataclass(frozen=True)
 class ScannedInstance(_Record):

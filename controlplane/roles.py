@@ -18,10 +18,10 @@ from prometheus_client import start_http_server
 
 import provisioners
 from controlplane import datadir, db, lifecycle, operations, sql, tenants
-from controlplane.api.app import create_app
+from controlplane.api.app import create_app, end_streams
 from controlplane.registry import JobRegistry
 from controlplane.settings import NotAvailable, Settings
-from controlplane.worker import Worker, default_worker_id
+from controlplane.worker import Worker, default_worker_id, worker_pool
 from provisioners.base import Provisioner
 from reconciler.leader import LeaderElection
 from reconciler.reconciler import Reconciler
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a stopping API waits for the requests in flight (the watch streams end at once).
+GRACEFUL_SHUTDOWN_S = 20
 # Instances whose servers `up` brings back after a restart of the host or of `up` itself.
 ADOPTED_STATES = lifecycle.WITH_SERVER
 
@@ -89,7 +91,12 @@ async def run_api(
     """Serve the API until `stop`; `listening` is set once it accepts requests on its socket."""
     app = create_app(settings, database_url=url, job_registry=registry, provisioner=provisioner)
     config = uvicorn.Config(
-        app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True
+        app,
+        host=settings.api.host,
+        port=settings.api.port,
+        log_config=None,
+        proxy_headers=True,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = _QuietServer(config)
     sock = sock or bind_api_socket(settings)
@@ -101,6 +108,7 @@ async def run_api(
         listening.set()
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True
+    await end_streams(app)  # watch streams end now; their clients reconnect (to another replica)
     await serving
     stopping.cancel()
     if not server.started and not stop.is_set():
@@ -118,8 +126,7 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
     worker_id = settings.worker.id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
-    await pool.open(wait=True, timeout=30)
+    pool = await worker_pool(settings, url, worker_id)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
     try:
@@ -145,7 +152,13 @@ async def run_reconciler_role(
     dry_run_orphans: bool = False,
 ) -> None:
     reconciler_id = f"reconciler-{socket.gethostname()}-{os.getpid()}"
-    pool = db.pool(url, min_size=1, max_size=max(2, settings.reconciler.concurrency + 1), name=reconciler_id)
+    pool = db.pool(
+        url,
+        min_size=1,
+        max_size=max(2, settings.reconciler.concurrency + 1),
+        name=reconciler_id,
+        timeouts=db.Timeouts.background(settings),
+    )
     await pool.open(wait=True, timeout=30)
     reconciler = Reconciler(
         settings,
@@ -211,16 +224,15 @@ async def _up(
     leave_instances_running: bool,
 ) -> int:
     embedded = None
-    if settings.database.url_value:
-        url = db.libpq_url(settings.database.url_value)
-    else:
+    if not settings.database.url_value:
         from controlplane.embedded import open_embedded
 
         embedded = await asyncio.to_thread(open_embedded, data_dir / "db", bindir=settings.database.pg_bindir)
-        url = await asyncio.to_thread(embedded.create_database)
+    target = await asyncio.to_thread(db.migration_target, settings, embedded)
+    url = await asyncio.to_thread(db.resolve_database_url, settings)
     provisioner = provisioners.build(settings)
     try:
-        await asyncio.to_thread(db.migrate, url)
+        await asyncio.to_thread(db.migrate, target.url, runtime_role=target.runtime_role)
         await provisioner.ca_certificate()  # the CA that signs the instances' certificates, made once
         report = UpReport(
             url=settings.api.url,

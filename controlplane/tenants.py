@@ -7,12 +7,14 @@ import hmac
 import secrets
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 
 from psycopg.rows import DictRow
 
-from controlplane import sql
+from controlplane import db, sql
 from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
+from controlplane.domain_errors import LimitReached, NotFound
 from controlplane.domain_errors import OrgExists as OrgExists  # raised by create_org
 
 KEY_SCHEME = "cpk"
@@ -68,10 +70,33 @@ def split_key(plaintext: str) -> str | None:
 
 
 async def create_key(
-    conn: AsyncConn, org_id: uuid.UUID | None, *, is_admin: bool = False, name: str = ""
+    conn: AsyncConn,
+    org_id: uuid.UUID | None,
+    *,
+    is_admin: bool = False,
+    name: str = "",
+    max_per_org: int | None = None,
 ) -> NewKey:
+    """A new key of the organisation (or an admin key). With `max_per_org`, an organisation that
+    holds that many live keys gets none (LimitReached), and one that does not exist NotFound."""
     if (org_id is None) != is_admin:
         raise TenantError("a key belongs to exactly one organisation, or is an admin key")
+    if org_id is None or max_per_org is None:
+        return await _insert_key(conn, org_id, is_admin, name)
+    async with db.transaction(conn):
+        # Locked first, counted after (a statement of its own, so it sees the key the previous
+        # holder of the lock committed).
+        if await (await conn.execute(sql.LOCK_ORGANISATION, {"id": org_id})).fetchone() is None:
+            raise NotFound(f"no organisation {org_id}")
+        row = await (await conn.execute(sql.COUNT_LIVE_KEYS, {"org": org_id})).fetchone()
+        if row is not None and row["n"] >= max_per_org:
+            raise LimitReached(
+                f"the organisation holds {row['n']} live API keys, the most it may; revoke one first"
+            )
+        return await _insert_key(conn, org_id, is_admin, name)
+
+
+async def _insert_key(conn: AsyncConn, org_id: uuid.UUID | None, is_admin: bool, name: str) -> NewKey:
     prefix, plaintext = generate_key()
     cursor = await conn.execute(
         sql.CREATE_API_KEY,
@@ -100,7 +125,7 @@ async def create_org(
             )
             org = await cursor.fetchone()
             assert org is not None
-            key = await create_key(conn, org["id"], name="first key")
+            key = await _insert_key(conn, org["id"], False, "first key")
     return org, key
 
 
@@ -139,8 +164,20 @@ async def revoke_key(conn: AsyncConn, key_id: uuid.UUID, org_id: uuid.UUID | Non
     return await cursor.fetchone() is not None
 
 
-async def list_keys(conn: AsyncConn, org_id: uuid.UUID) -> list[DictRow]:
-    cursor = await conn.execute(sql.LIST_API_KEYS, {"org": org_id})
+async def list_keys(
+    conn: AsyncConn,
+    org_id: uuid.UUID,
+    *,
+    limit: int,
+    after: tuple[datetime, uuid.UUID] | None = None,
+) -> list[DictRow]:
+    """Up to `limit` of the organisation's keys (revoked ones too), oldest first, after `after`
+    (the created_at and id of the last key of the page before)."""
+    after_created, after_id = after or (None, None)
+    cursor = await conn.execute(
+        sql.LIST_API_KEYS,
+        {"org": org_id, "after_created": after_created, "after_id": after_id, "limit": limit},
+    )
     return await cursor.fetchall()
 
 

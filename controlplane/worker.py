@@ -31,8 +31,9 @@ from controlplane.transitions import Actor, BatchResult
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Errors after which a database write is retried on a fresh connection.
-DATABASE_GONE = (psycopg.OperationalError, PoolTimeout)
+# Errors after which a database write is retried on a fresh connection (a read-only database too:
+# a failover in progress, after which the new connections reach the writable server).
+DATABASE_GONE = (psycopg.OperationalError, PoolTimeout, db.READ_ONLY)
 # How long to wait for a pooled connection before counting the database as unreachable.
 CONNECTION_TIMEOUT_S = 5.0
 # Longest wait for more free slots before claiming into a backlog (bigger, fewer claim batches).
@@ -82,7 +83,9 @@ class Lease:
             self.conn = await self.pool.getconn(timeout=CONNECTION_TIMEOUT_S)
         try:
             yield self.conn
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, db.READ_ONLY) and isinstance(self.pool, db.Pool):
+                await self.pool.discard_read_only(self.conn)
             await self.release()
             raise
 
@@ -264,12 +267,18 @@ class Worker:
         handed back at shutdown) only once that commit is known: a heartbeat that ran while the
         transaction was open would still see them queued and take them for lost.
         """
-        try:
+
+        async def claim_and_start() -> tuple[list[DictRow], BatchResult]:
             async with self._claiming.connection() as conn, conn.transaction():
                 claimed = await queue.claim(conn, self.worker_id, self.kinds, free)
                 started = (
                     await queue.start_many(conn, claimed, self.actor) if claimed else BatchResult([], [])
                 )
+            return claimed, started
+
+        try:
+            # A claim that loses a race (a deadlock with a writer of the same rows) is run again.
+            claimed, started = await db.retry_lost_races(claim_and_start)
         except DATABASE_GONE as exc:
             # Rolled back, or committed with its reply lost: then its jobs go stale and are reclaimed.
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
@@ -528,6 +537,20 @@ def _not_a_verdict(verdict: object) -> str | None:
     return None
 
 
+async def worker_pool(settings: Settings, url: str, worker_id: str) -> db.Pool:
+    """The open pool of a worker: a connection per job it runs at once, and a few for its
+    listener and heartbeats; its sessions under the background roles' timeouts."""
+    pool = db.pool(
+        url,
+        min_size=2,
+        max_size=settings.worker.concurrency + 3,
+        name=f"worker-{worker_id}",
+        timeouts=db.Timeouts.background(settings),
+    )
+    await pool.open(wait=True, timeout=30)
+    return pool
+
+
 async def run_worker(
     settings: Settings,
     registry: JobRegistry,
@@ -538,8 +561,7 @@ async def run_worker(
     """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
     url = db.resolve_database_url(settings)
     worker_id = settings.worker.id or default_worker_id()
-    pool = db.pool(url, min_size=2, max_size=settings.worker.concurrency + 3, name=f"worker-{worker_id}")
-    await pool.open(wait=True, timeout=30)
+    pool = await worker_pool(settings, url, worker_id)
     worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

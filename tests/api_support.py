@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ import httpx
 import stripe
 
 from controlplane import tenants
+from controlplane.api.app import create_app
 from controlplane.db import AsyncConn
 from controlplane.secretbox import load_box
 from controlplane.settings import Settings
@@ -32,6 +35,17 @@ class Tenant:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, **changes: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The API in-process over `settings` with `changes` (and the tests' webhook secret), and a
+    client of it."""
+    app = create_app(settings.replace(stripe_webhook_secret=WEBHOOK_SECRET, **changes))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            yield client
 
 
 async def make_tenant(conn: AsyncConn, name: str | None = None) -> Tenant:

@@ -25,6 +25,7 @@ from controlplane.api import (
     routes_tls,
     webhooks,
 )
+from controlplane.api.hub import Hub
 from controlplane.api.state import AppState, KeyCache
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
@@ -56,7 +57,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = database_url or db.resolve_database_url(settings)
-        pool = db.pool(url, name="controlplane-api")
+        pool = db.pool(url, name="controlplane-api", timeouts=db.Timeouts.api(settings))
         await pool.open()
         app.state.controlplane = AppState(
             settings=settings,
@@ -67,10 +68,12 @@ def create_app(
             job_registry=job_registry,
             keys=KeyCache(settings.api.key_cache_s),
             provisioner=provisioner,
+            watchers=Hub(url),
         )
         try:
             yield
         finally:
+            await end_streams(app)
             built = app.state.controlplane.provisioner
             if built is not None and built is not provisioner:
                 await built.close()
@@ -111,6 +114,14 @@ def create_app(
     return app
 
 
+async def end_streams(app: FastAPI) -> None:
+    """End the application's watch streams now (their clients reconnect, with Last-Event-ID): a
+    server shutting down does not wait for them, which would otherwise last as long as they do."""
+    state = getattr(app.state, "controlplane", None)
+    if isinstance(state, AppState) and state.watchers is not None:
+        await state.watchers.close()
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """The generated schema, completed for client generators (controlplane.api.openapi)."""
     if app.openapi_schema is None:
@@ -122,14 +133,3 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         )
         app.openapi_schema = openapi.finish(schema)
     return app.openapi_schema
-
-
-def serve(
-    settings: Settings, *, database_url: str | None = None, job_registry: JobRegistry | None = None
-) -> None:
-    """Run the API with uvicorn on settings.api.host:api_port until interrupted."""
-    import uvicorn
-
-    app = create_app(settings, database_url=database_url, job_registry=job_registry)
-    log.info("API listening on %s", settings.api.url)
-    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_config=None, proxy_headers=True)

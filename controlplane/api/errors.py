@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controlplane import logs
+from controlplane import db, logs, metrics
 from controlplane.domain_errors import (
     AlreadyReplaced,
     AmbiguousName,
@@ -29,6 +29,7 @@ from controlplane.domain_errors import (
     DomainError,
     InvalidRequest,
     InvalidState,
+    LimitReached,
     NameTaken,
     NotFound,
     NotRetryable,
@@ -57,7 +58,9 @@ KINDS: dict[str, tuple[int, str]] = {
     "already-replaced": (409, "Already retried"),
     "name-taken": (409, "Name already in use"),
     "conflict": (409, "Conflict"),
+    "limit-reached": (409, "Limit reached"),
     "idempotency-in-flight": (409, "A request with this Idempotency-Key is in progress"),
+    "busy": (409, "The resource is busy; retry shortly"),
     "precondition-failed": (412, "Precondition failed"),
     "payload-too-large": (413, "Request body too large"),
     "unsupported-media-type": (415, "Unsupported media type"),
@@ -77,6 +80,7 @@ DOMAIN_KINDS: tuple[tuple[type[DomainError], str], ...] = (
     (AmbiguousName, "ambiguous-name"),
     (NotFound, "not-found"),
     (NameTaken, "name-taken"),
+    (LimitReached, "limit-reached"),
     (AlreadyReplaced, "already-replaced"),
     (Conflict, "conflict"),
     (PreconditionFailed, "precondition-failed"),
@@ -391,6 +395,32 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
+# When a client may try again after the database refused a request for the moment (seconds).
+RETRY_AFTER_S = "1"
+
+
+def database_refusal(exc: BaseException) -> tuple[str, str, str] | None:
+    """(reason, problem kind, detail) of a database error that is no fault of the request, all of
+    them answered with Retry-After; None for any other error (a bug: a 500).
+
+    A lock another session holds past the lock timeout, and a race lost again and again, are 409:
+    the row is busy, the database is fine. A statement past its timeout, a read-only database and
+    an unreachable one are 503.
+    """
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        return "lock_timeout", "busy", "the resource is locked by another operation; retry shortly"
+    if isinstance(exc, db.LOST_RACE):
+        return "lost_race", "busy", "concurrent changes to the resource; retry shortly"
+    if isinstance(exc, psycopg.errors.QueryCanceled):
+        return "statement_timeout", "unavailable", "the database did not answer in time; retry shortly"
+    if isinstance(exc, db.READ_ONLY):
+        return "read_only", "unavailable", "the database is read-only for now; retry shortly"
+    if isinstance(exc, psycopg.OperationalError | PoolTimeout):
+        # The database went away (a restart, a failover): the client may retry.
+        return "unavailable", "unavailable", "the database is unavailable; retry shortly"
+    return None
+
+
 class CatchAll(_HttpMiddleware):
     """Log any unhandled exception and answer a 500 problem that carries no trace of it."""
 
@@ -405,31 +435,34 @@ class CatchAll(_HttpMiddleware):
 
         try:
             await self.app(scope, receive, tracking_send)
-        except psycopg.DataError as exc:
+        except Exception as exc:
+            response = self._answer(scope, exc)  # logged either way
+            if not started:
+                await response(scope, receive, send)
+
+    @staticmethod
+    def _answer(scope: Scope, exc: Exception) -> JSONResponse:
+        """The problem answering `exc` (unless the response has started), logged."""
+        if isinstance(exc, psycopg.DataError):
             # A value the database cannot store (a NUL character in text, a number out of range):
             # the request is refused whole, its transaction rolled back.
-            log.info("refused a value in %s %s: %s", scope.get("method"), scope.get("path"), exc)
-            if not started:
-                detail = f"a value in the request cannot be stored: {str(exc).strip()[:200]}"
-                await _scope_problem(scope, "validation", detail)(scope, receive, send)
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            # The database went away (a restart, a failover): the client may retry.
-            log.warning("database unavailable in %s %s: %s", scope.get("method"), scope.get("path"), exc)
-            if not started:
-                response = _scope_problem(scope, "unavailable", "the database is unavailable; retry shortly")
-                response.headers["Retry-After"] = "1"
-                await response(scope, receive, send)
-        except Exception:
-            log.exception(
-                "unhandled error in %s %s (request %s)",
-                scope.get("method"),
-                scope.get("path"),
-                _scope_request_id(scope),
-            )
-            if started:
-                return
-            response = _scope_problem(scope, "internal", "an internal error occurred; it has been logged")
-            await response(scope, receive, send)
+            log.info("refused a value in %s %s: %s", *_what(scope), exc)
+            detail = f"a value in the request cannot be stored: {str(exc).strip()[:200]}"
+            return _scope_problem(scope, "validation", detail)
+        refusal = database_refusal(exc)
+        if refusal is not None:
+            reason, kind, detail = refusal
+            metrics.DATABASE_REFUSALS.labels(reason).inc()
+            log.warning("database refusal (%s) in %s %s: %s", reason, *_what(scope), exc)
+            response = _scope_problem(scope, kind, detail)
+            response.headers["Retry-After"] = RETRY_AFTER_S
+            return response
+        log.exception("unhandled error in %s %s (request %s)", *_what(scope), _scope_request_id(scope))
+        return _scope_problem(scope, "internal", "an internal error occurred; it has been logged")
+
+
+def _what(scope: Scope) -> tuple[str | None, str | None]:
+    return scope.get("method"), scope.get("path")
 
 
 class RequestId(_HttpMiddleware):

@@ -247,6 +247,8 @@ class InstanceEvent(BaseModel):
     actor: Actor
     reason: str | None
     detail: dict[str, Any]
+    seq: int = Field(description="the event's place in the instance's hash chain: 0, 1, 2 ...")
+    hash: str = Field(description="SHA-256 of the event and the hash before it, hex (docs/architecture.md)")
 
 
 class InstanceEventPage(BaseModel):
@@ -325,6 +327,7 @@ class OrgCreated(BaseModel):
 
 class KeyList(BaseModel):
     items: list[ApiKey]
+    next_cursor: str | None
 
 
 class OrgList(BaseModel):

@@ -41,6 +41,11 @@ HEADERS: dict[str, dict[str, Any]] = {
         " Idempotency-Key (nothing new was made).",
         "schema": {"type": "string", "enum": ["true"]},
     },
+    "Cache-Control": {
+        "description": "`no-store` on an answer that carries a password or a new key: never cached.",
+        "schema": {"type": "string"},
+        "example": "no-store",
+    },
     "Retry-After": {
         "description": "Seconds to wait before trying again.",
         "schema": {"type": "integer", "minimum": 0},

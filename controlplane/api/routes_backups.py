@@ -5,13 +5,13 @@ controlplane.services.backups; their refusals are rendered by controlplane.api.e
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from controlplane import db
 from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey, Customer, customer
 from controlplane.api.models import (
@@ -30,26 +30,17 @@ from controlplane.transitions import Actor
 
 router = APIRouter(tags=["backups"])
 
-DEFAULT_LIMIT = 50
-MAX_LIMIT = 100
 Caller = Annotated[Customer, Depends(customer)]
-
-
-@dataclass(frozen=True)
-class Paging:
-    """The query parameters of a page: where it starts, and how long it is."""
-
-    cursor: str | None = None
-    limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
-        DEFAULT_LIMIT
-    )
-
-
-Page = Annotated[Paging, Depends()]
+Page = views.Page
 
 
 async def _page(
-    request: Request, instance_id: uuid.UUID, org_id: uuid.UUID | None, paging: Paging, *, sre: bool = False
+    request: Request,
+    instance_id: uuid.UUID,
+    org_id: uuid.UUID | None,
+    paging: views.Paging,
+    *,
+    sre: bool = False,
 ) -> dict[str, Any]:
     before = None
     if paging.cursor:
@@ -58,7 +49,7 @@ async def _page(
             before = (datetime.fromisoformat(taken_s), backup_id)
         except ValueError:
             raise views.bad_cursor() from None
-    limit = min(paging.limit, MAX_LIMIT)
+    limit = paging.size
     asked = backups.ListBackups(instance_id, org_id, limit=limit + 1, before=before)
     async with app_state(request).pool.connection() as conn:
         rows = await backups.list_backups(conn, asked)
@@ -93,8 +84,9 @@ async def _restore(
         asked = backups.RequestRestore(instance_id, org_id, empty=True, reason=body.reason)
     else:
         asked = backups.RequestRestore(instance_id, org_id, backup_id=body.backup_id, reason=body.reason)
-    async with app.pool.connection() as conn:
-        inst = await backups.request_restore(conn, actor, request_id, asked, app.policy)
+    inst = await db.in_transaction(
+        app.pool, lambda conn: backups.request_restore(conn, actor, request_id, asked, app.policy)
+    )
     body_json = Instance.model_validate(views.instance(inst, app.box)).model_dump(mode="json")
     return JSONResponse(body_json, status_code=202, headers={"Location": f"/v1/instances/{instance_id}"})
 
@@ -123,15 +115,16 @@ async def list_backups(
     summary="Take a backup now (in the background), beside the plan's schedule",
     operation_id="takeBackup",
     description=(
-        'Enqueues a backup now, beside the plan"s schedule; a backup already under way is answered '
+        "Enqueues a backup now, beside the plan's schedule; a backup already under way is answered "
         "instead of a second one (`created: false`)."
     ),
 )
 async def take_backup(instance_id: InstanceRef, request: Request, who: Caller) -> dict[str, Any]:
     app = app_state(request)
     asked = backups.RequestBackup(instance_id, who.org_id)
-    async with app.pool.connection() as conn:
-        requested = await backups.request_backup(conn, who.actor, who.request_id, asked, app.policy)
+    requested = await db.in_transaction(
+        app.pool, lambda conn: backups.request_backup(conn, who.actor, who.request_id, asked, app.policy)
+    )
     return {"instance_id": requested.instance_id, "job_id": requested.job_id, "created": requested.created}
 
 

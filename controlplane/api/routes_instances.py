@@ -9,17 +9,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from psycopg.rows import DictRow
 
-from controlplane import sql
+from controlplane import db, sql
 from controlplane.api import errors, idempotency, openapi, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
+    DNS_LABEL,
     Instance,
     InstanceCreate,
     InstanceEventPage,
@@ -35,8 +35,8 @@ from provisioners.base import RestoreSource
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 
-DEFAULT_LIMIT = 50
-MAX_LIMIT = 100
+DEFAULT_LIMIT = views.DEFAULT_LIMIT
+MAX_LIMIT = views.MAX_LIMIT
 
 Caller = Annotated[Customer, Depends(customer)]
 
@@ -71,16 +71,21 @@ def _location(instance_id: uuid.UUID) -> str:
     return f"/v1/instances/{instance_id}"
 
 
-def _headers(doc: dict[str, Any], *, location: bool = False) -> dict[str, str]:
-    headers = {"ETag": views.etag(int(doc["state_version"]))}
+# A response that carries a password is never stored by a cache (nor kept by a browser's history).
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+def _headers(inst: InstanceRecord, *, location: bool = False) -> dict[str, str]:
+    headers = {"ETag": views.etag(inst)}
     if location:
-        headers["Location"] = _location(doc["id"])
+        headers["Location"] = _location(inst.id)
     return headers
 
 
-def _json(doc: dict[str, Any], status: int) -> JSONResponse:
+def _json(inst: InstanceRecord, doc: dict[str, Any], status: int) -> JSONResponse:
     body = Instance.model_validate(doc).model_dump(mode="json")
-    return JSONResponse(body, status_code=status, headers=_headers(doc))
+    headers = _headers(inst) | (NO_STORE if body["connection"] and body["connection"]["password"] else {})
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -106,21 +111,27 @@ async def _accepted(
     run: Callable[[AsyncConn], Awaitable[InstanceRecord]],
 ) -> Created:
     """202 with the instance a creating use case made, in one transaction with its Idempotency-Key
-    record: the same key and request again replays the stored answer."""
-    async with state.pool.connection() as conn, conn.transaction():
+    record: the same key and request again replays the stored answer. The transaction runs again
+    if it loses a race."""
+    if idempotency_key is not None:
+        idempotency.check_key(idempotency_key)
+
+    async def once(conn: AsyncConn) -> Created:
         if idempotency_key is not None:
-            idempotency.check_key(idempotency_key)
             stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
             if stored is not None:
                 return Created(stored.status_code, stored.body, stored.headers, replayed=True)
-        doc = await views.one_instance(conn, await run(conn), state.box)
-        headers = _headers(doc, location=True)
+        inst = await run(conn)
+        doc = await views.one_instance(conn, inst, state.box)
+        headers = _headers(inst, location=True)
         body_json = Instance.model_validate(doc).model_dump(mode="json")
         if idempotency_key is not None:
             await idempotency.save(
                 conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
             )
-    return Created(202, body_json, headers, replayed=False)
+        return Created(202, body_json, headers, replayed=False)
+
+    return await db.in_transaction(state.pool, once)
 
 
 @router.post(
@@ -136,7 +147,7 @@ async def _accepted(
     description=(
         "Creates the instance in `pending` and enqueues its provisioning; answers 202 at once with the "
         "instance and its Location. Follow it with GET (or the watch stream) until `ready`. An "
-        'Idempotency-Key makes a retried request answer the first one"s response (with '
+        "Idempotency-Key makes a retried request answer the first one's response (with "
         "Idempotent-Replayed: true) instead of creating a second instance."
     ),
 )
@@ -179,7 +190,7 @@ async def create_instance(
     summary="List the organisation's instances (oldest first, cursor paginated)",
     operation_id="listInstances",
     description=(
-        'The organisation"s instances, oldest first, a page at a time: pass `next_cursor` back as '
+        "The organisation's instances, oldest first, a page at a time: pass `next_cursor` back as "
         "`cursor` for the next page. `live=true` leaves out failed and deleted instances; `name` finds "
         "the instances of one name."
     ),
@@ -188,7 +199,9 @@ async def list_instances(
     request: Request,
     who: Caller,
     state: InstanceState | None = None,
-    name: Annotated[str | None, Query(max_length=63, description="only the instances of this name")] = None,
+    name: Annotated[
+        str | None, Query(max_length=63, pattern=DNS_LABEL, description="only the instances of this name")
+    ] = None,
     include: Annotated[
         Literal["archived"] | None, Query(description="archived: list deleted failed instances too")
     ] = None,
@@ -226,14 +239,7 @@ async def instances_page(
     """A page of an organisation's instances (their documents), oldest first, and the cursor of
     the next page; archived ones only when asked for."""
     limit = min(limit, MAX_LIMIT)
-    after_created: datetime | None = None
-    after_id: uuid.UUID | None = None
-    if cursor:
-        created_s, id_s = views.decode_cursor(cursor, 2)
-        try:
-            after_created, after_id = datetime.fromisoformat(created_s), uuid.UUID(id_s)
-        except ValueError:
-            raise views.bad_cursor() from None
+    after_created, after_id = views.after_created(cursor) or (None, None)
     async with app.pool.connection() as conn:
         rows = await (
             await conn.execute(
@@ -252,7 +258,7 @@ async def instances_page(
         ).fetchall()
         found = [InstanceRecord.from_row(row) for row in rows]
         page, next_cursor = views.page_of(
-            found, limit, lambda last: views.encode_cursor(last.created_at.isoformat(), last.id)
+            found, limit, lambda last: views.created_cursor(last.created_at, last.id)
         )
         items = await views.instances(conn, page, app.box)
     return items, next_cursor
@@ -262,7 +268,8 @@ async def instances_page(
     "/{instance_id}",
     response_model=Instance,
     responses={
-        200: {"headers": openapi.headers("ETag")},
+        200: {"headers": openapi.headers("ETag", "Cache-Control")},
+        304: {"description": "Not modified: the instance is still at the ETag If-None-Match names"},
         **errors.responses(401, 403, 404, 422),
     },
     summary="Get an instance, with its connection details once it has been ready",
@@ -272,12 +279,19 @@ async def instances_page(
         "been ready, its connection details (password included). The ETag is its version for If-Match."
     ),
 )
-async def get_instance(instance_id: InstanceRef, request: Request, who: Caller) -> JSONResponse:
+async def get_instance(
+    instance_id: InstanceRef,
+    request: Request,
+    who: Caller,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
     app = app_state(request)
     async with app.pool.connection() as conn:
         inst = await instances.load(conn, who.org_id, instance_id)
+        if views.none_match(if_none_match, inst):
+            return Response(status_code=304, headers=_headers(inst) | NO_STORE)
         doc = await views.one_instance(conn, inst, app.box, reveal=True)
-    return _json(doc, 200)
+    return _json(inst, doc, 200)
 
 
 @router.patch(
@@ -311,10 +325,12 @@ async def update_instance(
         deletion_protection=body.deletion_protection,
         if_versions=views.if_match_versions(if_match),
     )
-    async with app.pool.connection() as conn:
+
+    async def once(conn: AsyncConn) -> tuple[InstanceRecord, dict[str, Any]]:
         changed = await instances.change(conn, who.actor, who.request_id, asked, app.policy)
-        doc = await views.one_instance(conn, changed.instance, app.box)
-    return _json(doc, 202)
+        return changed.instance, await views.one_instance(conn, changed.instance, app.box)
+
+    return _json(*await db.in_transaction(app.pool, once), 202)
 
 
 @router.delete(
@@ -346,10 +362,12 @@ async def delete_instance(
     asked = instances.RequestDeletion(
         who.org_id, instance_id, skip_final_backup, if_versions=views.if_match_versions(if_match)
     )
-    async with app.pool.connection() as conn:
+
+    async def once(conn: AsyncConn) -> tuple[InstanceRecord, dict[str, Any]]:
         requested = await instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
-        doc = await views.one_instance(conn, requested.instance, app.box)
-    return _json(doc, 202)
+        return requested.instance, await views.one_instance(conn, requested.instance, app.box)
+
+    return _json(*await db.in_transaction(app.pool, once), 202)
 
 
 @router.post(
@@ -363,8 +381,8 @@ async def delete_instance(
     summary="Retry a failed instance: a new one from its spec and name, linked both ways",
     operation_id="retryInstance",
     description=(
-        'Creates a new instance from a failed one"s name, plan and deletion protection; the failed one '
-        'stays as it is, linked to the new one (`replaced_by`). Refused when the failure"s reason says a '
+        "Creates a new instance from a failed one's name, plan and deletion protection; the failed one "
+        "stays as it is, linked to the new one (`replaced_by`). Refused when the failure's reason says a "
         "retry cannot help."
     ),
 )
@@ -436,7 +454,8 @@ async def events_page(
     responses={
         200: {
             "description": "Server-Sent Events: `instance` (snapshot), then one `transition` per change"
-            " and one `step` per step of the running operation",
+            " and one `step` per step of the running operation; each transition's id is the state_version"
+            " (reconnect with Last-Event-ID to resume)",
             "content": {
                 "text/event-stream": {
                     "schema": {
@@ -463,16 +482,27 @@ async def events_page(
         " change and one `step` event per step of the running operation; it ends after a terminal state."
     ),
 )
-async def watch_instance(instance_id: InstanceRef, request: Request, who: Caller) -> StreamingResponse:
-    return await watch_response(request, who.org_id, instance_id)
+async def watch_instance(
+    instance_id: InstanceRef,
+    request: Request,
+    who: Caller,
+    last_event_id: Annotated[
+        str | None, Header(description="the last event id a client saw: resume after it")
+    ] = None,
+) -> StreamingResponse:
+    return await watch_response(request, who.org_id, instance_id, last_event_id)
 
 
-async def watch_response(request: Request, org_id: uuid.UUID, instance_id: uuid.UUID) -> StreamingResponse:
-    """The watch stream of an organisation's instance (NotFound if it has none of that id)."""
+async def watch_response(
+    request: Request, org_id: uuid.UUID, instance_id: uuid.UUID, last_event_id: str | None = None
+) -> StreamingResponse:
+    """The watch stream of an organisation's instance (NotFound if it has none of that id), from
+    after `last_event_id` when a client resumes."""
     app: AppState = app_state(request)
     async with app.pool.connection() as conn:
         await instances.load(conn, org_id, instance_id)
-    stream = watch.instance_stream(app, request, instance_id, org_id)
+    resume_after = watch.last_event_id(last_event_id)
+    stream = watch.instance_stream(app, request, instance_id, org_id, resume_after=resume_after)
     return StreamingResponse(
         stream,
         media_type="text/event-stream",

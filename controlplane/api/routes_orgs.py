@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 
 from controlplane import tenants
-from controlplane.api import errors
+from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey, AnyKey
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated, OrgList
@@ -16,6 +16,11 @@ from controlplane.api.state import AppState, app_state
 from controlplane.tenants import Principal
 
 router = APIRouter(tags=["organisations and keys"])
+
+
+def _shown_once(response: Response) -> None:
+    """A response carrying a new key (a secret shown once) is never stored by a cache."""
+    response.headers["Cache-Control"] = "no-store"
 
 
 def _org(row: Any) -> dict[str, Any]:
@@ -49,7 +54,8 @@ def _own_org(who: Principal, refusal: str) -> uuid.UUID:
     operation_id="createOrg",
     description="Creates an organisation and its first API key, shown once in the answer (admin key only).",
 )
-async def create_org(body: OrgCreate, request: Request, _: AdminKey) -> Any:
+async def create_org(body: OrgCreate, request: Request, response: Response, _: AdminKey) -> Any:
+    _shown_once(response)
     async with app_state(request).pool.connection() as conn:
         org, key = await tenants.create_org(conn, body.name, body.stripe_customer_id)
     return {"org": _org(org), "key": _new_key(key)}
@@ -84,63 +90,77 @@ async def list_orgs(
     description="An organisation's API keys: ids, prefixes, names, creation and revocation times; "
     "never the keys (admin key only).",
 )
-async def list_org_keys(org_id: uuid.UUID, request: Request, _: AdminKey) -> Any:
+async def list_org_keys(org_id: uuid.UUID, request: Request, _: AdminKey, paging: views.Page) -> Any:
     async with app_state(request).pool.connection() as conn:
         if await tenants.get_org(conn, org_id) is None:
             raise ProblemError("not-found", f"no organisation {org_id}")
-        rows = await tenants.list_keys(conn, org_id)
-    return {"items": [dict(r) for r in rows]}
+    return await _keys_page(request, org_id, paging)
 
 
 @router.post(
     "/v1/orgs/{org_id}/keys",
     status_code=201,
     response_model=NewApiKey,
-    responses=errors.responses(400, 401, 403, 404, 413, 422),
-    summary="Create another API key for an organisation (admin)",
+    responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
+    summary="Create another API key for an organisation (admin; a cap of live keys per organisation)",
     operation_id="createOrgKey",
     description="Creates another API key for an organisation, shown once in the answer (admin key only).",
 )
-async def create_org_key(org_id: uuid.UUID, body: KeyCreate, request: Request, _: AdminKey) -> Any:
-    async with app_state(request).pool.connection() as conn:
-        if await tenants.get_org(conn, org_id) is None:
-            raise ProblemError("not-found", f"no organisation {org_id}")
-        key = await tenants.create_key(conn, org_id, name=body.name)
+async def create_org_key(
+    org_id: uuid.UUID, body: KeyCreate, request: Request, response: Response, _: AdminKey
+) -> Any:
+    return await _create_key(request, response, org_id, body)
+
+
+async def _create_key(request: Request, response: Response, org_id: uuid.UUID, body: KeyCreate) -> Any:
+    _shown_once(response)
+    state = app_state(request)
+    async with state.pool.connection() as conn:
+        key = await tenants.create_key(
+            conn, org_id, name=body.name, max_per_org=state.settings.api.max_keys_per_org
+        )
     return _new_key(key)
 
 
 @router.get(
     "/v1/keys",
     response_model=KeyList,
-    responses=errors.responses(401, 403),
-    summary="List the API keys of the caller's organisation (never the keys themselves)",
+    responses=errors.responses(401, 403, 422),
+    summary="The caller's organisation's API keys, revoked too (oldest first, paginated; never the keys)",
     operation_id="listKeys",
     description=(
-        'The API keys of the caller"s organisation: ids, prefixes, names, creation and revocation times; '
+        "The API keys of the caller's organisation: ids, prefixes, names, creation and revocation times; "
         "never the keys themselves."
     ),
 )
-async def list_keys(request: Request, who: AnyKey) -> Any:
+async def list_keys(request: Request, who: AnyKey, paging: views.Page) -> Any:
     org_id = _own_org(who, "admin keys belong to no organisation")
+    return await _keys_page(request, org_id, paging)
+
+
+async def _keys_page(request: Request, org_id: uuid.UUID, paging: views.Paging) -> dict[str, Any]:
+    """A page of an organisation's keys (revoked ones too), oldest first."""
+    after = views.after_created(paging.cursor)
     async with app_state(request).pool.connection() as conn:
-        rows = await tenants.list_keys(conn, org_id)
-    return {"items": [dict(r) for r in rows]}
+        rows = await tenants.list_keys(conn, org_id, limit=paging.size + 1, after=after)
+    page, next_cursor = views.page_of(
+        rows, paging.size, lambda last: views.created_cursor(last["created_at"], last["id"])
+    )
+    return {"items": [dict(r) for r in page], "next_cursor": next_cursor}
 
 
 @router.post(
     "/v1/keys",
     status_code=201,
     response_model=NewApiKey,
-    responses=errors.responses(400, 401, 403, 413, 422),
-    summary="Create another API key for the caller's organisation",
+    responses=errors.responses(400, 401, 403, 409, 413, 422),
+    summary="Create another API key for the caller's organisation (a cap of live keys per organisation)",
     operation_id="createKey",
     description="Creates another API key for the caller's organisation; the key is in this answer only.",
 )
-async def create_own_key(body: KeyCreate, request: Request, who: AnyKey) -> Any:
+async def create_own_key(body: KeyCreate, request: Request, response: Response, who: AnyKey) -> Any:
     org_id = _own_org(who, "admin keys belong to no organisation; use POST /v1/orgs/{id}/keys")
-    async with app_state(request).pool.connection() as conn:
-        key = await tenants.create_key(conn, org_id, name=body.name)
-    return _new_key(key)
+    return await _create_key(request, response, org_id, body)
 
 
 @router.delete(

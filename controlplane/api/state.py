@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
+from controlplane.api.hub import Hub
 from controlplane.db import AsyncConn
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import SecretBox
@@ -63,6 +64,8 @@ class AppState:
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
     # The provisioner of the instances (for the CA it publishes); built on first use when not given.
     provisioner: Provisioner | None = None
+    # The process's one LISTEN connection, fanned out to its watch streams.
+    watchers: Hub | None = None
     # The console's cookies and form tokens (from the secret key); made with the box when not given.
     seal: Seal | None = None
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
+
+from fastapi import Depends, Query
 
 from controlplane import actions, failures, lifecycle, plans, steps
 from controlplane.api.errors import ProblemError
@@ -130,6 +135,8 @@ def event(row: Mapping[str, Any]) -> dict[str, Any]:
         "actor": {"kind": row["actor_kind"], "id": row["actor_id"]},
         "reason": failures.reason(str(code)).message if code else row["reason"],
         "detail": detail,
+        "seq": row["seq"],
+        "hash": bytes(row["hash"]).hex(),
     }
 
 
@@ -138,20 +145,72 @@ def sre_event(row: Mapping[str, Any]) -> dict[str, Any]:
     return {**event(row), "reason": row["reason"], "detail": row["detail"] or {}}
 
 
-def etag(state_version: int) -> str:
-    return f'"{state_version}"'
+def etag(inst: InstanceRecord) -> str:
+    """The instance's ETag header value (its `Instance.etag`, quoted)."""
+    return f'"{inst.etag}"'
+
+
+def _tags(header: str) -> list[str]:
+    """The entity tags a list header (If-Match, If-None-Match) names, unquoted; weak tags compare
+    by their value here (an ETag of this API is never weak)."""
+    return [tag.strip().removeprefix("W/").strip('"') for tag in header.split(",") if tag.strip()]
 
 
 def if_match_versions(if_match: str | None) -> Versions | None:
-    """The state versions an RFC 9110 If-Match names (weak tags compare by their value here);
-    None when there is no precondition (no header, or `*`: any current instance)."""
+    """The versions an RFC 9110 If-Match names; None when there is no precondition (no header, or
+    `*`: any current instance)."""
     if if_match is None:
         return None
-    tags = [t.strip() for t in if_match.split(",")]
+    tags = _tags(if_match)
     if "*" in tags:
         return None
-    values = (tag.removeprefix("W/").strip('"') for tag in tags)
-    return Versions(frozenset(int(v) for v in values if v.isdigit() and str(int(v)) == v), if_match)
+    return Versions(frozenset(tags), if_match)
+
+
+def none_match(if_none_match: str | None, inst: InstanceRecord) -> bool:
+    """Whether an If-None-Match names the instance as it is (or is `*`): a GET answers 304."""
+    if if_none_match is None:
+        return False
+    tags = _tags(if_none_match)
+    return "*" in tags or inst.etag in tags
+
+
+# The size of a page of any list: the default, and the most (a larger `limit` is lowered to it).
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Paging:
+    """The query parameters of a page: where it starts, and how long it is."""
+
+    cursor: str | None = None
+    limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
+        DEFAULT_LIMIT
+    )
+
+    @property
+    def size(self) -> int:
+        return min(self.limit, MAX_LIMIT)
+
+
+Page = Annotated[Paging, Depends()]
+
+
+def created_cursor(created_at: datetime, row_id: Any) -> str:
+    """The cursor after a row of a list ordered by (created_at, id)."""
+    return encode_cursor(created_at.isoformat(), row_id)
+
+
+def after_created(cursor: str | None) -> tuple[datetime, uuid.UUID] | None:
+    """Where a page of a list ordered by (created_at, id) starts (None: at the beginning)."""
+    if not cursor:
+        return None
+    created_s, id_s = decode_cursor(cursor, 2)
+    try:
+        return datetime.fromisoformat(created_s), uuid.UUID(id_s)
+    except ValueError:
+        raise bad_cursor() from None
 
 
 def encode_cursor(*values: Any) -> str:

@@ -1,27 +1,35 @@
-"""Server-Sent Events of one instance's transitions and steps, from LISTEN on the cp_instance_<state>
-channels and the step channel."""
+"""Server-Sent Events of one instance's transitions and steps: one LISTEN connection per API
+process (`Hub`) fans the cp_instance_<state> and step notifications out to every watch stream of
+the process.
+
+A stream ends after a terminal state, when its client leaves, and at once when the process shuts
+down (`Hub.close`): the client reconnects, to this process or another, with `Last-Event-ID` (the
+last state_version it saw) and gets the transitions it missed from the audit log, then live ones.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-from psycopg.conninfo import make_conninfo
 from starlette.requests import Request
 
-from controlplane import db, failures, lifecycle, sql, steps
+from controlplane import failures, lifecycle, sql, steps
 from controlplane.api import views
+from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved, Stepped
 from controlplane.api.state import AppState
-from controlplane.db import AsyncConn
 from controlplane.kinds import STEP_LABELS
 from controlplane.records import Instance, StepRecord
 
+__all__ = ["APPLICATION_NAME", "instance_stream", "last_event_id", "sse"]
+
 KEEPALIVE_S = 15.0
-# How a watch's dedicated connection shows in pg_stat_activity.
-APPLICATION_NAME = "controlplane-watch"
+# How a client waits before it reconnects after a stream ended without a terminal state (ms).
+RECONNECT_MS = 1000
 
 
 def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
@@ -32,34 +40,23 @@ def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
     return ("\n".join(lines) + "\n\n").encode()
 
 
-def parse_notification(channel: str, payload: str) -> tuple[str, str, int] | None:
-    """(instance id, state, state_version) of a transition notification, or None if malformed."""
-    instance_id, _, version = payload.partition(":")
-    if not channel.startswith(sql.INSTANCE_CHANNEL_PREFIX) or not version.isdigit():
-        return None
-    return instance_id, channel.removeprefix(sql.INSTANCE_CHANNEL_PREFIX), int(version)
+def last_event_id(header: str | None) -> int | None:
+    """The state_version a reconnecting client saw last (its Last-Event-ID), if it is one."""
+    value = (header or "").strip()
+    return int(value) if value.isdigit() and len(value) < 19 else None
 
 
-def parse_step_notification(channel: str, payload: str) -> tuple[str, int] | None:
-    """(instance id, step record id) of a step notification, or None if it is not one."""
-    instance_id, _, step_id = payload.partition(":")
-    if channel != sql.STEP_CHANNEL or not step_id.isdigit():
-        return None
-    return instance_id, int(step_id)
-
-
-async def _snapshot(conn: AsyncConn, app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID) -> Any:
-    cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
-    row = await cursor.fetchone()
-    return None if row is None else await views.one_instance(conn, Instance.from_row(row), app.box)
+async def _snapshot(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID) -> Any:
+    async with app.pool.connection() as conn:
+        cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
+        row = await cursor.fetchone()
+        return None if row is None else await views.one_instance(conn, Instance.from_row(row), app.box)
 
 
 async def _step_event(
     app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, step_id: int
 ) -> dict[str, Any] | None:
-    """The `step` event of one step record: what happened, and the instance's progress after it.
-
-    Read on a pooled connection: the listening one is held by its notification loop."""
+    """The `step` event of one step record: what happened, and the instance's progress after it."""
     async with app.pool.connection() as conn:
         cursor = await conn.execute(sql.STEP_BY_ID, {"id": step_id, "instance_id": instance_id})
         row = await cursor.fetchone()
@@ -89,51 +86,85 @@ async def _step_event(
     }
 
 
+async def _missed(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, after: int) -> list[Moved]:
+    """The instance's transitions after state_version `after`, from its audit log."""
+    async with app.pool.connection() as conn:
+        cursor = await conn.execute(
+            sql.ORG_INSTANCE_MOVES_AFTER, {"id": instance_id, "org": org_id, "after": after}
+        )
+        return [Moved(row["to_state"], row["state_version"]) for row in await cursor.fetchall()]
+
+
+def _transition(instance_id: uuid.UUID, moved: Moved) -> bytes:
+    data = {"id": str(instance_id), "state": moved.state, "state_version": moved.state_version}
+    return sse("transition", data, moved.state_version)
+
+
 async def instance_stream(
     app: AppState,
     request: Request,
     instance_id: uuid.UUID,
     org_id: uuid.UUID,
     *,
+    resume_after: int | None = None,
     keepalive_s: float = KEEPALIVE_S,
 ) -> AsyncIterator[bytes]:
-    """A snapshot event, then one `transition` event per state change and one `step` event per step
-    record; ends after a terminal state.
+    """A snapshot event (or, resuming after `resume_after`, the transitions since), then one
+    `transition` event per state change and one `step` event per step record; ends after a
+    terminal state, when the client leaves, and when the process shuts down.
 
-    LISTEN starts before the snapshot is read, so no transition falls between the two; a
-    notification at or below the snapshot's state_version is skipped. A step event carries the
-    progress as of its reading (a reconnecting client gets it in the snapshot).
+    The stream follows the instance before it reads the snapshot, so no transition falls between
+    the two; a notification at or below the last state_version sent is skipped. A step event
+    carries the progress as of its reading (a reconnecting client gets it in the snapshot).
     """
-    conn = await db.connect(make_conninfo(app.database_url, application_name=APPLICATION_NAME))
-    try:
-        await conn.execute(sql.LISTEN_INSTANCE_CHANNELS + "; " + sql.LISTEN_STEP_CHANNEL)
-        snapshot = await _snapshot(conn, app, instance_id, org_id)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            assert app.watchers is not None, "the application's lifespan makes its hub"
+            queue = await stack.enter_async_context(app.watchers.follow(instance_id))
+        except (Closed, TimeoutError):  # shutting down, or not listening yet: come back shortly
+            yield f"retry: {RECONNECT_MS}\n\n".encode()
+            return
+        snapshot = await _snapshot(app, instance_id, org_id)
+        yield f"retry: {RECONNECT_MS}\n\n".encode()
         if snapshot is None:
             return
-        last = int(snapshot["state_version"])
-        yield sse("instance", snapshot, last)
-        if snapshot["state"] in lifecycle.INSTANCE.terminal:
-            return
-        target = str(instance_id)
-        while True:
-            async for notification in conn.notifies(timeout=keepalive_s):
-                stepped = parse_step_notification(notification.channel, notification.payload)
-                if stepped is not None:
-                    if stepped[0] == target:
-                        event = await _step_event(app, instance_id, org_id, stepped[1])
-                        if event is not None:
-                            yield sse("step", event)
-                    continue
-                parsed = parse_notification(notification.channel, notification.payload)
-                if parsed is None or parsed[0] != target or parsed[2] <= last:
-                    continue
-                _, state, last = parsed
-                yield sse("transition", {"id": target, "state": state, "state_version": last}, last)
-                if state in lifecycle.INSTANCE.terminal:
+        state, last = str(snapshot["state"]), int(snapshot["state_version"])
+        if resume_after is None or resume_after > last:
+            yield sse("instance", snapshot, last)
+        else:
+            state, last, sent = await _catch_up(app, instance_id, org_id, state, resume_after)
+            for chunk in sent:
+                yield chunk
+        while state not in lifecycle.INSTANCE.terminal:
+            try:
+                note = await asyncio.wait_for(queue.get(), keepalive_s)
+            except TimeoutError:
+                if await request.is_disconnected():
                     return
-            if await request.is_disconnected():
+                yield b": keepalive\n\n"
+                continue
+            if note is CLOSED:
                 return
-            yield b": keepalive\n\n"
-    finally:
-        with anyio.CancelScope(shield=True):
-            await conn.close()
+            if isinstance(note, Stepped):
+                event = await _step_event(app, instance_id, org_id, note.step_id)
+                if event is not None:
+                    yield sse("step", event)
+            elif isinstance(note, Moved):
+                if note.state_version > last:
+                    state, last = note.state, note.state_version
+                    yield _transition(instance_id, note)
+            else:
+                state, last, sent = await _catch_up(app, instance_id, org_id, state, last)
+                for chunk in sent:
+                    yield chunk
+
+
+async def _catch_up(
+    app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, state: str, last: int
+) -> tuple[str, int, list[bytes]]:
+    """The events of the transitions after `last` (from the audit log), and where they leave it."""
+    chunks = []
+    for moved in await _missed(app, instance_id, org_id, last):
+        state, last = moved.state, moved.state_version
+        chunks.append(_transition(instance_id, moved))
+    return state, last, chunks

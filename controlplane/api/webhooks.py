@@ -9,7 +9,7 @@ from typing import Any
 import stripe
 from fastapi import APIRouter, Request
 
-from controlplane import billing, metrics
+from controlplane import billing, db, metrics
 from controlplane.api import errors
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import WebhookAck
@@ -42,7 +42,7 @@ router = APIRouter(tags=["webhooks"])
     },
     operation_id="receiveStripeEvent",
     description=(
-        'Stripe"s subscription events, verified against the webhook secret on the raw body; an event is '
+        "Stripe's subscription events, verified against the webhook secret on the raw body; an event is "
         "applied once (a redelivery answers its first outcome)."
     ),
 )
@@ -58,22 +58,50 @@ async def stripe_webhook(request: Request) -> Any:
         metrics.WEBHOOKS.labels("bad_signature").inc()
         raise ProblemError("bad-signature", "the Stripe-Signature header is missing")
     try:
-        stripe.Webhook.construct_event(payload, signature, secret)
-        event = json.loads(payload)
+        stripe.WebhookSignature.verify_header(payload, signature, secret, stripe.Webhook.DEFAULT_TOLERANCE)
     except stripe.SignatureVerificationError:
         metrics.WEBHOOKS.labels("bad_signature").inc()
         raise ProblemError("bad-signature", "the signature does not match or is too old") from None
-    except (ValueError, TypeError, AttributeError, KeyError):
-        # Signed, but not a JSON object the library can turn into an event.
+    except ValueError:  # not UTF-8: it cannot have been signed as text
         metrics.WEBHOOKS.labels("bad_payload").inc()
         raise ProblemError("bad-request", "the payload is not a Stripe event") from None
-    if not isinstance(event, dict) or not isinstance(event.get("id"), str):
-        metrics.WEBHOOKS.labels("bad_payload").inc()
-        raise ProblemError("bad-request", "the payload is not a Stripe event")
+    event = signed_event(payload)
     parsed = billing.parse_event(event)
-    async with app.pool.connection() as conn:
-        applied = await apply_stripe_event(
-            conn, Actor("stripe", parsed.id), errors.request_id(request), parsed, app.policy
-        )
+    actor, request_id = Actor("stripe", parsed.id), errors.request_id(request)
+    applied = await db.in_transaction(
+        app.pool, lambda conn: apply_stripe_event(conn, actor, request_id, parsed, app.policy)
+    )
     metrics.WEBHOOKS.labels(applied.outcome).inc()
     return {"received": True, "outcome": applied.outcome}
+
+
+def signed_event(payload: bytes) -> dict[str, Any]:
+    """The event a verified body holds, or a 400 problem when it is not one the control plane can
+    record whole: not JSON, nested too deep for the parser, not an event object, or holding text
+    that no database can store (a lone surrogate such as "\\ud800": JSON can spell it, UTF-8 cannot).
+    """
+    why = None
+    event: Any = None
+    try:
+        event = json.loads(payload)
+    except RecursionError:
+        why = "the payload is nested too deeply"
+    except ValueError:
+        why = "the payload is not a Stripe event"
+    else:
+        if not isinstance(event, dict) or not isinstance(event.get("id"), str):
+            why = "the payload is not a Stripe event"
+        elif not _storable(event):
+            why = "the payload holds text that is not valid Unicode (a lone surrogate)"
+    if why is not None:
+        metrics.WEBHOOKS.labels("bad_payload").inc()
+        raise ProblemError("bad-request", why)
+    return dict(event)
+
+
+def _storable(event: dict[str, Any]) -> bool:
+    try:
+        json.dumps(event, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -17,16 +17,19 @@ from urllib.parse import quote
 
 import httpx
 
-from controlplane import exit_codes
+from controlplane import exit_codes, lifecycle
 from controlplane.cli.common import CommandError
 
 DEFAULT_URL = "http://127.0.0.1:8700"
 PROFILE_ENV = "CONTROLPLANE_PROFILE"
 # The problem types' common prefix (controlplane.api.errors.TYPE_PREFIX).
 TYPE_PREFIX = "urn:controlplane:problem:"
-# A watch stream the server ended early is taken up again for this long before giving up.
-RECONNECT_FOR_S = 30.0
+# A watch whose stream ended early is resumed after this pause, for as long as this without an answer.
 RECONNECT_PAUSE_S = 0.5
+RECONNECT_FOR_S = 60.0
+# Answers after which the watch asks again (the API restarting, or its database for a moment).
+RETRIED_STATUSES = frozenset({502, 503, 504})
+TERMINAL = lifecycle.INSTANCE.terminal
 
 
 def config_dir() -> Path:
@@ -209,32 +212,44 @@ class Api:
         self, ref: str, *, deadline: float | None = None
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """The instance's snapshot, then its transitions and steps as they happen (Server-Sent
-        Events), as (event name, data); WaitTimeout at `deadline` (a time.monotonic() value).
+        Events), as (event name, data), until a terminal state; WaitTimeout at `deadline` (a
+        time.monotonic() value).
 
-        A stream the server ends (it restarts) is taken up again, for RECONNECT_FOR_S, with a
-        snapshot first."""
+        A stream the server ends before (it restarts, a rollout moves it) is taken up again with
+        Last-Event-ID, here or at another replica, and goes on after the last event seen; it is
+        given up when no API answered for RECONNECT_FOR_S."""
         path = f"/v1/instances/{instance_path(ref)}/watch"
+        last_id: str | None = None
         unanswered_since: float | None = None
         why = "the stream ended"
         while True:
             read_for = None if deadline is None else max(0.05, deadline - time.monotonic())
+            headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
-                with self.client.stream("GET", path, timeout=httpx.Timeout(10.0, read=read_for)) as response:
+                with self.client.stream(
+                    "GET", path, headers=headers, timeout=httpx.Timeout(30.0, read=read_for)
+                ) as response:
                     if response.status_code >= 400:
                         response.read()
-                        if response.status_code != 503:
+                        if response.status_code not in RETRIED_STATUSES:
                             raise api_error(response)
                         why = problem_line(response)
                     else:
                         unanswered_since = None
-                        name = "message"
+                        name, event_id = "message", None
                         for line in response.iter_lines():
                             if line.startswith("event:"):
                                 name = line[6:].strip()
+                            elif line.startswith("id:"):
+                                event_id = line[3:].strip()
                             elif line.startswith("data:"):
-                                yield name, json.loads(line[5:].strip())
+                                event = json.loads(line[5:].strip())
+                                last_id = event_id or last_id
+                                yield name, event
+                                if name != "step" and event.get("state") in TERMINAL:
+                                    return
                             elif not line:
-                                name = "message"
+                                name, event_id = "message", None
                             if deadline is not None and time.monotonic() >= deadline:
                                 raise WaitTimeout()
             except httpx.ReadTimeout:

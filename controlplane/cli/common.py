@@ -128,9 +128,10 @@ def cell_text(value: Any) -> str:
 
 
 def _jsonable(value: Any) -> Any:
+    """What JSON does not have: datetimes as RFC 3339, bytes (hashes) as hex, the rest (ids) as text."""
     if isinstance(value, datetime):
         return value.isoformat().replace("+00:00", "Z")
-    return str(value)
+    return value.hex() if isinstance(value, bytes) else str(value)
 
 
 def plain_data(value: Any) -> Any:

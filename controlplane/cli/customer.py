@@ -56,6 +56,10 @@ def _wait_flags(parser: argparse.ArgumentParser, until: str) -> None:
     )
 
 
+# `resize --wait` on a suspended instance: the change is recorded, and applied once it resumes.
+RECORDED_WHILE_SUSPENDED = exit_codes.RECORDED
+
+
 def register(commands: Any) -> None:
     instances = commands.add_parser(
         "instances",
@@ -103,6 +107,12 @@ def register(commands: Any) -> None:
     _ref(resize)
     resize.add_argument("--plan", required=True, choices=plans.plan_names(), metavar="PLAN", help=PLANS_HELP)
     _wait_flags(resize, "the new plan is in place")
+    resize.add_argument(
+        "--wait-for-resume",
+        action="store_true",
+        help="with --wait on a suspended instance, keep waiting until it resumes and the change is"
+        f" applied (without it, --wait says the change is recorded and exits {RECORDED_WHILE_SUSPENDED})",
+    )
 
     delete = _action(
         actions,
@@ -361,8 +371,9 @@ def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) ->
 class Follower:
     """Prints, as they happen, an instance's state changes and steps, with the time since it started."""
 
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
+    def __init__(self, as_json: bool) -> None:
+        # Machine-readable output follows: the lines are not printed.
+        self.quiet = as_json
         self.started = time.monotonic()
         self.last_state: str | None = None
         # (step, attempt, state) lines printed: each once.
@@ -401,7 +412,9 @@ class Follower:
 
     def _step_line(self, name: str, label: str, attempt: int, step: dict[str, Any]) -> None:
         key = (name, attempt, step["state"])
-        if key in self.printed:
+        ended = {(name, attempt, "done"), (name, attempt, "failed")}
+        # Each line once, and never a start after that attempt's end (a late or replayed event).
+        if key in self.printed or (step["state"] == "running" and ended & self.printed):
             return
         self.printed.add(key)
         if step["state"] == "running":
@@ -553,9 +566,20 @@ def cmd_resize(args: argparse.Namespace) -> int:
     api = Api(args)
     fmt = output_format(args)
     instance = api.request("PATCH", f"/v1/instances/{instance_path(args.ref)}", json={"plan": args.plan})
-    if args.wait:
+    if args.wait or args.wait_for_resume:
         generation = int(instance["spec_generation"])
-        instance = wait_for_generation(api, instance["id"], generation, fmt != "table", _deadline(args))
+        instance = wait_for_generation(
+            api,
+            instance["id"],
+            generation,
+            fmt != "table",
+            _deadline(args),
+            plan=args.plan,
+            through_suspension=args.wait_for_resume,
+        )
+        if instance["state"] == "suspended":
+            show_instance(instance, fmt)
+            return RECORDED_WHILE_SUSPENDED
         if instance["observed_generation"] < generation or instance["state"] != "ready":
             show_instance(instance, fmt)
             raise CommandError(
@@ -568,23 +592,38 @@ def cmd_resize(args: argparse.Namespace) -> int:
 
 
 def wait_for_generation(
-    api: Api, instance_id: str, generation: int, quiet: bool, deadline: float
+    api: Api,
+    instance_id: str,
+    generation: int,
+    quiet: bool,
+    deadline: float,
+    *,
+    plan: str,
+    through_suspension: bool,
 ) -> dict[str, Any]:
-    updates = _updates(api, instance_id, deadline=deadline)
-    instance = next(updates)
-    if instance["observed_generation"] >= generation and instance["state"] == "ready":
-        return instance
+    """The instance once spec `generation` is applied, given up, or can no longer be; or, unless
+    `through_suspension`, as soon as it is suspended (said at once on stderr: the change waits
+    for the instance to resume). WaitTimeout at `deadline`."""
+    told = False
+    instance: dict[str, Any] = {}
     try:
-        for instance in updates:
-            if not quiet:
-                print(f"[{timestamp_now()}] {instance['state']}")
+        for n, instance in enumerate(_updates(api, instance_id, deadline=deadline)):
+            if n and not quiet:
+                print(f"[{timestamp_now()}] {instance['state']}", flush=True)
             done = instance["observed_generation"] >= generation and instance["state"] == "ready"
             given_up = (instance.get("failed_generation") or 0) >= generation
             if done or given_up or instance["state"] in (*TERMINAL, "degraded"):
-                break
+                return instance
+            if instance["state"] == "suspended" and not told:
+                told = True
+                line = _suspended_line(instance, plan, generation, through_suspension)
+                print(line, file=sys.stderr, flush=True)
+                if not through_suspension:
+                    return instance
     except WaitTimeout:
+        where = f" (it is {instance['state']})" if instance else ""
         raise WaitTimeout(
-            f"timed out waiting for the resize of {instance['name']} (it is {instance['state']})"
+            f"timed out waiting for the resize of {instance.get('name', instance_id)}{where}"
         ) from None
     return instance
 
@@ -593,6 +632,16 @@ def timestamp_now() -> str:
     from datetime import UTC, datetime
 
     return timestamp(datetime.now(UTC))
+
+
+def _suspended_line(instance: dict[str, Any], plan: str, generation: int, waiting: bool) -> str:
+    held = "suspended by a billing hold" if instance.get("billing_hold") else "suspended"
+    until = "once the hold ends and it resumes" if instance.get("billing_hold") else "once it resumes"
+    then = "waiting for that (--wait-for-resume)" if waiting else "pass --wait-for-resume to wait for that"
+    return (
+        f"controlplane: resize to {plan} is recorded (spec generation {generation});"
+        f" {instance['id']} is {held}: the change is applied {until}; {then}"
+    )
 
 
 def cmd_delete(args: argparse.Namespace) -> int:

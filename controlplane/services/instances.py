@@ -37,9 +37,10 @@ DEPROVISIONING = lifecycle.INSTANCE.targets_of("deprovision")
 
 @dataclass(frozen=True)
 class Versions:
-    """The state versions a change was asked against (from an If-Match: ETags are versions)."""
+    """The versions of the instance a change was asked against (its ETags, `Instance.etag`, as an
+    If-Match names them): the change is made only if the instance is still at one of them."""
 
-    allowed: frozenset[int]
+    allowed: frozenset[str]
     # The precondition as the caller gave it, for the refusal.
     given: str
 
@@ -330,9 +331,9 @@ async def _load_to_change(
 ) -> Instance:
     """The instance locked for a change, once its version precondition (if any) holds."""
     inst = await load(conn, org_id, instance_id, lock=True)
-    if if_versions is not None and inst.state_version not in if_versions.allowed:
+    if if_versions is not None and inst.etag not in if_versions.allowed:
         raise PreconditionFailed(
-            f'If-Match {if_versions.given} does not match the instance\'s ETag "{inst.state_version}"',
+            f'If-Match {if_versions.given} does not match the instance\'s ETag "{inst.etag}"',
             current_state=inst.state,
             current_version=inst.state_version,
         )

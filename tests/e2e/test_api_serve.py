@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -10,21 +11,17 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
-from controlplane import db, failures, tenants
+from controlplane import db, exit_codes, failures, tenants
 from controlplane.api import watch
 from tests.factories import walk
 from tests.queue_kinds import until
 from tests.reconciler_support import to_ready
-
-SERVE = (
-    "import sys; from controlplane.api.app import serve; from controlplane.settings import load;"
-    " serve(load(database_url=sys.argv[1], api_port=int(sys.argv[2]), data_dir=sys.argv[3]))"
-)
 
 
 def _free_port() -> int:
@@ -61,50 +58,54 @@ def _eventually(url: str, watchers: int) -> bool:
     return True
 
 
-@pytest.fixture
-def served(fresh_database: str, tmp_path: Path) -> Iterator[str]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE, fresh_database, str(port), str(tmp_path)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
+@dataclass
+class Served:
+    """`controlplane serve` on a port of its own; `restart` stops it (SIGTERM) and starts it again."""
+
+    database_url: str
+    data_dir: Path
+    port: int = field(default_factory=_free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+        command = ["serve", "--database-url", self.database_url, "--api-port", str(self.port)]
+        self.process = process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", *command, "--data-dir", str(self.data_dir)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"the API did not start: {process.stderr.read() if process.stderr else ''!r}"
-                )
+                raise AssertionError("the API did not start")
             time.sleep(0.1)
-        yield base
+
+    def stop(self) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout=15)
+
+
+@pytest.fixture
+def served(fresh_database: str, tmp_path: Path) -> Iterator[Served]:
+    server = Served(fresh_database, tmp_path)
+    server.start()
+    try:
+        yield server
     finally:
-        process.terminate()
-        process.wait(timeout=15)
-
-
-def test_served_by_uvicorn_and_a_watcher_that_leaves_frees_its_connection(
-    served: str, fresh_database: str
-) -> None:
-    key = asyncio.run(_org_key(fresh_database))
-    headers = {"Authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=served, headers=headers, timeout=10) as http:
-        created = http.post("/v1/instances", json={"name": "orders", "plan": "dev"})
-        assert created.status_code == 202 and created.headers["location"].endswith(created.json()["id"])
-        with http.stream("GET", f"/v1/instances/{created.json()['id']}/watch") as stream:
-            lines = stream.iter_lines()  # kept: dropping the iterator would close the stream
-            assert next(lines) == "event: instance"
-            assert _eventually(fresh_database, 1)
-        assert _eventually(fresh_database, 0)  # the client hung up: the stream ended, its connection closed
-        assert http.get("/healthz").json()["status"] == "ok"
+        server.stop()
 
 
 async def _to_ready(url: str, instance_id: uuid.UUID) -> None:
@@ -132,31 +133,31 @@ async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
         await walk(conn, instance_id, "degrade", patch=patch)
 
 
-def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
-    served: str, fresh_database: str
-) -> None:
+def _ready_instance(served: Served, fresh_database: str) -> tuple[str, uuid.UUID]:
+    """A new organisation's key, and its instance `orders` made ready."""
     key = asyncio.run(_org_key(fresh_database))
-    with httpx.Client(base_url=served, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
         iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
     asyncio.run(_to_ready(fresh_database, iid))
-    env = {**os.environ, "CONTROLPLANE_URL": served, "CONTROLPLANE_API_KEY": key}
-    resize = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "controlplane.cli",
-            "instances",
-            "resize",
-            str(iid),
-            "--plan",
-            "small",
-            "--wait",
-        ],
+    return key, iid
+
+
+def _cli(served: Served, key: str, *command: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
+    return subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", *command],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
+    served: Served, fresh_database: str
+) -> None:
+    key, iid = _ready_instance(served, fresh_database)
+    resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait")
     try:
         asyncio.run(_update_given_up(fresh_database, iid))
         out, err = resize.communicate(timeout=30)
@@ -168,3 +169,107 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
     assert err.strip().splitlines() == [
         f"controlplane: error: resize to small did not complete: instance is degraded ({message})"
     ]
+
+
+async def _billing_hold(url: str, instance_id: uuid.UUID, *events: str, on: bool) -> None:
+    """The instance's organisation put on (or off) billing hold, then the instance moved by `events`
+    (the first one suspending or resuming it by billing)."""
+    conn = await db.connect(url)
+    async with conn:
+        await conn.execute(
+            "UPDATE organisations SET billing_hold = %s"
+            " WHERE id = (SELECT org_id FROM instances WHERE id = %s)",
+            (on, instance_id),
+        )
+        await walk(conn, instance_id, events[0], patch={"suspended_by_billing": on})
+        for event, patch in zip(events[1:], ({}, {"observed_generation": 2}), strict=False):
+            await walk(conn, instance_id, event, patch=patch)
+
+
+def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exits_or_waits_for_resume(
+    served: Served, fresh_database: str
+) -> None:
+    key, iid = _ready_instance(served, fresh_database)
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+        asyncio.run(_billing_hold(fresh_database, iid, "suspend", on=True))
+        recorded = (
+            f"controlplane: resize to small is recorded (spec generation 2); {iid} is suspended by a"
+            " billing hold: the change is applied once the hold ends and it resumes; "
+        )
+
+        # --wait: it says so at once, and exits (9: recorded, not applied yet).
+        resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait", "--json")
+        try:
+            out, err = resize.communicate(timeout=30)
+        finally:
+            resize.kill()
+        assert resize.returncode == exit_codes.RECORDED, (out, err)
+        assert err.splitlines() == [recorded + "pass --wait-for-resume to wait for that"]
+        assert json.loads(out)["state"] == "suspended"
+        shown = http.get(f"/v1/instances/{iid}").json()
+        assert (shown["plan"], shown["spec_generation"], shown["observed_generation"]) == ("small", 2, 1)
+
+        # --wait-for-resume: it says so at once, and waits until the hold ends and the change is applied.
+        resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait-for-resume")
+        try:
+            assert resize.stderr is not None
+            assert resize.stderr.readline().rstrip("\n") == recorded + "waiting for that (--wait-for-resume)"
+            assert resize.poll() is None
+            # The hold ends: it resumes, and the update the reconciler then enqueues runs.
+            asyncio.run(_billing_hold(fresh_database, iid, "resume", "update", "updated", on=False))
+            out, err = resize.communicate(timeout=30)
+        finally:
+            resize.kill()
+    assert resize.returncode == 0, (out, err)
+    fields = [tuple(line.split()) for line in out.splitlines()]
+    assert ("state", "ready") in fields and ("observed_generation", "2") in fields
+
+
+def test_watchers_share_one_connection_sigterm_ends_their_streams_and_the_cli_resumes_after_a_restart(
+    served: Served, fresh_database: str
+) -> None:
+    key = asyncio.run(_org_key(fresh_database))
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=served.url, headers=headers, timeout=10) as http:
+        created = http.post("/v1/instances", json={"name": "orders", "plan": "dev"})
+        assert created.status_code == 202 and created.headers["location"].endswith(created.json()["id"])
+        iid = uuid.UUID(created.json()["id"])
+        env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
+        watching = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", "instances", "watch", str(iid), "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert watching.stdout is not None
+        try:
+            with http.stream("GET", f"/v1/instances/{iid}/watch") as other:
+                lines = other.iter_lines()  # kept: dropping it would close the stream
+                assert next(line for line in lines if line.startswith("event:")) == "event: instance"
+                assert json.loads(watching.stdout.readline())["state"] == "pending"
+                assert _eventually(fresh_database, 1)  # two watchers, one LISTEN connection
+                asyncio.run(_drive(fresh_database, iid, "start_provisioning"))
+                assert json.loads(watching.stdout.readline())["state"] == "provisioning"
+                # SIGTERM (a rollout): the streams end at once, and the process exits without
+                # waiting for its watchers to hang up.
+                assert served.process is not None
+                served.process.terminate()
+                assert [line for line in lines if line.startswith("event:")][-1:] == ["event: transition"]
+                assert served.process.wait(timeout=10) == 0
+            # What happens while no API runs is not lost: the CLI resumes with Last-Event-ID.
+            asyncio.run(_drive(fresh_database, iid, "provisioned"))
+            served.start()
+            asyncio.run(_drive(fresh_database, iid, "deprovision", "deprovisioned"))
+            out, err = watching.communicate(timeout=30)
+        finally:
+            watching.kill()
+    assert watching.returncode == 0, err
+    states = [json.loads(line)["state"] for line in out.splitlines()]
+    assert states == ["ready", "deprovisioning", "deleted"]  # each once, in order, then it ends
+
+
+async def _drive(url: str, instance_id: uuid.UUID, *events: str) -> None:
+    conn = await db.connect(url)
+    async with conn:
+        await walk(conn, instance_id, *events)

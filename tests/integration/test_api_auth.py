@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 import httpx
 
@@ -10,7 +12,7 @@ from controlplane.api.state import KeyCache
 from controlplane.db import AsyncConn
 from controlplane.settings import Settings
 from controlplane.tenants import Principal
-from tests.api_support import Tenant, create, deliver, make_ready, make_tenant, stripe_event
+from tests.api_support import Tenant, create, deliver, make_ready, make_tenant, serving, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -153,3 +155,44 @@ async def test_a_key_revoked_through_the_api_is_refused_at_once_despite_the_cach
     key_id = key["id"]
     assert (await client.delete(f"/v1/keys/{key_id}", headers=victim.headers)).status_code == 204
     assert (await client.get("/v1/instances", headers=victim.headers)).status_code == 401
+
+
+async def test_an_organisation_holds_at_most_the_configured_live_keys_listed_page_by_page(
+    api_settings: Settings, tenant: Tenant, admin_headers: dict[str, str]
+) -> None:
+    async with serving(api_settings, api_max_keys_per_org=4) as client:
+        # The first key and, racing, ten requests for more: three get one, seven are refused.
+        made = await asyncio.gather(
+            *(client.post("/v1/keys", json={"name": f"k{i}"}, headers=tenant.headers) for i in range(10))
+        )
+        statuses = sorted(r.status_code for r in made)
+        assert statuses == [201] * 3 + [409] * 7, statuses
+        refused = next(r for r in made if r.status_code == 409)
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["type"] == "urn:controlplane:problem:limit-reached"
+        assert "revoke one" in refused.json()["detail"]
+        by_admin = await client.post(f"/v1/orgs/{tenant.org_id}/keys", json={}, headers=admin_headers)
+        assert by_admin.status_code == 409  # the cap is the organisation's, whoever asks
+
+        # Revoking one makes room for one.
+        some = next(r.json()["id"] for r in made if r.status_code == 201)
+        assert (await client.delete(f"/v1/keys/{some}", headers=tenant.headers)).status_code == 204
+        assert (await client.post("/v1/keys", json={}, headers=tenant.headers)).status_code == 201
+        assert (await client.post("/v1/keys", json={}, headers=tenant.headers)).status_code == 409
+
+        # Five keys in all (one revoked), two by two: every key once, oldest first.
+        seen: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+            page = (await client.get("/v1/keys", params=params, headers=tenant.headers)).json()
+            assert len(page["items"]) <= 2
+            seen += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert len(seen) == 5 and len({k["id"] for k in seen}) == 5
+        assert [k["created_at"] for k in seen] == sorted(k["created_at"] for k in seen)
+        assert sum(k["revoked_at"] is not None for k in seen) == 1
+        bad = await client.get("/v1/keys", params={"cursor": "nope"}, headers=tenant.headers)
+        assert bad.status_code == 422

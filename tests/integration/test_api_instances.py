@@ -32,7 +32,7 @@ async def test_create_returns_pending_with_location_and_provision_job(
     assert response.status_code == 202, response.text
     body = response.json()
     assert response.headers["location"] == f"/v1/instances/{body['id']}"
-    assert response.headers["etag"] == '"0"'
+    assert response.headers["etag"] == '"0.1.1.0"'  # state_version, spec_generation, protection, deletion
     assert response.headers["x-request-id"] == "req-create-1"
     assert body["state"] == "pending" and body["state_version"] == 0
     assert body["plan"] == "dev" and body["region"] == "local"
@@ -103,7 +103,7 @@ async def test_get_shows_connection_with_password_once_ready(
     response = await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)
     assert response.status_code == 200
     body = response.json()
-    assert response.headers["etag"] == '"2"'
+    assert response.headers["etag"] == '"2.1.0.0"'
     assert body["state"] == "ready" and body["allowed_actions"] == [
         "resize",
         "set_deletion_protection",
@@ -175,7 +175,9 @@ async def test_patch_plan_bumps_generation_and_enqueues_update_only_when_ready(
     assert await _jobs(conn, made["id"]) == [("provision", "queued")]  # pending: intent only
     await make_ready(conn, api_settings, made["id"])
     response = await client.patch(
-        f"/v1/instances/{made['id']}", json={"plan": "medium"}, headers={**tenant.headers, "If-Match": '"2"'}
+        f"/v1/instances/{made['id']}",
+        json={"plan": "medium"},
+        headers={**tenant.headers, "If-Match": '"2.2.0.0"'},
     )
     assert response.status_code == 202 and response.json()["spec_generation"] == 3
     assert ("update", "queued") in await _jobs(conn, made["id"])
@@ -221,10 +223,10 @@ async def test_patch_if_match_mismatch_is_412(client: httpx.AsyncClient, tenant:
     )
     assert response.status_code == 412
     assert response.json()["type"] == "urn:controlplane:problem:precondition-failed"
-    for tag in ('"0"', 'W/"0"', "*", "0"):
+    for tag in ('"0.1.0.0"', 'W/"0.1.1.0"', "*", '"7", 0.1.0.0'):
         ok = await client.patch(
             f"/v1/instances/{made['id']}",
-            json={"deletion_protection": True},
+            json={"deletion_protection": tag != "*"},
             headers={**tenant.headers, "If-Match": tag},
         )
         assert ok.status_code == 202, tag
@@ -331,8 +333,17 @@ async def test_events_are_the_audit_log_oldest_first_with_cursor(
         "actor",
         "reason",
         "detail",
+        "seq",
+        "hash",
     }
     assert rest["items"][0]["label"] == "Created"
+    # The instance's chain as the API shows it: seq 0, 1, 2, each hash the one in the log.
+    assert [e["seq"] for e in first["items"] + rest["items"]] == [0, 1, 2]
+    cursor = await conn.execute(
+        "SELECT hash FROM instance_events WHERE instance_id = %s ORDER BY seq", (made["id"],)
+    )
+    stored = [bytes(row["hash"]).hex() for row in await cursor.fetchall()]
+    assert [e["hash"] for e in first["items"] + rest["items"]] == stored
     assert await audit.verify(conn) == []
 
 
@@ -354,3 +365,69 @@ async def test_lifecycle_and_plans_are_public(client: httpx.AsyncClient) -> None
     assert by_name["medium"]["instances"] == 3 and by_name["medium"]["memory"] == "1Gi"
     dev = next(p for p in plans if p["name"] == "dev")
     assert dev["backups"] == {"interval_s": 86400.0, "keep": 3}
+
+
+async def test_the_etag_covers_the_spec_and_flags_so_two_changes_against_one_etag_cannot_both_win(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"])
+    path = f"/v1/instances/{made['id']}"
+    seen = (await client.get(path, headers=tenant.headers)).headers["etag"]
+    # Two clients read the same ETag and change the plan: the second one did not see the first.
+    first = await client.patch(path, json={"plan": "small"}, headers={**tenant.headers, "If-Match": seen})
+    second = await client.patch(path, json={"plan": "medium"}, headers={**tenant.headers, "If-Match": seen})
+    assert first.status_code == 202 and first.headers["etag"] != seen
+    assert second.status_code == 412, second.text
+    assert second.headers["content-type"] == "application/problem+json"
+    shown = await client.get(path, headers=tenant.headers)
+    assert shown.json()["plan"] == "small" and shown.json()["state_version"] == 2  # no transition moved
+    # Deletion protection moves it too (it is not a transition either), and so does a deletion.
+    now = shown.headers["etag"]
+    protect = await client.patch(
+        path, json={"deletion_protection": True}, headers={**tenant.headers, "If-Match": now}
+    )
+    assert protect.status_code == 202 and protect.headers["etag"] != now
+    stale = await client.patch(
+        path, json={"deletion_protection": False}, headers={**tenant.headers, "If-Match": now}
+    )
+    assert stale.status_code == 412
+    assert (await client.get(path, headers=tenant.headers)).json()["deletion_protection"] is True
+    unprotect = await client.patch(
+        path,
+        json={"deletion_protection": False},
+        headers={**tenant.headers, "If-Match": protect.headers["etag"]},
+    )
+    deleted = await client.delete(path, headers={**tenant.headers, "If-Match": unprotect.headers["etag"]})
+    assert deleted.status_code == 202 and deleted.headers["etag"] != unprotect.headers["etag"]
+
+
+async def test_if_none_match_answers_304_while_the_instance_is_unchanged(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    path = f"/v1/instances/{made['id']}"
+    tag = (await client.get(path, headers=tenant.headers)).headers["etag"]
+    for asked in (tag, f'"other", {tag}', f"W/{tag}", "*"):
+        unchanged = await client.get(path, headers={**tenant.headers, "If-None-Match": asked})
+        assert unchanged.status_code == 304, asked
+        assert unchanged.content == b"" and unchanged.headers["etag"] == tag
+    await client.patch(path, json={"plan": "small"}, headers=tenant.headers)
+    changed = await client.get(path, headers={**tenant.headers, "If-None-Match": tag})
+    assert changed.status_code == 200 and changed.json()["plan"] == "small"
+    assert changed.headers["etag"] != tag
+
+
+async def test_a_response_carrying_a_password_is_never_stored_by_a_cache(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    path = f"/v1/instances/{made['id']}"
+    assert "cache-control" not in (await client.get(path, headers=tenant.headers)).headers  # no password yet
+    await make_ready(conn, api_settings, made["id"], password="s3cret")
+    shown = await client.get(path, headers=tenant.headers)
+    assert shown.json()["connection"]["password"] == "s3cret"
+    assert shown.headers["cache-control"] == "no-store"
+    # The keys a request creates are secrets too: shown once, never stored.
+    key = await client.post("/v1/keys", json={"name": "ci"}, headers=tenant.headers)
+    assert key.status_code == 201 and key.headers["cache-control"] == "no-store"

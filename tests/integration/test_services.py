@@ -40,7 +40,7 @@ async def test_create_change_and_delete_without_the_api(conn: AsyncConn) -> None
         await instances.create(conn, CUSTOMER, "req-2", asked, POLICY)
     assert (await (await conn.execute("SELECT count(*) AS n FROM instances")).fetchone()) == {"n": 1}
 
-    stale = instances.Versions(frozenset({inst.state_version + 1}), '"1"')
+    stale = instances.Versions(frozenset({"1.1.0.0"}), '"1.1.0.0"')
     with pytest.raises(PreconditionFailed) as refused:
         await instances.change(
             conn, CUSTOMER, None, instances.ChangeInstance(org, inst.id, "small", None, stale), POLICY

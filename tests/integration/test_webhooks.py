@@ -9,7 +9,7 @@ import httpx
 from controlplane import audit
 from controlplane.db import AsyncConn
 from controlplane.settings import Settings
-from tests.api_support import Tenant, create, deliver, drive, make_ready, sign, stripe_event
+from tests.api_support import Tenant, create, deliver, drive, make_ready, serving, sign, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -145,3 +145,35 @@ async def test_not_a_stripe_event_is_400(client: httpx.AsyncClient) -> None:
     for payload in (b"[1, 2]", b"{}", b"not json"):
         response = await deliver(client, payload)
         assert response.status_code == 400, payload
+
+
+async def test_hostile_signed_events_are_400_problems_and_nothing_is_recorded(
+    api_settings: Settings, conn: AsyncConn, tenant: Tenant
+) -> None:
+    """A signed body nested 5,000 deep, and event ids or values holding a lone surrogate (JSON can
+    spell them, UTF-8 cannot): each refused whole with a 400 problem, none half-recorded."""
+    async with serving(api_settings, max_body_bytes=65536) as client:
+        await _hostile_events_refused(client, conn, tenant)
+
+
+async def _hostile_events_refused(client: httpx.AsyncClient, conn: AsyncConn, tenant: Tenant) -> None:
+    deep = b'{"id": "evt_deep", "type": "customer.subscription.updated", "data": ' + b'{"a": ' * 5000
+    deep += b"1" + b"}" * 5001
+    lone = stripe_event("evt_\\ud800", tenant.stripe_customer_id, "unpaid", 100).replace(
+        b"evt_\\\\ud800", b"evt_\\ud800"
+    )
+    assert b'"evt_\\ud800"' in lone
+    in_status = stripe_event("evt_status", tenant.stripe_customer_id, "unpaid", 100).replace(
+        b'"unpaid"', b'"unpaid\\udfff"'
+    )
+    for payload in (deep, lone, in_status):
+        response = await deliver(client, payload)
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"] == "application/problem+json"
+        assert response.json()["type"] == "urn:controlplane:problem:bad-request"
+    cursor = await conn.execute("SELECT count(*) AS n FROM stripe_events")
+    assert await cursor.fetchone() == {"n": 0}
+    assert (await _org(conn, tenant))["billing_hold"] is False
+    # The endpoint still takes a good event after them.
+    good = await deliver(client, stripe_event("evt_good", tenant.stripe_customer_id, "unpaid", 100))
+    assert good.status_code == 200 and good.json()["outcome"] == "hold"

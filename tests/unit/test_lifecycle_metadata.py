@@ -72,8 +72,8 @@ def test_every_transitional_state_has_the_deadline_the_reconciler_enforces() -> 
     assert [s["name"] for s in document["steps"]["provision"]] == list(OPERATION_STEPS[PROVISION])
 
 
-# A server path (API paths are fine), an address, an exception's class name or a provider's words:
-# none is for customers.
+# A server path (API paths are fine), an address, an exception's class name or a provider's
+# words: none is for customers.
 INTERNAL = re.compile(r"(^|\s)/(?!v1/)\w|\w+Error|\w+Exception|\d+\.\d+\.\d+\.\d+|injected|kubernetes|pg_")
 
 
@@ -256,7 +256,7 @@ def test_an_overdue_step_shows_overdue_before_the_deadline() -> None:
     running = progress.LiveJob(JOB_ID, PROVISION, 1, "running")
     on_time = progress.progress(inst, records, running, USUAL, T0 + timedelta(seconds=5))
     late = progress.progress(inst, records, running, USUAL, T0 + timedelta(seconds=30))
-    assert on_time is not None and late is not None
+    assert on_time is not None and late is not None and inst.deadline_at is not None
     assert on_time["overdue"] is False
     assert inst.deadline_at is not None
     assert late["overdue"] is True and late["expected_by"] < T0 + timedelta(seconds=30) < inst.deadline_at

@@ -32,7 +32,7 @@ from controlplane.api.errors import ProblemError
 from controlplane.api.models import InstanceCreate, InstanceUpdate, KeyCreate
 from controlplane.api.state import AppState, app_state
 from controlplane.db import AsyncConn
-from controlplane.domain_errors import DomainError, NotFound
+from controlplane.domain_errors import DomainError, LimitReached, NotFound
 from controlplane.records import Instance as InstanceRecord
 from controlplane.services import instances
 
@@ -42,6 +42,9 @@ router = APIRouter(include_in_schema=False)
 PAGE = 100
 # Rows of the audit timeline on one page.
 HISTORY_PAGE = 25
+# The most keys the console lists or names actors from (an organisation holds at most
+# CONTROLPLANE_API_MAX_KEYS_PER_ORG live ones; the rest are revoked).
+KEYS_SHOWN = 1000
 # Where a failure leaves an instance (listed apart from the live ones and the deleted ones).
 FAILED = lifecycle.INSTANCE.targets_of("fail")
 
@@ -381,7 +384,7 @@ async def history(
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who)
-        keys = {row["id"]: row for row in await tenants.list_keys(conn, who.org_id)}
+        keys = {row["id"]: row for row in await tenants.list_keys(conn, who.org_id, limit=KEYS_SHOWN)}
         doc = await views.one_instance(conn, record, app.box)
     entries = [_entry(event, keys) for event in map(views.event, rows)]
     context = _page(who, org, "instance") | {
@@ -443,15 +446,23 @@ async def create_key(request: Request, who: SignedIn, form: Form) -> Response:
         return await _keys_view(request, who, error=message, status=422)
     request_key = f"console-key:{form.get('request_key', '')}"[: idempotency.MAX_KEY_LENGTH]
     digest = idempotency.request_hash("POST", "/keys", {"name": body.name})
-    async with app_state(request).pool.connection() as conn, conn.transaction():
-        # The form's own key: posting it again (a reload of the answer) makes no second key, and
-        # the first is not shown again (it is kept only hashed).
-        if await idempotency.begin(conn, who.org_id, request_key, digest) is not None:
-            notice = "That key was made already and is shown only once: make another if it was not copied."
-            return await _keys_view(request, who, notice=notice)
-        key = await tenants.create_key(conn, who.org_id, name=body.name)
-        stored = idempotency.StoredResponse(201, {"id": str(key.id)}, {})
-        await idempotency.save(conn, who.org_id, request_key, digest, stored)
+    state = app_state(request)
+    try:
+        async with state.pool.connection() as conn, conn.transaction():
+            # The form's own key: posting it again (a reload of the answer) makes no second key,
+            # and the first is not shown again (it is kept only hashed).
+            if await idempotency.begin(conn, who.org_id, request_key, digest) is not None:
+                notice = (
+                    "That key was made already and is shown only once: make another if it was not copied."
+                )
+                return await _keys_view(request, who, notice=notice)
+            key = await tenants.create_key(
+                conn, who.org_id, name=body.name, max_per_org=state.settings.api.max_keys_per_org
+            )
+            stored = idempotency.StoredResponse(201, {"id": str(key.id)}, {})
+            await idempotency.save(conn, who.org_id, request_key, digest, stored)
+    except LimitReached as exc:
+        return await _keys_view(request, who, error=str(exc), status=409)
     return await _keys_view(request, who, new_key={"name": body.name, "key": key.plaintext}, status=201)
 
 
@@ -480,7 +491,7 @@ async def _keys_view(
 ) -> Response:
     async with app_state(request).pool.connection() as conn:
         org = await _org(conn, who)
-        keys = await tenants.list_keys(conn, who.org_id)
+        keys = await tenants.list_keys(conn, who.org_id, limit=KEYS_SHOWN)
     context = _page(who, org, "keys") | {
         "keys": [dict(key) for key in keys],
         "current_key": who.session.key_id,
