@@ -19,7 +19,7 @@ import httpx
 from controlplane.db import ROOT
 from controlplane.postgres import free_port
 from controlplane.settings import Settings
-from tests.provisioning_support import WORKER_SETTINGS, settings_env
+from tests.provisioning_support import QUICK_RETRIES, WORKER_SETTINGS, real_instances, settings_env
 
 CLI = [sys.executable, "-m", "controlplane.cli"]
 CHROMIUM = Path(shutil.which("chromium") or "/usr/bin/chromium")
@@ -144,3 +144,23 @@ def screenshot(page: Any, name: str) -> Path:
     page.screenshot(path=str(path), full_page=True)
     print(f"screenshot: {path.relative_to(ROOT)}")
     return path
+
+
+@contextlib.contextmanager
+def stack_on_a_copy(
+    test_server: Any, template_url: str, pg_root: Path, logs: Path, prefix: str
+) -> Iterator[tuple[Stack, str]]:
+    """The roles as processes over a database of their own (a copy of the migrated template), with
+    real instance servers under `pg_root`; the stack and its database's URL. Prints its logs' tail."""
+    name = f"{prefix}_{os.getpid()}"
+    test_server.drop_database(name)
+    url = test_server.create_database(name, template=template_url.rsplit("/", 1)[1])
+    try:
+        with (
+            real_instances(pg_root, url, **QUICK_RETRIES, job_max_attempts=2) as settings,
+            running_stack(settings, logs) as running,
+        ):
+            yield running, url
+            print(running.log_text()[-20000:])
+    finally:
+        test_server.drop_database(name)

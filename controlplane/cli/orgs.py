@@ -117,9 +117,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_key_create(args: argparse.Namespace) -> int:
+def _keys(args: argparse.Namespace) -> tuple[Api, str]:
+    """The client and the keys' path: the caller's organisation's, or (admin) --org's."""
     api = Api(args, admin=bool(args.org))
-    path = f"/v1/orgs/{org_id(api, args.org)}/keys" if args.org else "/v1/keys"
+    return api, f"/v1/orgs/{org_id(api, args.org)}/keys" if args.org else "/v1/keys"
+
+
+def cmd_key_create(args: argparse.Namespace) -> int:
+    api, path = _keys(args)
     key = api.request("POST", path, json={"name": args.name})
     fmt = output_format(args)
     if fmt != "table":
@@ -131,8 +136,7 @@ def cmd_key_create(args: argparse.Namespace) -> int:
 
 
 def cmd_key_list(args: argparse.Namespace) -> int:
-    api = Api(args, admin=bool(args.org))
-    path = f"/v1/orgs/{org_id(api, args.org)}/keys" if args.org else "/v1/keys"
+    api, path = _keys(args)
     items = api.all_items(path)
     fmt = output_format(args)
     if fmt != "table":

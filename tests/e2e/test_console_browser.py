@@ -5,7 +5,6 @@ servers) and, for failures, the fault-injecting one."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,10 +23,9 @@ from tests.browser_support import (
     WEBHOOK_SECRET,
     Stack,
     chromium_args,
-    running_stack,
     screenshot,
+    stack_on_a_copy,
 )
-from tests.provisioning_support import QUICK_RETRIES, real_instances
 
 if not CHROMIUM.exists():  # dev.py test installs it (as root); say so rather than skip quietly
     pytest.fail(f"{CHROMIUM} is missing: `python3 dev.py test` installs it as root", pytrace=False)
@@ -45,18 +43,9 @@ expect.set_options(timeout=15_000)
 def stack(
     test_server: Any, template_url: str, pg_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    name = f"cp_console_{os.getpid()}"
-    test_server.drop_database(name)
-    url = test_server.create_database(name, template=template_url.rsplit("/", 1)[1])
-    try:
-        with (
-            real_instances(pg_root, url, **QUICK_RETRIES, job_max_attempts=2) as settings,
-            running_stack(settings, tmp_path_factory.mktemp("console-logs")) as running,
-        ):
-            yield running
-            print(running.log_text()[-20000:])
-    finally:
-        test_server.drop_database(name)
+    logs = tmp_path_factory.mktemp("console-logs")
+    with stack_on_a_copy(test_server, template_url, pg_root, logs, "cp_console") as (running, _url):
+        yield running
 
 
 @pytest.fixture(scope="module")

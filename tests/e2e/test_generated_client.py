@@ -20,8 +20,7 @@ import pytest
 from controlplane import db, tenants
 from controlplane.api.app import create_app
 from controlplane.settings import Settings
-from tests.browser_support import Stack, running_stack
-from tests.provisioning_support import QUICK_RETRIES, real_instances
+from tests.browser_support import Stack, stack_on_a_copy
 
 GENERATOR = "openapi-python-client==0.29.1"
 # What the generated client imports beyond the generator's own dependencies.
@@ -63,18 +62,9 @@ def generator() -> Path:
 def stack(
     test_server: Any, template_url: str, pg_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Stack, str]]:
-    name = f"cp_sdk_{os.getpid()}"
-    test_server.drop_database(name)
-    url = test_server.create_database(name, template=template_url.rsplit("/", 1)[1])
-    try:
-        with (
-            real_instances(pg_root, url, **QUICK_RETRIES, job_max_attempts=2) as settings,
-            running_stack(settings, tmp_path_factory.mktemp("sdk-logs")) as running,
-        ):
-            yield running, url
-            print(running.log_text()[-10000:])
-    finally:
-        test_server.drop_database(name)
+    logs = tmp_path_factory.mktemp("sdk-logs")
+    with stack_on_a_copy(test_server, template_url, pg_root, logs, "cp_sdk") as stacked:
+        yield stacked
 
 
 DRIVER = textwrap.dedent(
