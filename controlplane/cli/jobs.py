@@ -221,7 +221,7 @@ def cmd_steer(args: argparse.Namespace) -> int:
     try:
         row = run_with_db(args, steer)
     except (queue.ActionRefused, queue.JobNotFound, ValueError) as exc:
-        raise CommandError(str(exc)) from exc
+        raise CommandError(str(exc), exit_codes.for_domain_error(exc)) from exc
     _print_job(args, {k: v for k, v in row.items() if not k.startswith("_")})
     return 0
 

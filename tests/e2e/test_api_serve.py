@@ -163,7 +163,7 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
         out, err = resize.communicate(timeout=30)
     finally:
         resize.kill()
-    assert resize.returncode == 1, (out, err)
+    assert resize.returncode == exit_codes.FAILED, (out, err)
     # The customer's words for the coded reason (the raw error is for SREs only).
     message = failures.reason(failures.PLAN_CHANGE_FAILED).message
     assert err.strip().splitlines() == [

@@ -98,11 +98,11 @@ def test_a_second_up_is_refused_and_sigterm_to_the_launcher_stops_everything() -
             )
             servers = (postmaster_pid(data_dir / "db" / "pg"), postmaster_pid(instance_dir))
 
-            # A second `up` on the same data directory: one line naming the holder, exit 1,
+            # A second `up` on the same data directory: one line naming the holder, exit 6 (busy),
             # nothing of the first one touched.
             second_env = env | {"CONTROLPLANE_API_PORT": str(free_port())}
             second = run_cli(["up", "--data-dir", str(data_dir)], second_env, timeout=60)
-            assert second.returncode == 1
+            assert second.returncode == exit_codes.UNAVAILABLE
             line = one_line(second.stdout + second.stderr)
             holder = int((data_dir / "up.lock").read_text())
             assert f"pid {holder}" in line and holder != launcher.pid, line

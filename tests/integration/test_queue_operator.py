@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from controlplane import audit, db, queue
+from controlplane import audit, db, exit_codes, queue
 from controlplane.cli import main as cli_main
 from controlplane.jobs import NewJob, enqueue, get_job
 from controlplane.lifecycle import IllegalTransition
@@ -112,7 +112,7 @@ def test_cli_lists_steers_and_reports_dwell(fresh_database: str, capsys: pytest.
         == 0
     )
     assert "is now paused" in capsys.readouterr().out
-    assert cli_main(["jobs", "pause", str(job_id), "--reason", "again", *url]) == 1
+    assert cli_main(["jobs", "pause", str(job_id), "--reason", "again", *url]) == exit_codes.CONFLICT
     assert "it is 'paused'" in capsys.readouterr().err
     assert cli_main(["jobs", "list", "--state", "paused", *url]) == 0
     out = capsys.readouterr().out
