@@ -717,8 +717,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
     if output_format(args) == "table":
         follow(api, args.ref, (), quiet=False)
         return 0
-    for name, event in api.stream_events(args.ref):
-        json.dump({"event": name, "data": event}, sys.stdout)
+    # One JSON document a line: each event's data (the snapshot, a transition, a step).
+    for _name, event in api.stream_events(args.ref):
+        json.dump(event, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
