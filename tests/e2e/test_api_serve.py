@@ -80,7 +80,8 @@ class Served:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 30
+        # A generous deadline: on a loaded machine the interpreter alone takes seconds to start.
+        deadline = time.monotonic() + 90
         while True:
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
@@ -88,6 +89,8 @@ class Served:
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()  # not left running into the next tests
+                process.wait()
                 raise AssertionError("the API did not start")
             time.sleep(0.1)
 
