@@ -13,10 +13,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-USAGE = """usage: python3 dev.py up|test|bench|check|shell [args...]
+USAGE = """usage: python3 dev.py up|test|chaos|bench|check|shell [args...]
 
   up     start the whole control plane (embedded PostgreSQL, API, worker, reconciler)
   test   run the test suite, then ruff, mypy and the import contracts
+  chaos  the chaos soak: the control plane under load while its processes are killed
+         (--minutes N, --seed S; writes chaos-report.md and .json)
   bench  run the benchmarks (own environment; writes bench/results/)
   check  ruff, mypy and the import contracts only
   shell  run a command inside the virtual environment, e.g. dev.py shell controlplane --help
@@ -46,6 +48,32 @@ def ensure_venv() -> None:
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
     stamp.write_text(digest)
+
+
+# Debian packages the suite needs, each found by a file it installs (a pattern under /):
+# installed when missing. libfaketime: the clock-skew tests LD_PRELOAD it into a worker.
+DEBIAN_PACKAGES = {"libfaketime": "usr/lib/*/faketime/libfaketime.so.1"}
+
+
+def debian_install(missing: list[str], is_root: bool) -> list[list[str]] | str | None:
+    """What `test` does for the Debian packages it needs: nothing when none is missing, the
+    apt-get commands that install them when we are root, else the one line that says how."""
+    if not missing:
+        return None
+    if not is_root:
+        return f"missing Debian packages the tests need: run `sudo apt-get install -y {' '.join(missing)}`"
+    return [["apt-get", "update"], ["apt-get", "install", "-y", *missing]]
+
+
+def ensure_debian_packages(packages: dict[str, str] = DEBIAN_PACKAGES) -> None:
+    missing = [name for name, pattern in packages.items() if not any(Path("/").glob(pattern))]
+    plan = debian_install(missing, os.geteuid() == 0)
+    if isinstance(plan, str):
+        print(plan, file=sys.stderr)
+        return
+    for command in plan or []:
+        print("+", " ".join(command), flush=True)
+        subprocess.run(command, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
 
 
 # Signals that stop the child: passed on to it, and we wait for it to finish (SIGTERM is what
@@ -82,7 +110,7 @@ def main() -> int:
     if sys.version_info < (3, 11):  # noqa: UP036 (this script may be started by an older Python)
         print("controlplane needs Python 3.11 or newer", file=sys.stderr)
         return 2
-    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test", "bench", "check", "shell"}:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test", "chaos", "bench", "check", "shell"}:
         print(USAGE, file=sys.stderr)
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
@@ -90,10 +118,13 @@ def main() -> int:
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":
+        ensure_debian_packages()
         code = run([venv_bin("python"), "-m", "pytest", *rest])
         return code or checks()
     if command == "check":
         return checks()
+    if command == "chaos":
+        return run([venv_bin("python"), "-m", "controlplane.chaos", *rest])
     if command == "bench":
         return run([venv_bin("python"), "-m", "bench", *rest])
     return run(rest)
