@@ -231,6 +231,7 @@ stripe_events = Table(
     Column("created", BigInteger, nullable=False),
     Column("outcome", Text, nullable=False),
     Column("received_at", TZ, nullable=False, server_default=NOW),
+    Column("status", Text),
 )
 
 idempotency_keys = Table(

@@ -649,9 +649,9 @@ class Faults:
         await self.http.aclose()
 
 
-async def supervise(cluster: Cluster) -> None:
-    """Start again every process found dead (after RESTART_AFTER_S), until the soak stops."""
-    while not cluster.stop.is_set():
+async def supervise(cluster: Cluster, stop: asyncio.Event) -> None:
+    """Start again every process found dead (after RESTART_AFTER_S), until `stop`."""
+    while not stop.is_set():
         for proc in cluster.procs:
             if not proc.alive():
                 if proc.killed_at is None:
@@ -664,7 +664,7 @@ async def supervise(cluster: Cluster) -> None:
                 if time.monotonic() - proc.killed_at >= RESTART_AFTER_S:
                     proc.start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(cluster.stop.wait(), timeout=0.2)
+            await asyncio.wait_for(stop.wait(), timeout=0.2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,7 +736,8 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
     workload = Workload(cluster, rng, report, options)
     keeper_stop = asyncio.Event()
     keeper = asyncio.create_task(keep_running(cluster.database, keeper_stop, interval_s=0.5))
-    supervisor = asyncio.create_task(supervise(cluster))
+    supervisor_stop = asyncio.Event()
+    supervisor = asyncio.create_task(supervise(cluster, supervisor_stop))
     try:
         await _wait_serving(cluster, faults.http)
         duration = options.minutes * 60
@@ -751,12 +752,6 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
         cluster.stop.set()
         await asyncio.gather(*clients)
         await asyncio.gather(*faults.recoveries)
-        supervisor_done = supervisor
-        await supervisor_done
-        # The supervisor stopped with the workload: what it would restart is started here, once.
-        for proc in cluster.procs:
-            if not proc.alive():
-                proc.start()
         taken, report.convergence_s = await wait_converged(cluster, options.converge_timeout_s)
         report.violations = plan.violations(workload.ledger, taken)
         report.violations += [
@@ -770,6 +765,7 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
             )
     finally:
         cluster.stop.set()
+        supervisor_stop.set()
         keeper_stop.set()
         await asyncio.gather(keeper, supervisor, return_exceptions=True)
         await faults.close()
