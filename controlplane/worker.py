@@ -20,7 +20,7 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
-from controlplane import db, metrics, queue, sql, transitions
+from controlplane import crashpoints, db, metrics, queue, sql, transitions
 from controlplane.db import AsyncConn
 from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.registry import JobContext, JobRegistry, Verdict
@@ -341,6 +341,7 @@ class Worker:
             log.exception("worker %s: job %s (%s) raised", self.worker_id, held.id, held.job["kind"])
             self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
         else:
+            crashpoints.reached("worker.after_handler")
             problem = _not_a_verdict(verdict)
             if problem:
                 self._fail(held, problem, "temporary", None)
@@ -543,6 +544,7 @@ async def run_worker(
     policy: RetryPolicy | None = None,
 ) -> int:
     """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
+    crashpoints.arm(crashpoints.parse(settings.crash_points))
     url = db.resolve_database_url(settings)
     worker_id = settings.worker.id or default_worker_id()
     pool = db.pool(

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from controlplane import db, sql
+from controlplane import crashpoints, db, sql
 from controlplane.api import errors, idempotency, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
@@ -106,9 +106,12 @@ async def create(
             await idempotency.save(
                 conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
             )
+        crashpoints.reached("api.create.before_commit")
         return JSONResponse(body_json, status_code=202, headers=headers)
 
-    return await db.in_transaction(state.pool, create_once)
+    response = await db.in_transaction(state.pool, create_once)
+    crashpoints.reached("api.create.after_commit")
+    return response
 
 
 @router.get(

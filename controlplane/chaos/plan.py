@@ -106,10 +106,22 @@ class Snapshot:
 
 
 def converged(snapshot: Snapshot) -> bool:
-    """Whether the control plane has settled: no live job and every instance in a settled state."""
-    return not any(j["state"] in LIVE_JOB_STATES for j in snapshot.jobs) and all(
-        i["state"] in SETTLED for i in snapshot.instances
-    )
+    """Whether the control plane has settled: no live job, every instance in a settled state, and
+    no intent left for the reconciler to act on (a deletion recorded, a plan change not applied, a
+    hold or a release not carried out)."""
+    if any(j["state"] in LIVE_JOB_STATES for j in snapshot.jobs):
+        return False
+    holds = {str(o["id"]): bool(o["billing_hold"]) for o in snapshot.organisations}
+    for row in snapshot.instances:
+        state, held = row["state"], holds.get(str(row["org_id"]), False)
+        if state not in SETTLED or (row.get("deletion_requested") and state != "deleted"):
+            return False
+        unapplied = row["observed_generation"] < row["spec_generation"] != row.get("failed_generation")
+        if state == "ready" and (held or unapplied):
+            return False
+        if state == "suspended" and row["suspended_by_billing"] and not held:
+            return False
+    return True
 
 
 def violations(ledger: Ledger, snapshot: Snapshot) -> list[str]:
@@ -143,6 +155,8 @@ def _instances(ledger: Ledger, instances: Mapping[str, Mapping[str, Any]]) -> li
             found.append(f"instance {iid} did not converge: {state} ({row.get('failure_reason')})")
         if iid in ledger.deletes and state != "deleted":
             found.append(f"instance {iid}: its deletion was accepted, but it is {state}")
+        if row.get("deletion_requested") and state != "deleted":
+            found.append(f"instance {iid}: its deletion is recorded, but it is {state}")
         if iid not in ledger.deletes and state == "deleted":
             found.append(f"instance {iid} is deleted, but no deletion of it was accepted")
         expected = ledger.plans.get(iid)

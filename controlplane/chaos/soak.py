@@ -48,6 +48,7 @@ RECOVERY_BOUND_S = 180.0
 RESTART_AFTER_S = 1.0
 PROBE_INTERVAL_S = 0.25
 TARGET_WAIT_S = 15.0
+SETTLED_FOR_S = 5.0
 ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
 
@@ -681,7 +682,8 @@ async def snapshot(cluster: Cluster) -> plan.Snapshot:
 
         instances = await rows(
             "SELECT id, org_id, state, spec->>'plan' AS plan, spec_generation, observed_generation,"
-            " failed_generation, suspended_by_billing, failure_reason FROM instances"
+            " failed_generation, suspended_by_billing, failure_reason,"
+            " deletion_requested_at IS NOT NULL AS deletion_requested FROM instances"
         )
         jobs = await rows("SELECT id, kind, state, instance_id FROM jobs")
         organisations = await rows("SELECT id, billing_hold FROM organisations")
@@ -706,10 +708,16 @@ async def snapshot(cluster: Cluster) -> plan.Snapshot:
 
 async def wait_converged(cluster: Cluster, timeout_s: float) -> tuple[plan.Snapshot, float | None]:
     began = time.monotonic()
+    settled_since: float | None = None
     while True:
         taken = await snapshot(cluster)
         if plan.converged(taken) and not _orphans(taken):
-            return taken, round(time.monotonic() - began, 1)
+            # Settled for a few reconciler intervals in a row: no pass has anything left to start.
+            settled_since = settled_since or time.monotonic()
+            if time.monotonic() - settled_since >= SETTLED_FOR_S:
+                return taken, round(settled_since - began, 1)
+        else:
+            settled_since = None
         if time.monotonic() - began > timeout_s:
             return taken, None
         await asyncio.sleep(1)

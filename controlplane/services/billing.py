@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from controlplane import billing, db, jobs, kinds, lifecycle, sql
+from controlplane import billing, crashpoints, db, jobs, kinds, lifecycle, sql
 from controlplane.db import AsyncConn
 from controlplane.services.policy import Policy
 from controlplane.transitions import Actor
@@ -52,6 +52,7 @@ async def apply_stripe_event(
         )
         if await cursor.fetchone() is None:
             return StripeEventApplied("duplicate")
+        crashpoints.reached("webhook.after_record")
         applied = await _apply(conn, event, actor, policy, request_id)
         await conn.execute(sql.SET_STRIPE_EVENT_OUTCOME, {"outcome": applied.outcome, "id": event.id})
     return applied

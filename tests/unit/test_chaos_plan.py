@@ -171,3 +171,20 @@ def test_the_report_tables_faults_operations_and_violations() -> None:
     assert "| create | 5 | 4 | 1 |" in text and "**Invariant violations: 1**" in text
     data = json.loads(report.dumps())
     assert data["invariant_violations"] == 1 and data["operations"]["create"]["completed"] == 4
+
+
+def test_not_converged_while_an_intent_waits_for_the_reconciler() -> None:
+    def settled(**change: Any) -> bool:
+        _, snapshot = _world(_instance(**change))
+        return plan.converged(plan.Snapshot(**snapshot))
+
+    assert settled()
+    assert not settled(deletion_requested=True)  # ready, the deprovision not enqueued yet
+    assert not settled(spec_generation=2)  # a plan change accepted, its update not enqueued yet
+    assert settled(spec_generation=2, failed_generation=2)  # given up: nothing will retry it
+    assert not settled(state="suspended", suspended_by_billing=True)  # the release not carried out
+    assert not settled(state="provisioning")
+    _, held = _world(_instance(), hold=True)
+    assert not plan.converged(plan.Snapshot(**held))  # the hold not carried out
+    ledger, recorded = _world(_instance(deletion_requested=True))
+    assert "its deletion is recorded, but it is ready" in " ".join(_check(ledger, recorded))
