@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from collections import Counter
@@ -16,7 +17,7 @@ def test_the_schedule_is_seeded_bounded_and_gives_every_kind_its_turn() -> None:
     faults = plan.schedule(7, 600, 5, 40)
     assert faults == plan.schedule(7, 600, 5, 40)
     assert faults != plan.schedule(8, 600, 5, 40)
-    gaps = [b.at_s - a.at_s for a, b in zip(faults, faults[1:], strict=False)]
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(faults)]
     assert all(5 - 0.01 <= gap <= 40 + 0.01 for gap in gaps) and 5 <= faults[0].at_s <= 40
     assert faults[-1].at_s < 600
     for start in range(0, len(faults) - len(plan.FAULT_KINDS) + 1, len(plan.FAULT_KINDS)):
