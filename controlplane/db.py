@@ -16,7 +16,7 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import DictRow, dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
 from controlplane import metrics
@@ -217,8 +217,8 @@ class Pool(AsyncConnectionPool[AsyncConn]):
     It never stops trying to reconnect (psycopg_pool gives up after `reconnect_timeout`, 300 s by
     default) and tries at least every RECONNECT_MAX_DELAY_S; while its last connection attempt
     failed, a caller waits OUTAGE_WAIT_S for a connection rather than the full timeout (30 s),
-    and gets PoolTimeout. Once a connection succeeds again, the idle connections broken by the
-    outage are checked and replaced.
+    and gets PoolTimeout (so do the callers already waiting when an attempt fails). Once a
+    connection succeeds again, the idle connections broken by the outage are checked and replaced.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -263,6 +263,7 @@ class Pool(AsyncConnectionPool[AsyncConn]):
                 log.warning(
                     "pool %s: the database is unavailable (%s); retrying", self.name, str(exc).strip()
                 )
+            await self._fail_waiting()
             raise
         if self.unavailable_since is not None:
             log.warning(
@@ -274,6 +275,14 @@ class Pool(AsyncConnectionPool[AsyncConn]):
             if self._checking is None or self._checking.done():
                 self._checking = asyncio.get_running_loop().create_task(self.check())
         return conn
+
+    async def _fail_waiting(self) -> None:
+        """End the waits of the callers queued for a connection (PoolTimeout, as after
+        OUTAGE_WAIT_S): one that asked before the outage was known would otherwise wait out the
+        full timeout for a connection no attempt can make."""
+        async with self._lock:
+            while self._waiting:
+                await self._waiting.popleft().fail(PoolTimeout("the database is unavailable"))
 
 
 def pool(

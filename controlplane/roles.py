@@ -21,7 +21,7 @@ from controlplane import crashpoints, datadir, db, lifecycle, operations, sql, t
 from controlplane.api.app import create_app, end_streams
 from controlplane.registry import JobRegistry
 from controlplane.settings import NotAvailable, Settings
-from controlplane.worker import Worker, default_worker_id
+from controlplane.worker import Worker, default_worker_id, worker_pool
 from provisioners.base import Provisioner
 from reconciler.leader import LeaderElection
 from reconciler.reconciler import Reconciler
@@ -127,14 +127,7 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
     worker_id = settings.worker.id or default_worker_id()
-    pool = db.pool(
-        url,
-        min_size=2,
-        max_size=settings.worker.concurrency + 3,
-        name=f"worker-{worker_id}",
-        timeouts=db.Timeouts.background(settings),
-    )
-    await pool.open(wait=True, timeout=30)
+    pool = await worker_pool(settings, url, worker_id)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
     try:

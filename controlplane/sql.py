@@ -645,6 +645,8 @@ GROUP BY state
 # ---- the schema's revision (readiness) and the reconciler's leader lock ----------------------------
 
 SCHEMA_REVISION = "SELECT version_num FROM alembic_version"
+# Whether this session can write (a standby, or default_transaction_read_only, says off).
+SESSION_WRITABLE = "SELECT current_setting('transaction_read_only') = 'off' AS writable"
 
 PING = "SELECT 1"
 TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s) AS locked"

@@ -572,6 +572,20 @@ def _not_a_verdict(verdict: object) -> str | None:
     return None
 
 
+async def worker_pool(settings: Settings, url: str, worker_id: str) -> db.Pool:
+    """The open pool of a worker: a connection per job it runs at once, and a few for its
+    listener and heartbeats; its sessions under the background roles' timeouts."""
+    pool = db.pool(
+        url,
+        min_size=2,
+        max_size=settings.worker.concurrency + 3,
+        name=f"worker-{worker_id}",
+        timeouts=db.Timeouts.background(settings),
+    )
+    await pool.open(wait=True, timeout=30)
+    return pool
+
+
 async def run_worker(
     settings: Settings,
     registry: JobRegistry,
@@ -583,14 +597,7 @@ async def run_worker(
     crashpoints.arm(crashpoints.parse(settings.crash_points))
     url = db.resolve_database_url(settings)
     worker_id = settings.worker.id or default_worker_id()
-    pool = db.pool(
-        url,
-        min_size=2,
-        max_size=settings.worker.concurrency + 3,
-        name=f"worker-{worker_id}",
-        timeouts=db.Timeouts.background(settings),
-    )
-    await pool.open(wait=True, timeout=30)
+    pool = await worker_pool(settings, url, worker_id)
     worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

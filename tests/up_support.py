@@ -178,6 +178,23 @@ def run_cli(
     return result
 
 
+def postmaster_pid(datadir: Path) -> int:
+    return int((datadir / "postmaster.pid").read_text().split()[0])
+
+
+def org_client(data_dir: Path, env: dict[str, str]) -> httpx.Client:
+    """A client with a new organisation's key (made by the CLI, through the running `up`)."""
+    made = run_cli(["orgs", "create", "acme", "--data-dir", str(data_dir)], env)
+    assert made.returncode == 0, made.stderr
+    key = re.search(r"cpk_\S+", made.stdout)
+    assert key is not None
+    return httpx.Client(
+        base_url=f"http://127.0.0.1:{env['CONTROLPLANE_API_PORT']}",
+        headers={"Authorization": f"Bearer {key.group(0)}"},
+        timeout=10,  # a request blocked for 30 s fails the test
+    )
+
+
 @dataclass
 class Served:
     """`controlplane serve` on a port of its own; `restart` stops it (SIGTERM) and starts it again."""

@@ -38,12 +38,16 @@ async def readyz(request: Request) -> Any:
         async with app.pool.connection() as conn:
             cursor = await conn.execute(sql.SCHEMA_REVISION)
             rows = [r["version_num"] for r in await cursor.fetchall()]
+            cursor = await conn.execute(sql.SESSION_WRITABLE)
+            writable = await cursor.fetchone()
+            if not (writable and writable["writable"]):
+                # The pool closes the session (it stays read-only for its life) and opens another
+                # in its place, which finds the database writable once it is.
+                raise db.READ_ONLY("the database is read-only")
     except Exception as exc:
+        why = "read-only" if isinstance(exc, db.READ_ONLY) else f"not reachable: {type(exc).__name__}"
         return errors.problem_response(
-            "unavailable",
-            f"database not reachable: {type(exc).__name__}",
-            instance="/readyz",
-            headers={"Retry-After": "1"},
+            "unavailable", f"database {why}", instance="/readyz", headers={"Retry-After": "1"}
         )
     if rows != [app.head_revision]:
         return errors.problem_response(

@@ -27,6 +27,8 @@ RECONNECT_FOR_S = 60.0
 # Answers after which the watch asks again (the API restarting, or its database for a moment).
 RETRIED_STATUSES = frozenset({502, 503, 504})
 LIST_COLUMNS = ("id", "name", "plan", "state", "state_version", "created_at")
+# `resize --wait` on a suspended instance: the change is recorded, and applied once it resumes.
+RECORDED_WHILE_SUSPENDED = 3
 
 
 def register(commands: Any) -> None:
@@ -50,7 +52,13 @@ def register(commands: Any) -> None:
     resize = _action(actions, "resize", "change a database's plan", cmd_resize)
     resize.add_argument("id")
     resize.add_argument("--plan", required=True)
-    resize.add_argument("--wait", action="store_true")
+    resize.add_argument("--wait", action="store_true", help="follow the change until it is applied")
+    resize.add_argument(
+        "--wait-for-resume",
+        action="store_true",
+        help="with --wait on a suspended instance, keep waiting until it resumes and the change is"
+        f" applied (without it, --wait says the change is recorded and exits {RECORDED_WHILE_SUSPENDED})",
+    )
 
     delete = _action(actions, "delete", "delete a database", cmd_delete)
     delete.add_argument("id")
@@ -301,9 +309,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_resize(args: argparse.Namespace) -> int:
     api = Api(args)
     instance = api.request("PATCH", f"/v1/instances/{args.id}", json={"plan": args.plan})
-    if args.wait:
+    if args.wait or args.wait_for_resume:
         generation = int(instance["spec_generation"])
-        instance = wait_for_generation(api, args.id, generation, args.json)
+        instance = wait_for_generation(
+            api, args.id, generation, args.json, plan=args.plan, through_suspension=args.wait_for_resume
+        )
+        if instance["state"] == "suspended":
+            show_instance(instance, args.json)
+            return RECORDED_WHILE_SUSPENDED
         if instance["observed_generation"] < generation or instance["state"] != "ready":
             show_instance(instance, args.json)
             raise CommandError(
@@ -314,22 +327,47 @@ def cmd_resize(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_generation(api: Api, instance_id: str, generation: int, as_json: bool) -> dict[str, Any]:
-    updates = _updates(api, instance_id)
-    instance = next(updates)
-    if instance["observed_generation"] >= generation and instance["state"] == "ready":
-        return instance
-    for instance in updates:
-        if not as_json:
+def wait_for_generation(
+    api: Api,
+    instance_id: str,
+    generation: int,
+    as_json: bool,
+    *,
+    plan: str,
+    through_suspension: bool,
+) -> dict[str, Any]:
+    """The instance once spec `generation` is applied, given up, or can no longer be; or, unless
+    `through_suspension`, as soon as it is suspended (said at once on stderr: the change waits
+    for the instance to resume)."""
+    told = False
+    for n, instance in enumerate(_updates(api, instance_id)):
+        if n and not as_json:
             print(
                 f"{instance['state']}"
-                + (f" ({instance.get('progress')})" if instance.get("progress") else "")
+                + (f" ({instance.get('progress')})" if instance.get("progress") else ""),
+                flush=True,
             )
         done = instance["observed_generation"] >= generation and instance["state"] == "ready"
         given_up = (instance.get("failed_generation") or 0) >= generation
         if done or given_up or instance["state"] in (*TERMINAL, "degraded"):
-            break
+            return instance
+        if instance["state"] == "suspended" and not told:
+            told = True
+            line = _suspended_line(instance, plan, generation, through_suspension)
+            print(line, file=sys.stderr, flush=True)
+            if not through_suspension:
+                return instance
     return instance
+
+
+def _suspended_line(instance: dict[str, Any], plan: str, generation: int, waiting: bool) -> str:
+    held = "suspended by a billing hold" if instance.get("billing_hold") else "suspended"
+    until = "once the hold ends and it resumes" if instance.get("billing_hold") else "once it resumes"
+    then = "waiting for that (--wait-for-resume)" if waiting else "pass --wait-for-resume to wait for that"
+    return (
+        f"controlplane: resize to {plan} is recorded (spec generation {generation});"
+        f" {instance['id']} is {held}: the change is applied {until}; {then}"
+    )
 
 
 def cmd_delete(args: argparse.Namespace) -> int:

@@ -83,31 +83,31 @@ async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
         await walk(conn, instance_id, "degrade", patch={"failure_reason": reason, "failed_generation": 2})
 
 
-def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
-    served: Served, fresh_database: str
-) -> None:
+def _ready_instance(served: Served, fresh_database: str) -> tuple[str, uuid.UUID]:
+    """A new organisation's key, and its instance `orders` made ready."""
     key = asyncio.run(_org_key(fresh_database))
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
         iid = uuid.UUID(http.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()["id"])
     asyncio.run(_to_ready(fresh_database, iid))
+    return key, iid
+
+
+def _cli(served: Served, key: str, *command: str) -> subprocess.Popen[str]:
     env = {**os.environ, "CONTROLPLANE_URL": served.url, "CONTROLPLANE_API_KEY": key}
-    resize = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "controlplane.cli",
-            "instances",
-            "resize",
-            str(iid),
-            "--plan",
-            "small",
-            "--wait",
-        ],
+    return subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", *command],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
+    served: Served, fresh_database: str
+) -> None:
+    key, iid = _ready_instance(served, fresh_database)
+    resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait")
     try:
         asyncio.run(_update_given_up(fresh_database, iid))
         out, err = resize.communicate(timeout=30)
@@ -118,6 +118,60 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
         "controlplane: error: resize to small did not complete: instance is degraded"
         " (update failed after 1 attempt(s): apply_plan: plan small cannot be applied here)"
     ]
+
+
+async def _billing_hold(url: str, instance_id: uuid.UUID, *events: str, on: bool) -> None:
+    """The instance's organisation put on (or off) billing hold, then the instance moved by `events`
+    (the first one suspending or resuming it by billing)."""
+    conn = await db.connect(url)
+    async with conn:
+        await conn.execute(
+            "UPDATE organisations SET billing_hold = %s"
+            " WHERE id = (SELECT org_id FROM instances WHERE id = %s)",
+            (on, instance_id),
+        )
+        await walk(conn, instance_id, events[0], patch={"suspended_by_billing": on})
+        for event, patch in zip(events[1:], ({}, {"observed_generation": 2}), strict=False):
+            await walk(conn, instance_id, event, patch=patch)
+
+
+def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exits_or_waits_for_resume(
+    served: Served, fresh_database: str
+) -> None:
+    key, iid = _ready_instance(served, fresh_database)
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+        asyncio.run(_billing_hold(fresh_database, iid, "suspend", on=True))
+        recorded = (
+            f"controlplane: resize to small is recorded (spec generation 2); {iid} is suspended by a"
+            " billing hold: the change is applied once the hold ends and it resumes; "
+        )
+
+        # --wait: it says so at once, and exits (3: recorded, not applied yet).
+        resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait", "--json")
+        try:
+            out, err = resize.communicate(timeout=30)
+        finally:
+            resize.kill()
+        assert resize.returncode == 3, (out, err)
+        assert err.splitlines() == [recorded + "pass --wait-for-resume to wait for that"]
+        assert json.loads(out)["state"] == "suspended"
+        shown = http.get(f"/v1/instances/{iid}").json()
+        assert (shown["plan"], shown["spec_generation"], shown["observed_generation"]) == ("small", 2, 1)
+
+        # --wait-for-resume: it says so at once, and waits until the hold ends and the change is applied.
+        resize = _cli(served, key, "instances", "resize", str(iid), "--plan", "small", "--wait-for-resume")
+        try:
+            assert resize.stderr is not None
+            assert resize.stderr.readline().rstrip("\n") == recorded + "waiting for that (--wait-for-resume)"
+            assert resize.poll() is None
+            # The hold ends: it resumes, and the update the reconciler then enqueues runs.
+            asyncio.run(_billing_hold(fresh_database, iid, "resume", "update", "updated", on=False))
+            out, err = resize.communicate(timeout=30)
+        finally:
+            resize.kill()
+    assert resize.returncode == 0, (out, err)
+    fields = [tuple(line.split()) for line in out.splitlines()]
+    assert ("state", "ready") in fields and ("observed_generation", "2") in fields
 
 
 def test_watchers_share_one_connection_sigterm_ends_their_streams_and_the_cli_resumes_after_a_restart(

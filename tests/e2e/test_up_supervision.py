@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import httpx
 import psycopg
 import pytest
 
 from controlplane.postgres import free_port
 from tests.up_support import (
     clean_env,
+    org_client,
+    postmaster_pid,
     processes_mentioning,
     read_until,
     run_cli,
@@ -37,10 +36,6 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-def postmaster_pid(datadir: Path) -> int:
-    return int((datadir / "postmaster.pid").read_text().split()[0])
-
-
 def until(check: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -48,19 +43,6 @@ def until(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"not within {timeout}s: {what}")
-
-
-def org_client(data_dir: Path, env: dict[str, str]) -> httpx.Client:
-    """A client with a new organisation's key (made by the CLI, through the running `up`)."""
-    made = run_cli(["orgs", "create", "acme", "--data-dir", str(data_dir)], env)
-    assert made.returncode == 0, made.stderr
-    key = re.search(r"cpk_\S+", made.stdout)
-    assert key is not None
-    return httpx.Client(
-        base_url=f"http://127.0.0.1:{env['CONTROLPLANE_API_PORT']}",
-        headers={"Authorization": f"Bearer {key.group(0)}"},
-        timeout=10,  # a request blocked for 30 s fails the test
-    )
 
 
 def test_up_restarts_its_killed_postgres_and_requests_fail_fast_meanwhile() -> None:
