@@ -50,24 +50,35 @@ def ensure_venv() -> None:
     stamp.write_text(digest)
 
 
-# Debian packages the suite needs, each found by a file it installs (a pattern under /):
-# installed when missing. libfaketime: the clock-skew tests LD_PRELOAD it into a worker.
-DEBIAN_PACKAGES = {"libfaketime": "usr/lib/*/faketime/libfaketime.so.1"}
+# Debian packages the tests need, each found by a file it installs: installed when missing (one
+# apt-get as root, else one line saying how). Chromium: the console's browser tests drive it;
+# libfaketime: the clock-skew tests LD_PRELOAD it into a worker.
+CHROMIUM = Path("/usr/bin/chromium")
+BROWSER_PACKAGES = ("chromium", "fonts-liberation")
+LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
 
 
-def debian_install(missing: list[str], is_root: bool) -> list[list[str]] | str | None:
-    """What `test` does for the Debian packages it needs: nothing when none is missing, the
-    apt-get commands that install them when we are root, else the one line that says how."""
+def debian_install(missing: tuple[str, ...], is_root: bool, why: str) -> list[list[str]] | str | None:
+    """Nothing when no package is missing, the apt-get commands that install them when we are
+    root, else the one line that says how (`why` says what needs them)."""
     if not missing:
         return None
     if not is_root:
-        return f"missing Debian packages the tests need: run `sudo apt-get install -y {' '.join(missing)}`"
+        return f"{why}: run `sudo apt-get install -y {' '.join(missing)}` (or run this as root)"
     return [["apt-get", "update"], ["apt-get", "install", "-y", *missing]]
 
 
-def ensure_debian_packages(packages: dict[str, str] = DEBIAN_PACKAGES) -> None:
-    missing = [name for name, pattern in packages.items() if not any(Path("/").glob(pattern))]
-    plan = debian_install(missing, os.geteuid() == 0)
+def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | str | None:
+    """What `test` does for the browser tests' Chromium."""
+    missing = () if chromium_present else BROWSER_PACKAGES
+    return debian_install(missing, is_root, f"{CHROMIUM} is missing and the console's browser tests need it")
+
+
+def ensure_debian_packages() -> None:
+    missing = () if CHROMIUM.exists() else BROWSER_PACKAGES
+    if not any(Path("/").glob(LIBFAKETIME)):
+        missing = (*missing, "libfaketime")
+    plan = debian_install(missing, os.geteuid() == 0, "Debian packages the tests need are missing")
     if isinstance(plan, str):
         print(plan, file=sys.stderr)
         return

@@ -9,6 +9,9 @@ secondary indexes are dropped during the load and created again from their own d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import psycopg
 
 # The legal paths to the terminal states: (state_version after the move, from, to, event).
@@ -31,6 +34,11 @@ JOB_PATH = (
     (3, "running", "completed", "finish"),
 )
 LOADED_TABLES = ("instances", "instance_events", "jobs", "job_events")
+# entity -> (entity table, event table, foreign key)
+CHAINED = {
+    "instance": ("instances", "instance_events", "instance_id"),
+    "job": ("jobs", "job_events", "job_id"),
+}
 ORGS = 100
 # One in FAILED_EVERY dead instances failed while pending; the others were deleted.
 FAILED_EVERY = 5
@@ -39,19 +47,14 @@ FAILED_EVERY = 5
 def load_terminal_instances(url: str, count: int) -> None:
     """Insert `count` deleted/failed instances spread over ORGS organisations, with matching events."""
     with psycopg.connect(url) as conn:
+        partitions_since(conn, 40)
         conn.execute(
             "INSERT INTO organisations (name) SELECT 'bench-dead-' || g FROM generate_series(1, %s) g",
             (ORGS,),
         )
-        indexes = conn.execute(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
-            " AND tablename = ANY(%s) AND indexname NOT LIKE 'pk\\_%%'",
-            (list(LOADED_TABLES),),
-        ).fetchall()
+        indexes = drop_indexes(conn, LOADED_TABLES)
         for table in LOADED_TABLES:
             conn.execute(f"ALTER TABLE {table} DISABLE TRIGGER ALL")
-        for name, _ in indexes:
-            conn.execute(f"DROP INDEX {name}")
         conn.execute(
             """
             INSERT INTO instances (org_id, name, spec, state, state_version, state_entered_at,
@@ -79,39 +82,23 @@ def load_terminal_instances(url: str, count: int) -> None:
             FROM instances i WHERE i.name LIKE 'dead-%%'
             """
         )
-        job_values = ", ".join(
-            f"({v}, {'NULL' if src is None else repr(src)}, {dst!r}, {event!r})"
-            for v, src, dst, event in JOB_PATH
-        )
-        conn.execute(
-            f"""
-            INSERT INTO job_events (job_id, from_state, to_state, event, actor_kind, actor_id, detail,
-                                    state_version, at)
-            SELECT j.id, p.from_state, p.to_state, p.event, 'system', 'bench-load', '{{}}'::jsonb, p.v,
-                   j.created_at + p.v * interval '1 second'
-            FROM jobs j CROSS JOIN (VALUES {job_values}) AS p(v, from_state, to_state, event)
-            WHERE j.claimed_by = 'bench-load'
-            """
+        load_chains(
+            conn,
+            "job",
+            "SELECT id, created_at AS base FROM jobs WHERE claimed_by = 'bench-load'",
+            JOB_PATH,
+            "base + {v} * interval '1 second'",
         )
         for state, path in (("deleted", DELETED_PATH), ("failed", FAILED_PATH)):
-            values = ", ".join(
-                f"({v}, {'NULL' if src is None else repr(src)}, {dst!r}, {event!r})"
-                for v, src, dst, event in path
+            load_chains(
+                conn,
+                "instance",
+                "SELECT id, created_at AS base FROM instances"
+                f" WHERE state = '{state}' AND name LIKE 'dead-%%'",
+                path,
+                "base + {v} * interval '1 hour'",
             )
-            conn.execute(
-                f"""
-                INSERT INTO instance_events (instance_id, from_state, to_state, event, actor_kind, actor_id,
-                                             reason, detail, state_version, at)
-                SELECT i.id, p.from_state, p.to_state, p.event, 'system', 'bench-load', NULL, '{{}}'::jsonb,
-                       p.v, i.created_at + p.v * interval '1 hour'
-                FROM instances i
-                CROSS JOIN (VALUES {values}) AS p(v, from_state, to_state, event)
-                WHERE i.state = %s AND i.name LIKE 'dead-%%'
-                """,
-                (state,),
-            )
-        for _, definition in indexes:
-            conn.execute(definition)
+        create_indexes(conn, indexes)
         for table in LOADED_TABLES:
             conn.execute(f"ALTER TABLE {table} ENABLE TRIGGER ALL")
     with psycopg.connect(url, autocommit=True) as conn:
@@ -120,3 +107,72 @@ def load_terminal_instances(url: str, count: int) -> None:
         conn.execute("VACUUM (ANALYZE) organisations")
         conn.execute("VACUUM (ANALYZE) jobs")
         conn.execute("VACUUM (ANALYZE) job_events")
+
+
+def drop_indexes(conn: psycopg.Connection[Any], tables: Sequence[str]) -> list[str]:
+    """Drop the tables' secondary indexes (a partitioned table's with its partitions'); return
+    their definitions for create_indexes."""
+    rows = conn.execute(
+        "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
+        " AND tablename = ANY(%s) AND indexname NOT LIKE 'pk\\_%%'",
+        (list(tables),),
+    ).fetchall()
+    for name, _ in rows:
+        conn.execute(f"DROP INDEX {name}")
+    # A partitioned table's index is printed `ON ONLY parent`: made so, it would cover no partition.
+    return [definition.replace(" ON ONLY ", " ON ", 1) for _, definition in rows]
+
+
+def create_indexes(conn: psycopg.Connection[Any], definitions: Sequence[str]) -> None:
+    for definition in definitions:
+        conn.execute(definition)
+
+
+def partitions_since(conn: psycopg.Connection[Any], days: int) -> None:
+    """The event tables' monthly partitions from `days` ago (the loaded history is in the past)."""
+    conn.execute(
+        "SELECT count(*) FROM cp_ensure_event_partitions(now() + interval '3 months',"
+        " now() - make_interval(days => %s))",
+        (days,),
+    )
+
+
+def load_chains(
+    conn: psycopg.Connection[Any],
+    entity: str,
+    entities: str,
+    path: Sequence[tuple[int, str | None, str, str]],
+    at: str,
+) -> None:
+    """Give each entity `entities` selects (id, base time) the events of `path`, hash-chained as the
+    product writes them: one statement per step for all entities, each event linked to the one
+    before it; `at` is each event's time from `base` and the step `{v}`. The rows' chain heads end
+    at the last step."""
+    table, events, fk = CHAINED[entity]
+    conn.execute(
+        "CREATE TEMP TABLE bench_heads AS"
+        f" SELECT id, base, NULL::bytea AS hash, NULL::timestamptz AS at FROM ({entities}) q"
+    )
+    conn.execute("CREATE UNIQUE INDEX ON bench_heads (id)")
+    conn.execute("ANALYZE bench_heads")
+    for v, src, dst, event in path:
+        fields = f"%(src)s, %(dst)s, %(event)s, 'system', 'bench-load', NULL, '{{}}'::jsonb, NULL, {v}"
+        conn.execute(
+            f"""
+            WITH ins AS (
+                INSERT INTO {events} ({fk}, from_state, to_state, event, actor_kind, actor_id, reason,
+                                      detail, request_id, state_version, at, seq, prev_hash, hash)
+                SELECT h.id, {fields}, h.at, {v}, h.hash,
+                       cp_event_hash('{entity}', h.id, {v}, h.hash, {fields}, h.at)
+                FROM (SELECT id, hash, {at.format(v=v)} AS at FROM bench_heads) h
+                RETURNING {fk} AS id, hash, at
+            )
+            UPDATE bench_heads h SET hash = ins.hash, at = ins.at FROM ins WHERE h.id = ins.id
+            """,
+            {"src": src, "dst": dst, "event": event},
+        )
+    conn.execute(
+        f"UPDATE {table} t SET chain_seq = {path[-1][0]}, chain_head = h.hash, state_entered_at = h.at"
+        " FROM bench_heads h WHERE t.id = h.id"
+    )
+    conn.execute("DROP TABLE bench_heads")

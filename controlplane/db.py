@@ -10,17 +10,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
-from controlplane import metrics
+from controlplane import metrics, sql
 from controlplane.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from controlplane.embedded import EmbeddedDatabase
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,8 @@ ALEMBIC_INI = ROOT / "alembic.ini"
 
 AsyncConn = psycopg.AsyncConnection[DictRow]
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -53,7 +59,8 @@ def alembic_config(url: str) -> object:
     return config
 
 
-def migrate(url: str, revision: str = "head") -> None:
+def migrate(url: str, revision: str = "head", *, runtime_role: str | None = None) -> None:
+    """Bring the schema to `revision` as the role of `url` (the owner), then grant the runtime role."""
     from alembic.config import Config
 
     from alembic import command
@@ -61,6 +68,103 @@ def migrate(url: str, revision: str = "head") -> None:
     config = alembic_config(url)
     assert isinstance(config, Config)
     command.upgrade(config, revision)
+    if runtime_role:
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+            grant_runtime(conn, runtime_role)
+
+
+# What the runtime role may do beyond reading: the event logs, the checkpoints and the signing key
+# only grow; the schema's bookkeeping is read only; everything else is read and written.
+APPEND_ONLY_TABLES = frozenset(
+    {
+        "instance_events",
+        "job_events",
+        "job_steps",
+        "audit_keys",
+        "audit_checkpoints",
+        "audit_checkpoint_heads",
+    }
+)
+READ_ONLY_TABLES = frozenset({"alembic_version", "lifecycle_transitions"})
+RUNTIME_FUNCTIONS = ("cp_ensure_event_partitions(timestamptz, timestamptz)",)
+
+
+class RoleError(RuntimeError):
+    """The runtime role cannot be given least privilege (it is the owner, a superuser, or missing)."""
+
+
+def grant_runtime(conn: psycopg.Connection[tuple[Any, ...]], role: str) -> None:
+    """Give `role` exactly what the API, worker and reconciler need, and nothing it could tamper with.
+
+    Run as the owner after every migration, so tables added later are covered. The role owns
+    nothing: it cannot ALTER, DISABLE TRIGGER, TRUNCATE or DROP. On the append-only tables it has
+    INSERT and SELECT, through the partitioned parents only (the partitions, made later by
+    cp_ensure_event_partitions, grant it nothing, and no default privileges are set).
+    """
+    row = conn.execute(sql.ROLE_ATTRIBUTES, {"role": role}).fetchone()
+    if row is None:
+        raise RoleError(f"runtime role {role!r} does not exist (create it first: docs/deployment.md)")
+    superuser, member, same = row
+    if same or member:
+        raise RoleError(f"runtime role {role!r} is the owner or a member of it: it could alter the audit log")
+    if superuser:
+        raise RoleError(f"runtime role {role!r} is a superuser: it could alter the audit log")
+    ident = pgsql.Identifier(role)
+    tables = conn.execute(sql.PUBLIC_TABLES).fetchall()
+    with conn.transaction():
+        conn.execute(pgsql.SQL(sql.GRANT_SCHEMA_USAGE).format(role=ident))
+        for name, is_partition in tables:
+            table = pgsql.Identifier(name)
+            conn.execute(pgsql.SQL(sql.REVOKE_TABLE).format(table=table, role=ident))
+            if is_partition:
+                continue
+            if name in APPEND_ONLY_TABLES:
+                privileges = sql.APPEND_ONLY_PRIVILEGES
+            elif name in READ_ONLY_TABLES:
+                privileges = sql.READ_ONLY_PRIVILEGES
+            else:
+                privileges = sql.READ_WRITE_PRIVILEGES
+            statement = pgsql.SQL(sql.GRANT_TABLE).format(
+                privileges=pgsql.SQL(privileges), table=table, role=ident
+            )
+            conn.execute(statement)
+        conn.execute(pgsql.SQL(sql.GRANT_SEQUENCES).format(role=ident))
+        for function in RUNTIME_FUNCTIONS:
+            conn.execute(pgsql.SQL(sql.REVOKE_FUNCTION_FROM_PUBLIC).format(function=pgsql.SQL(function)))
+            conn.execute(pgsql.SQL(sql.GRANT_FUNCTION).format(function=pgsql.SQL(function), role=ident))
+    log.info("runtime role %s granted its privileges", role)
+
+
+def url_user(url: str | None) -> str | None:
+    """The role a PostgreSQL URL (or key=value string) connects as, if it names one."""
+    if not url:
+        return None
+    user = conninfo_to_dict(libpq_url(url)).get("user")
+    return str(user) if user else None
+
+
+@dataclass(frozen=True)
+class MigrationTarget:
+    """Where migrations run (as the owner) and which role then gets the runtime privileges."""
+
+    url: str
+    runtime_role: str | None
+
+
+def migration_target(settings: Settings, embedded: EmbeddedDatabase | None = None) -> MigrationTarget:
+    """The owner's URL: CONTROLPLANE_MIGRATION_DATABASE_URL, else CONTROLPLANE_DATABASE_URL (one
+    role for everything), else the owner role of the embedded server (`embedded`, or the one a
+    running `up` keeps in data_dir)."""
+    database = settings.database
+    if database.migration_url_value:
+        runtime = database.runtime_role or url_user(database.url_value)
+        return MigrationTarget(libpq_url(database.migration_url_value), runtime)
+    if database.url_value:
+        return MigrationTarget(libpq_url(database.url_value), database.runtime_role)
+    from controlplane.embedded import open_roles, running_embedded
+
+    roles = open_roles(embedded or running_embedded(Path(settings.data_dir) / "db"))
+    return MigrationTarget(roles.owner_url, roles.runtime_role)
 
 
 def head_revision() -> str:
@@ -75,16 +179,17 @@ def head_revision() -> str:
 
 
 def resolve_database_url(settings: Settings) -> str:
-    """The configured URL, or that of the embedded server a running `up` keeps in data_dir.
+    """The runtime role's URL: the configured one, or that of the embedded server a running `up`
+    keeps in data_dir (its runtime role).
 
     Never starts a server: a command that finds neither says in one line what to set
     (NotAvailable). Only `up` (and `migrate`, for its own run) start the embedded server.
     """
     if settings.database.url_value:
         return libpq_url(settings.database.url_value)
-    from controlplane.embedded import running_embedded
+    from controlplane.embedded import open_roles, running_embedded
 
-    return running_embedded(Path(settings.data_dir) / "db").database_url()
+    return open_roles(running_embedded(Path(settings.data_dir) / "db")).runtime_url
 
 
 @contextlib.asynccontextmanager

@@ -148,3 +148,88 @@ async def keep_running(database: EmbeddedDatabase, stop: asyncio.Event, *, inter
                 down_since = None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+# The two roles of the control plane's database: the owner runs migrations; the runtime role
+# (API, worker, reconciler) owns nothing and may only add to the audit log (docs/deployment.md).
+OWNER_ROLE = "controlplane_owner"
+RUNTIME_ROLE = "controlplane_app"
+
+
+@dataclass(frozen=True)
+class DatabaseRoles:
+    owner_url: str
+    runtime_url: str
+    runtime_role: str = RUNTIME_ROLE
+
+
+def role_passwords(root: Path) -> dict[str, str]:
+    """The roles' generated passwords, kept in `root/roles.json` (mode 0600), made the first time."""
+    path = root / "roles.json"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(
+                {OWNER_ROLE: secrets.token_urlsafe(32), RUNTIME_ROLE: secrets.token_urlsafe(32)}, handle
+            )
+    passwords: dict[str, str] = json.loads(path.read_text())
+    return passwords
+
+
+def ensure_roles(admin_url: str, passwords: dict[str, str]) -> None:
+    """Create the owner and runtime roles (login, no other attribute), or reset their passwords."""
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        for role, password in passwords.items():
+            ident = psycopg.sql.Identifier(role)
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            verb = "ALTER" if exists else "CREATE"
+            conn.execute(
+                psycopg.sql.SQL(
+                    verb + " ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD {}"
+                ).format(ident, psycopg.sql.Literal(password))
+            )
+
+
+def hand_over(admin_url: str, database_url: str, owner: str) -> None:
+    """Make `owner` own the database and everything in its public schema (a database made before
+    the roles existed was owned by the superuser)."""
+    dbname = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
+    role = psycopg.sql.Identifier(owner)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} OWNER TO {}").format(psycopg.sql.Identifier(str(dbname)), role)
+        )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        foreign = conn.execute(
+            "SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' WHEN 'v' THEN 'VIEW' ELSE 'TABLE' END, c.relname"
+            " FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace"
+            " AND c.relkind IN ('r', 'p', 'S', 'v') AND c.relowner <> %s::regrole"
+            # A sequence owned by a column follows its table.
+            " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass"
+            " AND d.objid = c.oid AND d.deptype = 'a')"
+            " UNION ALL SELECT 'FUNCTION', p.oid::regprocedure::text FROM pg_proc p"
+            " WHERE p.pronamespace = 'public'::regnamespace AND p.proowner <> %s::regrole",
+            (owner, owner),
+        ).fetchall()
+        for kind, name in foreign:
+            target = psycopg.sql.SQL(name) if kind == "FUNCTION" else psycopg.sql.Identifier(name)
+            conn.execute(psycopg.sql.SQL("ALTER " + kind + " {} OWNER TO {}").format(target, role))
+
+
+def open_roles(embedded: EmbeddedDatabase, dbname: str = DBNAME) -> DatabaseRoles:
+    """The owner's and the runtime role's URLs for `dbname`: roles, database and ownership made
+    the first time (and an older database owned by the superuser handed over to the owner)."""
+    passwords = role_passwords(embedded.root)
+    ensure_roles(embedded.admin_url, passwords)
+    admin_db_url = embedded.create_database(dbname)
+    with psycopg.connect(embedded.admin_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = %s", (dbname,)
+        ).fetchone()
+    if row is None or row[0] != OWNER_ROLE:
+        hand_over(embedded.admin_url, admin_db_url, OWNER_ROLE)
+    host, port = embedded.server.host, embedded.server.port
+    return DatabaseRoles(
+        owner_url=url(OWNER_ROLE, passwords[OWNER_ROLE], host, port, dbname),
+        runtime_url=url(RUNTIME_ROLE, passwords[RUNTIME_ROLE], host, port, dbname),
+    )

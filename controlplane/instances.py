@@ -25,8 +25,10 @@ async def create_instance(
     deadline_s: float,
     deletion_protection: bool = False,
     request_id: str | None = None,
+    replaces: uuid.UUID | None = None,
 ) -> DictRow:
-    """Insert an instance in `pending` with its creation event, in the caller's transaction."""
+    """Insert an instance in `pending` with its creation event, in the caller's transaction
+    (`replaces`: the failed instance it retries)."""
     cursor = await conn.execute(
         sql.CREATE_INSTANCE,
         {
@@ -35,6 +37,7 @@ async def create_instance(
             "spec": json.dumps(dict(spec)),
             "deletion_protection": deletion_protection,
             "deadline_s": deadline_s,
+            "replaces": replaces,
             "actor_kind": actor.kind,
             "actor_id": actor.id,
             "request_id": request_id,

@@ -9,6 +9,12 @@ TRANSITIONS = Counter(
     "State transitions applied, by entity, from, to and event.",
     ["entity", "from_state", "to_state", "event"],
 )
+ALERTING_TRANSITIONS = Counter(
+    "controlplane_instance_alerting_transitions_total",
+    "Instance moves the lifecycle marks as alerting (into failed or degraded), by target, event and"
+    " failure code.",
+    ["to_state", "event", "code"],
+)
 ILLEGAL_TRANSITIONS = Counter(
     "controlplane_illegal_transitions_total",
     "Transitions refused because the lifecycle table does not allow them.",
@@ -91,4 +97,12 @@ DATABASE_REFUSALS = Counter(
     "API requests answered with a problem because of the database, by reason: lock_timeout (409), "
     "lost_race (409), statement_timeout, read_only and unavailable (503).",
     ["reason"],
+)
+AUDIT_CHECKPOINT_AT = Gauge(
+    "controlplane_audit_last_checkpoint_timestamp_seconds",
+    "Unix time of the newest signed checkpoint of the audit log this process made or saw.",
+)
+AUDIT_PARTITIONS_UNTIL = Gauge(
+    "controlplane_audit_partitions_until_timestamp_seconds",
+    "Unix time up to which the event tables have partitions, as last made sure by the reconciler.",
 )

@@ -226,16 +226,15 @@ async def _up(
     leave_instances_running: bool,
 ) -> int:
     embedded = None
-    if settings.database.url_value:
-        url = db.libpq_url(settings.database.url_value)
-    else:
+    if not settings.database.url_value:
         from controlplane.embedded import open_embedded
 
         embedded = await asyncio.to_thread(open_embedded, data_dir / "db", bindir=settings.database.pg_bindir)
-        url = await asyncio.to_thread(embedded.create_database)
+    target = await asyncio.to_thread(db.migration_target, settings, embedded)
+    url = await asyncio.to_thread(db.resolve_database_url, settings)
     provisioner = provisioners.build(settings)
     try:
-        await asyncio.to_thread(db.migrate, url)
+        await asyncio.to_thread(db.migrate, target.url, runtime_role=target.runtime_role)
         await provisioner.ca_certificate()  # the CA that signs the instances' certificates, made once
         report = UpReport(
             url=settings.api.url,
@@ -335,8 +334,9 @@ async def _announce_when_listening(
         "next: create an organisation and a database:",
         f"  export CONTROLPLANE_URL={report.url}",
         f"  .venv/bin/controlplane orgs create my-org --data-dir {report.data_dir}",
-        "  export CONTROLPLANE_API_KEY=<the key printed above>",
+        "  export CONTROLPLANE_API_KEY=<the organisation's key that orgs create printed>",
         "  .venv/bin/controlplane instances create mydb --plan dev --wait",
+        f"or open the console at {report.url}/ and sign in with the organisation's key.",
         "Ctrl-C stops everything (instance servers too; they start again with the next `up`).",
         "",
     ]

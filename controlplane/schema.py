@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -41,6 +43,35 @@ INSTANCE_LIVE = "state NOT IN " + state_list(tuple(s for s in INSTANCE.states if
 JOB_LIVE = f"state NOT IN {FINISHED}"
 
 job_fence_seq = Sequence("job_fence_seq", metadata=metadata)
+
+
+def chain_head_columns() -> tuple[Column[Any], ...]:
+    """The entity's audit chain head: its last event's sequence number and hash (NULL: no event yet)."""
+    return (Column("chain_seq", BigInteger), Column("chain_head", LargeBinary))
+
+
+def event_columns(fk: str, target: str) -> tuple[Column[Any] | PrimaryKeyConstraint, ...]:
+    """An append-only event table's columns, partitioned by month of `at` (the key includes it)."""
+    return (
+        Column("id", BigInteger, nullable=False, autoincrement=True),
+        Column(fk, UUID(as_uuid=True), ForeignKey(target), nullable=False),
+        Column("from_state", Text),
+        Column("to_state", Text, nullable=False),
+        Column("event", Text, nullable=False),
+        Column("actor_kind", Text, nullable=False),
+        Column("actor_id", Text, nullable=False),
+        Column("reason", Text),
+        Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("request_id", Text),
+        Column("state_version", BigInteger, nullable=False),
+        Column("at", TZ, nullable=False, server_default=NOW),
+        # The chain: the entity's sequence number (0, 1, ... no gaps), its predecessor's hash, its own.
+        Column("seq", BigInteger, nullable=False),
+        Column("prev_hash", LargeBinary),
+        Column("hash", LargeBinary, nullable=False),
+        PrimaryKeyConstraint("id", "at"),
+    )
+
 
 lifecycle_transitions = Table(
     "lifecycle_transitions",
@@ -113,7 +144,13 @@ instances = Table(
     Column("last_reconciled_at", TZ),
     Column("created_at", TZ, nullable=False, server_default=NOW),
     Column("updated_at", TZ, nullable=False, server_default=NOW),
+    # The failed instance this one was created to retry (one retry per failed instance).
+    Column("replaces", UUID(as_uuid=True), ForeignKey("instances.id")),
+    # When its customer deleted this failed instance: out of the default lists, its leftovers removed.
+    Column("archived_at", TZ),
+    *chain_head_columns(),
     Index("ix_instances_live_state", "state", postgresql_where=text(INSTANCE_LIVE)),
+    Index("ux_instances_replaces", "replaces", unique=True, postgresql_where=text("replaces IS NOT NULL")),
     Index(
         "ux_instances_live_name",
         "org_id",
@@ -127,20 +164,10 @@ instances = Table(
 instance_events = Table(
     "instance_events",
     metadata,
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
-    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), nullable=False),
-    Column("from_state", Text),
-    Column("to_state", Text, nullable=False),
-    Column("event", Text, nullable=False),
-    Column("actor_kind", Text, nullable=False),
-    Column("actor_id", Text, nullable=False),
-    Column("reason", Text),
-    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("request_id", Text),
-    Column("state_version", BigInteger, nullable=False),
-    Column("at", TZ, nullable=False, server_default=NOW),
+    *event_columns("instance_id", "instances.id"),
     Index("ix_instance_events_instance_id_id", "instance_id", "id"),
     Index("ix_instance_events_at", "at"),
+    postgresql_partition_by="RANGE (at)",
 )
 
 jobs = Table(
@@ -167,6 +194,7 @@ jobs = Table(
     Column("verdict", JSONB),
     Column("created_at", TZ, nullable=False, server_default=NOW),
     Column("updated_at", TZ, nullable=False, server_default=NOW),
+    *chain_head_columns(),
     Index(
         "ix_jobs_live_heartbeat",
         "heartbeat_at",
@@ -187,19 +215,37 @@ jobs = Table(
 job_events = Table(
     "job_events",
     metadata,
+    *event_columns("job_id", "jobs.id"),
+    Index("ix_job_events_job_id_id", "job_id", "id"),
+    Index("ix_job_events_at", "at", postgresql_using="brin"),
+    postgresql_partition_by="RANGE (at)",
+)
+
+# The named steps of the instance jobs as they start, finish or fail (append-only): an instance's
+# progress, and the durations its expected times are measured from.
+job_steps = Table(
+    "job_steps",
+    metadata,
     Column("id", BigInteger, primary_key=True, autoincrement=True),
     Column("job_id", UUID(as_uuid=True), ForeignKey("jobs.id"), nullable=False),
-    Column("from_state", Text),
-    Column("to_state", Text, nullable=False),
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), nullable=False),
+    # The job's kind (the operation) and the provisioner step (controlplane.kinds.STEP_LABELS).
+    Column("kind", Text, nullable=False),
+    Column("step", Text, nullable=False),
+    # 'started', 'finished' or 'failed'.
     Column("event", Text, nullable=False),
-    Column("actor_kind", Text, nullable=False),
-    Column("actor_id", Text, nullable=False),
-    Column("reason", Text),
-    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("request_id", Text),
-    Column("state_version", BigInteger, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("worker", Text, nullable=False),
+    # On a finish or a failure: when that attempt of the step started.
+    Column("started_at", TZ),
+    # On a failure: the code customers are told (if the error has one) and the raw error (SREs).
+    Column("code", Text),
+    Column("error", Text),
     Column("at", TZ, nullable=False, server_default=NOW),
-    Index("ix_job_events_job_id_id", "job_id", "id"),
+    Index("ix_job_steps_instance_id_id", "instance_id", "id"),
+    Index("ix_job_steps_job_id_id", "job_id", "id"),
+    Index("ix_job_steps_finished", "kind", "step", "id", postgresql_where=text("event = 'finished'")),
 )
 
 # The backups the control plane holds of each instance, as the provisioner reported them after
@@ -234,6 +280,20 @@ stripe_events = Table(
     Column("status", Text),
 )
 
+# Console sign-ins: an organisation's key exchanged for a session (the cookie names its id).
+console_sessions = Table(
+    "console_sessions",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("key_id", UUID(as_uuid=True), ForeignKey("api_keys.id"), nullable=False),
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id"), nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("expires_at", TZ, nullable=False),
+    # Signed out: the session names nothing from then on.
+    Column("ended_at", TZ),
+    Index("ix_console_sessions_expires_at", "expires_at"),
+)
+
 idempotency_keys = Table(
     "idempotency_keys",
     metadata,
@@ -248,14 +308,59 @@ idempotency_keys = Table(
     Index("ix_idempotency_keys_created_at", "created_at"),
 )
 
+# The checkpoint signing key: the private half encrypted by the application's secret box.
+audit_keys = Table(
+    "audit_keys",
+    metadata,
+    Column("fingerprint", Text, primary_key=True),
+    Column("public_key", LargeBinary, nullable=False),
+    Column("private_key", LargeBinary, nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Index("ux_audit_keys_one", text("(true)"), unique=True),
+)
+
+# Signed checkpoints: the event count and the heads of the chains that moved since the last one.
+audit_checkpoints = Table(
+    "audit_checkpoints",
+    metadata,
+    Column("number", BigInteger, primary_key=True, autoincrement=False),
+    Column("at", TZ, nullable=False),
+    Column("cut", TZ, nullable=False),
+    Column("prev_hash", LargeBinary),
+    Column("events", BigInteger, nullable=False),
+    Column("tail", BigInteger, nullable=False),
+    Column("heads", BigInteger, nullable=False),
+    Column("heads_digest", LargeBinary, nullable=False),
+    Column("hash", LargeBinary, nullable=False),
+    Column("key_fingerprint", Text, ForeignKey("audit_keys.fingerprint"), nullable=False),
+    Column("signature", LargeBinary, nullable=False),
+)
+
+audit_checkpoint_heads = Table(
+    "audit_checkpoint_heads",
+    metadata,
+    Column("checkpoint", BigInteger, ForeignKey("audit_checkpoints.number"), nullable=False),
+    Column("entity", Text, nullable=False),
+    Column("entity_id", UUID(as_uuid=True), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("hash", LargeBinary, nullable=False),
+    Column("at", TZ, nullable=False),
+    PrimaryKeyConstraint("checkpoint", "entity", "entity_id"),
+)
+
 __all__ = [
     "api_keys",
+    "audit_checkpoint_heads",
+    "audit_checkpoints",
+    "audit_keys",
     "backups",
+    "console_sessions",
     "idempotency_keys",
     "instance_events",
     "instances",
     "job_events",
     "job_fence_seq",
+    "job_steps",
     "jobs",
     "lifecycle_transitions",
     "metadata",

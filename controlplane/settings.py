@@ -77,9 +77,27 @@ class DatabaseSettings(_Group):
     url: SecretStr | None = _setting(
         None,
         "database_url",
-        "The control plane's own PostgreSQL (`postgresql://...`). Empty: the embedded server under "
-        "`data_dir/db`, which only `up` starts (the other commands use it while `up` runs, and "
-        "otherwise say so).",
+        "The control plane's own PostgreSQL (`postgresql://...`) as the **runtime role**, which the "
+        "API, the worker, the reconciler and the SRE commands use. Empty: the embedded server under "
+        "`data_dir/db` (as its `controlplane_app` role), which only `up` starts (the other commands "
+        "use it while `up` runs, and otherwise say so).",
+    )
+    migration_url: SecretStr | None = _setting(
+        None,
+        "migration_database_url",
+        "The same database as the role that **owns** the tables, for `controlplane migrate` (and "
+        "`up`'s migration) only ([deployment.md](deployment.md#two-database-roles)). Empty: "
+        "migrations use `CONTROLPLANE_DATABASE_URL`, so one role owns the tables and runs the "
+        "services, and `migrate` warns that it could rewrite the audit log. Needs "
+        "`CONTROLPLANE_DATABASE_URL`.",
+    )
+    runtime_role: str | None = _setting(
+        None,
+        "runtime_role",
+        "The role `migrate` grants the runtime privileges to. Empty: the user of "
+        "`CONTROLPLANE_DATABASE_URL` when `CONTROLPLANE_MIGRATION_DATABASE_URL` is set (none "
+        "otherwise). Set it to a group role when the runtime users are made on the fly (one per "
+        "replica, or by a secrets manager) and are members of it.",
     )
     pg_bindir: Path | None = _setting(
         None,
@@ -119,7 +137,7 @@ class DatabaseSettings(_Group):
         ge=0,
     )
 
-    @field_validator("url")
+    @field_validator("url", "migration_url")
     @classmethod
     def _postgresql(cls, value: SecretStr | None) -> SecretStr | None:
         schemes = ("postgresql://", "postgres://", "postgresql+psycopg://")
@@ -131,6 +149,20 @@ class DatabaseSettings(_Group):
     def url_value(self) -> str | None:
         """The URL itself (it carries a password: pass it on, never print it)."""
         return None if self.url is None else self.url.get_secret_value()
+
+    @property
+    def migration_url_value(self) -> str | None:
+        """The owner's URL itself (it carries a password: pass it on, never print it)."""
+        return None if self.migration_url is None else self.migration_url.get_secret_value()
+
+    @model_validator(mode="after")
+    def _both_roles(self) -> DatabaseSettings:
+        if self.migration_url is not None and self.url is None:
+            raise ValueError(
+                f"{env_name('migration_database_url')} is set but {env_name('database_url')} is not:"
+                " set both (the owner's URL and the runtime role's)"
+            )
+        return self
 
 
 class ApiSettings(_Group):
@@ -161,6 +193,13 @@ class ApiSettings(_Group):
         "api_max_keys_per_org",
         "Live API keys one organisation may hold (a new one beyond is refused with 409: revoke one first).",
         ge=1,
+    )
+    console_session_s: float = _setting(
+        43200.0,
+        "console_session_s",
+        "How long a console sign-in lasts before the key is asked for again (signing out, or "
+        "revoking the key, ends it sooner).",
+        ge=60,
     )
 
     @property
@@ -266,6 +305,21 @@ class ReconcilerSettings(_Group):
         ge=0,
     )
     heal_backoff_max_s: float = _setting(3600.0, "heal_backoff_max_s", "The longest such pause.", ge=0)
+    audit_checkpoint_interval_s: float = _setting(
+        300.0,
+        "audit_checkpoint_interval_s",
+        "Seconds between the signed checkpoints of the audit log the reconciler records (when events "
+        "were added). Events newer than the last checkpoint are protected by their chain only; a "
+        "shorter interval shortens that window.",
+        gt=0,
+    )
+    audit_partition_months_ahead: int = _setting(
+        3,
+        "audit_partition_months_ahead",
+        "Months of the event tables' monthly partitions the reconciler keeps made ahead of the current one.",
+        ge=1,
+        le=24,
+    )
 
     def deadline_s(self, state: str) -> float | None:
         """Seconds an instance may stay in a transitional state before the reconciler acts."""
@@ -453,7 +507,9 @@ class Settings(BaseSettings):
     secret_key: SecretStr | None = _setting(
         None,
         "secret_key",
-        "Fernet key encrypting instance passwords at rest; empty: generated once into `data_dir/secret.key`.",
+        "Fernet key encrypting instance passwords and the audit log's signing key at rest; keys "
+        "derived from it seal the console's cookies and form tokens. Empty: generated once into "
+        "`data_dir/secret.key`.",
     )
     metrics_port: int | None = _setting(
         None,

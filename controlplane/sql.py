@@ -115,15 +115,35 @@ JOB_TABLE = EntityTable(
 ENTITY_TABLES = {"instance": INSTANCE_TABLE, "job": JOB_TABLE}
 
 
+def event_hash(entity: str, entity_id: str, seq: str, prev_hash: str, fields: str, at: str) -> str:
+    """The hash of an event (cp_event_hash; `controlplane/chain.py` is its Python twin), from SQL
+    expressions for its fields; `fields` lists from_state .. state_version in the table's order."""
+    return f"cp_event_hash('{entity}', {entity_id}, {seq}, {prev_hash}, {fields}, {at})"
+
+
+# The event row's columns after the entity's id, in the order of cp_event_hash's arguments.
+EVENT_FIELDS = "from_state, to_state, event, actor_kind, actor_id, reason, detail, request_id, state_version"
+_MOVED_FIELDS = (
+    "m.from_state, m.to_state, m.event, %(actor_kind)s, %(actor_id)s, m.reason,"
+    " COALESCE(m.detail, '{}'::jsonb), %(request_id)s, t.state_version + 1"
+)
+# An event's time: its transaction's start, or its predecessor's if that is later (a transaction
+# that waited for the row's lock), so that each entity's events are in time order.
+_EVENT_AT = "GREATEST(now(), t.state_entered_at)"
+
+
 def _audit_tail(spec: EntityTable) -> str:
-    """Event rows and notifications for the rows in `moved`, then the moved rows themselves."""
+    """Event rows and notifications for the rows in `moved`, then the moved rows themselves.
+
+    The moved rows carry the new chain head (`chain_seq`, `chain_head`, set by the UPDATE) and the
+    previous one (`_prev_hash`): the event row is the head, linked to its predecessor."""
     return f"""
 , audit AS (
     INSERT INTO {spec.events_table}
-        ({spec.fk}, from_state, to_state, event, actor_kind, actor_id, reason, detail,
-         request_id, state_version)
+        ({spec.fk}, {EVENT_FIELDS}, at, seq, prev_hash, hash)
     SELECT id, _from_state, state, _event, %(actor_kind)s, %(actor_id)s, _reason,
-           COALESCE(_detail, '{{}}'::jsonb), %(request_id)s, state_version
+           COALESCE(_detail, '{{}}'::jsonb), %(request_id)s, state_version, state_entered_at,
+           chain_seq, _prev_hash, chain_head
     FROM moved
     RETURNING 1
 ), notified AS (
@@ -134,6 +154,14 @@ FROM moved
 """
 
 
+def _chain_sets(entity: str, fields: str) -> str:
+    """The UPDATE's assignments that move the row, its time in state and its chain head by one event."""
+    head = event_hash(entity, "t.id", "COALESCE(t.chain_seq, -1) + 1", "t.chain_head", fields, _EVENT_AT)
+    return f"""state_entered_at = {_EVENT_AT},
+        chain_seq = COALESCE(t.chain_seq, -1) + 1,
+        chain_head = {head}"""
+
+
 def _transition(spec: EntityTable, moves_input: str) -> str:
     sets = ",\n        ".join(spec.sets)
     return f"""
@@ -141,12 +169,13 @@ WITH m AS ({moves_input}), moved AS (
     UPDATE {spec.table} AS t
     SET state = m.to_state,
         state_version = t.state_version + 1,
-        state_entered_at = now(),
+        {_chain_sets(spec.entity, _MOVED_FIELDS)},
         {sets}
     FROM m JOIN {spec.table} AS prev ON prev.id = m.id
     WHERE t.id = m.id AND t.state_version = m.expected_version AND t.state = m.from_state
+      AND t.chain_seq IS NOT DISTINCT FROM prev.chain_seq
     RETURNING t.*, m.from_state AS _from_state, m.event AS _event, m.reason AS _reason,
-              m.detail AS _detail,
+              m.detail AS _detail, prev.chain_head AS _prev_hash,
               extract(epoch FROM now() - prev.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - t.created_at)::float8 AS _age_s
 ){_audit_tail(spec)}
@@ -166,29 +195,40 @@ CURRENT_STATES = {
 
 # ---- jobs: the queue's hot path (claim, heartbeat, enqueue) ---------------------------------------
 
+# The claim's event fields: the fence is taken once per row (in `picked`), for the row and its event.
+_CLAIM_FIELDS = (
+    "'queued', 'claimed', 'claim', %(actor_kind)s, %(actor_id)s, NULL,"
+    " jsonb_build_object('worker', %(worker)s::text, 'fence', picked.fence), %(request_id)s,"
+    " t.state_version + 1"
+)
+
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
 CLAIM_JOBS = f"""
-WITH picked AS (
-    SELECT id, state_version, state_entered_at, created_at FROM jobs
+WITH locked AS (
+    SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
     ORDER BY priority, run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT locked.*, nextval('job_fence_seq') AS fence FROM locked
 ), moved AS (
     UPDATE jobs AS t
     SET state = 'claimed',
         state_version = t.state_version + 1,
-        state_entered_at = now(),
         updated_at = now(),
         claimed_by = %(worker)s,
         claimed_at = now(),
         heartbeat_at = now(),
         attempt = t.attempt + 1,
-        fence = nextval('job_fence_seq')
+        fence = picked.fence,
+        {_chain_sets("job", _CLAIM_FIELDS)}
     FROM picked
     WHERE t.id = picked.id AND t.state_version = picked.state_version AND t.state = 'queued'
+      AND t.chain_seq IS NOT DISTINCT FROM picked.chain_seq
     RETURNING t.*, 'queued'::text AS _from_state, 'claim'::text AS _event, NULL::text AS _reason,
               jsonb_build_object('worker', %(worker)s::text, 'fence', t.fence) AS _detail,
+              picked.chain_head AS _prev_hash,
               extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - picked.created_at)::float8 AS _age_s
 ){_audit_tail(JOB_TABLE)}
@@ -202,27 +242,32 @@ WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN {HELD}
 RETURNING id, fence
 """
 
+# The creation event's fields of a job (from the input row, or the created one: the same names).
+_ENQUEUE_FIELDS = (
+    "NULL, 'queued', 'enqueue', %(actor_kind)s, %(actor_id)s, NULL, jsonb_build_object('kind', kind),"
+    " %(request_id)s, 0"
+)
+
 # Enqueue jobs (one or many) with their creation events; a second live job of the same
 # (instance, kind) is not created: the partial unique index turns it into a no-op.
 ENQUEUE_JOBS = f"""
 WITH input AS (
-    SELECT * FROM unnest(
+    SELECT gen_random_uuid() AS id, now() AS at, i.* FROM unnest(
         %(kinds)s::text[], %(instance_ids)s::uuid[], %(payloads)s::jsonb[], %(priorities)s::int[],
         %(max_attempts)s::int[], %(delays)s::float8[]
     ) AS i(kind, instance_id, payload, priority, max_attempts, delay_s)
 ), created AS (
-    INSERT INTO jobs (kind, instance_id, payload, state, priority, max_attempts, run_at)
-    SELECT kind, instance_id, payload, 'queued', priority, max_attempts,
-           now() + make_interval(secs => delay_s)
+    INSERT INTO jobs (id, kind, instance_id, payload, state, priority, max_attempts, run_at,
+                      state_entered_at, chain_seq, chain_head)
+    SELECT id, kind, instance_id, payload, 'queued', priority, max_attempts,
+           now() + make_interval(secs => delay_s), at, 0,
+           {event_hash("job", "id", "0", "NULL", _ENQUEUE_FIELDS, "at")}
     FROM input
     ON CONFLICT (instance_id, kind) WHERE state NOT IN {FINISHED} DO NOTHING
     RETURNING *
 ), audit AS (
-    INSERT INTO job_events
-        (job_id, from_state, to_state, event, actor_kind, actor_id, reason, detail, request_id,
-         state_version)
-    SELECT id, NULL, 'queued', 'enqueue', %(actor_kind)s, %(actor_id)s, NULL,
-           jsonb_build_object('kind', kind), %(request_id)s, 0
+    INSERT INTO job_events (job_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
+    SELECT id, {_ENQUEUE_FIELDS}, state_entered_at, 0, NULL, chain_head
     FROM created
     RETURNING 1
 ), notified AS (
@@ -241,19 +286,29 @@ WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(k
 
 # ---- instances: creation ---------------------------------------------------------------------------
 
-# Create an instance in its initial state with its creation event.
-CREATE_INSTANCE = """
-WITH created AS (
-    INSERT INTO instances (org_id, name, spec, state, deletion_protection, deadline_at)
-    VALUES (%(org_id)s, %(name)s, %(spec)s, 'pending', %(deletion_protection)s,
-            now() + make_interval(secs => %(deadline_s)s::float8))
+# The creation event's fields of an instance (from the input row, or the created one); a retry's
+# names the failed instance it replaces.
+_CREATE_FIELDS = (
+    "NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL, jsonb_build_object('spec', spec)"
+    " || CASE WHEN replaces IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('replaces', replaces) END,"
+    " %(request_id)s, 0"
+)
+
+# Create an instance in its initial state with its creation event (a retry names the failed one).
+CREATE_INSTANCE = f"""
+WITH input AS (
+    SELECT gen_random_uuid() AS id, now() AS at, %(spec)s::jsonb AS spec, %(replaces)s::uuid AS replaces
+), created AS (
+    INSERT INTO instances (id, org_id, name, spec, state, deletion_protection, deadline_at,
+                           state_entered_at, chain_seq, chain_head, replaces)
+    SELECT id, %(org_id)s, %(name)s, spec, 'pending', %(deletion_protection)s,
+           now() + make_interval(secs => %(deadline_s)s::float8), at, 0,
+           {event_hash("instance", "id", "0", "NULL", _CREATE_FIELDS, "at")}, replaces
+    FROM input
     RETURNING *
 ), audit AS (
-    INSERT INTO instance_events
-        (instance_id, from_state, to_state, event, actor_kind, actor_id, reason, detail,
-         request_id, state_version)
-    SELECT id, NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL,
-           jsonb_build_object('spec', spec), %(request_id)s, 0
+    INSERT INTO instance_events (instance_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
+    SELECT id, {_CREATE_FIELDS}, state_entered_at, 0, NULL, chain_head
     FROM created
     RETURNING 1
 ), notified AS (
@@ -387,10 +442,12 @@ ORDER BY heartbeat_at
 
 # ---- instances as the customer sees them (the use cases and the API) --------------------------
 
-# The row, its organisation's billing hold and its time in state (the table is `i`, its organisation `o`).
+# The row, its organisation's billing hold, its time in state and the instance that retried it (the
+# table is `i`, its organisation `o`; ux_instances_replaces serves the look-up).
 _CUSTOMER_INSTANCE = """
 SELECT i.*, o.billing_hold,
-       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
+       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s,
+       (SELECT r.id FROM instances r WHERE r.replaces = i.id) AS replaced_by
 FROM instances i JOIN organisations o ON o.id = i.org_id
 """
 
@@ -408,10 +465,13 @@ ORG_HAS_INSTANCE = "SELECT 1 FROM instances WHERE id = %(id)s AND org_id = %(org
 ANY_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s"
 LOCK_ANY_INSTANCE = ANY_INSTANCE + " FOR NO KEY UPDATE OF i"
 
-# A page of an organisation's instances, oldest first, after a (created_at, id) cursor.
+# A page of an organisation's instances, oldest first, after a (created_at, id) cursor; archived
+# ones only when asked for, and optionally those of one name.
 LIST_ORG_INSTANCES = (
     _CUSTOMER_INSTANCE
     + """WHERE i.org_id = %(org)s
+  AND (%(archived)s OR i.archived_at IS NULL)
+  AND (%(name)s::text IS NULL OR i.name = %(name)s::text)
   AND (%(state)s::text IS NULL OR i.state = %(state)s::text)
   AND (%(after_created)s::timestamptz IS NULL
        OR (i.created_at, i.id) > (%(after_created)s::timestamptz, %(after_id)s::uuid))
@@ -439,6 +499,12 @@ UPDATE instances SET
     deletion_protection = COALESCE(%(protection)s, deletion_protection),
     updated_at = now()
 WHERE id = %(id)s AND org_id = %(org)s
+"""
+
+# Delete a failed instance: archived (once; asking again keeps the first time), out of the lists.
+ARCHIVE_INSTANCE = """
+UPDATE instances SET archived_at = COALESCE(archived_at, now()), updated_at = now()
+WHERE id = %(id)s AND org_id = %(org)s AND state = 'failed'
 """
 
 # Delete: record the request (carried out now or as soon as the instance can be deprovisioned).
@@ -501,10 +567,11 @@ UPDATE instances SET progress = %(progress)s, updated_at = now()
 WHERE id = %(id)s AND state = %(state)s AND state_version = %(state_version)s
 """
 
-# A degraded instance whose suspend, resume or heal was given up: the reason, and for a heal the
-# count and time the reconciler's heal backoff reads (not a state change).
+# A degraded instance whose suspend, resume or heal was given up: the reason and its code, and for a
+# heal the count and time the reconciler's heal backoff reads (not a state change).
 RECORD_DEGRADED_FAILURE = """
-UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = now(),
+UPDATE instances SET failure_reason = %(reason)s, failure_code = %(code)s, progress = NULL,
+    updated_at = now(),
     heal_failures = heal_failures + CASE WHEN %(heal)s THEN 1 ELSE 0 END,
     heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END
 WHERE id = %(id)s
@@ -575,6 +642,24 @@ ORDER BY created_at, id LIMIT %(limit)s
 LOCK_ORGANISATION = "SELECT id FROM organisations WHERE id = %(id)s FOR NO KEY UPDATE"
 COUNT_LIVE_KEYS = "SELECT count(*) AS n FROM api_keys WHERE org_id = %(org)s AND revoked_at IS NULL"
 
+# ---- console sessions (an organisation key signed in to the console) -----------------------------
+
+START_CONSOLE_SESSION = """
+INSERT INTO console_sessions (key_id, org_id, expires_at)
+VALUES (%(key_id)s, %(org_id)s, now() + make_interval(secs => %(ttl_s)s))
+RETURNING id, key_id, org_id, expires_at
+"""
+# A session that is live at `now` (default the database's time): not ended, not expired, its key live.
+LIVE_CONSOLE_SESSION = """
+SELECT s.id, s.key_id, s.org_id, s.expires_at
+FROM console_sessions s JOIN api_keys k ON k.id = s.key_id
+WHERE s.id = %(id)s AND s.ended_at IS NULL AND k.revoked_at IS NULL
+  AND s.expires_at > COALESCE(%(now)s::timestamptz, now())
+"""
+END_CONSOLE_SESSION = "UPDATE console_sessions SET ended_at = now() WHERE id = %(id)s AND ended_at IS NULL"
+# Sessions expired a day ago (ended ones too, once expired): nothing reads them any more.
+PURGE_CONSOLE_SESSIONS = "DELETE FROM console_sessions WHERE expires_at < now() - interval '1 day'"
+
 # ---- idempotency keys (the API's creating requests) ----------------------------------------------
 
 # Claim an (organisation, key) pair for this transaction; false while another request holds it.
@@ -598,18 +683,38 @@ DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
     LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
 """
 
-# ---- the audit log: replay check and dwell times ---------------------------------------------------
+# ---- the audit log: replay and chain checks, dwell times ------------------------------------------
 
-# Rows and logs read at one moment: the replay check's transaction.
+# Rows and logs read at one moment: the audit checks' transaction (a checkpoint's also writes).
 READ_ONLY_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
+SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
 
-# Every row of an entity with its events in order (rows without events too), for the replay check.
-REPLAY_LOG = {
+# What the replay and the chain check read of each event (the detail as its jsonb text: hashed).
+_AUDIT_COLUMNS = """
+       r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
+       r.chain_seq, r.chain_head,
+       e.id, e.seq, e.prev_hash, e.hash, e.from_state, e.to_state, e.event, e.actor_kind, e.actor_id,
+       e.reason, e.detail::text AS detail_text, e.request_id, e.state_version, e.at
+"""
+
+# Every row of an entity with its events in order (rows without events too): the whole-log check.
+AUDIT_LOG = {
     entity: f"""
-SELECT r.id AS entity_id, r.state AS current_state, r.state_version AS current_version,
-       e.id, e.from_state, e.to_state, e.event, e.state_version
+SELECT {_AUDIT_COLUMNS}
 FROM {spec.table} r LEFT JOIN {spec.events_table} e ON e.{spec.fk} = r.id
 ORDER BY r.id, e.id
+"""
+    for entity, spec in ENTITY_TABLES.items()
+}
+
+# The events at or after a checkpoint's cut, with their rows: the incremental check. Each chain is
+# in time order, so these are the end of each chain that moved (partitions pruned, the at index).
+AUDIT_LOG_SINCE = {
+    entity: f"""
+SELECT {_AUDIT_COLUMNS}
+FROM {spec.events_table} e JOIN {spec.table} r ON r.id = e.{spec.fk}
+WHERE e.at >= %(since)s
+ORDER BY e.{spec.fk}, e.id
 """
     for entity, spec in ENTITY_TABLES.items()
 }
@@ -684,3 +789,245 @@ LIMIT %(limit)s
 HELD_BACKUP = """
 SELECT * FROM backups WHERE instance_id = %(instance_id)s AND backup_id = %(backup_id)s AND removed_at IS NULL
 """
+
+# ---- job steps: the named steps of the instance jobs, and the progress they show ---------------------
+
+# Notified with '<instance id>:<step row id>' for every step record (the watch stream's step events).
+STEP_CHANNEL = "cp_step"
+LISTEN_STEP_CHANNEL = f"LISTEN {STEP_CHANNEL}"
+
+# The job as its holder runs it: running, at the holder's fence (a step record of anyone else's is refused).
+_HELD_JOB = """
+held AS (
+    SELECT id, kind, attempt, fence FROM jobs
+    WHERE id = %(job_id)s AND fence = %(fence)s AND state = 'running'
+)"""
+
+_NOTIFY_STEP = f"""
+notified AS (
+    SELECT pg_notify('{STEP_CHANNEL}', instance_id::text || ':' || id::text) FROM recorded
+)"""
+
+# A step starts: shown on the instance (guarded like SET_PROGRESS: nothing if the instance moved)
+# and recorded, if the job is still held at this fence; one round trip.
+RECORD_STEP_STARTED = f"""
+WITH {_HELD_JOB}, shown AS (
+    UPDATE instances SET progress = %(step)s, updated_at = now()
+    WHERE id = %(instance_id)s AND state = %(state)s AND state_version = %(state_version)s
+      AND EXISTS (SELECT 1 FROM held)
+    RETURNING id
+), recorded AS (
+    INSERT INTO job_steps (job_id, instance_id, kind, step, event, attempt, fence, worker)
+    SELECT held.id, %(instance_id)s, held.kind, %(step)s, 'started', held.attempt, held.fence, %(worker)s
+    FROM held WHERE EXISTS (SELECT 1 FROM shown)
+    RETURNING id, instance_id
+), {_NOTIFY_STEP}
+SELECT (SELECT count(*) FROM held) AS held, (SELECT count(*) FROM shown) AS shown,
+       (SELECT count(*) FROM notified) AS _n
+"""
+
+# A step ends (`event` finished or failed), with when that attempt of it started; only while held.
+RECORD_STEP_ENDED = f"""
+WITH {_HELD_JOB}, recorded AS (
+    INSERT INTO job_steps
+        (job_id, instance_id, kind, step, event, attempt, fence, worker, started_at, code, error)
+    SELECT held.id, %(instance_id)s, held.kind, %(step)s, %(event)s, held.attempt, held.fence, %(worker)s,
+           (SELECT s.at FROM job_steps s
+            WHERE s.job_id = held.id AND s.step = %(step)s AND s.attempt = held.attempt
+              AND s.event = 'started'
+            ORDER BY s.id DESC LIMIT 1),
+           %(code)s, %(error)s
+    FROM held
+    RETURNING id, instance_id
+), {_NOTIFY_STEP}
+SELECT (SELECT count(*) FROM held) AS held, (SELECT count(*) FROM notified) AS _n
+"""
+
+# The step records of instances since each entered its current state (the progress of that stay).
+STEPS_SINCE = """
+SELECT s.* FROM job_steps s
+JOIN unnest(%(ids)s::uuid[], %(since)s::timestamptz[]) AS w(id, since)
+  ON s.instance_id = w.id AND s.at >= w.since
+ORDER BY s.id
+"""
+
+# The live jobs of some kinds of these instances (the job driving a state before its first step).
+LIVE_JOBS_OF = f"""
+SELECT id, kind, instance_id, state, attempt FROM jobs
+WHERE instance_id = ANY(%(ids)s::uuid[]) AND kind = ANY(%(kinds)s::text[]) AND state NOT IN {FINISHED}
+"""
+
+# How long each (operation, step) usually takes: a high percentile of its latest finished runs
+# (ix_job_steps_finished serves each sample).
+STEP_DURATIONS = """
+SELECT st.kind, st.step, count(h.seconds) AS samples,
+       percentile_cont(%(percentile)s) WITHIN GROUP (ORDER BY h.seconds) AS expected_s
+FROM unnest(%(kinds)s::text[], %(steps)s::text[]) AS st(kind, step)
+CROSS JOIN LATERAL (
+    SELECT extract(epoch FROM s.at - s.started_at)::float8 AS seconds FROM job_steps s
+    WHERE s.kind = st.kind AND s.step = st.step AND s.event = 'finished' AND s.started_at IS NOT NULL
+    ORDER BY s.id DESC LIMIT %(sample)s
+) h
+GROUP BY st.kind, st.step
+"""
+
+# One step record (the watch stream reads the one a notification names).
+STEP_BY_ID = "SELECT * FROM job_steps WHERE id = %(id)s AND instance_id = %(instance_id)s"
+
+# Every step record of an instance, oldest first (the SRE view), after a cursor.
+INSTANCE_STEPS = """
+SELECT * FROM job_steps WHERE instance_id = %(instance_id)s AND id > %(after)s ORDER BY id LIMIT %(limit)s
+"""
+
+# The last step record of a job, and its last error event's code and attempt (what an abandonment
+# hook names the failure after).
+LAST_STEP_OF_JOB = (
+    "SELECT step, event, attempt FROM job_steps WHERE job_id = %(job_id)s ORDER BY id DESC LIMIT 1"
+)
+LAST_ERROR_OF_JOB = """
+SELECT detail->>'code' AS code, (detail->>'attempt')::int AS attempt FROM job_events
+WHERE job_id = %(job_id)s AND event = 'error' ORDER BY id DESC LIMIT 1
+"""
+
+# ---- the audit log: signed checkpoints, the signing key, partitions, exports ----------------------
+
+# Before a checkpoint's snapshot: no running transaction started earlier than this.
+CHECKPOINT_CUT = """
+SELECT least(clock_timestamp(), min(xact_start)) AS cut FROM pg_stat_activity
+WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid()
+"""
+LOCK_CHECKPOINTS = "SELECT pg_advisory_lock(%(key)s)"
+UNLOCK_CHECKPOINTS = "SELECT pg_advisory_unlock(%(key)s)"
+DATABASE_NOW = "SELECT now() AS now"
+LATEST_CHECKPOINT = "SELECT * FROM audit_checkpoints ORDER BY number DESC LIMIT 1"
+CHECKPOINT_BY_NUMBER = "SELECT * FROM audit_checkpoints WHERE number = %(number)s"
+CHECKPOINTS_FROM = "SELECT * FROM audit_checkpoints WHERE number >= %(since)s ORDER BY number"
+CHECKPOINTS_BETWEEN = (
+    "SELECT * FROM audit_checkpoints WHERE number BETWEEN %(first)s AND %(last)s ORDER BY number"
+)
+# The time an export's window starts: the earliest cut of the checkpoints it covers.
+CHECKPOINTS_EARLIEST_CUT = (
+    "SELECT min(cut) AS start FROM audit_checkpoints WHERE number BETWEEN %(first)s AND %(last)s"
+)
+NEWEST_CHECKPOINT_AT_OR_BEFORE = "SELECT max(number) AS number FROM audit_checkpoints WHERE at <= %(at)s"
+RECORD_CHECKPOINT = """
+INSERT INTO audit_checkpoints
+    (number, at, cut, prev_hash, events, tail, heads, heads_digest, hash, key_fingerprint, signature)
+VALUES (%(number)s, %(at)s, %(cut)s, %(prev_hash)s, %(events)s, %(tail)s, %(heads)s,
+        %(heads_digest)s, %(hash)s, %(key)s, %(signature)s)
+RETURNING *
+"""
+COPY_CHECKPOINT_HEADS = (
+    "COPY audit_checkpoint_heads (checkpoint, entity, entity_id, seq, hash, at) FROM STDIN"
+)
+CHECKPOINT_HEADS = (
+    "SELECT * FROM audit_checkpoint_heads WHERE checkpoint = %(number)s ORDER BY entity, entity_id"
+)
+
+
+def _chain_heads(spec: EntityTable, windowed: bool) -> str:
+    """The last event of each chain with events in the window (all chains without one)."""
+    window = "WHERE e.at >= %(since)s" if windowed else ""
+    return f"""
+SELECT DISTINCT ON (e.{spec.fk}) e.{spec.fk} AS entity_id, e.seq, e.hash, e.at
+FROM {spec.events_table} e {window}
+ORDER BY e.{spec.fk}, e.id DESC
+"""
+
+
+# What a checkpoint records: the heads of the chains that moved since the previous one's cut.
+CHAIN_HEADS_SINCE = {entity: _chain_heads(spec, True) for entity, spec in ENTITY_TABLES.items()}
+CHAIN_HEADS = {entity: _chain_heads(spec, False) for entity, spec in ENTITY_TABLES.items()}
+COUNT_EVENTS = (
+    "SELECT "
+    + " + ".join(f"(SELECT count(*) FROM {spec.events_table})" for spec in ENTITY_TABLES.values())
+    + " AS n"
+)
+COUNT_EVENTS_SINCE = (
+    "SELECT "
+    + " + ".join(
+        f"(SELECT count(*) FROM {spec.events_table} WHERE at >= %(since)s)" for spec in ENTITY_TABLES.values()
+    )
+    + " AS n"
+)
+
+# Each head the checkpoints from `since` recorded, with the hash of that event in the log now.
+RECORDED_HEADS_IN_LOG = (
+    " UNION ALL ".join(
+        f"""
+(SELECT h.checkpoint, h.entity, h.entity_id, h.seq, h.hash, h.at, e.hash AS event_hash
+ FROM audit_checkpoint_heads h
+ LEFT JOIN {spec.events_table} e ON e.{spec.fk} = h.entity_id AND e.seq = h.seq AND e.at = h.at
+ WHERE h.checkpoint >= %(since)s AND h.entity = '{entity}')
+"""
+        for entity, spec in ENTITY_TABLES.items()
+    )
+    + " ORDER BY checkpoint, entity, entity_id"
+)
+
+# The count the newest checkpoint states: every chain's newest recorded head, seq + 1.
+EVENTS_COVERED_BY_HEADS = """
+SELECT COALESCE(sum(seq + 1), 0) AS n FROM (
+    SELECT DISTINCT ON (entity, entity_id) seq FROM audit_checkpoint_heads
+    ORDER BY entity, entity_id, checkpoint DESC
+) heads
+"""
+# The heads one checkpoint recorded, for an incremental check starting from it.
+HEADS_OF_CHECKPOINT = (
+    "SELECT entity, entity_id, seq, hash FROM audit_checkpoint_heads WHERE checkpoint = %(number)s"
+)
+
+# The event tables' monthly partitions through a time (cp_ensure_event_partitions, as the owner).
+ENSURE_PARTITIONS = "SELECT cp_ensure_event_partitions(%(through)s::timestamptz) AS name"
+
+# The signing key: stored once (the table holds one), read with its private half encrypted.
+STORE_SIGNING_KEY = """
+INSERT INTO audit_keys (fingerprint, public_key, private_key)
+VALUES (%(fingerprint)s, %(public)s, %(private)s)
+ON CONFLICT DO NOTHING
+"""
+SIGNING_KEY = "SELECT fingerprint, public_key, private_key FROM audit_keys"
+PUBLIC_KEYS = "SELECT fingerprint, public_key FROM audit_keys"
+
+
+def _export_events(spec: EntityTable, windowed: bool) -> str:
+    """The events the checkpoints `first`..`last` cover (up to each chain's newest recorded head)."""
+    window = "AND e.at >= %(start)s" if windowed else ""
+    return f"""
+WITH heads AS (
+    SELECT DISTINCT ON (entity_id) entity_id, seq FROM audit_checkpoint_heads
+    WHERE entity = %(entity)s AND checkpoint BETWEEN %(first)s AND %(last)s
+    ORDER BY entity_id, checkpoint DESC
+)
+SELECT e.{spec.fk} AS entity_id, e.seq, e.prev_hash, e.hash, e.at, e.from_state, e.to_state,
+       e.event, e.actor_kind, e.actor_id, e.reason, e.request_id, e.state_version,
+       e.detail::text AS detail_text
+FROM {spec.events_table} e JOIN heads h ON h.entity_id = e.{spec.fk}
+WHERE e.seq <= h.seq {window}
+ORDER BY e.{spec.fk}, e.id
+"""
+
+
+EXPORT_EVENTS = {entity: _export_events(spec, False) for entity, spec in ENTITY_TABLES.items()}
+EXPORT_EVENTS_SINCE = {entity: _export_events(spec, True) for entity, spec in ENTITY_TABLES.items()}
+
+# ---- least privilege: what `migrate` grants the runtime role (db.grant_runtime) -------------------
+
+# Whether the role can be trusted with the runtime's rights: not a superuser, not the owner.
+ROLE_ATTRIBUTES = """
+SELECT r.rolsuper, pg_has_role(r.oid, current_user, 'MEMBER') AS member, r.rolname = current_user AS same
+FROM pg_roles r WHERE r.rolname = %(role)s
+"""
+PUBLIC_TABLES = """
+SELECT c.relname, c.relispartition FROM pg_class c
+WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p') ORDER BY c.relname
+"""
+GRANT_SCHEMA_USAGE = "GRANT USAGE ON SCHEMA public TO {role}"
+REVOKE_TABLE = "REVOKE ALL ON {table} FROM {role}"
+GRANT_TABLE = "GRANT {privileges} ON {table} TO {role}"
+APPEND_ONLY_PRIVILEGES = "SELECT, INSERT"
+READ_ONLY_PRIVILEGES = "SELECT"
+READ_WRITE_PRIVILEGES = "SELECT, INSERT, UPDATE, DELETE"
+GRANT_SEQUENCES = "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"
+REVOKE_FUNCTION_FROM_PUBLIC = "REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC"
+GRANT_FUNCTION = "GRANT EXECUTE ON FUNCTION {function} TO {role}"

@@ -15,7 +15,15 @@ import pytest
 
 from controlplane import db
 from controlplane.db import AsyncConn
-from controlplane.embedded import FAST_SETTINGS, EmbeddedDatabase, open_embedded
+from controlplane.embedded import (
+    FAST_SETTINGS,
+    OWNER_ROLE,
+    RUNTIME_ROLE,
+    EmbeddedDatabase,
+    ensure_roles,
+    open_embedded,
+    role_passwords,
+)
 from controlplane.settings import Settings
 from tests.provisioning_support import QUICK_RETRIES, pg_bindir, real_instances
 
@@ -34,30 +42,46 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 class TestServer:
-    """Where test databases are created: the embedded mechanism, or CONTROLPLANE_TEST_ADMIN_URL."""
+    """Where test databases are created: the embedded mechanism, or CONTROLPLANE_TEST_ADMIN_URL.
 
-    def __init__(self, admin_url: str, embedded: EmbeddedDatabase | None) -> None:
+    Databases belong to the owner role (migrations run as it); the product's own pools in tests
+    connect as the runtime role, so that a missing grant fails a test. Tests' direct SQL uses the
+    admin (superuser) URL."""
+
+    def __init__(self, admin_url: str, embedded: EmbeddedDatabase | None, passwords: dict[str, str]) -> None:
         self.admin_url = admin_url
         self.embedded = embedded
+        self.passwords = passwords
 
     def url_for(self, dbname: str) -> str:
         parts = urlsplit(self.admin_url)
         return urlunsplit(parts._replace(path="/" + dbname))
 
+    def as_role(self, url: str, role: str) -> str:
+        """The same database's URL for `role` (the owner or the runtime role)."""
+        parts = urlsplit(url)
+        netloc = f"{role}:{self.passwords[role]}@{parts.hostname}:{parts.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
     def execute(self, statement: psycopg.sql.Composed) -> None:
         with psycopg.connect(self.admin_url, autocommit=True) as conn:
             conn.execute(statement)
 
-    def create_database(self, name: str, template: str | None = None) -> str:
+    def create_database(self, name: str, template: str | None = None, owner: str | None = None) -> str:
         ident = psycopg.sql.Identifier(name)
+        owned = (
+            psycopg.sql.SQL(" OWNER {}").format(psycopg.sql.Identifier(owner))
+            if owner
+            else psycopg.sql.SQL("")
+        )
         if template:
             self.execute(
-                psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY").format(
-                    ident, psycopg.sql.Identifier(template)
+                psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY{}").format(
+                    ident, psycopg.sql.Identifier(template), owned
                 )
             )
         else:
-            self.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(ident))
+            self.execute(psycopg.sql.SQL("CREATE DATABASE {}{}").format(ident, owned))
         return self.url_for(name)
 
     def drop_database(self, name: str) -> None:
@@ -75,36 +99,52 @@ def pg_root() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def test_server(pg_root: Path) -> Iterator[TestServer]:
+    passwords = role_passwords(pg_root)
     external = os.environ.get("CONTROLPLANE_TEST_ADMIN_URL")
     if external:
-        yield TestServer(external, None)
+        ensure_roles(external, passwords)
+        yield TestServer(external, None, passwords)
         return
     embedded = open_embedded(pg_root / "db", FAST_SETTINGS, bindir=pg_bindir())
     try:
-        yield TestServer(embedded.admin_url, embedded)
+        ensure_roles(embedded.admin_url, passwords)
+        yield TestServer(embedded.admin_url, embedded, passwords)
     finally:
         embedded.stop()
 
 
 @pytest.fixture(scope="session")
 def template_url(test_server: TestServer) -> str:
+    """The migrated template (admin URL): migrated as the owner, with the runtime role's grants."""
     name = f"{TEMPLATE}_{os.getpid()}"
     test_server.drop_database(name)
-    url = test_server.create_database(name)
-    db.migrate(url)
+    url = test_server.create_database(name, owner=OWNER_ROLE)
+    db.migrate(test_server.as_role(url, OWNER_ROLE), runtime_role=RUNTIME_ROLE)
     return url
 
 
 @pytest.fixture
 def fresh_database(test_server: TestServer, template_url: str) -> Iterator[str]:
-    """A database cloned from the migrated template, dropped after the test."""
+    """A database cloned from the migrated template, dropped after the test (its admin URL)."""
     template = urlsplit(template_url).path.lstrip("/")
     name = f"cp_test_{os.getpid()}_{next(_counter)}"
-    url = test_server.create_database(name, template=str(template))
+    url = test_server.create_database(name, template=str(template), owner=OWNER_ROLE)
     try:
         yield url
     finally:
         test_server.drop_database(name)
+
+
+@pytest.fixture
+def runtime_url(test_server: TestServer, fresh_database: str) -> str:
+    """The fresh database as the runtime role: what the product's services connect as."""
+    return test_server.as_role(fresh_database, RUNTIME_ROLE)
+
+
+@pytest.fixture
+def owner_url(test_server: TestServer, fresh_database: str) -> str:
+    """The fresh database as the role that owns its tables (and runs migrations)."""
+    return test_server.as_role(fresh_database, OWNER_ROLE)
 
 
 @pytest.fixture
@@ -119,19 +159,23 @@ def empty_database(test_server: TestServer) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(fresh_database: str, tmp_path: Path) -> Settings:
+def settings(runtime_url: str, owner_url: str, tmp_path: Path) -> Settings:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     os.chmod(tmp_path, 0o755)
     return Settings(
-        database_url=fresh_database, data_dir=data_dir, heartbeat_interval_s=0.2, pg_bindir=pg_bindir()
+        database_url=runtime_url,
+        migration_database_url=owner_url,
+        data_dir=data_dir,
+        heartbeat_interval_s=0.2,
+        pg_bindir=pg_bindir(),
     )
 
 
 @pytest.fixture
-def local_settings(pg_root: Path, fresh_database: str) -> Iterator[Settings]:
+def local_settings(pg_root: Path, runtime_url: str) -> Iterator[Settings]:
     """Settings for real instance servers with quick retries; the servers are stopped after the test."""
-    with real_instances(pg_root, fresh_database, **QUICK_RETRIES, shutdown_grace_s=0.5) as settings:
+    with real_instances(pg_root, runtime_url, **QUICK_RETRIES, shutdown_grace_s=0.5) as settings:
         yield settings
 
 

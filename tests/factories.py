@@ -64,3 +64,68 @@ async def walk(
             patch=patch if i == len(events) - 1 else None,
         )
     return row
+
+
+# An event row written behind the transition path but on the entity's chain (its hash, its link,
+# the row's head moved), so that a test of the replay check sees only what it planted.
+APPEND_EVENT = """
+WITH head AS (
+    SELECT id, COALESCE(chain_seq, -1) + 1 AS seq, chain_head AS prev,
+           now() - make_interval(secs => %(age_s)s::float8) AS at
+    FROM {table} WHERE id = %(id)s FOR UPDATE
+), ev AS (
+    SELECT head.*, cp_event_hash('{entity}', id, seq, prev, %(from_state)s, %(to_state)s, %(event)s,
+                                 %(actor_kind)s, %(actor_id)s, %(reason)s, %(detail)s::jsonb, NULL,
+                                 %(state_version)s, at) AS hash
+    FROM head
+), moved AS (
+    UPDATE {table} t SET chain_seq = ev.seq, chain_head = ev.hash FROM ev WHERE t.id = ev.id RETURNING t.id
+)
+INSERT INTO {events} ({fk}, from_state, to_state, event, actor_kind, actor_id, reason, detail,
+                      state_version, at, seq, prev_hash, hash)
+SELECT ev.id, %(from_state)s, %(to_state)s, %(event)s, %(actor_kind)s, %(actor_id)s, %(reason)s,
+       %(detail)s::jsonb, %(state_version)s, ev.at, ev.seq, ev.prev, ev.hash
+FROM ev JOIN moved ON moved.id = ev.id
+RETURNING id
+"""
+OPERATOR = Actor("operator", "someone")
+EVENT_TABLES = {
+    "instance": ("instances", "instance_events", "instance_id"),
+    "job": ("jobs", "job_events", "job_id"),
+}
+
+
+async def append_event(
+    conn: AsyncConn,
+    entity: str,
+    entity_id: uuid.UUID,
+    from_state: str | None,
+    to_state: str,
+    event: str,
+    state_version: int,
+    *,
+    actor: Actor = OPERATOR,
+    reason: str | None = None,
+    age_s: float = 0.0,
+) -> int:
+    """Append an event to an entity's log (and chain) directly; return the event's id."""
+    table, events, fk = EVENT_TABLES[entity]
+    cursor = await conn.execute(
+        APPEND_EVENT.format(table=table, events=events, fk=fk, entity=entity),
+        {
+            "id": entity_id,
+            "from_state": from_state,
+            "to_state": to_state,
+            "event": event,
+            "actor_kind": actor.kind,
+            "actor_id": actor.id,
+            "reason": reason,
+            "detail": "{}",
+            "state_version": state_version,
+            "age_s": age_s,
+        },
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    event_id: int = row["id"]
+    return event_id

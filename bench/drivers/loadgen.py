@@ -4,8 +4,9 @@
           measured from the scheduled send time, so a slow server is not hidden by a waiting client
   closed  N connections sending back to back for `seconds` (the fallback when wrk is not installed)
 
-Every request is a POST of a fresh instance body (a unique name each time). Plain sockets rather than
-an HTTP library keep the generator's own CPU per request small next to the server's.
+Every request is a POST of a fresh instance body (a unique name each time), or, with --paths-file,
+a GET of the file's paths in turn. Plain sockets rather than an HTTP library keep the generator's own
+CPU per request small next to the server's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.drivers.common import emit, quiet_logs
@@ -27,8 +30,8 @@ class Connection:
         self.reader = reader
         self.writer = writer
 
-    async def post(self, head: bytes, body: bytes) -> int:
-        self.writer.write(head + str(len(body)).encode() + b"\r\n\r\n" + body)
+    async def send(self, request: bytes) -> int:
+        self.writer.write(request)
         status_line = await self.reader.readline()
         length = 0
         while True:
@@ -60,7 +63,25 @@ def body(tag: str, n: int) -> bytes:
     return json.dumps({"name": f"b{tag}-{n}", "plan": "dev"}).encode()
 
 
-async def rate(args: argparse.Namespace, conns: list[Connection], head: bytes, tag: str) -> dict[str, object]:
+# The n-th request's bytes.
+Requests = Callable[[int], bytes]
+
+
+def posts(head: bytes, tag: str) -> Requests:
+    def request(n: int) -> bytes:
+        payload = body(tag, n)
+        return head + str(len(payload)).encode() + b"\r\n\r\n" + payload
+
+    return request
+
+
+def gets(host: str, port: int, paths: list[str], key: str) -> Requests:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    heads = [f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}\r\n".encode() for path in paths]
+    return lambda n: heads[n % len(heads)]
+
+
+async def rate(args: argparse.Namespace, conns: list[Connection], requests: Requests) -> dict[str, object]:
     latencies: list[float] = []
     statuses: Counter[int] = Counter()
     queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
@@ -69,7 +90,7 @@ async def rate(args: argparse.Namespace, conns: list[Connection], head: bytes, t
         while (item := await queue.get()) is not None:
             n, scheduled = item
             try:
-                statuses[await conn.post(head, body(tag, n))] += 1
+                statuses[await conn.send(requests(n))] += 1
             except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
                 statuses[0] += 1
             latencies.append((time.perf_counter() - scheduled) * 1000)
@@ -95,9 +116,7 @@ async def rate(args: argparse.Namespace, conns: list[Connection], head: bytes, t
     }
 
 
-async def closed(
-    args: argparse.Namespace, conns: list[Connection], head: bytes, tag: str
-) -> dict[str, object]:
+async def closed(args: argparse.Namespace, conns: list[Connection], requests: Requests) -> dict[str, object]:
     statuses: Counter[int] = Counter()
     counter = iter(range(10**9))
     stop_at = time.perf_counter() + args.seconds
@@ -105,7 +124,7 @@ async def closed(
     async def loop(conn: Connection) -> None:
         while time.perf_counter() < stop_at:
             try:
-                statuses[await conn.post(head, body(tag, next(counter)))] += 1
+                statuses[await conn.send(requests(next(counter)))] += 1
             except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
                 statuses[0] += 1
                 return
@@ -117,14 +136,16 @@ async def closed(
     return {"requests": done, "seconds": elapsed, "statuses": dict(statuses), "rps": done / elapsed}
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace, paths: list[str]) -> None:
     parts = urlsplit(args.base)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     conns = [await connect(host, port) for _ in range(args.connections)]
-    head = request_head(host, port, args.path, args.key)
-    tag = secrets.token_hex(4)
+    if paths:
+        requests = gets(host, port, paths, args.key)
+    else:
+        requests = posts(request_head(host, port, args.path, args.key), secrets.token_hex(4))
     try:
-        result = await (rate if args.mode == "rate" else closed)(args, conns, head, tag)
+        result = await (rate if args.mode == "rate" else closed)(args, conns, requests)
     finally:
         for conn in conns:
             conn.writer.close()
@@ -136,9 +157,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["rate", "closed"])
     parser.add_argument("--base", required=True)
-    parser.add_argument("--path", required=True)
+    parser.add_argument("--path", default="/v1/instances")
+    parser.add_argument("--paths-file", default="", help="GET these paths (one a line) instead of POSTs")
     parser.add_argument("--key", default="")
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--connections", type=int, default=32)
-    aio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    aio.run(main(arguments, Path(arguments.paths_file).read_text().split() if arguments.paths_file else []))

@@ -7,6 +7,7 @@ from bench.core import Workload
 
 def all_workloads() -> list[Workload]:
     from bench.workloads.api import ApiWorkload
+    from bench.workloads.audit import AuditWorkload
     from bench.workloads.crash import CrashWorkload
     from bench.workloads.drain import DrainWorkload
     from bench.workloads.pickup import PickupWorkload
@@ -20,4 +21,5 @@ def all_workloads() -> list[Workload]:
         ApiWorkload(),
         ReconcilerWorkload(),
         CrashWorkload(),
+        AuditWorkload(),
     ]

@@ -81,26 +81,10 @@ class ApiWorkload(Workload):
     def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
         name, url = ctx.fresh_database(f"w4_{variant}")
         key = asyncio.run(make_tenant(url))
-        port = free_port()
         data_dir = ctx.work_dir / f"api-{name}"
         data_dir.mkdir()
-        env = {
-            **_base_env(),
-            "CONTROLPLANE_DATABASE_URL": url,
-            "CONTROLPLANE_PROVISIONER": "noop",
-            "CONTROLPLANE_DATA_DIR": str(data_dir),
-            "CONTROLPLANE_LOG_LEVEL": "WARNING",
-        }
-        server = ctx.procs.start(
-            [ctx.project_python, "-m", "bench.drivers.api_server", "--port", str(port)],
-            name=f"w4-server-{variant}",
-            env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
+        server, base = start_api(ctx, url, data_dir, f"w4-server-{variant}")
         try:
-            wait_for(lambda: _healthy(base) or server.poll() is not None, 60, what="the API server")
-            if server.poll() is not None:
-                raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
             ctx.cluster.checkpoint()
             path = PATHS[variant]
             self._saturate(ctx, base, path, key, self.warmup)
@@ -167,39 +151,58 @@ class ApiWorkload(Workload):
         ]
 
     def _at_rate(self, ctx: Context, base: str, path: str, key: str) -> tuple[list[float], int]:
-        result = ctx.procs.run_json(
-            [
-                ctx.project_python,
-                "-m",
-                "bench.drivers.loadgen",
-                "rate",
-                "--base",
-                base,
-                "--path",
-                path,
-                "--key",
-                key if path == PATHS["ours"] else "",
-                "--rate",
-                str(RATE),
-                "--seconds",
-                str(self.seconds),
-                "--connections",
-                str(RATE_CONNECTIONS),
-            ],
-            name="w4-loadgen-rate",
-            timeout=self.seconds + 120,
-        )
-        errors = sum(n for status, n in result["statuses"].items() if not 200 <= int(status) < 300)
-        return list(result["latencies_ms"]), errors
+        requests = ["--path", path, "--key", key if path == PATHS["ours"] else ""]
+        return at_rate(ctx, base, requests, RATE, self.seconds, RATE_CONNECTIONS, "w4-loadgen-rate")
 
 
-def _base_env() -> dict[str, str]:
+def at_rate(
+    ctx: Context, base: str, requests: list[str], rate: float, seconds: float, connections: int, name: str
+) -> tuple[list[float], int]:
+    """The load generator's open loop (`requests`: its --path/--paths-file and --key flags): the
+    latencies (ms) and the number of non-2xx answers."""
+    result = ctx.procs.run_json(
+        [
+            *(ctx.project_python, "-m", "bench.drivers.loadgen", "rate", "--base", base, *requests),
+            *("--rate", str(rate), "--seconds", str(seconds), "--connections", str(connections)),
+        ],
+        name=name,
+        timeout=seconds + 120,
+    )
+    errors = sum(n for status, n in result["statuses"].items() if not 200 <= int(status) < 300)
+    return list(result["latencies_ms"]), errors
+
+
+def start_api(ctx: Context, url: str, data_dir: Path, name: str) -> tuple[subprocess.Popen[str], str]:
+    """The product's API (noop provisioner) in its own process, answering `/healthz`: (process, URL)."""
+    port = free_port()
+    env = {
+        **base_env(),
+        "CONTROLPLANE_DATABASE_URL": url,
+        "CONTROLPLANE_PROVISIONER": "noop",
+        "CONTROLPLANE_DATA_DIR": str(data_dir),
+        "CONTROLPLANE_LOG_LEVEL": "WARNING",
+    }
+    server = ctx.procs.start(
+        [ctx.project_python, "-m", "bench.drivers.api_server", "--port", str(port)], name=name, env=env
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: healthy(base) or server.poll() is not None, 60, what="the API server")
+        if server.poll() is not None:
+            raise RuntimeError(f"the API server exited: {ctx.procs.log_tail(server)}")
+    except BaseException:
+        ctx.procs.stop(server)
+        raise
+    return server, base
+
+
+def base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
 
 
-def _healthy(base: str) -> bool:
+def healthy(base: str) -> bool:
     try:
         return httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200
     except httpx.HTTPError:

@@ -1,5 +1,5 @@
-"""The API process's one LISTEN connection on the cp_instance_<state> channels, fanned out to the
-queues of its watch streams (`controlplane.api.watch`)."""
+"""The API process's one LISTEN connection on the cp_instance_<state> channels and the step channel,
+fanned out to the queues of its watch streams (`controlplane.api.watch`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ class Moved:
     state_version: int
 
 
+@dataclass(frozen=True)
+class Stepped:
+    """A step record of the instance was written (a step notification)."""
+
+    step_id: int
+
+
 class Signal:
     """Not a transition: RESYNC (notifications may have been missed: read the audit log) or
     CLOSED (the process shuts down: end the stream, the client reconnects)."""
@@ -46,7 +53,7 @@ class Signal:
 
 RESYNC = Signal("RESYNC")
 CLOSED = Signal("CLOSED")
-Note = Moved | Signal
+Note = Moved | Stepped | Signal
 
 
 class Closed(Exception):
@@ -59,6 +66,14 @@ def parse_notification(channel: str, payload: str) -> tuple[str, str, int] | Non
     if not channel.startswith(sql.INSTANCE_CHANNEL_PREFIX) or not version.isdigit():
         return None
     return instance_id, channel.removeprefix(sql.INSTANCE_CHANNEL_PREFIX), int(version)
+
+
+def parse_step_notification(channel: str, payload: str) -> tuple[str, int] | None:
+    """(instance id, step record id) of a step notification, or None if it is not one."""
+    instance_id, _, step_id = payload.partition(":")
+    if channel != sql.STEP_CHANNEL or not step_id.isdigit():
+        return None
+    return instance_id, int(step_id)
 
 
 class Hub:
@@ -112,7 +127,7 @@ class Hub:
             try:
                 conn = await db.connect(self.conninfo)
                 try:
-                    await conn.execute(sql.LISTEN_INSTANCE_CHANNELS)
+                    await conn.execute(sql.LISTEN_INSTANCE_CHANNELS + "; " + sql.LISTEN_STEP_CHANNEL)
                     self._listening.set()
                     delay = 0.1
                     self._to_all(RESYNC)  # what moved while nobody listened is in the audit log
@@ -128,12 +143,17 @@ class Hub:
                 delay = min(delay * 2, 2.0)
 
     def _dispatch(self, channel: str, payload: str) -> None:
-        parsed = parse_notification(channel, payload)
-        if parsed is None:
-            return
-        instance_id, state, version = parsed
+        note: Note
+        stepped = parse_step_notification(channel, payload)
+        if stepped is not None:
+            instance_id, note = stepped[0], Stepped(stepped[1])
+        else:
+            parsed = parse_notification(channel, payload)
+            if parsed is None:
+                return
+            instance_id, note = parsed[0], Moved(parsed[1], parsed[2])
         for queue in self._queues.get(instance_id, ()):
-            _put(queue, Moved(state, version))
+            _put(queue, note)
 
     def _to_all(self, note: Note) -> None:
         for queues in self._queues.values():

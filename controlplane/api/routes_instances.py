@@ -1,4 +1,4 @@
-"""Customer routes for instances: create, read, list, change, delete, audit log, watch.
+"""Customer routes for instances: create, read, list, change, delete, retry, audit log, watch.
 
 Each route parses the request, calls its use case (`controlplane.services.instances`) and renders
 the result; a refusal is a DomainError, rendered as problem+json by `controlplane.api.errors`.
@@ -7,15 +7,19 @@ the result; a refusal is a DomainError, rendered as problem+json by `controlplan
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from psycopg.rows import DictRow
 
 from controlplane import crashpoints, db, sql
 from controlplane.api import errors, idempotency, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
+    DNS_LABEL,
     Instance,
     InstanceCreate,
     InstanceEventPage,
@@ -59,6 +63,55 @@ def _json(inst: InstanceRecord, doc: dict[str, Any], status: int) -> JSONRespons
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+@dataclass(frozen=True)
+class Created:
+    """The answer to a creating request: the instance document (or the one stored for its
+    Idempotency-Key, then `replayed`)."""
+
+    status_code: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+    replayed: bool
+
+    def response(self) -> JSONResponse:
+        headers = {**self.headers, "Idempotent-Replayed": "true"} if self.replayed else self.headers
+        return JSONResponse(self.body, status_code=self.status_code, headers=headers)
+
+
+async def _accepted(
+    state: AppState,
+    who: Customer,
+    idempotency_key: str | None,
+    digest: str,
+    run: Callable[[AsyncConn], Awaitable[InstanceRecord]],
+) -> Created:
+    """202 with the instance a creating use case made, in one transaction with its Idempotency-Key
+    record: the same key and request again replays the stored answer. The transaction runs again
+    if it loses a race."""
+    if idempotency_key is not None:
+        idempotency.check_key(idempotency_key)
+
+    async def once(conn: AsyncConn) -> Created:
+        if idempotency_key is not None:
+            stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
+            if stored is not None:
+                return Created(stored.status_code, stored.body, stored.headers, replayed=True)
+        inst = await run(conn)
+        doc = await views.one_instance(conn, inst, state.box)
+        headers = _headers(inst, location=True)
+        body_json = Instance.model_validate(doc).model_dump(mode="json")
+        if idempotency_key is not None:
+            await idempotency.save(
+                conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
+            )
+        crashpoints.reached("api.create.before_commit")
+        return Created(202, body_json, headers, replayed=False)
+
+    created = await db.in_transaction(state.pool, once)
+    crashpoints.reached("api.create.after_commit")
+    return created
+
+
 @router.post(
     "",
     status_code=202,
@@ -75,7 +128,13 @@ async def create(
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
-    state = app_state(request)
+    return (await create_instance(app_state(request), who, body, idempotency_key)).response()
+
+
+async def create_instance(
+    state: AppState, who: Customer, body: InstanceCreate, idempotency_key: str | None
+) -> Created:
+    """The create use case behind an Idempotency-Key (the API's and the console's)."""
     restore_from = None
     if body.restore_from is not None:
         restore_from = RestoreSource.from_spec(body.restore_from.model_dump(mode="json"))
@@ -88,30 +147,11 @@ async def create(
         restore_from=restore_from,
     )
     digest = idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
-    if idempotency_key is not None:
-        idempotency.check_key(idempotency_key)
 
-    async def create_once(conn: AsyncConn) -> JSONResponse:
-        """The key's stored response, or the use case's with the response stored under the key."""
-        if idempotency_key is not None:
-            stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
-            if stored is not None:
-                headers = {**stored.headers, "Idempotent-Replayed": "true"}
-                return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
-        created = await instances.create(conn, who.actor, who.request_id, asked, state.policy)
-        doc = views.instance(created.instance, state.box)
-        headers = _headers(created.instance, location=True)
-        body_json = Instance.model_validate(doc).model_dump(mode="json")
-        if idempotency_key is not None:
-            await idempotency.save(
-                conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
-            )
-        crashpoints.reached("api.create.before_commit")
-        return JSONResponse(body_json, status_code=202, headers=headers)
+    async def run(conn: AsyncConn) -> InstanceRecord:
+        return (await instances.create(conn, who.actor, who.request_id, asked, state.policy)).instance
 
-    response = await db.in_transaction(state.pool, create_once)
-    crashpoints.reached("api.create.after_commit")
-    return response
+    return await _accepted(state, who, idempotency_key, digest, run)
 
 
 @router.get(
@@ -124,12 +164,36 @@ async def list_instances(
     request: Request,
     who: Caller,
     state: InstanceState | None = None,
+    name: Annotated[
+        str | None, Query(max_length=63, pattern=DNS_LABEL, description="only the instances of this name")
+    ] = None,
+    include: Annotated[
+        Literal["archived"] | None, Query(description="archived: list deleted failed instances too")
+    ] = None,
     limit: Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")] = (
         DEFAULT_LIMIT
     ),
     cursor: str | None = None,
 ) -> dict[str, Any]:
     app = app_state(request)
+    items, next_cursor = await instances_page(
+        app, who.org_id, state=state, name=name, archived=include == "archived", limit=limit, cursor=cursor
+    )
+    return {"items": items, "next_cursor": next_cursor}
+
+
+async def instances_page(
+    app: AppState,
+    org_id: uuid.UUID,
+    *,
+    state: str | None = None,
+    name: str | None = None,
+    archived: bool = False,
+    limit: int = DEFAULT_LIMIT,
+    cursor: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """A page of an organisation's instances (their documents), oldest first, and the cursor of
+    the next page; archived ones only when asked for."""
     limit = min(limit, MAX_LIMIT)
     after_created, after_id = views.after_created(cursor) or (None, None)
     async with app.pool.connection() as conn:
@@ -137,19 +201,22 @@ async def list_instances(
             await conn.execute(
                 sql.LIST_ORG_INSTANCES,
                 {
-                    "org": who.org_id,
+                    "org": org_id,
                     "state": state,
+                    "name": name,
+                    "archived": archived,
                     "after_created": after_created,
                     "after_id": after_id,
                     "limit": limit + 1,
                 },
             )
         ).fetchall()
-    found = [InstanceRecord.from_row(row) for row in rows]
-    page, next_cursor = views.page_of(
-        found, limit, lambda last: views.created_cursor(last.created_at, last.id)
-    )
-    return {"items": [views.instance(r, app.box) for r in page], "next_cursor": next_cursor}
+        found = [InstanceRecord.from_row(row) for row in rows]
+        page, next_cursor = views.page_of(
+            found, limit, lambda last: views.created_cursor(last.created_at, last.id)
+        )
+        items = await views.instances(conn, page, app.box)
+    return items, next_cursor
 
 
 @router.get(
@@ -176,9 +243,10 @@ async def get_instance(
     app = app_state(request)
     async with app.pool.connection() as conn:
         inst = await instances.load(conn, who.org_id, instance_id)
-    if views.none_match(if_none_match, inst):
-        return Response(status_code=304, headers=_headers(inst) | NO_STORE)
-    return _json(inst, views.instance(inst, app.box, reveal=True), 200)
+        if views.none_match(if_none_match, inst):
+            return Response(status_code=304, headers=_headers(inst) | NO_STORE)
+        doc = await views.one_instance(conn, inst, app.box, reveal=True)
+    return _json(inst, doc, 200)
 
 
 @router.patch(
@@ -203,10 +271,12 @@ async def update_instance(
         deletion_protection=body.deletion_protection,
         if_versions=views.if_match_versions(if_match),
     )
-    changed = await db.in_transaction(
-        app.pool, lambda conn: instances.change(conn, who.actor, who.request_id, asked, app.policy)
-    )
-    return _json(changed.instance, views.instance(changed.instance, app.box), 202)
+
+    async def once(conn: AsyncConn) -> tuple[InstanceRecord, dict[str, Any]]:
+        changed = await instances.change(conn, who.actor, who.request_id, asked, app.policy)
+        return changed.instance, await views.one_instance(conn, changed.instance, app.box)
+
+    return _json(*await db.in_transaction(app.pool, once), 202)
 
 
 @router.delete(
@@ -229,10 +299,45 @@ async def delete_instance(
     asked = instances.RequestDeletion(
         who.org_id, instance_id, skip_final_backup, if_versions=views.if_match_versions(if_match)
     )
-    requested = await db.in_transaction(
-        app.pool, lambda conn: instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
-    )
-    return _json(requested.instance, views.instance(requested.instance, app.box), 202)
+
+    async def once(conn: AsyncConn) -> tuple[InstanceRecord, dict[str, Any]]:
+        requested = await instances.request_deletion(conn, who.actor, who.request_id, asked, app.policy)
+        return requested.instance, await views.one_instance(conn, requested.instance, app.box)
+
+    return _json(*await db.in_transaction(app.pool, once), 202)
+
+
+@router.post(
+    "/{instance_id}/retry",
+    status_code=202,
+    response_model=Instance,
+    responses={
+        202: {"headers": {"Location": {"schema": {"type": "string"}}}},
+        **errors.responses(400, 401, 403, 404, 409, 422),
+    },
+    summary="Retry a failed instance: a new one from its spec and name, linked both ways",
+)
+async def retry_instance(
+    instance_id: uuid.UUID,
+    request: Request,
+    who: Caller,
+    idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
+) -> JSONResponse:
+    return (await retry(app_state(request), who, instance_id, idempotency_key)).response()
+
+
+async def retry(
+    state: AppState, who: Customer, instance_id: uuid.UUID, idempotency_key: str | None
+) -> Created:
+    """The retry use case behind an Idempotency-Key (the API's and the console's)."""
+    asked = instances.RetryInstance(who.org_id, instance_id)
+    path = f"/v1/instances/{instance_id}/retry"
+    digest = idempotency.request_hash("POST", path, {})
+
+    async def run(conn: AsyncConn) -> InstanceRecord:
+        return (await instances.retry(conn, who.actor, who.request_id, asked, state.policy)).instance
+
+    return await _accepted(state, who, idempotency_key, digest, run)
 
 
 @router.get(
@@ -249,18 +354,26 @@ async def instance_events(
     limit: Annotated[int, Query(ge=1)] = DEFAULT_LIMIT,
 ) -> dict[str, Any]:
     app = app_state(request)
+    rows, next_cursor = await events_page(app, who.org_id, instance_id, limit=limit, cursor=cursor)
+    return {"items": [views.event(r) for r in rows], "next_cursor": next_cursor}
+
+
+async def events_page(
+    app: AppState, org_id: uuid.UUID, instance_id: uuid.UUID, *, limit: int, cursor: str | None
+) -> tuple[Sequence[DictRow], str | None]:
+    """A page of an organisation's instance's audit log, oldest first (NotFound if it has none of
+    that id), and the cursor of the next page."""
     limit = min(limit, MAX_LIMIT)
     after = views.after_id(cursor)
     async with app.pool.connection() as conn:
-        await instances.load(conn, who.org_id, instance_id)
+        await instances.load(conn, org_id, instance_id)
         rows = await (
             await conn.execute(
                 sql.ORG_INSTANCE_EVENTS,
-                {"id": instance_id, "org": who.org_id, "after": after, "limit": limit + 1},
+                {"id": instance_id, "org": org_id, "after": after, "limit": limit + 1},
             )
         ).fetchall()
-    page, next_cursor = views.page_of(rows, limit, views.id_cursor)
-    return {"items": [views.event(r) for r in page], "next_cursor": next_cursor}
+    return views.page_of(rows, limit, views.id_cursor)
 
 
 @router.get(
@@ -284,11 +397,19 @@ async def watch_instance(
         str | None, Header(description="the last event id a client saw: resume after it")
     ] = None,
 ) -> StreamingResponse:
+    return await watch_response(request, who.org_id, instance_id, last_event_id)
+
+
+async def watch_response(
+    request: Request, org_id: uuid.UUID, instance_id: uuid.UUID, last_event_id: str | None = None
+) -> StreamingResponse:
+    """The watch stream of an organisation's instance (NotFound if it has none of that id), from
+    after `last_event_id` when a client resumes."""
     app: AppState = app_state(request)
     async with app.pool.connection() as conn:
-        await instances.load(conn, who.org_id, instance_id)
+        await instances.load(conn, org_id, instance_id)
     resume_after = watch.last_event_id(last_event_id)
-    stream = watch.instance_stream(app, request, instance_id, who.org_id, resume_after=resume_after)
+    stream = watch.instance_stream(app, request, instance_id, org_id, resume_after=resume_after)
     return StreamingResponse(
         stream,
         media_type="text/event-stream",

@@ -15,6 +15,7 @@ from controlplane.db import AsyncConn
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import SecretBox
 from controlplane.services.policy import Policy
+from controlplane.sessions import Seal
 from controlplane.settings import Settings
 from controlplane.tenants import Principal
 from provisioners.base import Provisioner
@@ -65,6 +66,12 @@ class AppState:
     provisioner: Provisioner | None = None
     # The process's one LISTEN connection, fanned out to its watch streams.
     watchers: Hub | None = None
+    # The console's cookies and form tokens (from the secret key); made with the box when not given.
+    seal: Seal | None = None
+
+    def __post_init__(self) -> None:
+        if self.seal is None:
+            self.seal = Seal(self.box, self.settings.api.console_session_s)
 
 
 def provisioner_of(state: AppState) -> Provisioner:

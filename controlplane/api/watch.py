@@ -1,5 +1,6 @@
-"""Server-Sent Events of one instance's transitions: one LISTEN connection per API process (`Hub`)
-fans the cp_instance_<state> notifications out to every watch stream of the process.
+"""Server-Sent Events of one instance's transitions and steps: one LISTEN connection per API
+process (`Hub`) fans the cp_instance_<state> and step notifications out to every watch stream of
+the process.
 
 A stream ends after a terminal state, when its client leaves, and at once when the process shuts
 down (`Hub.close`): the client reconnects, to this process or another, with `Last-Event-ID` (the
@@ -17,11 +18,12 @@ from typing import Any
 
 from starlette.requests import Request
 
-from controlplane import lifecycle, sql
+from controlplane import failures, lifecycle, sql, steps
 from controlplane.api import views
-from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved
+from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved, Stepped
 from controlplane.api.state import AppState
-from controlplane.records import Instance
+from controlplane.kinds import STEP_LABELS
+from controlplane.records import Instance, StepRecord
 
 __all__ = ["APPLICATION_NAME", "instance_stream", "last_event_id", "sse"]
 
@@ -48,7 +50,40 @@ async def _snapshot(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID) ->
     async with app.pool.connection() as conn:
         cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
         row = await cursor.fetchone()
-    return None if row is None else views.instance(Instance.from_row(row), app.box)
+        return None if row is None else await views.one_instance(conn, Instance.from_row(row), app.box)
+
+
+async def _step_event(
+    app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, step_id: int
+) -> dict[str, Any] | None:
+    """The `step` event of one step record: what happened, and the instance's progress after it."""
+    async with app.pool.connection() as conn:
+        cursor = await conn.execute(sql.STEP_BY_ID, {"id": step_id, "instance_id": instance_id})
+        row = await cursor.fetchone()
+        cursor = await conn.execute(sql.ORG_INSTANCE, {"id": instance_id, "org": org_id})
+        found = await cursor.fetchone()
+        if row is None or found is None:
+            return None
+        inst = Instance.from_row(found)
+        # As of this step: the records after it are left out (the state may have moved on since).
+        moving = await steps.progress_of(conn, [inst], through_step=step_id)
+    step = StepRecord.from_row(row)
+    code = step.code if step.event == "failed" else None
+    return {
+        "instance_id": step.instance_id,
+        "job_id": step.job_id,
+        "operation": step.kind,
+        "step": step.step,
+        "label": STEP_LABELS.get(step.step, step.step),
+        "event": step.event,
+        "attempt": step.attempt,
+        "at": step.at,
+        "duration_s": None
+        if step.started_at is None
+        else round((step.at - step.started_at).total_seconds(), 3),
+        "failure": None if code is None else failures.reason(code).as_dict(),
+        "progress": moving.get(inst.id),
+    }
 
 
 async def _missed(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, after: int) -> list[Moved]:
@@ -75,11 +110,12 @@ async def instance_stream(
     keepalive_s: float = KEEPALIVE_S,
 ) -> AsyncIterator[bytes]:
     """A snapshot event (or, resuming after `resume_after`, the transitions since), then one
-    `transition` event per state change; ends after a terminal state, when the client leaves, and
-    when the process shuts down.
+    `transition` event per state change and one `step` event per step record; ends after a
+    terminal state, when the client leaves, and when the process shuts down.
 
     The stream follows the instance before it reads the snapshot, so no transition falls between
-    the two; a notification at or below the last state_version sent is skipped.
+    the two; a notification at or below the last state_version sent is skipped. A step event
+    carries the progress as of its reading (a reconnecting client gets it in the snapshot).
     """
     async with contextlib.AsyncExitStack() as stack:
         try:
@@ -109,7 +145,11 @@ async def instance_stream(
                 continue
             if note is CLOSED:
                 return
-            if isinstance(note, Moved):
+            if isinstance(note, Stepped):
+                event = await _step_event(app, instance_id, org_id, note.step_id)
+                if event is not None:
+                    yield sse("step", event)
+            elif isinstance(note, Moved):
                 if note.state_version > last:
                     state, last = note.state, note.state_version
                     yield _transition(instance_id, note)

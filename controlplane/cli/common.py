@@ -44,8 +44,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return settings_module.load(**overrides)
 
 
+def _plain(value: Any) -> str:
+    """What JSON does not have: bytes (hashes) as hex, the rest (times, ids) as text."""
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
 def print_json(value: Any) -> None:
-    json.dump(value, sys.stdout, indent=2, default=str)
+    json.dump(value, sys.stdout, indent=2, default=_plain)
     sys.stdout.write("\n")
 
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
 from controlplane import aio, datadir, db, logs, operations, roles
-from controlplane.cli.common import add_settings_flags, settings_from
+from controlplane.cli.common import CommandError, add_settings_flags, settings_from
 from controlplane.registry import load_registry
 from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
 DATABASE = ("database_url", "data_dir", "pg_bindir")
+MIGRATION = ("migration_database_url", "runtime_role")
 LOGGING = ("log_level", "log_format")
 API = (
     "api_host",
@@ -25,6 +27,7 @@ API = (
     "api_lock_timeout_s",
     "api_statement_timeout_s",
     "api_max_keys_per_org",
+    "console_session_s",
     "stripe_webhook_secret",
     "secret_key",
     "job_registry",
@@ -81,6 +84,8 @@ RECONCILER = (
     "retry_max_delay_s",
     "background_lock_timeout_s",
     "background_statement_timeout_s",
+    "audit_checkpoint_interval_s",
+    "audit_partition_months_ahead",
 )
 
 
@@ -89,8 +94,10 @@ def _flags(*groups: tuple[str, ...]) -> list[str]:
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("migrate", help="bring the database schema to the latest revision")
-    add_settings_flags(parser, DATABASE)
+    parser = commands.add_parser(
+        "migrate", help="bring the database schema to the latest revision (as the owner role)"
+    )
+    add_settings_flags(parser, _flags(DATABASE, MIGRATION))
     parser.set_defaults(handler=cmd_migrate)
 
     parser = commands.add_parser("serve", help="run the REST API")
@@ -112,7 +119,7 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "up", help="run everything in one process: embedded PostgreSQL, API, worker, reconciler"
     )
-    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, WORKER, RECONCILER, LOGGING))
+    add_settings_flags(parser, _flags(DATABASE, MIGRATION, API, PROVISIONER, WORKER, RECONCILER, LOGGING))
     parser.add_argument(
         "--leave-instances-running",
         action="store_true",
@@ -129,19 +136,32 @@ def _configured(args: argparse.Namespace, default_format: str = "json") -> Setti
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if settings.database.url_value or datadir.holder(settings.data_dir) is not None:
-        db.migrate(db.resolve_database_url(settings))  # the configured URL, or the running `up`'s
-    else:
-        from controlplane.embedded import open_embedded
+    try:
+        if settings.database.url_value or datadir.holder(settings.data_dir) is not None:
+            target = db.migration_target(settings)  # the configured URLs, or the running `up`'s
+            db.migrate(target.url, runtime_role=target.runtime_role)
+        else:
+            from controlplane.embedded import open_embedded
 
-        # No `up` runs here: the embedded server is started for the migration only, under the lock.
-        with datadir.held(settings.data_dir):
-            embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
-            try:
-                db.migrate(embedded.create_database())
-            finally:
-                embedded.stop()
+            # No `up` runs here: the embedded server is started for the migration only, under the lock.
+            with datadir.held(settings.data_dir):
+                embedded = open_embedded(settings.data_dir / "db", bindir=settings.database.pg_bindir)
+                try:
+                    target = db.migration_target(settings, embedded)
+                    db.migrate(target.url, runtime_role=target.runtime_role)
+                finally:
+                    embedded.stop()
+    except db.RoleError as exc:
+        raise CommandError(str(exc)) from None
     print(f"database migrated to revision {db.head_revision()}")
+    if target.runtime_role:
+        print(f"runtime role {target.runtime_role}: SELECT and INSERT only on the audit log")
+    else:
+        print(
+            "warning: one role for migrations and the services (CONTROLPLANE_MIGRATION_DATABASE_URL "
+            "unset): it owns the tables and could rewrite the audit log (docs/deployment.md)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -1,33 +1,89 @@
-"""SRE commands on the control plane's database: lifecycle, audit verify, events, stats, stuck."""
+"""SRE commands on the control plane's database: lifecycle, audit (verify, checkpoints, export,
+offline verification), events, stats, stuck."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import sys
 import uuid
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from controlplane import audit, db, events, lifecycle, sql
+from controlplane import audit, checkpoints, events, export, lifecycle, reference, signing, sql
 from controlplane.cli import jobs as jobs_cli
-from controlplane.cli.common import add_settings_flags, print_json, print_table, run_with_db, settings_from
+from controlplane.cli.common import (
+    CommandError,
+    add_settings_flags,
+    print_json,
+    print_table,
+    run_with_db,
+    settings_from,
+)
 from controlplane.db import AsyncConn
+from controlplane.secretbox import load_box
 
 DB_FLAGS = ("database_url", "data_dir")
+# Commands that sign (a checkpoint, an export) decrypt the key with the secret box.
+SIGNING_FLAGS = (*DB_FLAGS, "secret_key")
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("lifecycle", help="print the instance and job lifecycle tables")
+    parser = commands.add_parser(
+        "lifecycle", help="print the lifecycle tables, their metadata and the failure reasons"
+    )
     parser.add_argument("--format", choices=("table", "json", "mermaid"), default="table")
     parser.set_defaults(handler=cmd_lifecycle)
 
-    parser = commands.add_parser("audit", help="check the audit log against the current rows")
+    parser = commands.add_parser("audit", help="verify, checkpoint and export the audit log")
     audit_commands = parser.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
     verify = audit_commands.add_parser(
-        "verify", help="replay every event log; print mismatches; exit 1 if there is any"
+        "verify",
+        help="replay every event log, check every hash chain and checkpoint; exit 1 on any problem",
+    )
+    verify.add_argument(
+        "--since",
+        nargs="?",
+        const="latest",
+        metavar="CHECKPOINT",
+        help="only the events after a checkpoint (its number; alone: the newest), linked to its heads",
+    )
+    verify.add_argument(
+        "--key", type=Path, help="check signatures with this public key (PEM), not the stored one"
     )
     add_settings_flags(verify, DB_FLAGS)
     verify.set_defaults(handler=cmd_audit_verify)
+
+    checkpoint = audit_commands.add_parser("checkpoint", help="record a signed checkpoint now")
+    add_settings_flags(checkpoint, SIGNING_FLAGS)
+    checkpoint.set_defaults(handler=cmd_audit_checkpoint)
+
+    public_key = audit_commands.add_parser("public-key", help="print the checkpoints' public key (PEM)")
+    public_key.add_argument("--output", type=Path, help="write it to this file instead")
+    add_settings_flags(public_key, SIGNING_FLAGS)
+    public_key.set_defaults(handler=cmd_audit_public_key)
+
+    exporting = audit_commands.add_parser(
+        "export", help="write the events and checkpoints (after recording one) for offline verification"
+    )
+    exporting.add_argument(
+        "--since",
+        type=_since,
+        default=None,
+        metavar="CHECKPOINT|TIME",
+        help="from this checkpoint (a number, or the newest at or before an ISO time); default: all",
+    )
+    exporting.add_argument("--format", choices=("ndjson",), default="ndjson")
+    exporting.add_argument("--output", type=Path, help="write to this file (default: standard output)")
+    add_settings_flags(exporting, SIGNING_FLAGS)
+    exporting.set_defaults(handler=cmd_audit_export)
+
+    offline = audit_commands.add_parser(
+        "verify-export", help="verify an export offline with the public key (no database)"
+    )
+    offline.add_argument("file", type=Path, metavar="FILE")
+    offline.add_argument("--key", type=Path, required=True, help="the public key (PEM)")
+    offline.set_defaults(handler=cmd_audit_verify_export)
 
     parser = commands.add_parser("events", help="the audit log of all instances, filtered, oldest first")
     parser.add_argument("--instance", type=uuid.UUID)
@@ -59,34 +115,171 @@ def register(commands: Any) -> None:
 
 
 def cmd_lifecycle(args: argparse.Namespace) -> int:
+    document = reference.lifecycle_document(settings_from(args).reconciler.deadline_s)
     if args.format == "json":
-        print_json({name: table.as_dict() for name, table in lifecycle.LIFECYCLES.items()})
+        print_json(document)
         return 0
-    for name, table in lifecycle.LIFECYCLES.items():
-        if args.format == "mermaid":
+    if args.format == "mermaid":
+        for name, table in lifecycle.LIFECYCLES.items():
             print(f"%% {name} lifecycle\n{table.mermaid()}\n")
-            continue
+        return 0
+    states = document["instance"]["state_info"]
+    print_table(
+        [
+            (state, info["label"], info["severity"], info["billing"], info["deadline_s"] or "")
+            for state, info in states.items()
+        ],
+        ("instance state", "label", "severity", "billing", "deadline_s"),
+    )
+    print()
+    for name, table in lifecycle.LIFECYCLES.items():
         print(f"{name}: initial {table.initial}; terminal {', '.join(sorted(table.terminal))}")
         width = max(len(s) for s, _ in table.transitions)
         for (src, event), dst in table.transitions.items():
-            print(f"  {src.ljust(width)}  --{event}-->  {dst}")
+            alert = "  (alerts)" if table.alerts(src, event) else ""
+            print(f"  {src.ljust(width)}  --{event}-->  {dst}{alert}")
         print()
+    print_table(
+        [
+            (r["code"], "yes" if r["retryable"] else "no", ", ".join(r["states"]), r["message"])
+            for r in document["failure_reasons"]
+        ],
+        ("failure code", "retryable", "states", "message"),
+    )
     return 0
 
 
+def _since(text: str) -> int | datetime:
+    if text.isdigit():
+        return int(text)
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a checkpoint number nor an ISO time") from None
+    if at.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no time zone (add Z or +00:00)")
+    return at
+
+
+def _trusted_keys(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        key = signing.load_public_pem(path.read_bytes())
+    except OSError as exc:
+        raise CommandError(f"cannot read the key {path}: {exc.strerror}") from None
+    except signing.BadPublicKey as exc:
+        raise CommandError(f"{path}: {exc}") from None
+    return {signing.fingerprint(signing.raw_public(key)): key}
+
+
+async def _verify(conn: AsyncConn, since: str | None, keys: dict[str, Any] | None) -> tuple[list[str], str]:
+    trusted = keys if keys is not None else await signing.public_keys(conn)
+    window = None
+    number = None
+    if since is not None:
+        row = await (
+            checkpoints.latest(conn) if since == "latest" else checkpoints.by_number(conn, int(since))
+        )
+        if row is None:
+            raise CommandError(
+                "no checkpoint to start from" if since == "latest" else f"no checkpoint {since}"
+            )
+        number = row["number"]
+        cursor = await conn.execute(sql.HEADS_OF_CHECKPOINT, {"number": number})
+        heads = {
+            (h["entity"], str(h["entity_id"])): (h["seq"], bytes(h["hash"])) for h in await cursor.fetchall()
+        }
+        window = audit.Window(row["cut"], heads)
+    result = await audit.check(conn, window)
+    signed = await audit.check_checkpoints(conn, trusted, number)
+    lines = [str(m) for m in result.mismatches] + signed.problems
+    scope = "" if number is None else f" since checkpoint {number}"
+    if signed.count:
+        fingerprints = ", ".join(sorted(signed.keys)) or "none"
+        checked = f"checkpoints {signed.first}..{signed.last} ({signed.heads} heads; key {fingerprints})"
+    else:
+        checked = "no checkpoint yet"
+    summary = (
+        f"audit verify: {len(lines)} problem(s): {len(result.replay)} replay, {len(result.breaks)} chain, "
+        f"{len(signed.problems)} checkpoint; {result.events} events of {result.entities} entities{scope}; "
+        f"{checked}"
+    )
+    return lines, summary
+
+
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    url = db.resolve_database_url(settings_from(args))
+    if args.since is not None and args.since != "latest" and not args.since.isdigit():
+        raise CommandError(f"--since {args.since}: expected a checkpoint number")
+    keys = _trusted_keys(args.key)
+    lines, summary = run_with_db(args, lambda conn: _verify(conn, args.since, keys))
+    for line in lines:
+        print(line)
+    print(summary)
+    return 1 if lines else 0
 
-    async def run() -> list[audit.Mismatch]:
-        conn = await db.connect(url)
-        async with conn:
-            return await audit.verify(conn)
 
-    mismatches = asyncio.run(run())
-    for mismatch in mismatches:
-        print(mismatch)
-    print(f"audit verify: {len(mismatches)} mismatch(es)")
-    return 1 if mismatches else 0
+def cmd_audit_checkpoint(args: argparse.Namespace) -> int:
+    box = load_box(settings_from(args))
+
+    async def record(conn: AsyncConn) -> tuple[Any, Any]:
+        return await checkpoints.record(conn, box), await checkpoints.latest(conn)
+
+    made, newest = run_with_db(args, record)
+    if made is None:
+        print(f"nothing new since checkpoint {newest['number']}")
+    else:
+        print(f"checkpoint {made['number']}: {made['events']} events, {made['heads']} heads")
+    return 0
+
+
+def cmd_audit_public_key(args: argparse.Namespace) -> int:
+    box = load_box(settings_from(args))
+
+    async def key(conn: AsyncConn) -> str:
+        return signing.public_pem((await signing.ensure_key(conn, box)).public_raw)
+
+    pem = run_with_db(args, key)
+    if args.output:
+        args.output.write_text(pem)
+        print(f"public key written to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(pem)
+    return 0
+
+
+def cmd_audit_export(args: argparse.Namespace) -> int:
+    box = load_box(settings_from(args))
+
+    async def run(conn: AsyncConn) -> export.ExportSummary:
+        if args.output is None:
+            return await export.export(conn, box, sys.stdout.buffer, args.since)
+        with args.output.open("wb") as out:
+            return await export.export(conn, box, out, args.since)
+
+    try:
+        summary = run_with_db(args, run)
+    except export.ExportError as exc:
+        raise CommandError(str(exc)) from None
+    print(
+        f"exported {summary.events} events and checkpoints {summary.first}..{summary.last} "
+        f"({summary.lines} lines)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_audit_verify_export(args: argparse.Namespace) -> int:
+    keys = _trusted_keys(args.key)
+    assert keys is not None
+    (key,) = keys.values()
+    try:
+        with args.file.open("rb") as handle:
+            report = export.verify_export(handle, key)
+    except OSError as exc:
+        raise CommandError(f"cannot read {args.file}: {exc.strerror}") from None
+    print(report)
+    return 0 if report.ok else 1
 
 
 def cmd_events(args: argparse.Namespace) -> int:

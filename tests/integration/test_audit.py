@@ -13,15 +13,8 @@ from psycopg.rows import DictRow
 from controlplane import audit, sql
 from controlplane.db import ROOT, AsyncConn
 from controlplane.jobs import NewJob, enqueue
-from controlplane.transitions import transition
-from tests.factories import TEST_ACTOR, make_instance
-
-INSERT_INSTANCE_EVENT = """
-INSERT INTO instance_events
-    (instance_id, from_state, to_state, event, actor_kind, actor_id, state_version)
-VALUES (%s, %s, %s, %s, 'operator', 'someone', %s)
-RETURNING id
-"""
+from controlplane.transitions import Actor, transition
+from tests.factories import TEST_ACTOR, append_event, make_instance
 
 
 async def walk(conn: AsyncConn, entity: str, row: DictRow, *events: str) -> DictRow:
@@ -96,7 +89,7 @@ async def test_empty_database_verifies(conn: AsyncConn) -> None:
 async def test_a_bogus_event_row_is_reported(conn: AsyncConn) -> None:
     rows = await busy_history(conn)
     ready = rows["ready"]
-    await conn.execute(INSERT_INSTANCE_EVENT, (ready["id"], "ready", "suspended", "suspend", 5))
+    await append_event(conn, "instance", ready["id"], "ready", "suspended", "suspend", 5)
 
     mismatches = await audit.verify(conn)
 
@@ -109,16 +102,10 @@ async def test_a_bogus_event_row_is_reported(conn: AsyncConn) -> None:
 async def test_each_kind_of_disagreement_is_reported(conn: AsyncConn) -> None:
     rows = await busy_history(conn)
     # An edge that is not in the table, recorded at the right version.
-    bad_edge = await conn.execute(
-        INSERT_INSTANCE_EVENT, (rows["failed"]["id"], "failed", "ready", "revive", 2)
-    )
-    bad_edge_row = await bad_edge.fetchone()
-    assert bad_edge_row is not None
+    bad_edge = await append_event(conn, "instance", rows["failed"]["id"], "failed", "ready", "revive", 2)
     # A version gap in a job's log.
-    await conn.execute(
-        "INSERT INTO job_events (job_id, from_state, to_state, event, actor_kind, actor_id, state_version)"
-        " VALUES (%s, 'queued', 'claimed', 'claim', 'worker', 'w9', 7)",
-        (rows["queued"]["id"],),
+    await append_event(
+        conn, "job", rows["queued"]["id"], "queued", "claimed", "claim", 7, actor=Actor("worker", "w9")
     )
     # A job inserted behind the transition path: a row with no events at all.
     cursor = await conn.execute("INSERT INTO jobs (kind, state) VALUES ('ghost', 'queued') RETURNING id")
@@ -131,7 +118,7 @@ async def test_each_kind_of_disagreement_is_reported(conn: AsyncConn) -> None:
         by_id.setdefault(mismatch.entity_id, []).append(mismatch.problem)
 
     assert set(by_id) == {rows["failed"]["id"], rows["queued"]["id"], ghost["id"]}
-    assert f"event {bad_edge_row['id']} (failed --revive->) is illegal" in by_id[rows["failed"]["id"]]
+    assert f"event {bad_edge} (failed --revive->) is illegal" in by_id[rows["failed"]["id"]]
     assert any("has state_version 7, expected 1" in p for p in by_id[rows["queued"]["id"]])
     assert by_id[ghost["id"]] == ["has no events at all"]
 
@@ -153,11 +140,14 @@ async def test_cli_audit_verify_exit_codes(conn: AsyncConn, fresh_database: str)
     rows = await busy_history(conn)
     clean = run_cli("audit", "verify", "--database-url", fresh_database)
     assert clean.returncode == 0, clean.stderr
-    assert clean.stdout.strip() == "audit verify: 0 mismatch(es)"
+    assert clean.stdout.strip() == (
+        "audit verify: 0 problem(s): 0 replay, 0 chain, 0 checkpoint; 29 events of 6 entities;"
+        " no checkpoint yet"
+    )
 
-    await conn.execute(INSERT_INSTANCE_EVENT, (rows["ready"]["id"], "ready", "suspended", "suspend", 5))
+    await append_event(conn, "instance", rows["ready"]["id"], "ready", "suspended", "suspend", 5)
     dirty = run_cli("audit", "verify", "--database-url", fresh_database)
     assert dirty.returncode == 1, dirty.stderr
     lines = dirty.stdout.strip().splitlines()
-    assert lines[-1] == "audit verify: 1 mismatch(es)"
+    assert lines[-1].startswith("audit verify: 1 problem(s): 1 replay, 0 chain, 0 checkpoint; 30 events")
     assert lines[0] == (f"instance {rows['ready']['id']}: row is 'ready' v4, log replays to 'suspended' v5")

@@ -18,6 +18,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import controlplane.metrics
+from controlplane import db
 from controlplane import settings as settings_module
 from controlplane.db import ROOT
 from controlplane.settings import Settings, env_name
@@ -102,10 +103,14 @@ def config_map() -> Doc:
     return doc
 
 
-def secret() -> Doc:
-    """The control plane's settings Secret (database.yaml has the database owner's)."""
-    (doc,) = [doc for doc in of_kind("Secret") if doc["metadata"]["name"] == "controlplane-secrets"]
+def secret(name: str = "controlplane-secrets") -> Doc:
+    """A Secret by name: the control plane's settings by default (database.yaml has the database's
+    roles', migration-secret.yaml the owner's URL)."""
+    (doc,) = [doc for doc in of_kind("Secret") if doc["metadata"]["name"] == name]
     return doc
+
+
+MIGRATION_SECRET = "controlplane-migration"
 
 
 def secret_values(doc: Doc) -> dict[str, str]:
@@ -250,6 +255,8 @@ def test_containers_have_resource_requests_and_limits() -> None:
 
 def test_every_controlplane_variable_is_a_setting() -> None:
     names: set[str] = set(config_map()["data"]) | set(secret_values(secret()))
+    names |= set(secret_values(secret(MIGRATION_SECRET)))
+    names |= {line.split("=", 1)[0] for line in env_example_lines("migrate.env.example")}
     for workload in workloads():
         for container in containers(workload):
             names |= {variable["name"] for variable in container.get("env", [])}
@@ -270,6 +277,28 @@ def test_every_role_gets_the_config_map_and_the_secret() -> None:
             sources = container["envFrom"]
             assert {"configMapRef": {"name": config_name}} in sources
             assert {"secretRef": {"name": secret_name}} in sources
+
+
+def test_only_the_migration_gets_the_owner_role() -> None:
+    """The API, worker and reconciler connect as the runtime role; the owner's URL reaches the
+    migration alone (its own Secret, its own environment file)."""
+    assert set(secret_values(secret(MIGRATION_SECRET))) == {"CONTROLPLANE_MIGRATION_DATABASE_URL"}
+    for workload in workloads():
+        for container in containers(workload):
+            gets_it = {"secretRef": {"name": MIGRATION_SECRET}} in container["envFrom"]
+            assert gets_it == (workload["metadata"]["name"] == "controlplane-migrate"), workload["metadata"]
+    settings = settings_module.load(
+        {**config_map()["data"], **secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
+    )
+    assert db.url_user(settings.database.url_value) == "controlplane_app"
+    target = db.migration_target(settings)
+    assert (db.url_user(target.url), target.runtime_role) == ("controlplane", "controlplane_app")
+    for name in UNIT_COMMANDS:
+        files = re.findall(r"^EnvironmentFile=(.+)$", (SYSTEMD / name).read_text(), re.MULTILINE)
+        migrate = name == "controlplane-migrate.service"
+        assert files == (["/etc/controlplane/migrate.env"] if migrate else []) + ["/etc/controlplane/env"]
+    (line,) = env_example_lines("migrate.env.example")
+    assert line.startswith("CONTROLPLANE_MIGRATION_DATABASE_URL=") and "REPLACE_ME" in line
 
 
 def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
@@ -301,14 +330,23 @@ def test_the_database_is_a_three_instance_cluster_with_synchronous_commits() -> 
     assert spec["enableSuperuserAccess"] is False
     initdb = spec["bootstrap"]["initdb"]
     (owner,) = [d for d in of_kind("Secret") if d["metadata"]["name"] == initdb["secret"]["name"]]
-    assert owner["type"] == "kubernetes.io/basic-auth" and "REPLACE_ME" in owner["stringData"]["password"]
-    url = urlsplit(secret_values(secret())["CONTROLPLANE_DATABASE_URL"])
+    (app_role,) = spec["managed"]["roles"]
+    (app,) = [d for d in of_kind("Secret") if d["metadata"]["name"] == app_role["passwordSecret"]["name"]]
+    for role in (owner, app):
+        assert role["type"] == "kubernetes.io/basic-auth" and "REPLACE_ME" in role["stringData"]["password"]
+    # The runtime role: a login and nothing else (migrate grants it its privileges).
+    assert app_role["login"] is True and not any(app_role[k] for k in ("superuser", "createdb", "createrole"))
     name = cluster["metadata"]["name"]
-    # The -rw Service of that Cluster, as its owner, to its database, TLS verified with its CA.
-    assert url.hostname == f"{name}-rw" and url.port == 5432
-    assert url.username == owner["stringData"]["username"] == initdb["owner"]
-    assert url.path == "/" + initdb["database"]
-    query = parse_qs(url.query)
+    runtime = urlsplit(secret_values(secret())["CONTROLPLANE_DATABASE_URL"])
+    migration = urlsplit(secret_values(secret(MIGRATION_SECRET))["CONTROLPLANE_MIGRATION_DATABASE_URL"])
+    assert runtime.username == app["stringData"]["username"] == app_role["name"]
+    assert migration.username == owner["stringData"]["username"] == initdb["owner"]
+    # Both to the -rw Service of that Cluster, to its database, TLS verified with its CA.
+    for url in (runtime, migration):
+        assert url.hostname == f"{name}-rw" and url.port == 5432
+        assert url.path == "/" + initdb["database"]
+        assert url.query == runtime.query
+    query = parse_qs(runtime.query)
     assert query["sslmode"] == ["verify-full"]
     (ca_path,) = query["sslrootcert"]
     for workload in workloads():
@@ -616,6 +654,8 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert data_lost["labels"]["severity"] == "page" and "for" not in data_lost
     failed = rule_using('controlplane_entities{entity="job", state="failed"}')
     assert failed["labels"]["severity"] == "warning" and failed["for"] == "15m"
+    faults = rule_using("controlplane_instance_alerting_transitions_total")
+    assert faults["labels"]["severity"] == "warning" and "for" not in faults
 
 
 # A reconciler that led and stood down keeps exporting the gauges of its last pass; the rules
@@ -701,8 +741,8 @@ def parse_unit(path: Path) -> configparser.ConfigParser:
     return parser
 
 
-def env_example_lines() -> Iterator[str]:
-    for line in (SYSTEMD / "env.example").read_text().splitlines():
+def env_example_lines(name: str = "env.example") -> Iterator[str]:
+    for line in (SYSTEMD / name).read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             yield line.strip()
 

@@ -7,7 +7,7 @@ import pytest
 from controlplane import db, dwell, queue
 from controlplane.jobs import NewJob, enqueue_many
 from controlplane.transitions import Actor, transition
-from tests.factories import TEST_ACTOR, make_instance
+from tests.factories import TEST_ACTOR, append_event, make_instance
 from tests.queue_kinds import WORKER
 
 
@@ -21,12 +21,7 @@ async def _job_with_history(conn: db.AsyncConn, history: list[tuple[str | None, 
         row = await cursor.fetchone()
         assert row is not None
         for version, (src, dst, event, age) in enumerate(history):
-            await conn.execute(
-                "INSERT INTO job_events"
-                " (job_id, from_state, to_state, event, actor_kind, actor_id, state_version, at)"
-                " VALUES (%s, %s, %s, %s, 'system', 'tests', %s, now() - make_interval(secs => %s))",
-                (row["id"], src, dst, event, version, age),
-            )
+            await append_event(conn, "job", row["id"], src, dst, event, version, actor=TEST_ACTOR, age_s=age)
 
 
 async def test_dwell_per_state_from_consecutive_events(conn: db.AsyncConn) -> None:

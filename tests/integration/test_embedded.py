@@ -8,9 +8,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from controlplane import db
-from controlplane.embedded import FAST_SETTINGS, open_embedded
+from controlplane.embedded import FAST_SETTINGS, OWNER_ROLE, RUNTIME_ROLE, open_embedded
 from controlplane.postgres import find_bindir, port_in_use
 from controlplane.settings import Settings, SettingsError, load
 
@@ -50,16 +51,31 @@ def test_embedded_server_starts_stops_and_is_reused(pg_root: Path) -> None:
 
     # With no database URL configured, a client command uses the running server under
     # data_dir/db, and never starts it: stopped, it says so in one line.
+    settings = Settings(database_url=None, data_dir=data_dir)
     with pytest.raises(SettingsError, match="is not running: start `controlplane up`"):
-        db.resolve_database_url(Settings(database_url=None, data_dir=data_dir))
+        db.resolve_database_url(settings)
     assert not first.server.is_running()
     second = open_embedded(root)
     try:
-        reopened_url = db.resolve_database_url(Settings(database_url=None, data_dir=data_dir))
+        # Running, as its runtime role; the database made before the roles existed is handed over
+        # to the owner role.
+        reopened_url = db.resolve_database_url(settings)
         assert second.server.port == first.server.port and second.password == first.password
-        assert reopened_url == url
+        assert conninfo_to_dict(reopened_url)["user"] == RUNTIME_ROLE
+        assert oct((root / "roles.json").stat().st_mode & 0o777) == "0o600"
+        target = db.migration_target(settings)
+        assert conninfo_to_dict(target.url)["user"] == OWNER_ROLE and target.runtime_role == RUNTIME_ROLE
+        db.migrate(target.url, runtime_role=target.runtime_role)
+        with psycopg.connect(url) as admin:
+            owners = admin.execute(
+                "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class"
+                " WHERE relnamespace = 'public'::regnamespace AND relkind IN ('r', 'p', 'S')"
+            ).fetchall()
+        assert owners == [(OWNER_ROLE,)]
         with psycopg.connect(reopened_url) as conn:
             assert conn.execute("SELECT note FROM survivor").fetchall() == [("written before the stop",)]
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="must be owner"):
+                conn.execute("ALTER TABLE instance_events DISABLE TRIGGER instance_events_append_only")
     finally:
         second.stop()
     assert not second.server.is_running()

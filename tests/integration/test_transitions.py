@@ -90,7 +90,7 @@ async def test_transition_returns_the_new_row_and_writes_one_event(conn: AsyncCo
 
     creation, move = await events_of(conn, "instance", inst["id"])
     assert (creation["event"], creation["state_version"]) == ("create", 0)
-    assert {k: move[k] for k in move if k not in ("id", "at")} == {
+    assert {k: move[k] for k in move if k not in ("id", "at", "hash")} == {
         "instance_id": inst["id"],
         "from_state": "pending",
         "to_state": "provisioning",
@@ -101,7 +101,12 @@ async def test_transition_returns_the_new_row_and_writes_one_event(conn: AsyncCo
         "detail": {"job": "provision", "attempt": 1},
         "request_id": "req-42",
         "state_version": 1,
+        "seq": 1,
+        "prev_hash": creation["hash"],
     }
+    # The row keeps its chain head: the event just written.
+    assert (row["chain_seq"], row["chain_head"]) == (1, move["hash"])
+    assert move["at"] == row["state_entered_at"]
 
 
 async def test_job_transition_writes_its_own_event_row(conn: AsyncConn) -> None:

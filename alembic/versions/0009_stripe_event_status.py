@@ -1,7 +1,7 @@
 """stripe_events.status
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-12-01
 
 The subscription status each Stripe event carried: an event for a customer no organisation is
@@ -14,8 +14,8 @@ import sqlalchemy as sa
 
 from alembic import op
 
-revision: str = "0006"
-down_revision: str | None = "0005"
+revision: str = "0009"
+down_revision: str | None = "0008"
 branch_labels: str | None = None
 depends_on: str | None = None
 
