@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or not 0 < args.min_interval <= args.max_interval:
         parser.error("--minutes must be positive and 0 < --min-interval <= --max-interval")
+    # SIGTERM (timeout, a plain kill) stops the soak like Ctrl-C: its processes are stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     report = run(

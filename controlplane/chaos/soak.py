@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 from cryptography.fernet import Fernet
 
 from controlplane import audit, db, tenants
@@ -532,11 +533,11 @@ class Faults:
 
     async def inject(self, kind: str) -> None:
         at = round(time.monotonic() - self.started, 1)
-        injected = await getattr(self, f"_{kind}")()
+        injected = await self._target(kind)
         waited = time.monotonic()
         while injected is None and time.monotonic() - waited < TARGET_WAIT_S:
             await asyncio.sleep(1)  # nothing to kill yet (no ready instance, no leader elected)
-            injected = await getattr(self, f"_{kind}")()
+            injected = await self._target(kind)
         if injected is None:
             log.info("chaos: no target for %s within %.0fs; skipped", kind, TARGET_WAIT_S)
             self.report.skipped[kind] += 1
@@ -559,6 +560,16 @@ class Faults:
             log.error("chaos: %s %s not recovered within %.0fs", kind, target, RECOVERY_BOUND_S)
 
         self.recoveries.append(asyncio.create_task(watch()))
+
+    async def _target(self, kind: str) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        """Kill a `kind` and say how its recovery is seen; None when there is no target now (the
+        lookup itself may need the database, which an earlier fault may still hold down)."""
+        try:
+            found: tuple[str, Callable[[], Awaitable[bool]]] | None = await getattr(self, f"_{kind}")()
+        except (psycopg.Error, OSError) as exc:
+            log.info("chaos: cannot look for a %s to kill yet (%s)", kind, str(exc).splitlines()[0])
+            return None
+        return found
 
     async def _worker(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
         alive = [p for p in self.cluster.of("worker") if p.alive()]
@@ -710,7 +721,14 @@ async def wait_converged(cluster: Cluster, timeout_s: float) -> tuple[plan.Snaps
     began = time.monotonic()
     settled_since: float | None = None
     while True:
-        taken = await snapshot(cluster)
+        try:
+            taken = await snapshot(cluster)
+        except (psycopg.Error, OSError) as exc:  # the database still restarting: look again
+            log.info("chaos: snapshot failed (%s); again", str(exc).splitlines()[0])
+            if time.monotonic() - began > timeout_s:
+                raise
+            await asyncio.sleep(1)
+            continue
         if plan.converged(taken) and not _orphans(taken):
             # Settled for a few reconciler intervals in a row: no pass has anything left to start.
             settled_since = settled_since or time.monotonic()
