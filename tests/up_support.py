@@ -219,7 +219,7 @@ class Served:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # a loaded machine starts Python slowly
         while True:
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
