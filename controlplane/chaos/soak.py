@@ -397,9 +397,22 @@ class Workload:
                     {"reason": "chaos soak: retry"},
                 )
 
+    async def _room(self) -> bool:
+        """Whether fewer than max_instances instances exist that are not yet gone: one whose
+        deletion was accepted still holds a server until its deprovision has run (after its
+        provisioning, if it was still pending), so the clients' own count is not enough."""
+        try:
+            rows = await _query(
+                self.cluster.url,
+                "SELECT count(*) AS n FROM instances WHERE state NOT IN ('deleted', 'failed')",
+            )
+        except (psycopg.Error, OSError):
+            return False  # the database is away: create later
+        return int(rows[0]["n"]) < self.options.max_instances
+
     async def step(self) -> None:
         choices: list[tuple[str, float]] = [("billing", 1), ("operator", 1)]
-        if len(self.live) < self.options.max_instances:
+        if len(self.live) < self.options.max_instances and await self._room():
             choices.append(("create", 3))
         if self.live:
             choices += [("resize", 2), ("delete", 1 if len(self.live) > 1 else 0.2)]
