@@ -172,3 +172,18 @@ async def test_f6_ambiguous_commit_then_the_client_retries(
     )
     assert enqueues == 1
     assert await audit.verify(conn) == []
+
+
+async def test_a_standby_reconciler_outlives_the_database_going_away_during_its_lock_attempt(
+    fresh_database: str,
+) -> None:
+    """Found by the chaos soak: the server died between a standby's connect and its try of the
+    leader lock, and the reconciler process exited. The attempt is now a failed round."""
+    from reconciler.leader import LeaderElection
+
+    async with proxied(fresh_database) as (proxy, through_proxy):
+        election = LeaderElection(through_proxy)
+        proxy.drop_reply_to(b"pg_try_advisory_lock")
+        assert await election.ensure() is False and proxy.dropped_replies == 1
+        assert await election.ensure() is True  # the next round takes the lock
+        await election.release()
