@@ -13,10 +13,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-USAGE = """usage: python3 dev.py up|test|bench|check|shell [args...]
+USAGE = """usage: python3 dev.py up|test|chaos|bench|check|shell [args...]
 
   up     start the whole control plane (embedded PostgreSQL, API, worker, reconciler)
   test   run the test suite, then ruff, mypy and the import contracts
+  chaos  the chaos soak: the control plane under load while its processes are killed
+         (--minutes N, --seed S; writes chaos-report.md and .json)
   bench  run the benchmarks (own environment; writes bench/results/)
   check  ruff, mypy and the import contracts only
   shell  run a command inside the virtual environment, e.g. dev.py shell controlplane --help
@@ -55,26 +57,35 @@ def ensure_venv() -> None:
     stamp.write_text(digest)
 
 
-# The browser the console's tests drive (Debian's Chromium): installed when missing.
+# Debian packages the tests need, each found by a file it installs: installed when missing (one
+# apt-get as root, else one line saying how). Chromium: the console's browser tests drive it;
+# libfaketime: the clock-skew tests LD_PRELOAD it into a worker.
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_PACKAGES = ("chromium", "fonts-liberation")
+LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
+
+
+def debian_install(missing: tuple[str, ...], is_root: bool, why: str) -> list[list[str]] | str | None:
+    """Nothing when no package is missing, the apt-get commands that install them when we are
+    root, else the one line that says how (`why` says what needs them)."""
+    if not missing:
+        return None
+    if not is_root:
+        return f"{why}: run `sudo apt-get install -y {' '.join(missing)}` (or run this as root)"
+    return [["apt-get", "update"], ["apt-get", "install", "-y", *missing]]
 
 
 def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | str | None:
-    """What `test` does for the browser tests' Chromium: nothing when it is there, the apt-get
-    commands that install it when we are root, else the one line that says how."""
-    if chromium_present:
-        return None
-    if not is_root:
-        return (
-            f"{CHROMIUM} is missing and the console's browser tests need it: run "
-            f"`sudo apt-get install -y {' '.join(BROWSER_PACKAGES)}` (or run this as root)"
-        )
-    return [["apt-get", "update"], ["apt-get", "install", "-y", *BROWSER_PACKAGES]]
+    """What `test` does for the browser tests' Chromium."""
+    missing = () if chromium_present else BROWSER_PACKAGES
+    return debian_install(missing, is_root, f"{CHROMIUM} is missing and the console's browser tests need it")
 
 
-def ensure_browser() -> None:
-    plan = browser_install(CHROMIUM.exists(), os.geteuid() == 0)
+def ensure_debian_packages() -> None:
+    missing = () if CHROMIUM.exists() else BROWSER_PACKAGES
+    if not any(Path("/").glob(LIBFAKETIME)):
+        missing = (*missing, "libfaketime")
+    plan = debian_install(missing, os.geteuid() == 0, "Debian packages the tests need are missing")
     if isinstance(plan, str):
         print(plan, file=sys.stderr)
         return
@@ -117,7 +128,7 @@ def main() -> int:
     if sys.version_info < (3, 11):  # noqa: UP036 (this script may be started by an older Python)
         print("controlplane needs Python 3.11 or newer", file=sys.stderr)
         return 2
-    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test", "bench", "check", "shell"}:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test", "chaos", "bench", "check", "shell"}:
         print(USAGE, file=sys.stderr)
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
@@ -125,11 +136,13 @@ def main() -> int:
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":
-        ensure_browser()
+        ensure_debian_packages()
         code = run([venv_bin("python"), "-m", "pytest", *rest])
         return code or checks()
     if command == "check":
         return checks()
+    if command == "chaos":
+        return run([venv_bin("python"), "-m", "controlplane.chaos", *rest])
     if command == "bench":
         return run([venv_bin("python"), "-m", "bench", *rest])
     return run(rest)

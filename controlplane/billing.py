@@ -90,3 +90,26 @@ def decide(status: str | None, event_created: int, last_applied_created: int | N
     if status in RELEASE_STATUSES:
         return Decision(Action.RELEASE, f"subscription {status}")
     return Decision(Action.NO_CHANGE, f"subscription {status or 'without status'}: no change")
+
+
+# How far a signature's timestamp may be from our clock, either way (Stripe's default, 300 s).
+SIGNATURE_TOLERANCE_S = 300
+
+
+def signature_time_problem(header: str, now: float, tolerance_s: float = SIGNATURE_TOLERANCE_S) -> str | None:
+    """Why the `t=` of a (verified) Stripe-Signature header is not acceptable at `now`, or None.
+
+    Stripe's library refuses only a timestamp too far in the past; one in the future is refused
+    here too: a signature made "later" than now is a replay prepared in advance or a clock that
+    is wrong, and in both cases the event must not be applied.
+    """
+    stamps = [part[2:] for part in header.split(",") if part.startswith("t=")]
+    try:
+        timestamp = int(stamps[0])
+    except (IndexError, ValueError):
+        return "the signature has no timestamp"
+    if timestamp < now - tolerance_s:
+        return f"the signature is {now - timestamp:.0f} s old (more than {tolerance_s:.0f} s)"
+    if timestamp > now + tolerance_s:
+        return f"the signature is dated {timestamp - now:.0f} s ahead of our clock (over {tolerance_s:.0f} s)"
+    return None

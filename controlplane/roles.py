@@ -17,7 +17,7 @@ import uvicorn
 from prometheus_client import start_http_server
 
 import provisioners
-from controlplane import datadir, db, lifecycle, operations, sql, tenants
+from controlplane import crashpoints, datadir, db, lifecycle, operations, sql, tenants
 from controlplane.api.app import create_app, end_streams
 from controlplane.registry import JobRegistry
 from controlplane.settings import NotAvailable, Settings
@@ -89,6 +89,7 @@ async def run_api(
     listening: asyncio.Event | None = None,
 ) -> None:
     """Serve the API until `stop`; `listening` is set once it accepts requests on its socket."""
+    crashpoints.arm(crashpoints.parse(settings.crash_points))
     app = create_app(settings, database_url=url, job_registry=registry, provisioner=provisioner)
     config = uvicorn.Config(
         app,
@@ -125,6 +126,7 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 
 
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
+    crashpoints.arm(crashpoints.parse(settings.crash_points))
     worker_id = settings.worker.id or default_worker_id()
     pool = await worker_pool(settings, url, worker_id)
     worker = Worker(worker_id, settings, pool, registry)

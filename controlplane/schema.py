@@ -277,6 +277,7 @@ stripe_events = Table(
     Column("created", BigInteger, nullable=False),
     Column("outcome", Text, nullable=False),
     Column("received_at", TZ, nullable=False, server_default=NOW),
+    Column("status", Text),
 )
 
 # Console sign-ins: an organisation's key exchanged for a session (the cookie names its id).

@@ -533,6 +533,23 @@ class Settings(BaseSettings):
         ge=1,
         le=65535,
     )
+    crash_points: str | None = _setting(
+        None,
+        "crash_points",
+        "Fault injection for tests: names of places where the process kills itself, comma-separated "
+        "(`controlplane/crashpoints.py`); empty: none.",
+    )
+
+    @field_validator("crash_points")
+    @classmethod
+    def _crash_points_parse(cls, value: str | None) -> str | None:
+        from controlplane import crashpoints
+
+        try:
+            crashpoints.parse(value)
+        except ValueError:
+            raise ValueError(f"a comma-separated list of {', '.join(sorted(crashpoints.POINTS))}") from None
+        return value
 
     def __init__(self, **values: Any) -> None:
         """From groups (`worker={"concurrency": 3}`, `worker=WorkerSettings(...)`) or flat names

@@ -534,8 +534,15 @@ WHERE id = %(id)s AND org_id = %(org)s
 
 # Store a verified event by id; a duplicate returns nothing (and is a no-op).
 RECORD_STRIPE_EVENT = """
-INSERT INTO stripe_events (id, type, customer_id, created, outcome)
-VALUES (%(id)s, %(type)s, %(customer)s, %(created)s, 'received') ON CONFLICT (id) DO NOTHING RETURNING id
+INSERT INTO stripe_events (id, type, customer_id, created, status, outcome)
+VALUES (%(id)s, %(type)s, %(customer)s, %(created)s, %(status)s, 'received')
+ON CONFLICT (id) DO NOTHING RETURNING id
+"""
+# The newest decisive (hold or release) event recorded for a customer no organisation was linked to then.
+NEWEST_UNMAPPED_STRIPE_EVENT = """
+SELECT id, status, created FROM stripe_events
+WHERE customer_id = %(customer)s AND outcome = 'unknown_customer' AND status = ANY(%(decisive)s)
+ORDER BY created DESC, received_at DESC LIMIT 1
 """
 SET_STRIPE_EVENT_OUTCOME = "UPDATE stripe_events SET outcome = %(outcome)s WHERE id = %(id)s"
 

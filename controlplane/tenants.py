@@ -16,6 +16,7 @@ from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import LimitReached, NotFound
 from controlplane.domain_errors import OrgExists as OrgExists  # raised by create_org
+from controlplane.services.billing import apply_on_mapping
 
 KEY_SCHEME = "cpk"
 # The public part of a key (looked up in the database) and the secret part (256 random bits).
@@ -126,6 +127,11 @@ async def create_org(
             org = await cursor.fetchone()
             assert org is not None
             key = await _insert_key(conn, org["id"], False, "first key")
+            linked = stripe_customer_id is not None
+            if linked and await apply_on_mapping(conn, org["id"], str(stripe_customer_id)) is not None:
+                cursor = await conn.execute(sql.ORGANISATION_BY_ID, {"id": org["id"]})
+                org = await cursor.fetchone()
+                assert org is not None
     return org, key
 
 

@@ -13,14 +13,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
-from controlplane import db, metrics, queue, sql, transitions
+from controlplane import crashpoints, db, metrics, queue, sql, transitions
 from controlplane.db import AsyncConn
 from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.registry import JobContext, JobRegistry, Verdict
@@ -56,6 +56,10 @@ class Held:
     handing_back: bool = False
     # A write of its outcome is in flight: the write's result, not a heartbeat, decides its fate.
     writing: bool = False
+    # When (this process's monotonic clock) the last statement that renewed its lease was sent:
+    # its claim, then each heartbeat that found it still held. The database cannot have reclaimed
+    # it before this + reclaim_after_s, so the worker stops acting on it then (see _expire_leases).
+    lease_from: float = field(default_factory=time.monotonic)
 
     @property
     def id(self) -> uuid.UUID:
@@ -276,6 +280,7 @@ class Worker:
                 )
             return claimed, started
 
+        sent = time.monotonic()
         try:
             # A claim that loses a race (a deadlock with a writer of the same rows) is run again.
             claimed, started = await db.retry_lost_races(claim_and_start)
@@ -286,7 +291,7 @@ class Worker:
             return 0
         self.counts["claimed"] += len(claimed)
         for row in started.moved:
-            held = Held(row)
+            held = Held(row, lease_from=sent)
             self._held[held.id] = held
             self._launch(held)
         for failure in started.failed:
@@ -341,6 +346,7 @@ class Worker:
             log.exception("worker %s: job %s (%s) raised", self.worker_id, held.id, held.job["kind"])
             self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
         else:
+            crashpoints.reached("worker.after_handler")
             problem = _not_a_verdict(verdict)
             if problem:
                 self._fail(held, problem, "temporary", None)
@@ -479,22 +485,33 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         conn: AsyncConn | None = None
         try:
+            interval = self.settings.worker.heartbeat_interval_s
             while True:
-                await asyncio.sleep(self.settings.worker.heartbeat_interval_s)
+                await asyncio.sleep(interval)
+                self._expire_leases()
                 holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
                 if not holdings:
                     continue
+                sent = time.monotonic()
                 try:
                     if conn is None or conn.closed:
-                        conn = await db.connect(self._url)
-                    still = await transitions.heartbeat(conn, self.worker_id, holdings)
+                        conn = await asyncio.wait_for(db.connect(self._url), timeout=self._beat_timeout_s)
+                    # Bounded: across a partition the statement would wait for an answer forever.
+                    still = await asyncio.wait_for(
+                        transitions.heartbeat(conn, self.worker_id, holdings), timeout=self._beat_timeout_s
+                    )
                 except Exception as exc:  # the heartbeat must outlive any failure: reconnect next time
-                    log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc)
+                    log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc or type(exc).__name__)
                     if conn is not None:
-                        await conn.close()
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(conn.close(), timeout=1)
                     conn = None
                     continue
                 self.counts["heartbeats"] += 1
+                for job_id in holdings.keys() & still:
+                    renewed = self._held.get(job_id)
+                    if renewed is not None:
+                        renewed.lease_from = max(renewed.lease_from, sent)
                 for job_id in holdings.keys() - still:
                     held = self._held.get(job_id)
                     if held is not None and not held.writing:
@@ -505,6 +522,26 @@ class Worker:
         finally:
             if conn is not None:
                 await conn.close()
+
+    @property
+    def _beat_timeout_s(self) -> float:
+        return max(self.settings.worker.heartbeat_interval_s, 1.0)
+
+    def _expire_leases(self) -> None:
+        """Stop acting on every job whose lease may have run out by now (no heartbeat got through
+        for reclaim_after_s): the supervisor may have reclaimed it and another worker may run it,
+        so its handler is cancelled here, by this worker's own clock, and nothing is reported."""
+        expired_before = time.monotonic() - self.settings.worker.reclaim_after_s
+        for held in list(self._held.values()):
+            if not held.lost and not held.writing and held.lease_from < expired_before:
+                log.warning(
+                    "worker %s: job %s: no heartbeat got through for %.1fs (its lease); stopping it",
+                    self.worker_id,
+                    held.id,
+                    self.settings.worker.reclaim_after_s,
+                )
+                self.counts["lease_expired"] += 1
+                self._lose(held)
 
     async def _listen(self) -> None:
         """LISTEN cp_job_queued on a dedicated connection; reconnect whenever it is lost."""
@@ -559,6 +596,7 @@ async def run_worker(
     policy: RetryPolicy | None = None,
 ) -> int:
     """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
+    crashpoints.arm(crashpoints.parse(settings.crash_points))
     url = db.resolve_database_url(settings)
     worker_id = settings.worker.id or default_worker_id()
     pool = await worker_pool(settings, url, worker_id)

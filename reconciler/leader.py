@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import psycopg
@@ -48,8 +49,14 @@ class LeaderElection:
         except psycopg.OperationalError as exc:
             log.warning("reconciler cannot reach the database: %s", exc)
             return False
-        cursor = await conn.execute(sql.TRY_LEADER_LOCK, {"key": self.key})
-        row = await cursor.fetchone()
+        try:
+            cursor = await conn.execute(sql.TRY_LEADER_LOCK, {"key": self.key})
+            row = await cursor.fetchone()
+        except psycopg.Error as exc:  # the server went away between the connect and the try
+            log.warning("reconciler cannot reach the database: %s", exc)
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+            return False
         if row is not None and row["locked"]:
             self._conn = conn
             self._standing_by = False

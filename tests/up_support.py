@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -206,3 +207,52 @@ def org_client(data_dir: Path, env: dict[str, str]) -> httpx.Client:
         headers={"Authorization": f"Bearer {key.group(0)}"},
         timeout=10,  # a request blocked for 30 s fails the test
     )
+
+
+@dataclass
+class Served:
+    """`controlplane serve` on a port of its own; `restart` stops it (SIGTERM) and starts it again."""
+
+    database_url: str
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    # Settings of the process beyond the database and the port (CONTROLPLANE_* variables).
+    extra_env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")} | self.extra_env
+        command = ["serve", "--database-url", self.database_url, "--api-port", str(self.port)]
+        self.process = process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", *command, "--data-dir", str(self.data_dir)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 90  # a loaded machine starts Python slowly
+        while True:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()  # not left running into the next tests
+                process.wait()
+                raise AssertionError("the API did not start")
+            time.sleep(0.1)
+
+    def killed(self, timeout: float = 15) -> bool:
+        """Whether the process died of SIGKILL (a crash point) within `timeout`."""
+        assert self.process is not None
+        return self.process.wait(timeout=timeout) == -signal.SIGKILL
+
+    def stop(self) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout=15)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from psycopg.rows import DictRow
 
-from controlplane import db, sql
+from controlplane import crashpoints, db, sql
 from controlplane.api import errors, idempotency, openapi, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
@@ -129,9 +129,12 @@ async def _accepted(
             await idempotency.save(
                 conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
             )
+        crashpoints.reached("api.create.before_commit")
         return Created(202, body_json, headers, replayed=False)
 
-    return await db.in_transaction(state.pool, once)
+    created = await db.in_transaction(state.pool, once)
+    crashpoints.reached("api.create.after_commit")
+    return created
 
 
 @router.post(

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import Any
 
 import stripe
@@ -17,6 +19,7 @@ from controlplane.api.state import app_state
 from controlplane.services.billing import apply_stripe_event
 from controlplane.transitions import Actor
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["webhooks"])
 
 
@@ -58,13 +61,19 @@ async def stripe_webhook(request: Request) -> Any:
         metrics.WEBHOOKS.labels("bad_signature").inc()
         raise ProblemError("bad-signature", "the Stripe-Signature header is missing")
     try:
-        stripe.WebhookSignature.verify_header(payload, signature, secret, stripe.Webhook.DEFAULT_TOLERANCE)
+        # The signature only: its time is checked below, both ways (the library looks only back).
+        stripe.WebhookSignature.verify_header(payload, signature, secret, tolerance=None)
     except stripe.SignatureVerificationError:
         metrics.WEBHOOKS.labels("bad_signature").inc()
         raise ProblemError("bad-signature", "the signature does not match or is too old") from None
     except ValueError:  # not UTF-8: it cannot have been signed as text
         metrics.WEBHOOKS.labels("bad_payload").inc()
         raise ProblemError("bad-request", "the payload is not a Stripe event") from None
+    untimely = billing.signature_time_problem(signature, time.time())
+    if untimely is not None:
+        metrics.WEBHOOKS.labels("bad_signature").inc()
+        log.warning("Stripe webhook refused: %s (check this host's clock if it keeps happening)", untimely)
+        raise ProblemError("bad-signature", untimely)
     event = signed_event(payload)
     parsed = billing.parse_event(event)
     actor, request_id = Actor("stripe", parsed.id), errors.request_id(request)

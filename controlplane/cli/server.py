@@ -34,6 +34,7 @@ API = (
     "stripe_webhook_secret",
     "secret_key",
     "job_registry",
+    "crash_points",
 )
 PROVISIONER = (
     "provisioner",
@@ -67,6 +68,7 @@ WORKER = (
     "retry_max_delay_s",
     "background_lock_timeout_s",
     "background_statement_timeout_s",
+    "crash_points",
 )
 RECONCILER = (
     "reconcile_interval_s",

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from controlplane import billing, db, jobs, kinds, lifecycle, sql
+from controlplane import billing, crashpoints, db, jobs, kinds, lifecycle, sql
 from controlplane.db import AsyncConn
 from controlplane.services.policy import Policy
 from controlplane.transitions import Actor
@@ -42,10 +42,17 @@ async def apply_stripe_event(
     async with db.transaction(conn):
         cursor = await conn.execute(
             sql.RECORD_STRIPE_EVENT,
-            {"id": event.id, "type": event.type, "customer": event.customer_id, "created": event.created},
+            {
+                "id": event.id,
+                "type": event.type,
+                "customer": event.customer_id,
+                "created": event.created,
+                "status": event.status,
+            },
         )
         if await cursor.fetchone() is None:
             return StripeEventApplied("duplicate")
+        crashpoints.reached("webhook.after_record")
         applied = await _apply(conn, event, actor, policy, request_id)
         await conn.execute(sql.SET_STRIPE_EVENT_OUTCOME, {"outcome": applied.outcome, "id": event.id})
     return applied
@@ -102,3 +109,36 @@ async def _apply(
         kind,
     )
     return StripeEventApplied(outcome, len(targets))
+
+
+async def apply_on_mapping(conn: AsyncConn, org_id: object, customer_id: str) -> str | None:
+    """An organisation was just linked to `customer_id` (in the caller's transaction): the newest
+    decisive event that arrived for that customer before (recorded as `unknown_customer`) decides
+    its hold now, as it would have had the link existed (a later `past_due` does not hide it). A
+    new organisation has no instance yet, so only the hold is recorded; the event's outcome
+    becomes `hold_on_mapping` or `release_on_mapping`. Returns that outcome, or None when no
+    such event is held."""
+    decisive = sorted(billing.HOLD_STATUSES | billing.RELEASE_STATUSES)
+    cursor = await conn.execute(
+        sql.NEWEST_UNMAPPED_STRIPE_EVENT, {"customer": customer_id, "decisive": decisive}
+    )
+    event = await cursor.fetchone()
+    if event is None:
+        return None
+    decision = billing.decide(event["status"], event["created"], None)
+    if decision.applies:
+        await conn.execute(
+            sql.SET_BILLING_HOLD,
+            {
+                "hold": decision.action is billing.Action.HOLD,
+                "status": event["status"],
+                "created": event["created"],
+                "id": org_id,
+            },
+        )
+    outcome = f"{decision.action.value}_on_mapping"
+    await conn.execute(sql.SET_STRIPE_EVENT_OUTCOME, {"outcome": outcome, "id": event["id"]})
+    log.info(
+        "billing %s for organisation %s from event %s, received before the link", outcome, org_id, event["id"]
+    )
+    return outcome

@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,13 +20,7 @@ from controlplane.api import watch
 from tests.factories import walk
 from tests.queue_kinds import until
 from tests.reconciler_support import to_ready
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from tests.up_support import Served
 
 
 async def _org_key(url: str) -> str:
@@ -56,49 +48,6 @@ def _eventually(url: str, watchers: int) -> bool:
             return False
         time.sleep(0.1)
     return True
-
-
-@dataclass
-class Served:
-    """`controlplane serve` on a port of its own; `restart` stops it (SIGTERM) and starts it again."""
-
-    database_url: str
-    data_dir: Path
-    port: int = field(default_factory=_free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-        command = ["serve", "--database-url", self.database_url, "--api-port", str(self.port)]
-        self.process = process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", *command, "--data-dir", str(self.data_dir)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        # A generous deadline: on a loaded machine the interpreter alone takes seconds to start.
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()  # not left running into the next tests
-                process.wait()
-                raise AssertionError("the API did not start")
-            time.sleep(0.1)
-
-    def stop(self) -> int:
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.terminate()
-        return self.process.wait(timeout=15)
 
 
 @pytest.fixture

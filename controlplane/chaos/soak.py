@@ -1,0 +1,852 @@
+"""The chaos soak: the whole control plane as real processes under a steady mixed workload, while
+its processes, its own PostgreSQL and its customers' servers are killed at random.
+
+Layout: an embedded PostgreSQL (durable settings), `controlplane serve` (A of them),
+`controlplane worker` (W) and `controlplane reconcile` (R) on the local provisioner, all on one
+data directory. The soak plays the platform's supervisor too (systemd's `Restart=always`, a
+Deployment): a killed process is started again a second later, the killed PostgreSQL by
+`embedded.keep_running`. Clients retry what failed with the same request (and Idempotency-Key)
+until they get an answer, as a real client does; what they were answered is the ledger the end
+state is checked against (`controlplane.chaos.plan.violations`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+from cryptography.fernet import Fernet
+
+from controlplane import audit, db, tenants
+from controlplane.chaos import plan
+from controlplane.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
+from controlplane.postgres import free_port
+from controlplane.settings import Settings
+from provisioners.local import LocalProvisioner
+from reconciler.leader import RECONCILER_LOCK_KEY
+
+log = logging.getLogger("controlplane.chaos")
+
+WEBHOOK_SECRET = "whsec_chaos_" + "0" * 24
+RECOVERY_BOUND_S = 180.0
+RESTART_AFTER_S = 1.0
+PROBE_INTERVAL_S = 0.25
+TARGET_WAIT_S = 15.0
+SETTLED_FOR_S = 5.0
+ANSWER_TIMEOUT_S = 10.0
+PLANS = ("dev", "small")
+
+
+@dataclass
+class Options:
+    minutes: float = 2.0
+    seed: int = 1
+    apis: int = 2
+    workers: int = 2
+    reconcilers: int = 2
+    max_instances: int = 6
+    orgs: int = 2
+    min_interval_s: float = 5.0
+    max_interval_s: float = 40.0
+    converge_timeout_s: float = 300.0
+    out: Path | None = None  # where the report goes (<out>.md and <out>.json)
+    root: Path | None = None  # a scratch directory by default (removed after)
+    pg_bindir: Path | None = None
+
+
+@dataclass
+class Proc:
+    """One supervised process of the control plane."""
+
+    role: str  # api, worker, reconciler
+    index: int
+    args: list[str]  # the `controlplane` command line (a worker gets its id per incarnation)
+    env: dict[str, str]
+    log_dir: Path
+    incarnation: int = 0
+    popen: subprocess.Popen[bytes] | None = None
+    port: int | None = None
+    killed_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def worker_id(self) -> str:
+        return f"chaos-{self.name}.{self.incarnation}"
+
+    def start(self) -> None:
+        self.incarnation += 1
+        logfile = (self.log_dir / f"{self.name}.log").open("ab")
+        with logfile:
+            extra = ["--worker-id", self.worker_id] if self.role == "worker" else []
+            self.popen = subprocess.Popen(
+                _cli(*self.args, *extra),
+                env=self.env,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.killed_at = None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        self.killed_at = time.monotonic()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+@dataclass
+class Org:
+    id: str
+    key: str
+    customer: str
+    event_clock: int = 0
+
+
+@dataclass
+class Cluster:
+    root: Path
+    database: EmbeddedDatabase
+    url: str
+    settings: Settings
+    procs: list[Proc]
+    orgs: list[Org]
+    admin_key: str
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def of(self, role: str) -> list[Proc]:
+        return [p for p in self.procs if p.role == role]
+
+    @property
+    def api_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p.port}" for p in self.of("api")]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "controlplane.cli", *args]
+
+
+def _environment(root: Path, url: str, options: Options) -> tuple[dict[str, str], Settings]:
+    port_min = free_port()
+    values = {
+        "database_url": url,
+        "data_dir": str(root / "data"),
+        "provisioner": "local",
+        "local_port_min": str(port_min),
+        "local_port_max": str(port_min + 4 * options.max_instances + 20),
+        "stripe_webhook_secret": WEBHOOK_SECRET,
+        "secret_key": Fernet.generate_key().decode(),
+        "heartbeat_interval_s": "1",
+        "reconcile_interval_s": "1",
+        "retry_base_delay_s": "0.5",
+        "retry_max_delay_s": "4",
+        "job_max_attempts": "10",
+        "shutdown_grace_s": "3",
+        "deadline_pending_s": "60",
+        "deadline_provisioning_s": "120",
+        "deadline_updating_s": "120",
+        "deadline_deprovisioning_s": "120",
+        "heal_backoff_base_s": "2",
+        "heal_backoff_max_s": "10",
+        "log_format": "text",
+    }
+    if options.pg_bindir is not None:
+        values["pg_bindir"] = str(options.pg_bindir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({f"CONTROLPLANE_{k.upper()}": v for k, v in values.items()})
+    settings = Settings(
+        database_url=url,
+        data_dir=root / "data",
+        provisioner="local",
+        local_port_min=port_min,
+        local_port_max=port_min + 4 * options.max_instances + 20,
+        secret_key=values["secret_key"],
+        pg_bindir=options.pg_bindir,
+    )
+    return env, settings
+
+
+async def _bootstrap(url: str, options: Options) -> tuple[list[Org], str]:
+    conn = await db.connect(url)
+    async with conn:
+        orgs = []
+        for n in range(options.orgs):
+            customer = f"cus_chaos_{n}"
+            org, key = await tenants.create_org(conn, f"chaos-{n}", stripe_customer_id=customer)
+            orgs.append(Org(str(org["id"]), key.plaintext, customer))
+        admin = await tenants.create_admin_key(conn, "chaos")
+    return orgs, admin.plaintext
+
+
+def start_cluster(options: Options, root: Path) -> Cluster:
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    (root / "data").mkdir(exist_ok=True)
+    database = open_embedded(root / "db", SERVER_SETTINGS, bindir=options.pg_bindir)
+    url = database.create_database()
+    db.migrate(url)
+    env, settings = _environment(root, url, options)
+    orgs, admin_key = asyncio.run(_bootstrap(url, options))
+    procs: list[Proc] = []
+    logs = root / "logs"
+    for i in range(options.apis):
+        port = free_port()
+        procs.append(Proc("api", i, ["serve", "--api-port", str(port)], env, logs, port=port))
+    procs += [Proc("worker", i, ["worker"], env, logs) for i in range(options.workers)]
+    procs += [Proc("reconciler", i, ["reconcile"], env, logs) for i in range(options.reconcilers)]
+    for proc in procs:
+        proc.start()
+    return Cluster(root, database, url, settings, procs, orgs, admin_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload: a few clients, each a loop of mixed operations, answered or retried.
+
+
+class Workload:
+    def __init__(self, cluster: Cluster, rng: random.Random, report: plan.Report, options: Options) -> None:
+        self.cluster = cluster
+        self.rng = rng
+        self.report = report
+        self.options = options
+        self.ledger = plan.Ledger()
+        self.live: dict[str, Org] = {}  # instance id → its organisation (not yet asked to delete)
+        self.names = itertools.count()
+        self.http = httpx.AsyncClient(timeout=ANSWER_TIMEOUT_S)
+
+    def _base(self) -> str:
+        return self.rng.choice(self.cluster.api_urls)
+
+    async def request(
+        self,
+        op: str,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: Any = None,
+        content: bytes | None = None,
+    ) -> httpx.Response | None:
+        """Send until answered with something other than a 5xx, a busy 409 or no answer at all
+        (another API process takes the retry); None if the soak ends first."""
+        self.report.attempted[op] += 1
+        delay = 0.2
+        while True:
+            try:
+                response = await self.http.request(
+                    method, self._base() + path, headers=headers, json=body, content=content
+                )
+            except httpx.HTTPError:
+                response = None
+            busy = response is not None and response.status_code == 409 and _retryable(response)
+            if response is not None and response.status_code < 500 and not busy:
+                if response.is_success:
+                    self.report.completed[op] += 1
+                else:
+                    self.report.refused[op] += 1
+                return response
+            if self.cluster.stop.is_set() and op not in {"create", "delete", "resize", "billing"}:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _current(self, iid: str, org: Org) -> dict[str, Any] | None:
+        """The instance as it is now (after an answer that may hide an earlier attempt's effect)."""
+        response = await self.request("read", "GET", f"/v1/instances/{iid}", self._org_headers(org))
+        if response is not None and response.status_code == 404:
+            return {"state": "deleted", "plan": None}  # gone from the customer's view
+        return None if response is None or not response.is_success else dict(response.json())
+
+    def _org_headers(self, org: Org) -> dict[str, str]:
+        return {"Authorization": f"Bearer {org.key}"}
+
+    async def create(self) -> None:
+        org = self.rng.choice(self.cluster.orgs)
+        key = str(uuid.uuid4())
+        plan_name = self.rng.choice(PLANS)
+        headers = {**self._org_headers(org), "Idempotency-Key": key}
+        body = {"name": f"soak-{next(self.names)}", "plan": plan_name}
+        response = await self.request("create", "POST", "/v1/instances", headers, body)
+        if response is not None and response.is_success:
+            iid = response.json()["id"]
+            self.ledger.creates[key] = iid
+            self.ledger.plans[iid] = plan_name
+            self.live[iid] = org
+
+    async def resize(self, iid: str, org: Org) -> None:
+        plan_name = self.rng.choice(PLANS)
+        response = await self.request(
+            "resize", "PATCH", f"/v1/instances/{iid}", self._org_headers(org), {"plan": plan_name}
+        )
+        if response is not None and response.is_success:
+            self.ledger.plans[iid] = plan_name
+        elif response is not None:
+            # Refused now; an earlier attempt whose answer was lost (its API killed) may have won.
+            current = await self._current(iid, org)
+            if current is not None and current["plan"] == plan_name:
+                self.ledger.plans[iid] = plan_name
+
+    async def delete(self, iid: str, org: Org) -> None:
+        self.live.pop(iid, None)
+        response = await self.request("delete", "DELETE", f"/v1/instances/{iid}", self._org_headers(org))
+        if response is not None and response.is_success:
+            self.ledger.deletes.add(iid)
+            return
+        current = await self._current(iid, org) if response is not None else None
+        if current is not None and current["state"] in {"deprovisioning", "deleted"}:
+            self.ledger.deletes.add(iid)  # an earlier attempt whose answer was lost took effect
+        else:
+            self.live[iid] = org  # refused (not deletable in its state right now): it stays ours
+
+    async def billing(self, org: Org, hold: bool) -> None:
+        org.event_clock += 1
+        created = org.event_clock
+        event_id = f"evt_chaos_{org.customer}_{created}"
+        status = "unpaid" if hold else "active"
+        payload = json.dumps(
+            {
+                "id": event_id,
+                "object": "event",
+                "type": "customer.subscription.updated",
+                "created": created,
+                "data": {
+                    "object": {
+                        "id": f"sub_{org.customer}",
+                        "object": "subscription",
+                        "customer": org.customer,
+                        "status": status,
+                    }
+                },
+            }
+        ).encode()
+        # Stripe delivers at least once: a retried delivery is a new signature over the same body.
+        while True:
+            headers = {"Content-Type": "application/json", "Stripe-Signature": sign(payload, WEBHOOK_SECRET)}
+            response = await self.request("billing", "POST", "/v1/webhooks/stripe", headers, content=payload)
+            if response is None or response.status_code != 400:
+                break
+        if response is not None and response.is_success:
+            self.ledger.webhook_deliveries[event_id] += 1
+            newest = self.ledger.billing.get(org.id)
+            if newest is None or newest[0] < created:
+                self.ledger.billing[org.id] = (created, hold)
+
+    async def operator(self) -> None:
+        """Pause a running job and resume it a moment later, or retry a failed one now."""
+        admin = {"Authorization": f"Bearer {self.cluster.admin_key}"}
+        if self.rng.random() < 0.5:
+            found = await self.request("operator_list", "GET", "/v1/admin/jobs?state=running", admin)
+            items = [] if found is None or not found.is_success else found.json()["items"]
+            if not items:
+                return
+            job = self.rng.choice(items)
+            paused = await self.request(
+                "pause", "POST", f"/v1/admin/jobs/{job['id']}/pause", admin, {"reason": "chaos soak: pause"}
+            )
+            if paused is None or not paused.is_success:
+                return
+            await asyncio.sleep(self.rng.uniform(0.5, 3))
+            await self.request(
+                "resume",
+                "POST",
+                f"/v1/admin/jobs/{job['id']}/resume",
+                admin,
+                {"reason": "chaos soak: resume"},
+            )
+        else:
+            found = await self.request("operator_list", "GET", "/v1/admin/jobs?state=failed", admin)
+            items = [] if found is None or not found.is_success else found.json()["items"]
+            if items:
+                job = self.rng.choice(items)
+                await self.request(
+                    "retry",
+                    "POST",
+                    f"/v1/admin/jobs/{job['id']}/retry",
+                    admin,
+                    {"reason": "chaos soak: retry"},
+                )
+
+    async def _room(self) -> bool:
+        """Whether fewer than max_instances instances exist that are not yet gone: one whose
+        deletion was accepted still holds a server until its deprovision has run (after its
+        provisioning, if it was still pending), so the clients' own count is not enough."""
+        try:
+            rows = await _query(
+                self.cluster.url,
+                "SELECT count(*) AS n FROM instances WHERE state NOT IN ('deleted', 'failed')",
+            )
+        except (psycopg.Error, OSError):
+            return False  # the database is away: create later
+        return int(rows[0]["n"]) < self.options.max_instances
+
+    async def step(self) -> None:
+        choices: list[tuple[str, float]] = [("billing", 1), ("operator", 1)]
+        if len(self.live) < self.options.max_instances and await self._room():
+            choices.append(("create", 3))
+        if self.live:
+            choices += [("resize", 2), ("delete", 1 if len(self.live) > 1 else 0.2)]
+        what = self.rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
+        if what == "create":
+            await self.create()
+        elif what in {"resize", "delete"}:
+            iid = self.rng.choice(sorted(self.live))
+            await (self.resize if what == "resize" else self.delete)(iid, self.live[iid])
+        elif what == "billing":
+            org = self.rng.choice(self.cluster.orgs)
+            held = self.ledger.billing.get(org.id, (0, False))[1]
+            await self.billing(org, hold=not held)
+        else:
+            await self.operator()
+
+    async def client(self) -> None:
+        while not self.cluster.stop.is_set():
+            await self.step()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cluster.stop.wait(), timeout=self.rng.uniform(0.5, 2.0))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _retryable(response: httpx.Response) -> bool:
+    """A 409 that asks to come back (a busy row, the same Idempotency-Key still in flight)."""
+    try:
+        kind = str(response.json().get("type", ""))
+    except ValueError:
+        return False
+    return kind.endswith((":busy", ":idempotency-in-flight"))
+
+
+def sign(payload: bytes, secret: str, timestamp: int | None = None) -> str:
+    """A Stripe-Signature header over `payload` (what Stripe sends)."""
+    import hashlib
+    import hmac
+
+    ts = int(time.time()) if timestamp is None else timestamp
+    digest = hmac.new(secret.encode(), f"{ts}.".encode() + payload, hashlib.sha256).hexdigest()
+    return f"t={ts},v1={digest}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The faults, and how each one's recovery is seen.
+
+
+async def _query(url: str, statement: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    conn = await db.connect(url)
+    async with conn:
+        cursor = await conn.execute(statement, params or {})
+        return [dict(r) for r in await cursor.fetchall()]
+
+
+async def _ready(http: httpx.AsyncClient, base: str) -> bool:
+    try:
+        return (await http.get(base + "/readyz", timeout=2)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    found.add(target[8:-1])
+    return found
+
+
+def _inode_of_local_port(port: int) -> str | None:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    return fields[9]
+    return None
+
+
+async def leader(cluster: Cluster) -> Proc | None:
+    """The reconciler process whose connection holds the leader lock (found by its socket)."""
+    rows = await _query(
+        cluster.url,
+        "SELECT a.client_port FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+        " WHERE l.locktype = 'advisory' AND l.granted"
+        " AND ((l.classid::bigint << 32) | l.objid::bigint) = %(key)s",
+        {"key": RECONCILER_LOCK_KEY},
+    )
+    if not rows or rows[0]["client_port"] is None:
+        return None
+    inode = _inode_of_local_port(int(rows[0]["client_port"]))
+    for proc in cluster.of("reconciler"):
+        if proc.alive() and proc.popen is not None and inode in _socket_inodes(proc.popen.pid):
+            return proc
+    return None
+
+
+def _postmaster_pid(pgdata: Path) -> int | None:
+    try:
+        return int((pgdata / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+            return False
+    return True
+
+
+class Faults:
+    def __init__(self, cluster: Cluster, rng: random.Random, report: plan.Report) -> None:
+        self.cluster = cluster
+        self.rng = rng
+        self.report = report
+        self.http = httpx.AsyncClient()
+        self.recoveries: list[asyncio.Task[None]] = []
+        self.started = time.monotonic()
+
+    async def inject(self, kind: str) -> None:
+        at = round(time.monotonic() - self.started, 1)
+        injected = await self._target(kind)
+        waited = time.monotonic()
+        while injected is None and time.monotonic() - waited < TARGET_WAIT_S:
+            await asyncio.sleep(1)  # nothing to kill yet (no ready instance, no leader elected)
+            injected = await self._target(kind)
+        if injected is None:
+            log.info("chaos: no target for %s within %.0fs; skipped", kind, TARGET_WAIT_S)
+            self.report.skipped[kind] += 1
+            return
+        target, recovered = injected
+        began = time.monotonic()
+        log.warning("chaos: %s killed: %s", kind, target)
+        record = plan.FaultRecord(kind, at, target, None)
+        self.report.faults.append(record)
+
+        async def watch() -> None:
+            deadline = began + RECOVERY_BOUND_S
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    if await recovered():
+                        record.recovery_s = round(time.monotonic() - began, 2)
+                        log.info("chaos: %s %s recovered in %.1fs", kind, target, record.recovery_s)
+                        return
+                await asyncio.sleep(PROBE_INTERVAL_S)
+            log.error("chaos: %s %s not recovered within %.0fs", kind, target, RECOVERY_BOUND_S)
+
+        self.recoveries.append(asyncio.create_task(watch()))
+
+    async def _target(self, kind: str) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        """Kill a `kind` and say how its recovery is seen; None when there is no target now (the
+        lookup itself may need the database, which an earlier fault may still hold down)."""
+        try:
+            found: tuple[str, Callable[[], Awaitable[bool]]] | None = await getattr(self, f"_{kind}")()
+        except (psycopg.Error, OSError) as exc:
+            log.info("chaos: cannot look for a %s to kill yet (%s)", kind, str(exc).splitlines()[0])
+            return None
+        return found
+
+    async def _worker(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        alive = [p for p in self.cluster.of("worker") if p.alive()]
+        if not alive:
+            return None
+        proc = self.rng.choice(alive)
+        gone = proc.worker_id
+        proc.kill()
+
+        async def recovered() -> bool:  # its jobs reclaimed (or finished), a new worker running
+            held = await _query(
+                self.cluster.url,
+                "SELECT count(*) AS n FROM jobs WHERE claimed_by = %(w)s AND state IN ('claimed', 'running')",
+                {"w": gone},
+            )
+            return proc.alive() and held[0]["n"] == 0
+
+        return gone, recovered
+
+    async def _reconciler_leader(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        proc = await leader(self.cluster)
+        if proc is None:
+            return None
+        proc.kill()
+
+        async def recovered() -> bool:
+            now = await leader(self.cluster)
+            return now is not None
+
+        return proc.name, recovered
+
+    async def _api(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        alive = [p for p in self.cluster.of("api") if p.alive()]
+        if not alive:
+            return None
+        proc = self.rng.choice(alive)
+        proc.kill()
+        base = f"http://127.0.0.1:{proc.port}"
+
+        async def recovered() -> bool:
+            return proc.alive() and await _ready(self.http, base)
+
+        return proc.name, recovered
+
+    async def _control_plane_db(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        pid = _postmaster_pid(self.cluster.database.server.datadir)
+        if pid is None:
+            return None
+        os.kill(pid, signal.SIGKILL)
+
+        async def recovered() -> bool:
+            if not all(p.alive() for p in self.cluster.of("api")):
+                return False
+            answers = [await _ready(self.http, base) for base in self.cluster.api_urls]
+            return all(answers) and await leader(self.cluster) is not None
+
+        return f"postmaster pid {pid}", recovered
+
+    async def _customer_server(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        rows = await _query(self.cluster.url, "SELECT id FROM instances WHERE state = 'ready'")
+        local = LocalProvisioner(self.cluster.settings)
+        candidates = []
+        for row in rows:
+            pid = _postmaster_pid(local.instance_dir(row["id"]) / "pgdata")
+            if pid is not None and _pid_alive(pid):
+                candidates.append((row["id"], pid))
+        if not candidates:
+            return None
+        iid, pid = self.rng.choice(candidates)
+        os.kill(pid, signal.SIGKILL)
+
+        async def recovered() -> bool:
+            state = await _query(
+                self.cluster.url, "SELECT state FROM instances WHERE id = %(id)s", {"id": iid}
+            )
+            if state[0]["state"] in {"deprovisioning", "deleted"}:
+                return True  # deleted meanwhile: nothing left to recover
+            now = _postmaster_pid(local.instance_dir(iid) / "pgdata")
+            return (
+                state[0]["state"] in {"ready", "suspended"}
+                and now is not None
+                and now != pid
+                and _pid_alive(now)
+            )
+
+        return f"instance {iid} (pid {pid})", recovered
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def supervise(cluster: Cluster, stop: asyncio.Event) -> None:
+    """Start again every process found dead (after RESTART_AFTER_S), until `stop`."""
+    while not stop.is_set():
+        for proc in cluster.procs:
+            if not proc.alive():
+                if proc.killed_at is None:
+                    proc.killed_at = time.monotonic()
+                    log.error(
+                        "chaos: %s exited by itself (code %s)",
+                        proc.name,
+                        proc.popen and proc.popen.returncode,
+                    )
+                if time.monotonic() - proc.killed_at >= RESTART_AFTER_S:
+                    proc.start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The end: convergence, the snapshot, the invariants.
+
+
+async def snapshot(cluster: Cluster) -> plan.Snapshot:
+    conn = await db.connect(cluster.url)
+    async with conn:
+
+        async def rows(statement: str) -> list[dict[str, Any]]:
+            cursor = await conn.execute(statement)
+            return [dict(r) for r in await cursor.fetchall()]
+
+        instances = await rows(
+            "SELECT id, org_id, state, spec->>'plan' AS plan, spec_generation, observed_generation,"
+            " failed_generation, suspended_by_billing, failure_reason,"
+            " deletion_requested_at IS NOT NULL AS deletion_requested FROM instances"
+        )
+        jobs = await rows("SELECT id, kind, state, instance_id FROM jobs")
+        organisations = await rows("SELECT id, billing_hold FROM organisations")
+        idempotency = await rows(
+            "SELECT org_id, key, status_code, response->>'id' AS instance_id FROM idempotency_keys"
+        )
+        stripe_events = await rows("SELECT id FROM stripe_events")
+        events = await rows("SELECT instance_id, event FROM instance_events")
+        mismatches = [str(m) for m in await audit.verify(conn)]
+    inventory = await LocalProvisioner(cluster.settings).inventory()
+    return plan.Snapshot(
+        instances=instances,
+        jobs=jobs,
+        organisations=organisations,
+        idempotency=idempotency,
+        stripe_events=stripe_events,
+        inventory=[(r.kind, None if r.instance_id is None else str(r.instance_id)) for r in inventory],
+        audit_mismatches=mismatches,
+        instance_events=events,
+    )
+
+
+async def wait_converged(cluster: Cluster, timeout_s: float) -> tuple[plan.Snapshot, float | None]:
+    began = time.monotonic()
+    settled_since: float | None = None
+    while True:
+        try:
+            taken = await snapshot(cluster)
+        except (psycopg.Error, OSError) as exc:  # the database still restarting: look again
+            log.info("chaos: snapshot failed (%s); again", str(exc).splitlines()[0])
+            if time.monotonic() - began > timeout_s:
+                raise
+            await asyncio.sleep(1)
+            continue
+        if plan.converged(taken) and not _orphans(taken):
+            # Settled for a few reconciler intervals in a row: no pass has anything left to start.
+            settled_since = settled_since or time.monotonic()
+            if time.monotonic() - settled_since >= SETTLED_FOR_S:
+                return taken, round(settled_since - began, 1)
+        else:
+            settled_since = None
+        if time.monotonic() - began > timeout_s:
+            return taken, None
+        await asyncio.sleep(1)
+
+
+def _orphans(taken: plan.Snapshot) -> bool:
+    deleted = {str(i["id"]) for i in taken.instances if i["state"] == "deleted"}
+    return any(owner in deleted or owner is None for _, owner in taken.inventory)
+
+
+async def soak(options: Options, cluster: Cluster) -> plan.Report:
+    rng = random.Random(options.seed)  # noqa: S311 (reproducible, not a secret)
+    report = plan.Report(
+        seed=options.seed,
+        minutes=options.minutes,
+        processes={
+            "API": options.apis,
+            "workers": options.workers,
+            "reconcilers": options.reconcilers,
+            "PostgreSQL (control plane)": 1,
+        },
+    )
+    faults = Faults(cluster, rng, report)
+    workload = Workload(cluster, rng, report, options)
+    keeper_stop = asyncio.Event()
+    keeper = asyncio.create_task(keep_running(cluster.database, keeper_stop, interval_s=0.5))
+    supervisor_stop = asyncio.Event()
+    supervisor = asyncio.create_task(supervise(cluster, supervisor_stop))
+    try:
+        await _wait_serving(cluster, faults.http)
+        duration = options.minutes * 60
+        schedule = plan.schedule(options.seed, duration, options.min_interval_s, options.max_interval_s)
+        clients = [asyncio.create_task(workload.client()) for _ in range(3)]
+        faults.started = time.monotonic()
+        for fault in schedule:
+            await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - faults.started)))
+            await faults.inject(fault.kind)
+        await asyncio.sleep(max(0.0, duration - (time.monotonic() - faults.started)))
+        log.info("chaos: faults stopped; the workload finishes what it started")
+        cluster.stop.set()
+        await asyncio.gather(*clients)
+        await asyncio.gather(*faults.recoveries)
+        taken, report.convergence_s = await wait_converged(cluster, options.converge_timeout_s)
+        report.violations = plan.violations(workload.ledger, taken)
+        report.violations += [
+            f"{f.kind} ({f.target}) not recovered within {RECOVERY_BOUND_S:.0f}s"
+            for f in report.faults
+            if f.recovery_s is None
+        ]
+        if report.convergence_s is None:
+            report.violations.append(
+                f"not converged within {options.converge_timeout_s:.0f}s of the faults' end"
+            )
+    finally:
+        cluster.stop.set()
+        supervisor_stop.set()
+        keeper_stop.set()
+        await asyncio.gather(keeper, supervisor, return_exceptions=True)
+        await faults.close()
+        await workload.close()
+    return report
+
+
+async def _wait_serving(cluster: Cluster, http: httpx.AsyncClient, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all([await _ready(http, base) for base in cluster.api_urls]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the APIs did not serve within {timeout_s:.0f}s (logs: {cluster.root / 'logs'})"
+            )
+        await asyncio.sleep(0.2)
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    for proc in cluster.procs:
+        proc.stop()
+    with contextlib.suppress(Exception):
+        asyncio.run(LocalProvisioner(cluster.settings).stop_all())
+    cluster.database.stop()
+
+
+def run(options: Options) -> plan.Report:
+    """Run one soak and write its report (if `options.out`); the caller decides on its violations."""
+    made_root = options.root is None
+    root = options.root or Path(tempfile.mkdtemp(prefix="cp-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o755)  # noqa: S103 (the servers' user must reach the data directory)
+    cluster = start_cluster(options, root)
+    try:
+        report = asyncio.run(soak(options, cluster))
+    finally:
+        stop_cluster(cluster)
+        if made_root:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.with_suffix(".md").write_text(report.markdown())
+        options.out.with_suffix(".json").write_text(report.dumps())
+    return report

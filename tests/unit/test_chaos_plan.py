@@ -1,0 +1,191 @@
+"""The chaos soak's pure parts: its schedule, its invariants (each one can fail), its report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from controlplane.chaos import plan
+
+
+def test_the_schedule_is_seeded_bounded_and_gives_every_kind_its_turn() -> None:
+    faults = plan.schedule(7, 600, 5, 40)
+    assert faults == plan.schedule(7, 600, 5, 40)
+    assert faults != plan.schedule(8, 600, 5, 40)
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(faults)]
+    assert all(5 - 0.01 <= gap <= 40 + 0.01 for gap in gaps) and 5 <= faults[0].at_s <= 40
+    assert faults[-1].at_s < 600
+    for start in range(0, len(faults) - len(plan.FAULT_KINDS) + 1, len(plan.FAULT_KINDS)):
+        window = faults[start : start + len(plan.FAULT_KINDS)]
+        assert sorted(f.kind for f in window) == sorted(plan.FAULT_KINDS)
+    assert plan.schedule(1, 3, 5, 40) == []
+    with pytest.raises(ValueError, match="0 < min <= max"):
+        plan.schedule(1, 60, 10, 5)
+    with pytest.raises(ValueError, match="no fault kinds"):
+        plan.schedule(1, 60, kinds=())
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert plan.percentile([], 95) is None
+    assert plan.percentile([3.0], 95) == 3.0
+    values = [float(v) for v in range(1, 21)]
+    assert plan.percentile(values, 95) == 19.0 and plan.percentile(values, 100) == 20.0
+    assert plan.percentile(values, 50) == 10.0
+
+
+ORG = str(uuid.uuid4())
+
+
+def _instance(state: str = "ready", plan_name: str = "dev", **extra: Any) -> dict[str, Any]:
+    row = {
+        "id": str(uuid.uuid4()),
+        "org_id": ORG,
+        "state": state,
+        "plan": plan_name,
+        "spec_generation": 1,
+        "observed_generation": 1,
+        "failed_generation": None,
+        "suspended_by_billing": False,
+        "failure_reason": None,
+    }
+    return row | extra
+
+
+def _world(*instances: dict[str, Any], hold: bool = False) -> tuple[plan.Ledger, dict[str, Any]]:
+    """A consistent ledger and snapshot: every instance created by a key, its resources held."""
+    ledger = plan.Ledger()
+    idempotency, inventory, events = [], [], []
+    for row in instances:
+        key = f"key-{row['id']}"
+        ledger.creates[key] = row["id"]
+        ledger.plans[row["id"]] = row["plan"]
+        idempotency.append({"org_id": ORG, "key": key, "status_code": 202, "instance_id": row["id"]})
+        events.append({"instance_id": row["id"], "event": "create"})
+        if row["state"] == "deleted":
+            ledger.deletes.add(row["id"])
+        else:
+            inventory += [(kind, row["id"]) for kind in sorted(plan.RESOURCES_OF_A_LIVE_INSTANCE)]
+    ledger.billing[ORG] = (5, hold)
+    snapshot = {
+        "instances": list(instances),
+        "jobs": [{"id": 1, "kind": "provision", "state": "completed", "instance_id": instances[0]["id"]}],
+        "organisations": [{"id": ORG, "billing_hold": hold}],
+        "idempotency": idempotency,
+        "stripe_events": [{"id": "evt_1"}],
+        "inventory": inventory,
+        "audit_mismatches": [],
+        "instance_events": events,
+    }
+    ledger.webhook_deliveries["evt_1"] = 2
+    return ledger, snapshot
+
+
+def _check(ledger: plan.Ledger, snapshot: dict[str, Any]) -> list[str]:
+    return plan.violations(ledger, plan.Snapshot(**snapshot))
+
+
+def test_a_consistent_end_state_has_no_violation() -> None:
+    ledger, snapshot = _world(_instance(), _instance("deleted"))
+    assert _check(ledger, snapshot) == []
+    assert plan.converged(plan.Snapshot(**snapshot))
+    held_ledger, held = _world(_instance("suspended", suspended_by_billing=True), hold=True)
+    assert _check(held_ledger, held) == []
+
+
+def test_each_invariant_is_seen_broken() -> None:
+    ready, gone = _instance(), _instance("deleted")
+    ledger, snapshot = _world(ready, gone)
+
+    def broken(change: Any) -> list[str]:
+        fresh_ledger, fresh = _world(dict(ready), dict(gone))
+        change(fresh_ledger, fresh)
+        return _check(fresh_ledger, fresh)
+
+    assert broken(lambda _l, s: s["audit_mismatches"].append("job 1: replay says queued")) == [
+        "audit: job 1: replay says queued"
+    ]
+    assert "job lost" in " ".join(broken(lambda _l, s: s["jobs"][0].update(state="running")))
+    assert "did not converge" in " ".join(broken(lambda _l, s: s["instances"][0].update(state="updating")))
+    assert "its deletion was accepted" in " ".join(
+        broken(lambda _l, s: s["instances"][1].update(state="ready"))
+    )
+    assert "no deletion of it was accepted" in " ".join(broken(lambda led, _s: led.deletes.clear()))
+    assert "last accepted change asked 'small'" in " ".join(
+        broken(lambda led, _s: led.plans.update({ready["id"]: "small"}))
+    )
+    assert "never applied" in " ".join(broken(lambda _l, s: s["instances"][0].update(spec_generation=2)))
+    assert "2 stored answers" in " ".join(
+        broken(lambda _l, s: s["idempotency"].append(dict(s["idempotency"][0])))
+    )
+    assert "an orphan row" in " ".join(broken(lambda _l, s: s["instances"].append(_instance("deleted"))))
+    assert "never recorded" in " ".join(broken(lambda _l, s: s["stripe_events"].clear()))
+    assert "its newest event says True" in " ".join(
+        broken(lambda led, _s: led.billing.update({ORG: (9, True)}))
+    )
+    assert "on a billing hold" in " ".join(
+        broken(lambda _l, s: s["organisations"][0].update(billing_hold=True))
+    )
+    assert "orphan: data_directory of a deleted instance" in " ".join(
+        broken(lambda _l, s: s["inventory"].append(("data_directory", gone["id"])))
+    )
+    assert "has no server" in " ".join(broken(lambda _l, s: s["inventory"].remove(("server", ready["id"]))))
+    assert "holds 2 ports" in " ".join(broken(lambda _l, s: s["inventory"].append(("port", ready["id"]))))
+    assert "provisioned 2 times" in " ".join(
+        broken(
+            lambda _l, s: s["instance_events"].extend(
+                [{"instance_id": ready["id"], "event": "provisioned"}] * 2
+            )
+        )
+    )
+    assert _check(ledger, snapshot) == []
+
+
+def test_the_report_tables_faults_operations_and_violations() -> None:
+    report = plan.Report(seed=3, minutes=2, processes={"API": 2, "workers": 2})
+    report.faults = [
+        plan.FaultRecord("worker", 5.0, "w-1", 4.0),
+        plan.FaultRecord("worker", 30.0, "w-2", 2.0),
+        plan.FaultRecord("api", 12.0, "api-0", None),
+    ]
+    report.attempted = Counter({"create": 5})
+    report.completed = Counter({"create": 4})
+    report.refused = Counter({"create": 1})
+    report.skipped = Counter({"customer_server": 1})
+    report.violations = ["api (api-0) not recovered within 180s"]
+    by_kind = report.by_kind()
+    assert by_kind["worker"] == {
+        "injected": 2,
+        "skipped": 0,
+        "unrecovered": 0,
+        "recovery_max_s": 4.0,
+        "recovery_p95_s": 4.0,
+    }
+    assert by_kind["api"]["unrecovered"] == 1 and by_kind["api"]["recovery_max_s"] is None
+    text = report.markdown()
+    assert "| worker | 2 | 2 | 4.0 | 4.0 | 0 |" in text
+    assert "| customer_server | 0 | 0 | n/a | n/a | 1 |" in text
+    assert "| create | 5 | 4 | 1 |" in text and "**Invariant violations: 1**" in text
+    data = json.loads(report.dumps())
+    assert data["invariant_violations"] == 1 and data["operations"]["create"]["completed"] == 4
+
+
+def test_not_converged_while_an_intent_waits_for_the_reconciler() -> None:
+    def settled(**change: Any) -> bool:
+        _, snapshot = _world(_instance(**change))
+        return plan.converged(plan.Snapshot(**snapshot))
+
+    assert settled()
+    assert not settled(deletion_requested=True)  # ready, the deprovision not enqueued yet
+    assert not settled(spec_generation=2)  # a plan change accepted, its update not enqueued yet
+    assert settled(spec_generation=2, failed_generation=2)  # given up: nothing will retry it
+    assert not settled(state="suspended", suspended_by_billing=True)  # the release not carried out
+    assert not settled(state="provisioning")
+    _, held = _world(_instance(), hold=True)
+    assert not plan.converged(plan.Snapshot(**held))  # the hold not carried out
+    ledger, recorded = _world(_instance(deletion_requested=True))
+    assert "its deletion is recorded, but it is ready" in " ".join(_check(ledger, recorded))
