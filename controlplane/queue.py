@@ -11,7 +11,7 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import lifecycle, sql
+from controlplane import lifecycle, metrics, sql
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import InvalidRequest, InvalidState, NotFound
 from controlplane.jobs import get_job
@@ -77,7 +77,7 @@ async def _batch(conn: AsyncConn, moves: list[Move], actor: Actor) -> BatchResul
 async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
     """Claim up to `limit` due queued jobs of `kinds` in one statement; each gets a new fence.
 
-    Returned in claim order: priority, then run_at.
+    Returned in claim order: priority, work already begun first, then run_at.
     """
     if limit <= 0 or not kinds:
         return []
@@ -94,10 +94,43 @@ async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: in
         prepare=True,
     )
     rows = await cursor.fetchall()
-    rows.sort(key=lambda row: (row["priority"], row["run_at"], row["fence"]))
+    rows.sort(key=_claim_order)
     for row in rows:
         observe_transition("job", row)
     return rows
+
+
+async def claim_and_start(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
+    """Claim up to `limit` due jobs of `kinds` and start them: one statement, one round trip.
+
+    Each job makes both moves of the transition path (queued -> claimed with a new fence, then
+    claimed -> running), each with its event row; returned as started, in claim order.
+    """
+    if limit <= 0 or not kinds:
+        return []
+    cursor = await conn.execute(
+        sql.CLAIM_AND_START, {"kinds": list(kinds), "limit": limit, "worker": worker_id}, prepare=True
+    )
+    rows = await cursor.fetchall()
+    if rows:
+        rows.sort(key=_claim_order)
+        observe_claims_and_starts(rows)
+    return rows
+
+
+def _claim_order(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (row["priority"], row["attempt"] == 1, row["run_at"], row["fence"])
+
+
+def observe_claims_and_starts(rows: Sequence[Mapping[str, Any]]) -> None:
+    """The metrics of both moves of claim_and_start (what observe_transition records for each)."""
+    metrics.TRANSITIONS.labels("job", "queued", "claimed", "claim").inc(len(rows))
+    metrics.TRANSITIONS.labels("job", "claimed", "running", "start").inc(len(rows))
+    queued = metrics.TIME_IN_STATE.labels("job", "queued")
+    claimed = metrics.TIME_IN_STATE.labels("job", "claimed")
+    for row in rows:
+        queued.observe(max(0.0, row["_queued_s"]))
+        claimed.observe(0.0)
 
 
 async def start_many(conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor) -> BatchResult:

@@ -132,8 +132,8 @@ _MOVED_FIELDS = (
 _EVENT_AT = "GREATEST(now(), t.state_entered_at)"
 
 
-def _audit_tail(spec: EntityTable) -> str:
-    """Event rows and notifications for the rows in `moved`, then the moved rows themselves.
+def _audit_ctes(spec: EntityTable) -> str:
+    """Event rows and notifications for the rows in `moved` (a final SELECT must read both CTEs).
 
     The moved rows carry the new chain head (`chain_seq`, `chain_head`, set by the UPDATE) and the
     previous one (`_prev_hash`): the event row is the head, linked to its predecessor."""
@@ -148,10 +148,19 @@ def _audit_tail(spec: EntityTable) -> str:
     RETURNING 1
 ), notified AS (
     SELECT pg_notify('cp_{spec.entity}_' || state, id::text || ':' || state_version) FROM moved
-)
+)"""
+
+
+# The moved rows themselves, once their event rows and notifications are written.
+_RETURN_MOVED = """
 SELECT moved.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _notified
 FROM moved
 """
+
+
+def _audit_tail(spec: EntityTable) -> str:
+    """Event rows and notifications for the rows in `moved`, then the moved rows themselves."""
+    return _audit_ctes(spec) + _RETURN_MOVED
 
 
 def _chain_sets(entity: str, fields: str) -> str:
@@ -162,7 +171,8 @@ def _chain_sets(entity: str, fields: str) -> str:
         chain_head = {head}"""
 
 
-def _transition(spec: EntityTable, moves_input: str) -> str:
+def _transition_ctes(spec: EntityTable, moves_input: str) -> str:
+    """The transition's CTEs (`m`, `moved`, `audit`, `notified`): a final SELECT completes them."""
     sets = ",\n        ".join(spec.sets)
     return f"""
 WITH m AS ({moves_input}), moved AS (
@@ -178,8 +188,11 @@ WITH m AS ({moves_input}), moved AS (
               m.detail AS _detail, prev.chain_head AS _prev_hash,
               extract(epoch FROM now() - prev.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - t.created_at)::float8 AS _age_s
-){_audit_tail(spec)}
-"""
+){_audit_ctes(spec)}"""
+
+
+def _transition(spec: EntityTable, moves_input: str) -> str:
+    return _transition_ctes(spec, moves_input) + _RETURN_MOVED
 
 
 # Move rows along their lifecycle (one or many): the one transition path.
@@ -202,12 +215,18 @@ _CLAIM_FIELDS = (
     " t.state_version + 1"
 )
 
+# The claim's order: priority, then work already begun (a reclaimed or retried job, attempt > 0)
+# before fresh work, then run_at; served by the partial index ix_jobs_queued_order, whose columns
+# are these expressions. A reclaimed job keeps its run_at, so without the middle key it could wait
+# behind a backlog enqueued at the same moment.
+CLAIM_ORDER = "priority, attempt = 0, run_at"
+
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
-CLAIM_JOBS = f"""
+_CLAIM_CTES = f"""
 WITH locked AS (
     SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
-    ORDER BY priority, run_at
+    ORDER BY {CLAIM_ORDER}
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), picked AS (
@@ -231,7 +250,66 @@ WITH locked AS (
               picked.chain_head AS _prev_hash,
               extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - picked.created_at)::float8 AS _age_s
-){_audit_tail(JOB_TABLE)}
+){_audit_ctes(JOB_TABLE)}"""
+CLAIM_JOBS = _CLAIM_CTES + _RETURN_MOVED
+
+
+def _bind(statement: str, **expressions: str) -> str:
+    """`statement` with each %(name)s placeholder replaced by an SQL expression (a function's body)."""
+    for name, expression in expressions.items():
+        statement = statement.replace(f"%({name})s", expression)
+    assert "%(" not in statement, f"unbound placeholder in {statement}"
+    return statement
+
+
+# The start of the rows a claim just took, as the transition template's input (in the function).
+_START_CLAIMED_INPUT = """
+    SELECT c.id, c.version AS expected_version, 'claimed'::text AS from_state,
+           'running'::text AS to_state, 'start'::text AS event, NULL::text AS reason,
+           NULL::jsonb AS detail, '{}'::jsonb AS patch
+    FROM unnest(v_ids, v_versions) AS c(id, version)
+"""
+_WORKER_ACTOR = {"actor_kind": "'worker'::text", "actor_id": "p_worker", "request_id": "NULL::text"}
+
+# The body of cp_claim_and_start (migration 0007 holds this text; tests/integration/test_schema.py
+# checks that the installed function still matches it, so a change here needs a migration).
+# Two statements in one call, one round trip: the claim (CLAIM_JOBS: SKIP LOCKED, a new fence,
+# its event rows), then the start of what it claimed through the one transition template (guarded
+# on id, version and state, its own event rows); the state trigger checks each. Returns the jobs as
+# started, with how long each had been queued.
+CLAIM_AND_START_BODY = f"""
+DECLARE
+    v_ids uuid[];
+    v_versions bigint[];
+    v_queued float8[];
+    v_rows bigint;
+    v_audited bigint;
+    v_notified bigint;
+BEGIN
+{_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_WORKER_ACTOR)}
+SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._dwell_s),
+       (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
+INTO v_ids, v_versions, v_queued, v_audited, v_notified
+FROM moved;
+IF v_ids IS NULL THEN
+    RETURN;
+END IF;
+{_bind(_transition_ctes(JOB_TABLE, _START_CLAIMED_INPUT), **_WORKER_ACTOR)}
+SELECT count(*), (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
+INTO v_rows, v_audited, v_notified
+FROM moved;
+RETURN QUERY
+    SELECT q.queued_s, j FROM jobs AS j
+    JOIN unnest(v_ids, v_queued) AS q(id, queued_s) ON q.id = j.id
+    WHERE j.state = 'running' AND j.claimed_by = p_worker;
+END
+"""
+CLAIM_AND_START_SIGNATURE = "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text)"
+
+# Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
+CLAIM_AND_START = """
+SELECT (c.job).*, c.queued_s AS _queued_s
+FROM cp_claim_and_start(%(kinds)s::text[], %(limit)s::int, %(worker)s::text) AS c
 """
 
 # Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.
