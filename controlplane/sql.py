@@ -326,34 +326,55 @@ _ENQUEUE_FIELDS = (
     " %(request_id)s, 0"
 )
 
-# Enqueue jobs (one or many) with their creation events; a second live job of the same
-# (instance, kind) is not created: the partial unique index turns it into a no-op.
-ENQUEUE_JOBS = f"""
-WITH input AS (
+# The per-job input of an enqueue: many as arrays, or one as scalars (cheaper to send).
+_ENQUEUE_INPUT = """
     SELECT gen_random_uuid() AS id, now() AS at, i.* FROM unnest(
         %(kinds)s::text[], %(instance_ids)s::uuid[], %(payloads)s::jsonb[], %(priorities)s::int[],
         %(max_attempts)s::int[], %(delays)s::float8[]
     ) AS i(kind, instance_id, payload, priority, max_attempts, delay_s)
-), created AS (
+"""
+_ENQUEUE_ONE_INPUT = """
+    SELECT gen_random_uuid() AS id, now() AS at, %(kinds)s::text AS kind,
+           %(instance_ids)s::uuid AS instance_id, %(payloads)s::jsonb AS payload,
+           %(priorities)s::int AS priority, %(max_attempts)s::int AS max_attempts,
+           %(delays)s::float8 AS delay_s
+"""
+
+
+def _enqueue_ctes(job_input: str, prefix: str = "") -> str:
+    """Enqueue jobs with their creation events (CTEs `input`, `created`, `audit`, `notified`, each
+    name prefixed); a second live job of the same (instance, kind) is not created: the partial
+    unique index turns it into a no-op."""
+    return f"""{prefix}input AS ({job_input}), {prefix}created AS (
     INSERT INTO jobs (id, kind, instance_id, payload, state, priority, max_attempts, run_at,
                       state_entered_at, chain_seq, chain_head)
     SELECT id, kind, instance_id, payload, 'queued', priority, max_attempts,
            now() + make_interval(secs => delay_s), at, 0,
            {event_hash("job", "id", "0", "NULL", _ENQUEUE_FIELDS, "at")}
-    FROM input
+    FROM {prefix}input
     ON CONFLICT (instance_id, kind) WHERE state NOT IN {FINISHED} DO NOTHING
     RETURNING *
-), audit AS (
+), {prefix}audit AS (
     INSERT INTO job_events (job_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
     SELECT id, {_ENQUEUE_FIELDS}, state_entered_at, 0, NULL, chain_head
-    FROM created
+    FROM {prefix}created
     RETURNING 1
-), notified AS (
-    SELECT pg_notify('cp_job_queued', id::text || ':0') FROM created
-)
+), {prefix}notified AS (
+    SELECT pg_notify('cp_job_queued', id::text || ':0') FROM {prefix}created
+)"""
+
+
+def _enqueue(job_input: str) -> str:
+    return f"""
+WITH {_enqueue_ctes(job_input)}
 SELECT created.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
 FROM created
 """
+
+
+ENQUEUE_JOBS = _enqueue(_ENQUEUE_INPUT)
+# The same statement for a single job (as TRANSITION_ONE is for a single move).
+ENQUEUE_JOB = _enqueue(_ENQUEUE_ONE_INPUT)
 
 # The live job of each (instance, kind) pair: what a de-duplicated enqueue found instead.
 LIVE_JOBS_FOR = f"""
@@ -371,7 +392,7 @@ _CREATE_FIELDS = (
 )
 
 # Create an instance in its initial state with its creation event.
-CREATE_INSTANCE = f"""
+_CREATE_INSTANCE_CTES = f"""
 WITH input AS (
     SELECT gen_random_uuid() AS id, now() AS at, %(spec)s::jsonb AS spec
 ), created AS (
@@ -389,11 +410,34 @@ WITH input AS (
     RETURNING 1
 ), notified AS (
     SELECT pg_notify('cp_instance_pending', id::text || ':0') FROM created
-)
+)"""
+_CREATED_INSTANCE = """
 SELECT created.*, o.billing_hold, 0::float8 AS time_in_state_s,
-       (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
+       (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n{more}
 FROM created JOIN organisations o ON o.id = created.org_id
 """
+CREATE_INSTANCE = _CREATE_INSTANCE_CTES + _CREATED_INSTANCE.format(more="")
+
+# The new instance's first job, from the instance the same statement creates.
+_FIRST_JOB_INPUT = """
+    SELECT gen_random_uuid() AS id, now() AS at, %(job_kind)s::text AS kind,
+           created.id AS instance_id, %(job_payload)s::jsonb AS payload,
+           %(job_priority)s::int AS priority, %(job_max_attempts)s::int AS max_attempts,
+           0::float8 AS delay_s
+    FROM created
+"""
+
+# Create an instance and its first job, each with its creation event, in one statement: the rows
+# a create needs, in one round trip.
+CREATE_INSTANCE_WITH_JOB = (
+    _CREATE_INSTANCE_CTES
+    + ", "
+    + _enqueue_ctes(_FIRST_JOB_INPUT, "job_")
+    + _CREATED_INSTANCE.format(
+        more=",\n       (SELECT count(*) FROM job_audit) + (SELECT count(*) FROM job_notified) AS _job_n,"
+        "\n       (SELECT kind FROM job_created) AS _job_kind"
+    )
+)
 
 # ---- the supervisor's scans -------------------------------------------------------------------------
 
