@@ -34,6 +34,8 @@ def _live_states(table: str, terminal: frozenset[str], states: tuple[str, ...]) 
 
 
 LIVE_INSTANCE = _live_states("i.", INSTANCE.terminal, INSTANCE.states)
+# An instance's reconciler shard (0 .. shard_count - 1), from its id (see JOIN_SHARDS).
+SHARD_OF = "mod(hashtext({id}::text) & 2147483647, %(shard_count)s)"
 
 # ---- the one transition path (instances and jobs) -------------------------------------------------
 
@@ -465,7 +467,7 @@ FOR UPDATE SKIP LOCKED
 
 # ---- the reconciler ---------------------------------------------------------------------------------
 
-# Reconciler: a batch of live instances, least recently reconciled first, with the kinds of
+# Reconciler: a batch of live instances (of the given shards, or all), least recently reconciled first, with the kinds of
 # their live jobs and their organisation's hold. Served by the partial index ix_instances_live_state
 # (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
 SCAN_LIVE_INSTANCES = f"""
@@ -480,6 +482,7 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
        COALESCE(%(now)s::timestamptz, now()) AS now
 FROM instances i JOIN organisations o ON o.id = i.org_id
 WHERE {LIVE_INSTANCE}
+  AND (%(shards)s::int[] IS NULL OR {SHARD_OF.format(id="i.id")} = ANY(%(shards)s::int[]))
 ORDER BY i.last_reconciled_at NULLS FIRST, i.id
 LIMIT %(limit)s
 """
@@ -817,6 +820,25 @@ SCHEMA_REVISION = "SELECT version_num FROM alembic_version"
 PING = "SELECT 1"
 TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s) AS locked"
 RELEASE_LEADER_LOCK = "SELECT pg_advisory_unlock(%(key)s)"
+
+# Reconciler shards: an instance's shard is a hash of its id; each shard is a session advisory lock
+# (class, shard) held by one reconciler process, and each process holds a membership lock
+# (class, its backend pid) so that the others can count the processes sharing the shards.
+JOIN_SHARDS = "SELECT pg_advisory_lock(%(members)s, pg_backend_pid()), pg_backend_pid() AS pid"
+SHARD_MEMBERS = """
+SELECT count(*) AS members FROM pg_locks
+WHERE locktype = 'advisory' AND classid = %(members)s::oid AND objsubid = 2 AND granted
+"""
+TRY_SHARD = "SELECT pg_try_advisory_lock(%(shards)s, %(shard)s) AS locked"
+RELEASE_SHARD = "SELECT pg_advisory_unlock(%(shards)s, %(shard)s)"
+# Inside the transaction that acts on an instance: its shard's lock is still held by `pid`.
+HOLDS_SHARD_OF = f"""
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND classid = %(shards)s::oid AND objsubid = 2 AND granted
+      AND pid = %(pid)s AND objid = {SHARD_OF.format(id="%(id)s")}::oid
+) AS held
+"""
 
 # ---- backups: what the control plane holds of each instance -----------------------------------------
 
