@@ -212,4 +212,3 @@ async def backup_to_restore(
             else f"no backup of instance {instance_id} is held"
         )
     return found
-

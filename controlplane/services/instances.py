@@ -8,7 +8,6 @@ instance (a new spec generation, a deletion request) and carried out as soon as 
 from __future__ import annotations
 
 import contextlib
-
 import uuid
 from dataclasses import dataclass
 

@@ -75,7 +75,9 @@ async def recoveries(conn: AsyncConn, ids: list[uuid.UUID]) -> dict[uuid.UUID, l
     return seen
 
 
-async def until_recovered(conn: AsyncConn, ids: list[uuid.UUID], timeout: float = 60) -> dict[uuid.UUID, list[str]]:
+async def until_recovered(
+    conn: AsyncConn, ids: list[uuid.UUID], timeout: float = 60
+) -> dict[uuid.UUID, list[str]]:
     deadline = time.monotonic() + timeout
     while True:
         seen = await recoveries(conn, ids)
