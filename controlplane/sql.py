@@ -468,8 +468,9 @@ FOR UPDATE SKIP LOCKED
 # ---- the reconciler ---------------------------------------------------------------------------------
 
 # Reconciler: a batch of live instances (of the given shards, or all), least recently reconciled
-# first, with the kinds of their live jobs and their organisation's hold. Served by the partial index ix_instances_live_state
-# (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
+# first, with the kinds of their live jobs and their organisation's hold. Served by the partial
+# index ix_instances_live_state (and ux_jobs_live_instance_kind for the jobs), so its cost follows
+# live work, not table size.
 SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
        i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
