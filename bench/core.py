@@ -60,6 +60,8 @@ class Context:
     # Set only during the profiling pass (--profile), after the measured repetitions.
     profiler: Profiler | None = None
     project_python: str = sys.executable
+    # How long the MVCC-pressure workload runs (`--mvcc-minutes`).
+    mvcc_minutes: float = 5.0
     _counter: int = 0
 
     def fresh_database(self, prefix: str, template: str | None = None) -> tuple[str, str]:

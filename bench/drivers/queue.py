@@ -4,6 +4,7 @@ drain      enqueue N no-op jobs, then time one worker at concurrency C until all
 pickup     a producer at a steady rate; enqueue-to-handler-start latency per job
 worker     run_worker() with a sleeping job kind until SIGTERM (crash-recovery workload)
 supervise  the supervisor loop until SIGTERM (reclaims the jobs of a dead worker)
+claim-latency  enqueue one job, then time its claim and start; N times
 """
 
 from __future__ import annotations
@@ -110,9 +111,12 @@ async def drain(args: argparse.Namespace) -> None:
 
 async def pickup(args: argparse.Namespace) -> None:
     latencies: list[float] = []
+    sent: list[float] = []
 
     async def record(ctx: JobContext) -> Verdict:
-        latencies.append(time.time() - float(ctx.payload["t"]))
+        at = float(ctx.payload["t"])
+        latencies.append(time.time() - at)
+        sent.append(at)
         return {"result": "nothing to do"}
 
     cfg = settings(args.url, args.concurrency)
@@ -135,6 +139,7 @@ async def pickup(args: argparse.Namespace) -> None:
     interval = 1.0 / args.rate
     total = int(args.rate * args.seconds)
     start = time.perf_counter()
+    start_wall = time.time()
     behind = 0
     sends = []
     for n in range(total):
@@ -177,8 +182,26 @@ async def pickup(args: argparse.Namespace) -> None:
             "produce_seconds": produced_s,
             "producer_fell_behind": behind,
             "latencies_ms": [round(x * 1000, 3) for x in latencies],
+            # When each job (in the order of latencies_ms) was enqueued, in seconds from the start.
+            "sent_s": [round(x - start_wall, 3) for x in sent],
         }
     )
+
+
+async def claim_latency(args: argparse.Namespace) -> None:
+    """One job enqueued, then claimed and started (the worker's statement), timed; `--jobs` times."""
+    from controlplane import queue
+
+    conn = await db.connect(args.url)
+    latencies = []
+    async with conn:
+        for _ in range(args.jobs):
+            await enqueue_many(conn, [NewJob(NOOP)], ACTOR)
+            began = time.perf_counter()
+            (started,) = await queue.claim_and_start(conn, "bench-claim", [NOOP], 10)
+            latencies.append(time.perf_counter() - began)
+            await queue.finish_many(conn, [(started, {"result": "nothing to do"})], ACTOR)
+    emit({"latencies_ms": [round(x * 1000, 3) for x in latencies]})
 
 
 async def worker(args: argparse.Namespace) -> None:
@@ -210,6 +233,7 @@ COMMANDS = {
     "worker": worker,
     "supervise": supervise,
     "enqueue-sleepers": enqueue_sleepers,
+    "claim-latency": claim_latency,
 }
 
 if __name__ == "__main__":

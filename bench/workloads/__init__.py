@@ -11,6 +11,7 @@ def all_workloads() -> list[Workload]:
     from bench.workloads.crash import CrashWorkload
     from bench.workloads.drain import DrainWorkload
     from bench.workloads.freshness import FreshnessWorkload
+    from bench.workloads.mvcc import MvccWorkload
     from bench.workloads.pickup import PickupWorkload
     from bench.workloads.reconciler import ReconcilerWorkload
     from bench.workloads.transitions import TransitionsWorkload
@@ -24,4 +25,5 @@ def all_workloads() -> list[Workload]:
         CrashWorkload(),
         AuditWorkload(),
         FreshnessWorkload(),
+        MvccWorkload(),
     ]
