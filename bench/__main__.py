@@ -46,7 +46,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--mvcc-minutes",
         type=float,
         default=None,
-        help="minutes of the MVCC-pressure workload (mvcc) with the snapshot held (default 5; 1 with --quick)",
+        help="minutes of the MVCC-pressure workload (mvcc), its snapshot held (default 5; 1 with --quick)",
     )
     parser.add_argument("--conditions", default="", help="how the machine was when measured (for latest.md)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; write no results")

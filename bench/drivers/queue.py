@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from bench.drivers.common import emit, quiet_logs
+from bench.peers import cost
 from controlplane import aio, db
 from controlplane.jobs import NewJob, enqueue_many
 from controlplane.registry import JobContext, JobKind, JobRegistry, Verdict
@@ -65,6 +66,8 @@ async def drain(args: argparse.Namespace) -> None:
     pool = db.pool(args.url, min_size=2, max_size=args.concurrency + 3, name="bench-drain")
     await pool.open(wait=True, timeout=30)
     worker = Worker("bench-drain", cfg, pool, registry())
+    meter = cost.Meter(args.url)
+    meter.begin()
     started = time.perf_counter()
     runner = asyncio.create_task(worker.run())
     progress, progressed_at = 0, started
@@ -75,6 +78,7 @@ async def drain(args: argparse.Namespace) -> None:
         elif time.perf_counter() - progressed_at > STALL_S:
             break  # reported below: the worker stopped completing jobs
     elapsed = time.perf_counter() - started
+    spent = meter.end(worker.counts["completed"])
     worker.request_stop()
     await runner
     await pool.close()
@@ -104,6 +108,7 @@ async def drain(args: argparse.Namespace) -> None:
             "counts": dict(worker.counts),
             "batches": batches,
             "states": states,
+            "cost": spent,
             "stalled": worker.counts["completed"] < args.jobs,
         }
     )

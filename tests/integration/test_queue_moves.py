@@ -190,7 +190,7 @@ async def test_unknown_job_is_reported(conn: db.AsyncConn) -> None:
 
 
 async def test_claim_and_start_takes_reclaimed_work_before_a_backlog_enqueued_with_it(
-    conn: AsyncConn,
+    conn: db.AsyncConn,
 ) -> None:
     # One statement: every job has the same run_at, so only the claim's order decides.
     made = await enqueue_many(conn, [NewJob("noop") for _ in range(20)], TEST_ACTOR)
