@@ -83,6 +83,8 @@ def run_workloads(
                 continue
             workload = outcome.workload
             for variant in workload.variants:
+                if repetition > 0 and variant in workload.once:
+                    continue
                 started = time.monotonic()
                 try:
                     values = workload.run(ctx, variant, repetition)

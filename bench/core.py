@@ -86,6 +86,8 @@ class Workload:
     notes: list[str] = field(default_factory=list)
     # The variants worth a py-spy profile (the project's own processes).
     profiled: tuple[str, ...] = ()
+    # Variants too long to repeat: run in the first repetition only (their n is 1).
+    once: tuple[str, ...] = ()
 
     def prepare(self, ctx: Context) -> None:
         """Once before the repetitions; raise NotAvailable when a part is missing."""

@@ -41,6 +41,7 @@ class MvccWorkload(Workload):
                     1.5,
                 ),
             ),
+            once=("snapshot held",),
         )
         self.minutes = 0.0
         self.sizes: dict[str, int] = {}
@@ -58,7 +59,8 @@ class MvccWorkload(Workload):
             ctx.log(f"  loaded {count:,} completed jobs in {time.monotonic() - started:.0f} s")
         self.notes = [
             f"snapshot held: the pickup workload's producer and worker (200 jobs/s, one enqueue "
-            f"statement each, Worker at concurrency 10) for {self.minutes:g} minutes (`--mvcc-minutes`) "
+            f"statement each, Worker at concurrency 10) for {self.minutes:g} minutes (`--mvcc-minutes`; "
+            "in the first repetition only) "
             "while another session keeps a REPEATABLE READ transaction open with its snapshot taken "
             "(the xmin horizon pinned: no dead row of jobs can be removed). Pickup latency as in "
             "workload 3; p99 for each minute of enqueue time, the worst minute reported; the dead "
