@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from psycopg.rows import DictRow
@@ -100,17 +101,41 @@ async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: in
     return rows
 
 
-async def claim_and_start(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
+@dataclass(frozen=True)
+class ClaimFrom:
+    """A point in the claim's order (priority, fresh work, run_at) where a claim may start."""
+
+    priority: int
+    fresh: bool
+    run_at: datetime
+
+    @classmethod
+    def before(cls, job: Mapping[str, Any], margin: timedelta) -> ClaimFrom:
+        """Just before a job claim_and_start returned (its attempt counts this claim)."""
+        return cls(int(job["priority"]), int(job["attempt"]) == 1, job["run_at"] - margin)
+
+    def params(self) -> dict[str, Any]:
+        return {"from_priority": self.priority, "from_fresh": self.fresh, "from_run_at": self.run_at}
+
+
+async def claim_and_start(
+    conn: AsyncConn,
+    worker_id: str,
+    kinds: Sequence[str],
+    limit: int,
+    start: ClaimFrom | None = None,
+) -> list[DictRow]:
     """Claim up to `limit` due jobs of `kinds` and start them: one statement, one round trip.
 
     Each job makes both moves of the transition path (queued -> claimed with a new fence, then
-    claimed -> running), each with its event row; returned as started, in claim order.
+    claimed -> running), each with its event row; returned as started, in claim order. With
+    `start`, only jobs at that point of the claim's order or after it are looked at.
     """
     if limit <= 0 or not kinds:
         return []
-    cursor = await conn.execute(
-        sql.CLAIM_AND_START, {"kinds": list(kinds), "limit": limit, "worker": worker_id}, prepare=True
-    )
+    params = {"kinds": list(kinds), "limit": limit, "worker": worker_id}
+    params.update(start.params() if start is not None else sql.CLAIM_FROM_START)
+    cursor = await conn.execute(sql.CLAIM_AND_START, params, prepare=True)
     rows = await cursor.fetchall()
     if rows:
         rows.sort(key=_claim_order)

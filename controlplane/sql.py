@@ -223,11 +223,22 @@ _CLAIM_FIELDS = (
 # behind a backlog enqueued at the same moment.
 CLAIM_ORDER = "priority, attempt = 0, run_at"
 
+# Where in that order a claim starts: at (from_priority, from_fresh, from_run_at) or after. A
+# worker passes a point just before the jobs it claimed last, so that its index scan does not walk
+# the entries of the rows claimed since (dead, but kept while any snapshot is older than them); it
+# scans from the start of the order (CLAIM_FROM_START) every so often, for what comes before.
+CLAIM_FROM = (
+    "(priority, attempt = 0, run_at)"
+    " >= (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
+)
+CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
+
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
 _CLAIM_CTES = f"""
 WITH locked AS (
     SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
+      AND {CLAIM_FROM}
     ORDER BY {CLAIM_ORDER}
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -253,15 +264,32 @@ WITH locked AS (
               extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - picked.created_at)::float8 AS _age_s
 ){_audit_ctes(JOB_TABLE)}"""
-CLAIM_JOBS = _CLAIM_CTES + _RETURN_MOVED
+
+
+def _substitute(statement: str, **expressions: str) -> str:
+    """`statement` with each %(name)s placeholder named replaced by an SQL expression."""
+    for name, expression in expressions.items():
+        statement = statement.replace(f"%({name})s", expression)
+    return statement
 
 
 def _bind(statement: str, **expressions: str) -> str:
-    """`statement` with each %(name)s placeholder replaced by an SQL expression (a function's body)."""
-    for name, expression in expressions.items():
-        statement = statement.replace(f"%({name})s", expression)
+    """`statement` with every placeholder replaced by an SQL expression (a function's body)."""
+    statement = _substitute(statement, **expressions)
     assert "%(" not in statement, f"unbound placeholder in {statement}"
     return statement
+
+
+# The claim on its own (a claimed job is started by a transition of its own), over the whole queue.
+CLAIM_JOBS = (
+    _substitute(
+        _CLAIM_CTES,
+        from_priority=f"({CLAIM_FROM_START['from_priority']})",
+        from_fresh="false",
+        from_run_at="'-infinity'",
+    )
+    + _RETURN_MOVED
+)
 
 
 # The start of the rows a claim just took, as the transition template's input (in the function).
@@ -272,6 +300,11 @@ _START_CLAIMED_INPUT = """
     FROM unnest(v_ids, v_versions) AS c(id, version)
 """
 _WORKER_ACTOR = {"actor_kind": "'worker'::text", "actor_id": "p_worker", "request_id": "NULL::text"}
+_CLAIM_FROM_ARGS = {
+    "from_priority": "p_from_priority",
+    "from_fresh": "p_from_fresh",
+    "from_run_at": "p_from_run_at",
+}
 
 # The body of cp_claim_and_start (migration 0007 holds this text; tests/integration/test_schema.py
 # checks that the installed function still matches it, so a change here needs a migration).
@@ -288,7 +321,7 @@ DECLARE
     v_audited bigint;
     v_notified bigint;
 BEGIN
-{_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_WORKER_ACTOR)}
+{_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_CLAIM_FROM_ARGS, **_WORKER_ACTOR)}
 SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._dwell_s),
        (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
 INTO v_ids, v_versions, v_queued, v_audited, v_notified
@@ -306,12 +339,18 @@ RETURN QUERY
     WHERE j.state = 'running' AND j.claimed_by = p_worker;
 END
 """
-CLAIM_AND_START_SIGNATURE = "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text)"
+CLAIM_AND_START_SIGNATURE = (
+    "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text,"
+    " p_from_priority integer, p_from_fresh boolean, p_from_run_at timestamptz)"
+)
 
 # Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
 CLAIM_AND_START = """
 SELECT (c.job).*, c.queued_s AS _queued_s
-FROM cp_claim_and_start(%(kinds)s::text[], %(limit)s::int, %(worker)s::text) AS c
+FROM cp_claim_and_start(
+    %(kinds)s::text[], %(limit)s::int, %(worker)s::text,
+    %(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz
+) AS c
 """
 
 # Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.

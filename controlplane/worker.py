@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import psycopg
@@ -40,6 +41,13 @@ CLAIM_LINGER_S = 0.05
 # Jobs are claimed ahead of free slots only while handlers take less than this on average: a ready
 # job must not wait behind long handlers (a provisioning) while another worker has slots free.
 PREFETCH_BELOW_S = 0.05
+# How often a claim looks at the whole queue (from the start of the claim's order): in between,
+# a worker's claims start just before the jobs it claimed last, so that they do not walk the index
+# entries of every job claimed since the oldest open snapshot. Work that sorts earlier (reclaimed or
+# retried, a higher priority, an enqueue that committed late) waits at most this long.
+FULL_CLAIM_EVERY_S = 1.0
+# How far before the run_at of the jobs it claimed last a worker's next claim starts.
+CLAIM_FROM_MARGIN = timedelta(seconds=1)
 # Under a trickle, how long the writer waits for more outcomes to share a statement with.
 WRITE_LINGER_S = 0.002
 
@@ -147,6 +155,9 @@ class Worker:
         self.prefetch = self._batch_min
         # Mean handler time (exponentially weighted; None until one returns): decides the prefetch.
         self._handler_s: float | None = None
+        # Where the next claim starts (None: the whole queue), and when the next whole one is due.
+        self._claim_from: queue.ClaimFrom | None = None
+        self._full_claim_at = 0.0
         self._ready: collections.deque[Held] = collections.deque()
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
         self.counts: collections.Counter[str] = collections.Counter()
@@ -282,15 +293,21 @@ class Worker:
         the free slots wait, started, in `_ready` (a kill -9 leaves them to the supervisor, as it
         does the running ones).
         """
+        now = time.monotonic()
+        start = self._claim_from if now < self._full_claim_at else None
+        if start is None:
+            self._full_claim_at = now + FULL_CLAIM_EVERY_S
         try:
             async with self._claiming.connection() as conn:
-                started = await queue.claim_and_start(conn, self.worker_id, self.kinds, room)
+                started = await queue.claim_and_start(conn, self.worker_id, self.kinds, room, start)
         except DATABASE_GONE as exc:
             # Not applied, or applied with its reply lost: then its jobs go stale and are reclaimed.
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
             await self._pause_after_failure()
             return 0
         self.counts["claimed"] += len(started)
+        if started:
+            self._claim_from = queue.ClaimFrom.before(started[0], CLAIM_FROM_MARGIN)
         for row in started:
             held = Held(row)
             self._held[held.id] = held

@@ -4,8 +4,9 @@ Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-01
 
-`cp_claim_and_start(kinds, limit, worker)` claims due queued jobs with SKIP LOCKED and starts
-them, two statements in one call: the worker's path to its handlers is one round trip per batch.
+`cp_claim_and_start(kinds, limit, worker, from...)` claims due queued jobs with SKIP LOCKED
+(from a point of the claim's order on) and starts them, two statements in one call: the worker's
+path to its handlers is one round trip per batch.
 Each move is the transition path's (guarded UPDATE, version bump, state trigger, an event row
 each with its chain hash); the body is the text of `controlplane.sql.CLAIM_AND_START_BODY` at this
 revision, and the schema tests check the installed function against it.
@@ -13,6 +14,8 @@ revision, and the schema tests check the installed function against it.
 `ix_jobs_queued_order` becomes `(priority, (attempt = 0), run_at)`: the claim takes work already
 begun (a reclaimed or retried job) before fresh work of the same priority.
 """
+
+# ruff: noqa: E501 (the function body is SQL text, as controlplane/sql.py builds it)
 
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ down_revision: str | None = "0006"
 branch_labels: str | None = None
 depends_on: str | None = None
 
-SIGNATURE = "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text)"
+SIGNATURE = (
+    "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text,"
+    " p_from_priority integer, p_from_fresh boolean, p_from_run_at timestamptz)"
+)
 
 BODY = """
 DECLARE
@@ -38,6 +44,7 @@ BEGIN
 WITH locked AS (
     SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(p_kinds::text[])
+      AND (priority, attempt = 0, run_at) >= (p_from_priority::int, p_from_fresh::boolean, p_from_run_at::timestamptz)
     ORDER BY priority, attempt = 0, run_at
     LIMIT p_limit
     FOR UPDATE SKIP LOCKED
@@ -148,4 +155,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP INDEX ix_jobs_queued_order")
     op.execute("CREATE INDEX ix_jobs_queued_order ON jobs (priority, run_at) WHERE state = 'queued'")
-    op.execute("DROP FUNCTION cp_claim_and_start(text[], integer, text)")
+    op.execute("DROP FUNCTION cp_claim_and_start(text[], integer, text, integer, boolean, timestamptz)")
