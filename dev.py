@@ -48,6 +48,34 @@ def ensure_venv() -> None:
     stamp.write_text(digest)
 
 
+# The browser the console's tests drive (Debian's Chromium): installed when missing.
+CHROMIUM = Path("/usr/bin/chromium")
+BROWSER_PACKAGES = ("chromium", "fonts-liberation")
+
+
+def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | str | None:
+    """What `test` does for the browser tests' Chromium: nothing when it is there, the apt-get
+    commands that install it when we are root, else the one line that says how."""
+    if chromium_present:
+        return None
+    if not is_root:
+        return (
+            f"{CHROMIUM} is missing and the console's browser tests need it: run "
+            f"`sudo apt-get install -y {' '.join(BROWSER_PACKAGES)}` (or run this as root)"
+        )
+    return [["apt-get", "update"], ["apt-get", "install", "-y", *BROWSER_PACKAGES]]
+
+
+def ensure_browser() -> None:
+    plan = browser_install(CHROMIUM.exists(), os.geteuid() == 0)
+    if isinstance(plan, str):
+        print(plan, file=sys.stderr)
+        return
+    for command in plan or []:
+        print("+", " ".join(command), flush=True)
+        subprocess.run(command, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+
+
 # Signals that stop the child: passed on to it, and we wait for it to finish (SIGTERM is what
 # `timeout`, systemd and a plain `kill` send; SIGINT is Ctrl-C).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -90,6 +118,7 @@ def main() -> int:
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":
+        ensure_browser()
         code = run([venv_bin("python"), "-m", "pytest", *rest])
         return code or checks()
     if command == "check":

@@ -3,14 +3,15 @@
 The supervisor (attempts over, a permanent error) and an operator's abandon both run these hooks:
 a failed provision fails the instance and enqueues the cleanup of what it created; a failed plan
 change degrades it (its data is kept); a failed suspend, resume or heal degrades it; a failed
-deprovision fails it, leaving what remains to the orphan sweep.
+deprovision fails it, leaving what remains to the orphan sweep. Each records the failure code
+(`controlplane.failures`) of where and why the job was given up, beside the raw reason.
 """
 
 from __future__ import annotations
 
 from psycopg.rows import DictRow
 
-from controlplane import jobs, kinds, lifecycle, sql
+from controlplane import failures, jobs, kinds, lifecycle, sql
 from controlplane.db import AsyncConn
 from controlplane.instances import transition_instance
 from controlplane.kinds import DEPROVISION, HEAL
@@ -25,7 +26,7 @@ async def provision_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> No
     if inst is None or inst.state not in lifecycle.PROVISIONING:
         return
     reason = _failure_reason(job, inst)
-    await _transition_in(conn, inst, "fail", actor, reason)
+    await _transition_in(conn, inst, "fail", actor, reason, await _code(conn, job, actor))
     await _enqueue_cleanup(conn, inst, actor, skip_backup=True)
 
 
@@ -43,13 +44,15 @@ async def update_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> None:
     reason = _failure_reason(job, inst)
     asked = kinds.UpdatePayload.from_json(job.payload).spec_generation
     generation = int(asked or inst.spec_generation)
+    code = await _code(conn, job, actor)
     await transition_instance(
         conn,
         inst,
         "degrade",
         actor,
         reason=reason,
-        patch=InstancePatch(failure_reason=reason, failed_generation=generation),
+        detail={"code": code},
+        patch=InstancePatch(failure_reason=reason, failure_code=code, failed_generation=generation),
     )
 
 
@@ -60,12 +63,17 @@ async def degrade_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> None
     if inst is None:
         return
     reason = _failure_reason(job, inst)
+    code = await _code(conn, job, actor)
     if inst.state == "ready":
-        await _transition_in(conn, inst, "degrade", actor, reason)
+        await _transition_in(conn, inst, "degrade", actor, reason, code)
     elif inst.state == "degraded":
+        # Lost data stays lost until a restore brings it back: its code is kept.
+        if inst.failure_code == failures.DATA_LOST:
+            code = failures.DATA_LOST
         # A heal given up is counted: the reconciler waits longer before each next one.
         await conn.execute(
-            sql.RECORD_DEGRADED_FAILURE, {"reason": reason, "heal": job.kind == HEAL, "id": inst.id}
+            sql.RECORD_DEGRADED_FAILURE,
+            {"reason": reason, "code": code, "heal": job.kind == HEAL, "id": inst.id},
         )
 
 
@@ -75,7 +83,8 @@ async def deprovision_abandoned(conn: AsyncConn, row: DictRow, actor: Actor) -> 
     inst = await _lock_instance(conn, job)
     if inst is None or inst.state != "deprovisioning":
         return
-    await _transition_in(conn, inst, "fail", actor, _failure_reason(job, inst))
+    reason = _failure_reason(job, inst)
+    await _transition_in(conn, inst, "fail", actor, reason, await _code(conn, job, actor))
 
 
 async def _lock_instance(conn: AsyncConn, job: Job) -> Instance | None:
@@ -95,9 +104,34 @@ def _failure_reason(job: Job, inst: Instance) -> str:
     return f"{job.kind} failed after {job.attempt} attempt(s): {error}"[:1000]
 
 
-async def _transition_in(conn: AsyncConn, inst: Instance, event: str, actor: Actor, reason: str) -> None:
+async def _code(conn: AsyncConn, job: Job, actor: Actor) -> str:
+    """The failure code of the job given up: its last error's own code, else the step its last
+    attempt was in (a step that finished names none), else the operation's."""
+    cursor = await conn.execute(sql.LAST_STEP_OF_JOB, {"job_id": job.id})
+    last_step = await cursor.fetchone()
+    step = None
+    if last_step is not None and last_step["attempt"] == job.attempt and last_step["event"] != "finished":
+        step = str(last_step["step"])
+    cursor = await conn.execute(sql.LAST_ERROR_OF_JOB, {"job_id": job.id})
+    last_error = await cursor.fetchone()
+    error_code = None
+    if last_error is not None and last_error["attempt"] == job.attempt:
+        error_code = last_error["code"]
+    return failures.given_up(job.kind, step=step, error_code=error_code, by_operator=actor.kind == "operator")
+
+
+async def _transition_in(
+    conn: AsyncConn, inst: Instance, event: str, actor: Actor, reason: str, code: str
+) -> None:
+    """`event` with the raw reason (SREs) and the code (what customers are told), in the audit row too."""
     await transition_instance(
-        conn, inst, event, actor, reason=reason, patch=InstancePatch(failure_reason=reason)
+        conn,
+        inst,
+        event,
+        actor,
+        reason=reason,
+        detail={"code": code},
+        patch=InstancePatch(failure_reason=reason, failure_code=code),
     )
 
 

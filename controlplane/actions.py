@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane import lifecycle
+from controlplane import failures, lifecycle
 from controlplane.failures import DATA_LOST
 from controlplane.records import Instance
 
@@ -10,7 +10,10 @@ from controlplane.records import Instance
 CUSTOMER_ACTIONS: dict[str, str] = {
     "resize": "PATCH {plan}: runs now when ready, otherwise as soon as the instance is ready",
     "set_deletion_protection": "PATCH {deletion_protection}: takes effect at once",
-    "delete": "DELETE: starts now when ready, degraded or suspended, otherwise as soon as it can",
+    "delete": "DELETE: starts now when ready, degraded or suspended, otherwise as soon as it can;"
+    " a failed one is archived and what it left is removed",
+    "retry": "POST /retry: a new instance from a failed one's spec and name, when its reason says a retry"
+    " can help",
     "backup": "POST /backups: a backup now, beside the plan's schedule (ready or suspended)",
     "restore": "POST /restore {backup_id | empty}: bring back an instance whose data is lost",
 }
@@ -39,10 +42,26 @@ def can_restore(state: str, failure_code: str | None) -> bool:
     return state in lifecycle.RESTORABLE and failure_code == DATA_LOST
 
 
+def can_retry(state: str, failure_code: str | None) -> bool:
+    """A retry (a new instance from this one's spec) is for a failed instance whose reason allows it."""
+    return state == "failed" and failures.reason(failure_code).retryable
+
+
 def allowed_actions(
-    state: str, *, deletion_protection: bool, deletion_requested: bool, failure_code: str | None = None
+    state: str,
+    *,
+    deletion_protection: bool,
+    deletion_requested: bool,
+    failure_code: str | None = None,
+    archived: bool = False,
+    replaced: bool = False,
 ) -> list[str]:
     """Customer actions the instance accepts now, from the lifecycle and the recorded intents."""
+    if archived:
+        return []
+    if state == "failed":
+        # Terminal: retried into a new instance (once), or deleted (archived, its leftovers removed).
+        return ["retry", "delete"] if can_retry(state, failure_code) and not replaced else ["delete"]
     if deletion_requested:
         return []
     actions = []
@@ -64,4 +83,6 @@ def of(instance: Instance) -> list[str]:
         deletion_protection=instance.deletion_protection,
         deletion_requested=instance.deletion_requested,
         failure_code=instance.failure_code,
+        archived=instance.archived_at is not None,
+        replaced=instance.replaced_by is not None,
     )

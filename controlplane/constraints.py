@@ -8,13 +8,16 @@ from types import MappingProxyType
 
 import psycopg
 
-from controlplane.domain_errors import DomainError, NameTaken, OrgExists
+from controlplane.domain_errors import AlreadyReplaced, DomainError, NameTaken, OrgExists
 
 # Constraint (or unique index) name -> the refusal, from what the caller was creating.
 UNIQUE: Mapping[str, Callable[[Mapping[str, object]], DomainError]] = MappingProxyType(
     {
         "ux_instances_live_name": lambda asked: NameTaken(
             f"a live instance named {asked.get('name')!r} already exists in this organisation"
+        ),
+        "ux_instances_replaces": lambda asked: AlreadyReplaced(
+            f"instance {asked.get('replaces')} has been retried already"
         ),
         "uq_organisations_name": lambda _: OrgExists("an organisation with this name already exists"),
         "uq_organisations_stripe_customer_id": lambda _: OrgExists(

@@ -74,7 +74,14 @@ def migrate(url: str, revision: str = "head", *, runtime_role: str | None = None
 # What the runtime role may do beyond reading: the event logs, the checkpoints and the signing key
 # only grow; the schema's bookkeeping is read only; everything else is read and written.
 APPEND_ONLY_TABLES = frozenset(
-    {"instance_events", "job_events", "audit_keys", "audit_checkpoints", "audit_checkpoint_heads"}
+    {
+        "instance_events",
+        "job_events",
+        "job_steps",
+        "audit_keys",
+        "audit_checkpoints",
+        "audit_checkpoint_heads",
+    }
 )
 READ_ONLY_TABLES = frozenset({"alembic_version", "lifecycle_transitions"})
 RUNTIME_FUNCTIONS = ("cp_ensure_event_partitions(timestamptz, timestamptz)",)

@@ -6,7 +6,7 @@ prints the message on one line.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class DomainError(Exception):
@@ -34,12 +34,35 @@ class DeletionProtected(InvalidState):
     """A deletion refused because the instance has deletion protection on."""
 
 
+class NotRetryable(InvalidState):
+    """A retry refused because the failure's reason says a retry cannot help."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        current_state: str,
+        allowed_actions: Sequence[str],
+        failure: Mapping[str, object],
+    ) -> None:
+        super().__init__(message, current_state=current_state, allowed_actions=allowed_actions)
+        self.failure = dict(failure)
+
+
 class Conflict(DomainError):
     """The request collides with something that exists."""
 
 
 class NameTaken(Conflict):
     """A live instance of the organisation already has this name."""
+
+
+class AlreadyReplaced(Conflict):
+    """A failed instance retried once already: its replacement is named."""
+
+    def __init__(self, message: str, *, replaced_by: object = None) -> None:
+        super().__init__(message)
+        self.replaced_by = replaced_by
 
 
 class OrgExists(Conflict):

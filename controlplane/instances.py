@@ -26,16 +26,19 @@ async def create_instance(
     deadline_s: float,
     deletion_protection: bool = False,
     request_id: str | None = None,
+    replaces: uuid.UUID | None = None,
     first_job: NewJob | None = None,
 ) -> DictRow:
     """Insert an instance in `pending` with its creation event (and `first_job`, for it, with its
-    own: one statement), in the caller's transaction or as one of its own."""
+    own: one statement), in the caller's transaction or as one of its own (`replaces`: the failed
+    instance it retries)."""
     params: dict[str, Any] = {
         "org_id": org_id,
         "name": name,
         "spec": json.dumps(dict(spec)),
         "deletion_protection": deletion_protection,
         "deadline_s": deadline_s,
+        "replaces": replaces,
         "actor_kind": actor.kind,
         "actor_id": actor.id,
         "request_id": request_id,

@@ -27,6 +27,37 @@ BACKUP = "backup"
 RESTORE = "restore"
 INSTANCE_JOB_KINDS = (PROVISION, UPDATE, SUSPEND, RESUME, HEAL, DEPROVISION, BACKUP, RESTORE)
 
+# The provisioner steps the operations run, each with its label for customers (progress, the CLI).
+STEP_LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        "allocate_storage": "Allocate storage",
+        "configure_network": "Configure the network",
+        "initialize_database": "Initialize the database",
+        "apply_plan": "Apply the plan",
+        "suspend": "Make it read-only",
+        "resume": "Make it writable",
+        "final_backup": "Take the final backup",
+        "deprovision": "Remove the servers and storage",
+        "take_backup": "Take a backup",
+        "restore": "Restore the data",
+    }
+)
+# The steps of the operations that drive a transitional state, in the order they run: what an
+# instance's progress lists (a deletion that skips its final backup leaves that step out).
+OPERATION_STEPS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        PROVISION: ("allocate_storage", "configure_network", "initialize_database"),
+        UPDATE: ("apply_plan",),
+        DEPROVISION: ("final_backup", "deprovision"),
+    }
+)
+assert all(step in STEP_LABELS for steps in OPERATION_STEPS.values() for step in steps)
+# The operation that drives each transitional instance state forward (its progress; the reconciler
+# re-enqueues it when the state stalls).
+DRIVING_JOB: Mapping[str, str] = MappingProxyType(
+    {"pending": PROVISION, "provisioning": PROVISION, "updating": UPDATE, "deprovisioning": DEPROVISION}
+)
+
 P = TypeVar("P", bound="Payload")
 
 

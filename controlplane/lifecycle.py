@@ -10,6 +10,54 @@ from typing import Literal
 
 EntityKind = Literal["instance", "job"]
 
+# What a state asks of the person looking at it (the console's colour, the CLI's marker).
+Severity = Literal["healthy", "transient", "fault", "suspended", "terminal"]
+SEVERITIES: Mapping[str, str] = MappingProxyType(
+    {
+        "healthy": "running as asked: nothing to do",
+        "transient": "work is under way: wait, it moves on by itself",
+        "fault": "something is wrong: read the reason, then act (retry, delete, restore) or wait",
+        "suspended": "kept but read-only (a billing hold): resolve the hold to resume",
+        "terminal": "over: it never changes again",
+    }
+)
+# What an instance in the state is billed for (as RDS publishes per DB instance status).
+Billing = Literal["billed", "storage_only", "not_billed"]
+BILLING_CLASSES: Mapping[str, str] = MappingProxyType(
+    {
+        "billed": "compute and storage are billed",
+        "storage_only": "only the storage (and backups) are billed: the server serves no writes",
+        "not_billed": "nothing is billed",
+    }
+)
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    """What people and systems need to know of one state, beside the table's moves."""
+
+    label: str
+    # One sentence for the customer.
+    description: str
+    severity: Severity
+    billing: Billing
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "label": self.label,
+            "description": self.description,
+            "severity": self.severity,
+            "billing": self.billing,
+        }
+
+
+@dataclass(frozen=True)
+class EdgeInfo:
+    """What one move means to the people watching: its label in a timeline, and whether it alerts."""
+
+    label: str
+    alerts: bool
+
 
 class IllegalTransition(Exception):
     """An event that the lifecycle table does not allow from the entity's current state."""
@@ -36,6 +84,16 @@ class Lifecycle:
     creation_event: str
     # States that work is expected to leave within a deadline (the reconciler's per-state deadlines).
     transitional: frozenset[str] = field(default_factory=frozenset)
+    # Per state and per (state, event) edge: labels, severity, billing class, alerting (the
+    # instance lifecycle has them for every state and edge; the job lifecycle has none).
+    state_info: Mapping[str, StateInfo] = field(default_factory=lambda: MappingProxyType({}))
+    edge_info: Mapping[tuple[str, str], EdgeInfo] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if self.state_info and set(self.state_info) != set(self.states):
+            raise ValueError(f"{self.entity} lifecycle: state metadata must cover exactly its states")
+        if self.edge_info and set(self.edge_info) != set(self.transitions):
+            raise ValueError(f"{self.entity} lifecycle: edge metadata must cover exactly its edges")
 
     def apply(self, state: str, event: str, entity_id: object = None) -> str:
         """Return the state reached by `event` from `state`, or raise IllegalTransition."""
@@ -97,15 +155,32 @@ class Lifecycle:
         """The (from, to) pairs of the table: what the database trigger enforces."""
         return frozenset((src, dst) for (src, _), dst in self.transitions.items())
 
+    def alerts(self, state: str, event: str) -> bool:
+        """Whether the move `event` from `state` alerts (False for a lifecycle without edge metadata)."""
+        info = self.edge_info.get((state, event))
+        return info is not None and info.alerts
+
     def as_dict(self) -> dict[str, object]:
-        return {
+        """The table as data (the API and the CLI publish it), with its metadata where it has some."""
+        transitions: list[dict[str, object]] = []
+        for (src, event), dst in self.transitions.items():
+            move: dict[str, object] = {"from": src, "event": event, "to": dst}
+            info = self.edge_info.get((src, event))
+            if info is not None:
+                move |= {"label": info.label, "alerts": info.alerts}
+            transitions.append(move)
+        table: dict[str, object] = {
             "states": list(self.states),
             "initial": self.initial,
             "terminal": sorted(self.terminal),
-            "transitions": [
-                {"from": src, "event": event, "to": dst} for (src, event), dst in self.transitions.items()
-            ],
+            "transitions": transitions,
         }
+        if self.state_info:
+            table["state_info"] = {
+                state: {**self.state_info[state].as_dict(), "transitional": state in self.transitional}
+                for state in self.states
+            }
+        return table
 
     def mermaid(self) -> str:
         lines = ["stateDiagram-v2", f"    [*] --> {self.initial}: {self.creation_event}"]
@@ -118,6 +193,39 @@ def _table(rows: list[tuple[str, str, str]]) -> Mapping[tuple[str, str], str]:
     table = {(src, event): dst for src, event, dst in rows}
     assert len(table) == len(rows), "duplicate (state, event) in a lifecycle table"
     return MappingProxyType(table)
+
+
+def _edges(
+    rows: list[tuple[str, str, str, str, bool]],
+) -> tuple[Mapping[tuple[str, str], str], Mapping[tuple[str, str], EdgeInfo]]:
+    """A table whose rows carry their metadata: (from, event, to, label, alerts)."""
+    moves = _table([(src, event, dst) for src, event, dst, _label, _alerts in rows])
+    info = {(src, event): EdgeInfo(label, alerts) for src, event, _dst, label, alerts in rows}
+    return moves, MappingProxyType(info)
+
+
+_INSTANCE_EDGES = _edges(
+    [
+        ("pending", "start_provisioning", "provisioning", "Creation started", False),
+        ("pending", "fail", "failed", "Creation failed", True),
+        ("provisioning", "provisioned", "ready", "Created", False),
+        ("provisioning", "fail", "failed", "Creation failed", True),
+        ("ready", "update", "updating", "Change started", False),
+        ("ready", "degrade", "degraded", "Degraded", True),
+        ("ready", "suspend", "suspended", "Suspended", False),
+        ("ready", "deprovision", "deprovisioning", "Deletion started", False),
+        ("updating", "updated", "ready", "Change applied", False),
+        ("updating", "degrade", "degraded", "Change given up", True),
+        ("updating", "fail", "failed", "Change failed", True),
+        ("degraded", "recover", "ready", "Recovered", False),
+        ("degraded", "deprovision", "deprovisioning", "Deletion started", False),
+        ("degraded", "fail", "failed", "Failed", True),
+        ("suspended", "resume", "ready", "Resumed", False),
+        ("suspended", "deprovision", "deprovisioning", "Deletion started", False),
+        ("deprovisioning", "deprovisioned", "deleted", "Deleted", False),
+        ("deprovisioning", "fail", "failed", "Deletion failed", True),
+    ]
+)
 
 
 INSTANCE = Lifecycle(
@@ -137,27 +245,57 @@ INSTANCE = Lifecycle(
     terminal=frozenset({"deleted", "failed"}),
     creation_event="create",
     transitional=frozenset({"pending", "provisioning", "updating", "deprovisioning"}),
-    transitions=_table(
-        [
-            ("pending", "start_provisioning", "provisioning"),
-            ("pending", "fail", "failed"),
-            ("provisioning", "provisioned", "ready"),
-            ("provisioning", "fail", "failed"),
-            ("ready", "update", "updating"),
-            ("ready", "degrade", "degraded"),
-            ("ready", "suspend", "suspended"),
-            ("ready", "deprovision", "deprovisioning"),
-            ("updating", "updated", "ready"),
-            ("updating", "degrade", "degraded"),
-            ("updating", "fail", "failed"),
-            ("degraded", "recover", "ready"),
-            ("degraded", "deprovision", "deprovisioning"),
-            ("degraded", "fail", "failed"),
-            ("suspended", "resume", "ready"),
-            ("suspended", "deprovision", "deprovisioning"),
-            ("deprovisioning", "deprovisioned", "deleted"),
-            ("deprovisioning", "fail", "failed"),
-        ]
+    transitions=_INSTANCE_EDGES[0],
+    edge_info=_INSTANCE_EDGES[1],
+    state_info=MappingProxyType(
+        {
+            "pending": StateInfo(
+                "Queued",
+                "The database has been accepted and waits for its creation to start.",
+                "transient",
+                "not_billed",
+            ),
+            "provisioning": StateInfo(
+                "Creating",
+                "The database is being created: its storage, its network endpoint, its server.",
+                "transient",
+                "not_billed",
+            ),
+            "ready": StateInfo(
+                "Available", "The database is running and accepts connections.", "healthy", "billed"
+            ),
+            "updating": StateInfo(
+                "Updating",
+                "A change (a new plan) is being applied; the server may restart briefly.",
+                "transient",
+                "billed",
+            ),
+            "degraded": StateInfo(
+                "Degraded",
+                "Something is wrong with the database; the reason says what, and what is done about it.",
+                "fault",
+                "billed",
+            ),
+            "suspended": StateInfo(
+                "Suspended",
+                "The database is read-only (a billing hold): it serves reads, not writes; its data is kept.",
+                "suspended",
+                "storage_only",
+            ),
+            "deprovisioning": StateInfo(
+                "Deleting",
+                "The database is being deleted, after its final backup unless that was skipped.",
+                "transient",
+                "not_billed",
+            ),
+            "deleted": StateInfo("Deleted", "The database has been deleted.", "terminal", "not_billed"),
+            "failed": StateInfo(
+                "Failed",
+                "The database could not be created (or removed); the reason says why. Retry it or delete it.",
+                "fault",
+                "not_billed",
+            ),
+        }
     ),
 )
 

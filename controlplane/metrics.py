@@ -9,6 +9,12 @@ TRANSITIONS = Counter(
     "State transitions applied, by entity, from, to and event.",
     ["entity", "from_state", "to_state", "event"],
 )
+ALERTING_TRANSITIONS = Counter(
+    "controlplane_instance_alerting_transitions_total",
+    "Instance moves the lifecycle marks as alerting (into failed or degraded), by target, event and"
+    " failure code.",
+    ["to_state", "event", "code"],
+)
 ILLEGAL_TRANSITIONS = Counter(
     "controlplane_illegal_transitions_total",
     "Transitions refused because the lifecycle table does not allow them.",

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import PurePath
 from typing import Any, TypeVar
 
-from controlplane import abandonment, actions, kinds, lifecycle, sql
+from controlplane import abandonment, actions, kinds, lifecycle, sql, steps
 from controlplane.domain_errors import NotFound
-from controlplane.errors import PermanentError, TemporaryError
+from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.failures import DATA_LOST
 from controlplane.instances import transition_instance
 from controlplane.kinds import (
@@ -70,13 +72,13 @@ class Target:
 
 
 async def _named(step: str, work: Callable[[], Awaitable[T]]) -> T:
-    """Run one provisioner call; its errors name the step."""
+    """Run one provisioner call; its errors name the step (and keep their code)."""
     try:
         return await work()
     except PermanentError as exc:
-        raise PermanentError(f"{step}: {exc}") from exc
+        raise PermanentError(f"{step}: {exc}", code=exc.code) from exc
     except TemporaryError as exc:
-        raise TemporaryError(f"{step}: {exc}", exc.delay_s) from exc
+        raise TemporaryError(f"{step}: {exc}", exc.delay_s, code=exc.code) from exc
 
 
 @dataclass
@@ -122,9 +124,33 @@ class Operations:
             raise Moved(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
 
     async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
-        """Run one provisioner step with its progress shown; its errors name the step."""
-        await self._progress(ctx, inst, step)
-        return await _named(step, work)
+        """Run one provisioner step, recorded as it starts and as it finishes or fails (and shown on
+        the instance while it runs); its errors name the step."""
+        async with ctx.pool.connection() as conn:
+            try:
+                await steps.started(conn, ctx, inst, step)
+            except steps.InstanceMoved as exc:
+                raise Moved(str(exc)) from None
+        try:
+            result = await _named(step, work)
+        except (asyncio.CancelledError, StaleFence):
+            raise  # the job is no longer this worker's: nothing of it is recorded any more
+        except Exception as exc:
+            await self._record_failure(ctx, inst, step, exc)
+            raise
+        async with ctx.pool.connection() as conn:
+            if not await steps.ended(conn, ctx, inst.id, step):
+                raise steps.NotHeld(ctx.job_id, ctx.fence)
+        return result
+
+    @staticmethod
+    async def _record_failure(ctx: JobContext, inst: Instance, step: str, error: Exception) -> None:
+        """The step's failure on record; if even that fails, the step's own error still goes on."""
+        try:
+            async with ctx.pool.connection() as conn:
+                await steps.ended(conn, ctx, inst.id, step, error)
+        except Exception as exc:  # the job's error is what the worker must report
+            log.warning("job %s: the failure of step %s was not recorded: %s", ctx.job_id, step, exc)
 
     async def _drive(
         self, ctx: JobContext, decide: Callable[[JobContext, Instance], Awaitable[Verdict]]
@@ -314,12 +340,13 @@ class Operations:
             ctx,
             inst,
             "recover",
-            reason=f"repaired ({before.detail})" + rolled,
+            reason="repaired" + rolled,
             detail={
-                "before": before.as_dict(),
                 "endpoint": f"{info.host}:{info.port}",
                 "plan": target.spec.plan,
                 "rolled_back": target.rolled_back,
+                # What the provisioner saw before (its words may name servers and paths).
+                "sre": {"before": before.as_dict()},
             },
             patch=self._recovered(ctx, inst, info, target),
         )
@@ -456,20 +483,26 @@ class Operations:
             )
         elif state != "deprovisioning":
             return NOTHING_TO_DO if state == "deleted" else _deferred(inst)
+        spec, p = self._spec(inst), self.provisioner
+        name = None
+        if not skip_backup:
+            name = await self._step(
+                ctx, inst, "final_backup", lambda: p.final_backup(inst.id, spec, ctx.fence)
+            )
         result = await self._step(
             ctx,
             inst,
             "deprovision",
-            lambda: self.provisioner.deprovision(
-                inst.id, self._spec(inst), ctx.fence, skip_backup=skip_backup
-            ),
+            lambda: p.deprovision(inst.id, spec, ctx.fence, skip_backup=skip_backup),
         )
+        # The backup's name is shown to the customer, where the provisioner keeps it only to SREs.
+        shown = name or (PurePath(result.backup).name if result.backup else None)
         await self._move(
             ctx,
             inst,
             "deprovisioned",
-            reason="final backup skipped" if skip_backup else f"final backup {result.backup}",
-            detail={"backup": result.backup, "skip_backup": skip_backup},
+            reason="final backup skipped" if skip_backup else f"final backup {shown}",
+            detail={"backup": shown, "skip_backup": skip_backup, "sre": {"location": result.backup}},
             patch=InstancePatch(secret=None),
         )
         return {"result": "deleted", "backup": result.backup}

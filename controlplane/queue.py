@@ -180,6 +180,8 @@ class JobFailure:
     kind: ErrorKind
     decision: Decision
     requested_delay_s: float | None = None
+    # The failure code the error carried (controlplane.failures), if any: kept in the event.
+    code: str | None = None
 
     def move(self) -> Move:
         attempt = int(self.job["attempt"])
@@ -195,6 +197,7 @@ class JobFailure:
                 "retry_in_s": self.decision.delay_s,
                 "requested_delay_s": self.requested_delay_s,
                 "why": self.decision.why,
+                **({"code": self.code} if self.code else {}),
             },
             # delay_s sets run_at: the moment the supervisor retries (or abandons) the job.
             patch=JobPatch(

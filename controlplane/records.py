@@ -59,8 +59,13 @@ class Instance(_Record):
     heal_given_up_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    # The failed instance this one retries, and when this (failed) one was archived.
+    replaces: uuid.UUID | None = None
+    archived_at: datetime | None = None
     # Read with the organisation (None when the row was read without it).
     billing_hold: bool | None = None
+    # The instance created to retry this one (read by the customer queries; None otherwise).
+    replaced_by: uuid.UUID | None = None
     # Seconds in the current state when the row was read (None when not asked for).
     time_in_state_s: float | None = None
 
@@ -130,6 +135,29 @@ class Job(_Record):
     verdict: Mapping[str, Any] | None
     created_at: datetime
     updated_at: datetime
+
+
+@dataclass(frozen=True)
+class StepRecord(_Record):
+    """One row of `job_steps`: a named step of an instance job that started, finished or failed."""
+
+    id: int
+    job_id: uuid.UUID
+    instance_id: uuid.UUID
+    # The job's kind (the operation) and the step.
+    kind: str
+    step: str
+    # started, finished or failed.
+    event: str
+    attempt: int
+    fence: int
+    worker: str
+    # On a finish or a failure: when that attempt of the step started.
+    started_at: datetime | None
+    # On a failure: the failure code (customers are told its reason) and the raw error (SREs only).
+    code: str | None
+    error: str | None
+    at: datetime
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,13 @@ instances = Table(
     Column("last_reconciled_at", TZ),
     Column("created_at", TZ, nullable=False, server_default=NOW),
     Column("updated_at", TZ, nullable=False, server_default=NOW),
+    # The failed instance this one was created to retry (one retry per failed instance).
+    Column("replaces", UUID(as_uuid=True), ForeignKey("instances.id")),
+    # When its customer deleted this failed instance: out of the default lists, its leftovers removed.
+    Column("archived_at", TZ),
     *chain_head_columns(),
     Index("ix_instances_live_state", "state", postgresql_where=text(INSTANCE_LIVE)),
+    Index("ux_instances_replaces", "replaces", unique=True, postgresql_where=text("replaces IS NOT NULL")),
     Index(
         "ux_instances_live_name",
         "org_id",
@@ -223,6 +228,33 @@ job_events = Table(
     postgresql_partition_by="RANGE (at)",
 )
 
+# The named steps of the instance jobs as they start, finish or fail (append-only): an instance's
+# progress, and the durations its expected times are measured from.
+job_steps = Table(
+    "job_steps",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("job_id", UUID(as_uuid=True), ForeignKey("jobs.id"), nullable=False),
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), nullable=False),
+    # The job's kind (the operation) and the provisioner step (controlplane.kinds.STEP_LABELS).
+    Column("kind", Text, nullable=False),
+    Column("step", Text, nullable=False),
+    # 'started', 'finished' or 'failed'.
+    Column("event", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("worker", Text, nullable=False),
+    # On a finish or a failure: when that attempt of the step started.
+    Column("started_at", TZ),
+    # On a failure: the code customers are told (if the error has one) and the raw error (SREs).
+    Column("code", Text),
+    Column("error", Text),
+    Column("at", TZ, nullable=False, server_default=NOW),
+    Index("ix_job_steps_instance_id_id", "instance_id", "id"),
+    Index("ix_job_steps_job_id_id", "job_id", "id"),
+    Index("ix_job_steps_finished", "kind", "step", "id", postgresql_where=text("event = 'finished'")),
+)
+
 # The backups the control plane holds of each instance, as the provisioner reported them after
 # each backup job; removed_at is set once the provisioner no longer has one (retention).
 backups = Table(
@@ -252,6 +284,20 @@ stripe_events = Table(
     Column("created", BigInteger, nullable=False),
     Column("outcome", Text, nullable=False),
     Column("received_at", TZ, nullable=False, server_default=NOW),
+)
+
+# Console sign-ins: an organisation's key exchanged for a session (the cookie names its id).
+console_sessions = Table(
+    "console_sessions",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("key_id", UUID(as_uuid=True), ForeignKey("api_keys.id"), nullable=False),
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id"), nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("expires_at", TZ, nullable=False),
+    # Signed out: the session names nothing from then on.
+    Column("ended_at", TZ),
+    Index("ix_console_sessions_expires_at", "expires_at"),
 )
 
 idempotency_keys = Table(
@@ -314,11 +360,13 @@ __all__ = [
     "audit_checkpoints",
     "audit_keys",
     "backups",
+    "console_sessions",
     "idempotency_keys",
     "instance_events",
     "instances",
     "job_events",
     "job_fence_seq",
+    "job_steps",
     "jobs",
     "lifecycle_transitions",
     "metadata",

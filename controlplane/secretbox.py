@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import os
 from pathlib import Path
 
@@ -13,6 +16,16 @@ from controlplane.settings import Settings
 class SecretBox:
     def __init__(self, key: str | bytes) -> None:
         self._fernet = Fernet(key)
+        self._key = key.encode() if isinstance(key, str) else bytes(key)
+
+    def subkey(self, purpose: str) -> bytes:
+        """A key for one other purpose (signing console cookies, CSRF tokens), derived from the
+        secret key with HMAC-SHA256: the credentials' key itself is used for nothing else."""
+        return hmac.new(self._key, b"controlplane:" + purpose.encode(), hashlib.sha256).digest()
+
+    def fernet_for(self, purpose: str) -> Fernet:
+        """A Fernet (encrypted, authenticated, timestamped tokens) keyed by `subkey(purpose)`."""
+        return Fernet(base64.urlsafe_b64encode(self.subkey(purpose)))
 
     def encrypt(self, plaintext: str) -> bytes:
         return self._fernet.encrypt(plaintext.encode())

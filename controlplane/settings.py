@@ -158,6 +158,13 @@ class ApiSettings(_Group):
         "within this time on the others.",
         ge=0,
     )
+    console_session_s: float = _setting(
+        43200.0,
+        "console_session_s",
+        "How long a console sign-in lasts before the key is asked for again (signing out, or "
+        "revoking the key, ends it sooner).",
+        ge=60,
+    )
 
     @property
     def url(self) -> str:
@@ -478,8 +485,9 @@ class Settings(BaseSettings):
     secret_key: SecretStr | None = _setting(
         None,
         "secret_key",
-        "Fernet key encrypting instance passwords and the audit log's signing key at rest; empty: "
-        "generated once into `data_dir/secret.key`.",
+        "Fernet key encrypting instance passwords and the audit log's signing key at rest; keys "
+        "derived from it seal the console's cookies and form tokens. Empty: generated once into "
+        "`data_dir/secret.key`.",
     )
     metrics_port: int | None = _setting(
         None,

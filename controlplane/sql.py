@@ -306,7 +306,7 @@ _CLAIM_FROM_ARGS = {
     "from_run_at": "p_from_run_at",
 }
 
-# The body of cp_claim_and_start (migration 0007 holds this text; tests/integration/test_schema.py
+# The body of cp_claim_and_start (migration 0009 holds this text; tests/integration/test_schema.py
 # checks that the installed function still matches it, so a change here needs a migration).
 # Two statements in one call, one round trip: the claim (CLAIM_JOBS: SKIP LOCKED, a new fence,
 # its event rows), then the start of what it claimed through the one transition template (guarded
@@ -426,22 +426,24 @@ WHERE (instance_id, kind) IN (SELECT * FROM unnest(%(instance_ids)s::uuid[], %(k
 
 # ---- instances: creation ---------------------------------------------------------------------------
 
-# The creation event's fields of an instance (from the input row, or the created one).
+# The creation event's fields of an instance (from the input row, or the created one); a retry's
+# names the failed instance it replaces.
 _CREATE_FIELDS = (
-    "NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL, jsonb_build_object('spec', spec),"
+    "NULL, 'pending', 'create', %(actor_kind)s, %(actor_id)s, NULL, jsonb_build_object('spec', spec)"
+    " || CASE WHEN replaces IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('replaces', replaces) END,"
     " %(request_id)s, 0"
 )
 
-# Create an instance in its initial state with its creation event.
+# Create an instance in its initial state with its creation event (a retry names the failed one).
 _CREATE_INSTANCE_CTES = f"""
 WITH input AS (
-    SELECT gen_random_uuid() AS id, now() AS at, %(spec)s::jsonb AS spec
+    SELECT gen_random_uuid() AS id, now() AS at, %(spec)s::jsonb AS spec, %(replaces)s::uuid AS replaces
 ), created AS (
     INSERT INTO instances (id, org_id, name, spec, state, deletion_protection, deadline_at,
-                           state_entered_at, chain_seq, chain_head)
+                           state_entered_at, chain_seq, chain_head, replaces)
     SELECT id, %(org_id)s, %(name)s, spec, 'pending', %(deletion_protection)s,
            now() + make_interval(secs => %(deadline_s)s::float8), at, 0,
-           {event_hash("instance", "id", "0", "NULL", _CREATE_FIELDS, "at")}
+           {event_hash("instance", "id", "0", "NULL", _CREATE_FIELDS, "at")}, replaces
     FROM input
     RETURNING *
 ), audit AS (
@@ -605,10 +607,12 @@ ORDER BY heartbeat_at
 
 # ---- instances as the customer sees them (the use cases and the API) --------------------------
 
-# The row, its organisation's billing hold and its time in state (the table is `i`, its organisation `o`).
+# The row, its organisation's billing hold, its time in state and the instance that retried it (the
+# table is `i`, its organisation `o`; ux_instances_replaces serves the look-up).
 _CUSTOMER_INSTANCE = """
 SELECT i.*, o.billing_hold,
-       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s
+       extract(epoch FROM clock_timestamp() - i.state_entered_at)::float8 AS time_in_state_s,
+       (SELECT r.id FROM instances r WHERE r.replaces = i.id) AS replaced_by
 FROM instances i JOIN organisations o ON o.id = i.org_id
 """
 
@@ -622,10 +626,13 @@ ORG_HAS_INSTANCE = "SELECT 1 FROM instances WHERE id = %(id)s AND org_id = %(org
 ANY_INSTANCE = _CUSTOMER_INSTANCE + "WHERE i.id = %(id)s"
 LOCK_ANY_INSTANCE = ANY_INSTANCE + " FOR UPDATE OF i"
 
-# A page of an organisation's instances, oldest first, after a (created_at, id) cursor.
+# A page of an organisation's instances, oldest first, after a (created_at, id) cursor; archived
+# ones only when asked for, and optionally those of one name.
 LIST_ORG_INSTANCES = (
     _CUSTOMER_INSTANCE
     + """WHERE i.org_id = %(org)s
+  AND (%(archived)s OR i.archived_at IS NULL)
+  AND (%(name)s::text IS NULL OR i.name = %(name)s::text)
   AND (%(state)s::text IS NULL OR i.state = %(state)s::text)
   AND (%(after_created)s::timestamptz IS NULL
        OR (i.created_at, i.id) > (%(after_created)s::timestamptz, %(after_id)s::uuid))
@@ -647,6 +654,12 @@ UPDATE instances SET
     deletion_protection = COALESCE(%(protection)s, deletion_protection),
     updated_at = now()
 WHERE id = %(id)s AND org_id = %(org)s
+"""
+
+# Delete a failed instance: archived (once; asking again keeps the first time), out of the lists.
+ARCHIVE_INSTANCE = """
+UPDATE instances SET archived_at = COALESCE(archived_at, now()), updated_at = now()
+WHERE id = %(id)s AND org_id = %(org)s AND state = 'failed'
 """
 
 # Delete: record the request (carried out now or as soon as the instance can be deprovisioned).
@@ -700,10 +713,11 @@ UPDATE instances SET progress = %(progress)s, updated_at = now()
 WHERE id = %(id)s AND state = %(state)s AND state_version = %(state_version)s
 """
 
-# A degraded instance whose suspend, resume or heal was given up: the reason, and for a heal the
-# count and time the reconciler's heal backoff reads (not a state change).
+# A degraded instance whose suspend, resume or heal was given up: the reason and its code, and for a
+# heal the count and time the reconciler's heal backoff reads (not a state change).
 RECORD_DEGRADED_FAILURE = """
-UPDATE instances SET failure_reason = %(reason)s, progress = NULL, updated_at = now(),
+UPDATE instances SET failure_reason = %(reason)s, failure_code = %(code)s, progress = NULL,
+    updated_at = now(),
     heal_failures = heal_failures + CASE WHEN %(heal)s THEN 1 ELSE 0 END,
     heal_given_up_at = CASE WHEN %(heal)s THEN now() ELSE heal_given_up_at END
 WHERE id = %(id)s
@@ -765,6 +779,24 @@ RETURNING id
 LIST_API_KEYS = """
 SELECT id, prefix, name, created_at, revoked_at FROM api_keys WHERE org_id = %(org)s ORDER BY created_at, id
 """
+
+# ---- console sessions (an organisation key signed in to the console) -----------------------------
+
+START_CONSOLE_SESSION = """
+INSERT INTO console_sessions (key_id, org_id, expires_at)
+VALUES (%(key_id)s, %(org_id)s, now() + make_interval(secs => %(ttl_s)s))
+RETURNING id, key_id, org_id, expires_at
+"""
+# A session that is live at `now` (default the database's time): not ended, not expired, its key live.
+LIVE_CONSOLE_SESSION = """
+SELECT s.id, s.key_id, s.org_id, s.expires_at
+FROM console_sessions s JOIN api_keys k ON k.id = s.key_id
+WHERE s.id = %(id)s AND s.ended_at IS NULL AND k.revoked_at IS NULL
+  AND s.expires_at > COALESCE(%(now)s::timestamptz, now())
+"""
+END_CONSOLE_SESSION = "UPDATE console_sessions SET ended_at = now() WHERE id = %(id)s AND ended_at IS NULL"
+# Sessions expired a day ago (ended ones too, once expired): nothing reads them any more.
+PURGE_CONSOLE_SESSIONS = "DELETE FROM console_sessions WHERE expires_at < now() - interval '1 day'"
 
 # ---- idempotency keys (the API's creating requests) ----------------------------------------------
 
@@ -911,6 +943,105 @@ LIMIT %(limit)s
 # One held backup by its id.
 HELD_BACKUP = """
 SELECT * FROM backups WHERE instance_id = %(instance_id)s AND backup_id = %(backup_id)s AND removed_at IS NULL
+"""
+
+# ---- job steps: the named steps of the instance jobs, and the progress they show ---------------------
+
+# Notified with '<instance id>:<step row id>' for every step record (the watch stream's step events).
+STEP_CHANNEL = "cp_step"
+LISTEN_STEP_CHANNEL = f"LISTEN {STEP_CHANNEL}"
+
+# The job as its holder runs it: running, at the holder's fence (a step record of anyone else's is refused).
+_HELD_JOB = """
+held AS (
+    SELECT id, kind, attempt, fence FROM jobs
+    WHERE id = %(job_id)s AND fence = %(fence)s AND state = 'running'
+)"""
+
+_NOTIFY_STEP = f"""
+notified AS (
+    SELECT pg_notify('{STEP_CHANNEL}', instance_id::text || ':' || id::text) FROM recorded
+)"""
+
+# A step starts: shown on the instance (guarded like SET_PROGRESS: nothing if the instance moved)
+# and recorded, if the job is still held at this fence; one round trip.
+RECORD_STEP_STARTED = f"""
+WITH {_HELD_JOB}, shown AS (
+    UPDATE instances SET progress = %(step)s, updated_at = now()
+    WHERE id = %(instance_id)s AND state = %(state)s AND state_version = %(state_version)s
+      AND EXISTS (SELECT 1 FROM held)
+    RETURNING id
+), recorded AS (
+    INSERT INTO job_steps (job_id, instance_id, kind, step, event, attempt, fence, worker)
+    SELECT held.id, %(instance_id)s, held.kind, %(step)s, 'started', held.attempt, held.fence, %(worker)s
+    FROM held WHERE EXISTS (SELECT 1 FROM shown)
+    RETURNING id, instance_id
+), {_NOTIFY_STEP}
+SELECT (SELECT count(*) FROM held) AS held, (SELECT count(*) FROM shown) AS shown,
+       (SELECT count(*) FROM notified) AS _n
+"""
+
+# A step ends (`event` finished or failed), with when that attempt of it started; only while held.
+RECORD_STEP_ENDED = f"""
+WITH {_HELD_JOB}, recorded AS (
+    INSERT INTO job_steps
+        (job_id, instance_id, kind, step, event, attempt, fence, worker, started_at, code, error)
+    SELECT held.id, %(instance_id)s, held.kind, %(step)s, %(event)s, held.attempt, held.fence, %(worker)s,
+           (SELECT s.at FROM job_steps s
+            WHERE s.job_id = held.id AND s.step = %(step)s AND s.attempt = held.attempt
+              AND s.event = 'started'
+            ORDER BY s.id DESC LIMIT 1),
+           %(code)s, %(error)s
+    FROM held
+    RETURNING id, instance_id
+), {_NOTIFY_STEP}
+SELECT (SELECT count(*) FROM held) AS held, (SELECT count(*) FROM notified) AS _n
+"""
+
+# The step records of instances since each entered its current state (the progress of that stay).
+STEPS_SINCE = """
+SELECT s.* FROM job_steps s
+JOIN unnest(%(ids)s::uuid[], %(since)s::timestamptz[]) AS w(id, since)
+  ON s.instance_id = w.id AND s.at >= w.since
+ORDER BY s.id
+"""
+
+# The live jobs of some kinds of these instances (the job driving a state before its first step).
+LIVE_JOBS_OF = f"""
+SELECT id, kind, instance_id, state, attempt FROM jobs
+WHERE instance_id = ANY(%(ids)s::uuid[]) AND kind = ANY(%(kinds)s::text[]) AND state NOT IN {FINISHED}
+"""
+
+# How long each (operation, step) usually takes: a high percentile of its latest finished runs
+# (ix_job_steps_finished serves each sample).
+STEP_DURATIONS = """
+SELECT st.kind, st.step, count(h.seconds) AS samples,
+       percentile_cont(%(percentile)s) WITHIN GROUP (ORDER BY h.seconds) AS expected_s
+FROM unnest(%(kinds)s::text[], %(steps)s::text[]) AS st(kind, step)
+CROSS JOIN LATERAL (
+    SELECT extract(epoch FROM s.at - s.started_at)::float8 AS seconds FROM job_steps s
+    WHERE s.kind = st.kind AND s.step = st.step AND s.event = 'finished' AND s.started_at IS NOT NULL
+    ORDER BY s.id DESC LIMIT %(sample)s
+) h
+GROUP BY st.kind, st.step
+"""
+
+# One step record (the watch stream reads the one a notification names).
+STEP_BY_ID = "SELECT * FROM job_steps WHERE id = %(id)s AND instance_id = %(instance_id)s"
+
+# Every step record of an instance, oldest first (the SRE view), after a cursor.
+INSTANCE_STEPS = """
+SELECT * FROM job_steps WHERE instance_id = %(instance_id)s AND id > %(after)s ORDER BY id LIMIT %(limit)s
+"""
+
+# The last step record of a job, and its last error event's code and attempt (what an abandonment
+# hook names the failure after).
+LAST_STEP_OF_JOB = (
+    "SELECT step, event, attempt FROM job_steps WHERE job_id = %(job_id)s ORDER BY id DESC LIMIT 1"
+)
+LAST_ERROR_OF_JOB = """
+SELECT detail->>'code' AS code, (detail->>'attempt')::int AS attempt FROM job_events
+WHERE job_id = %(job_id)s AND event = 'error' ORDER BY id DESC LIMIT 1
 """
 
 # ---- the audit log: signed checkpoints, the signing key, partitions, exports ----------------------

@@ -152,8 +152,13 @@ async def transition_many(
 
 
 def observe_transition(entity: str, row: DictRow) -> None:
-    """Metrics of one applied transition: the move, the time spent in the state it left."""
+    """Metrics of one applied transition: the move (and whether the lifecycle says it alerts), the
+    time spent in the state it left."""
     metrics.TRANSITIONS.labels(entity, row["_from_state"], row["state"], row["_event"]).inc()
+    if entity == "instance" and lifecycle.INSTANCE.alerts(row["_from_state"], row["_event"]):
+        metrics.ALERTING_TRANSITIONS.labels(
+            row["state"], row["_event"], row.get("failure_code") or "none"
+        ).inc()
     metrics.TIME_IN_STATE.labels(entity, row["_from_state"]).observe(max(0.0, row["_dwell_s"]))
     if entity == "instance" and row["_event"] == "provisioned":
         metrics.PROVISIONING_DURATION.observe(max(0.0, row["_age_s"]))

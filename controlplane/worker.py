@@ -362,9 +362,9 @@ class Worker:
             self._lose(held)
             return
         except TemporaryError as exc:
-            self._fail(held, str(exc) or type(exc).__name__, "temporary", exc.delay_s)
+            self._fail(held, str(exc) or type(exc).__name__, "temporary", exc.delay_s, exc.code)
         except PermanentError as exc:
-            self._fail(held, str(exc) or type(exc).__name__, "permanent", None)
+            self._fail(held, str(exc) or type(exc).__name__, "permanent", None, exc.code)
         except Exception as exc:
             log.exception("worker %s: job %s (%s) raised", self.worker_id, held.id, held.job["kind"])
             self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
@@ -377,14 +377,16 @@ class Worker:
             else:
                 self._report(Outcome(held, "finish", verdict=verdict if verdict is not None else {}))
 
-    def _fail(self, held: Held, message: str, kind: ErrorKind, delay_s: float | None) -> None:
+    def _fail(
+        self, held: Held, message: str, kind: ErrorKind, delay_s: float | None, code: str | None = None
+    ) -> None:
         decision = self.policy.decide(
             attempt=int(held.job["attempt"]),
             max_attempts=queue.attempts_allowed(held.job, self.registry),
             error_kind=kind,
             requested_delay_s=delay_s,
         )
-        failure = queue.JobFailure(held.job, message, kind, decision, delay_s)
+        failure = queue.JobFailure(held.job, message, kind, decision, delay_s, code)
         self._report(Outcome(held, "error", failure=failure))
 
     def _report(self, outcome: Outcome) -> None:

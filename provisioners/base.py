@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane import plans
 from controlplane.errors import PermanentError
+from controlplane.failures import DATA_LOST, INVALID_SPEC, RESTORE_UNSUPPORTED
 from controlplane.fencing import FileFences
+from controlplane.kinds import OPERATION_STEPS, PROVISION, STEP_LABELS
 
 if TYPE_CHECKING:
     from controlplane.settings import Settings
@@ -24,18 +26,9 @@ if TYPE_CHECKING:
 # fault injection uses it to fire on a chosen attempt only.
 JOB_ATTEMPT: ContextVar[int] = ContextVar("job_attempt", default=1)
 
-STEPS = (
-    "allocate_storage",
-    "configure_network",
-    "initialize_database",
-    "apply_plan",
-    "suspend",
-    "resume",
-    "deprovision",
-    "take_backup",
-    "restore",
-)
-PROVISIONING_STEPS = ("allocate_storage", "configure_network", "initialize_database")
+# The steps a provisioner is called for (what fault injection can target).
+STEPS = tuple(STEP_LABELS)
+PROVISIONING_STEPS = OPERATION_STEPS[PROVISION]
 
 
 @dataclass(frozen=True)
@@ -55,20 +48,26 @@ class RestoreSource:
     def from_spec(cls, value: Any) -> RestoreSource:
         """From the `restore_from` of an instance's spec; a malformed one can never be provisioned."""
         if not isinstance(value, Mapping):
-            raise PermanentError(f"restore_from must be an object, not {value!r}")
+            raise PermanentError(f"restore_from must be an object, not {value!r}", code=INVALID_SPEC)
         try:
             source = uuid.UUID(str(value.get("instance_id")))
         except ValueError:
-            raise PermanentError(f"restore_from.instance_id {value.get('instance_id')!r} is no id") from None
+            raise PermanentError(
+                f"restore_from.instance_id {value.get('instance_id')!r} is no id", code=INVALID_SPEC
+            ) from None
         backup = value.get("backup")
         point = value.get("point_in_time")
         if point is not None:
             try:
                 moment = datetime.fromisoformat(str(point))
             except ValueError:
-                raise PermanentError(f"restore_from.point_in_time {point!r} is not RFC 3339") from None
+                raise PermanentError(
+                    f"restore_from.point_in_time {point!r} is not RFC 3339", code=INVALID_SPEC
+                ) from None
             if moment.tzinfo is None:
-                raise PermanentError(f"restore_from.point_in_time {point!r} has no time zone")
+                raise PermanentError(
+                    f"restore_from.point_in_time {point!r} has no time zone", code=INVALID_SPEC
+                )
         return cls(source, None if backup is None else str(backup), None if point is None else str(point))
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,7 +99,9 @@ class InstanceSpec:
         """From the instance's `spec` column; an unknown plan can never be provisioned."""
         plan = str(spec.get("plan", "dev"))
         if not plans.is_plan(plan):
-            raise PermanentError(f"unknown plan {plan!r}; plans are {', '.join(plans.plan_names())}")
+            raise PermanentError(
+                f"unknown plan {plan!r}; plans are {', '.join(plans.plan_names())}", code=INVALID_SPEC
+            )
         storage = spec.get("storage_gb", spec.get("storage"))
         restore = spec.get("restore_from")
         return cls(
@@ -145,6 +146,8 @@ class DataLost(PermanentError):
     Raised by a step instead of re-creating storage for an instance that had some; only
     `restore` (from a backup, or empty once someone accepted the loss) brings it back.
     """
+
+    code = DATA_LOST
 
 
 @dataclass(frozen=True)
@@ -297,11 +300,20 @@ class Provisioner(abc.ABC):
     async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         """Read-only off; True when something changed."""
 
+    async def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        """Take the backup a deletion keeps, before anything is removed (its own step, so that its
+        progress shows); returns its name (safe to show a customer), or None when there is no
+        data to back up. Idempotent: a final backup already taken is adopted; `deprovision`
+        afterwards adopts it too. By default the provisioner takes it inside `deprovision`.
+        """
+        return None
+
     @abc.abstractmethod
     async def deprovision(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
     ) -> DeprovisionResult:
-        """Final backup (unless skipped), then remove everything the instance had."""
+        """Final backup (unless skipped; adopted when `final_backup` took it), then remove
+        everything the instance had."""
 
     @abc.abstractmethod
     async def observe(self, instance_id: uuid.UUID) -> Observation:
@@ -314,7 +326,10 @@ class Provisioner(abc.ABC):
     def refuse_unsupported_restore(self, spec: InstanceSpec) -> None:
         """A restore this provisioner cannot do must fail, never quietly create an empty database."""
         if spec.restore_from is not None and not self.supports_restore:
-            raise PermanentError(f"restoring from a backup is not supported by the {self.name} provisioner")
+            raise PermanentError(
+                f"restoring from a backup is not supported by the {self.name} provisioner",
+                code=RESTORE_UNSUPPORTED,
+            )
 
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Release clients and connections."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from controlplane.errors import PermanentError, TemporaryError
+from controlplane.failures import QUOTA_EXCEEDED
 from provisioners.base import (
     JOB_ATTEMPT,
     STEPS,
@@ -23,8 +24,8 @@ from provisioners.base import (
     Resource,
 )
 
-Action = Literal["fail", "fail_permanent", "hang", "kill"]
-ACTIONS: tuple[Action, ...] = ("fail", "fail_permanent", "hang", "kill")
+Action = Literal["fail", "fail_permanent", "quota", "hang", "kill"]
+ACTIONS: tuple[Action, ...] = ("fail", "fail_permanent", "quota", "hang", "kill")
 T = TypeVar("T")
 
 
@@ -121,6 +122,9 @@ class FaultyProvisioner(Provisioner):
             raise TemporaryError(message)
         if fault.action == "fail_permanent":
             raise PermanentError(message)
+        if fault.action == "quota":
+            # What a provider's quota refusal looks like once translated (e.g. a ResourceQuota's 403).
+            raise PermanentError(f"{message}: quota exceeded", code=QUOTA_EXCEEDED)
         if fault.action == "hang":
             await asyncio.Event().wait()  # until cancelled
         if fault.action == "kill":
@@ -168,6 +172,9 @@ class FaultyProvisioner(Provisioner):
 
     async def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return await self._around("resume", lambda: self.inner.resume(instance_id, spec, fence))
+
+    async def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        return await self._around("final_backup", lambda: self.inner.final_backup(instance_id, spec, fence))
 
     async def deprovision(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False

@@ -18,6 +18,7 @@ import urllib3
 
 from controlplane import fencing
 from controlplane.errors import PermanentError, StaleFence, TemporaryError
+from controlplane.failures import QUOTA_EXCEEDED, RESTORE_SOURCE_UNAVAILABLE
 from controlplane.settings import Settings
 from provisioners.base import (
     BackupInfo,
@@ -85,6 +86,9 @@ def translate(exc: BaseException) -> Exception:
             return TemporaryError(f"{message} (throttled)", delay_s=delay)
         if status == 409 or status >= 500 or status == 0:
             return TemporaryError(message)
+        if status == 403 and "exceeded quota" in detail:
+            # A ResourceQuota of the namespace refuses the object: what customers know as a quota.
+            return PermanentError(message, code=QUOTA_EXCEEDED)
         if status in (400, 401, 403, 404, 422):
             return PermanentError(message)
         return TemporaryError(message)
@@ -380,12 +384,18 @@ class KubernetesProvisioner(Provisioner):
         assert source.backup is not None
         backup = self.api.get(BACKUP, self.namespace, source.backup)
         if backup is None:
-            raise PermanentError(f"backup {source.backup!r} does not exist")
+            raise PermanentError(f"backup {source.backup!r} does not exist", code=RESTORE_SOURCE_UNAVAILABLE)
         if (backup.get("spec") or {}).get("cluster", {}).get("name") != resource_name(source.instance_id):
-            raise PermanentError(f"backup {source.backup!r} is not a backup of instance {source.instance_id}")
+            raise PermanentError(
+                f"backup {source.backup!r} is not a backup of instance {source.instance_id}",
+                code=RESTORE_SOURCE_UNAVAILABLE,
+            )
         status = backup.get("status") or {}
         if status.get("phase") == "failed":
-            raise PermanentError(f"backup {source.backup!r} failed: {status.get('error') or 'no detail'}")
+            raise PermanentError(
+                f"backup {source.backup!r} failed: {status.get('error') or 'no detail'}",
+                code=RESTORE_SOURCE_UNAVAILABLE,
+            )
         if status.get("phase") != "completed" or not status.get("backupId"):
             raise TemporaryError(f"backup {source.backup!r} is not complete yet", delay_s=30)
         return str(status["backupId"])
@@ -583,20 +593,9 @@ class KubernetesProvisioner(Provisioner):
         def work() -> DeprovisionResult:
             current = self._cluster(instance_id)
             backup: str | None = None
-            # A cluster that never had a primary never held data: there is nothing to back up.
-            held_data = current is not None and bool(status_of(current).get("currentPrimary"))
             if current is not None:
-                if not skip_backup and held_data:
-                    if not self.options.object_store:
-                        raise PermanentError(
-                            "the final backup needs a backup object store"
-                            " (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE); delete with"
-                            " skip_final_backup to remove the instance without one"
-                        )
-                    self._require_backups(instance_id, fence)
-                    name = final_backup_name(instance_id)
-                    backup = self._backup(instance_id, spec.org_id, name, "final", fence).name
-                else:
+                backup = None if skip_backup else self._take_final_backup(instance_id, spec, fence, current)
+                if backup is None:
                     self._record_fence(instance_id, fence)
             removed = False
             for kind in DELETION_ORDER:
@@ -605,6 +604,29 @@ class KubernetesProvisioner(Provisioner):
             return DeprovisionResult(backup=backup, removed=removed or current is not None)
 
         return await self._run(work)
+
+    async def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        def work() -> str | None:
+            current = self._cluster(instance_id)
+            return None if current is None else self._take_final_backup(instance_id, spec, fence, current)
+
+        return await self._run(work)
+
+    def _take_final_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, current: Mapping[str, Any]
+    ) -> str | None:
+        """The final Backup's name, taken (or adopted) and waited for; None when the cluster never
+        had a primary: it never held data, there is nothing to back up."""
+        if not status_of(current).get("currentPrimary"):
+            return None
+        if not self.options.object_store:
+            raise PermanentError(
+                "the final backup needs a backup object store"
+                " (CONTROLPLANE_KUBERNETES_BACKUP_OBJECT_STORE); delete with"
+                " skip_final_backup to remove the instance without one"
+            )
+        self._require_backups(instance_id, fence)
+        return self._backup(instance_id, spec.org_id, final_backup_name(instance_id), "final", fence).name
 
     # ---- reading -------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import json
 import logging
@@ -26,6 +27,7 @@ import psycopg
 from psycopg import sql
 
 from controlplane.errors import PermanentError, TemporaryError
+from controlplane.failures import CAPACITY_EXHAUSTED, QUOTA_EXCEEDED
 from controlplane.files import write_atomically
 from controlplane.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
 from controlplane.secretbox import SecretBox, load_box
@@ -153,7 +155,7 @@ class PortAllocator:
                     continue
                 table[key] = port
                 return port
-        raise TemporaryError(f"no free port in {self.low}-{self.high}", delay_s=30)
+        raise TemporaryError(f"no free port in {self.low}-{self.high}", delay_s=30, code=CAPACITY_EXHAUSTED)
 
     def release(self, instance_id: uuid.UUID) -> bool:
         with self._locked() as table:
@@ -607,16 +609,27 @@ class LocalProvisioner(Provisioner):
     ) -> DeprovisionResult:
         return await self._step(instance_id, fence, lambda: self._deprovision(instance_id, skip_backup))
 
-    def _deprovision(self, instance_id: uuid.UUID, skip_backup: bool) -> DeprovisionResult:
-        directory = self.instance_dir(instance_id)
+    async def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        taken = await self._step(instance_id, fence, lambda: self._take_final_backup(instance_id))
+        return None if taken is None else Path(taken).name
+
+    def _take_final_backup(self, instance_id: uuid.UUID) -> str | None:
+        """The final dump's path: the one recorded (if it is still there), else a new one; None
+        when there is no cluster to dump."""
         state = self._load_state(instance_id)
         server = self._server(instance_id)
         backup: str | None = state.get("final_backup")
-        existed = directory.exists() or self.ports.port_of(instance_id) is not None
-        if server.initialised and not skip_backup and not (backup and Path(backup).exists()):
+        if server.initialised and not (backup and Path(backup).exists()):
             backup = str(self._final_backup(instance_id, server))
             state["final_backup"] = backup
             self._save_state(instance_id, state)
+        return backup
+
+    def _deprovision(self, instance_id: uuid.UUID, skip_backup: bool) -> DeprovisionResult:
+        directory = self.instance_dir(instance_id)
+        server = self._server(instance_id)
+        existed = directory.exists() or self.ports.port_of(instance_id) is not None
+        backup = None if skip_backup else self._take_final_backup(instance_id)
         held = self._list_backups(instance_id)
         if backup is not None or skip_backup:
             shutil.rmtree(self.backup_dir(instance_id), ignore_errors=True)
@@ -933,12 +946,20 @@ def _ensure_owner(admin: psycopg.Connection[Any], role: str, password: str) -> N
 
 
 def _translated(work: Callable[[], T]) -> T:
-    """Third-party failures become the engine's two kinds of error."""
+    """Third-party failures become the engine's two kinds of error (a full or over-quota disk
+    with the code customers are told)."""
     try:
         return work()
     except (TemporaryError, PermanentError):
         raise
-    except (PostgresError, psycopg.OperationalError, subprocess.TimeoutExpired, OSError) as exc:
+    except OSError as exc:
+        message = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+        if exc.errno == errno.EDQUOT:
+            raise PermanentError(message, code=QUOTA_EXCEEDED) from exc
+        if exc.errno == errno.ENOSPC:
+            raise TemporaryError(message, code=CAPACITY_EXHAUSTED) from exc
+        raise TemporaryError(message) from exc
+    except (PostgresError, psycopg.OperationalError, subprocess.TimeoutExpired) as exc:
         raise TemporaryError(f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc
     except psycopg.Error as exc:
         raise TemporaryError(f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc

@@ -6,17 +6,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from controlplane import lifecycle
-from controlplane.failures import DATA_LOST
-from controlplane.kinds import BACKUP, DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
+from controlplane import failures, lifecycle
+from controlplane.failures import DATA_LOST, UNHEALTHY
+from controlplane.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
-# The operation that drives each transitional state forward, re-enqueued when it stalls.
-DRIVING_JOB = {
-    "pending": PROVISION,
-    "provisioning": PROVISION,
-    "updating": UPDATE,
-    "deprovisioning": DEPROVISION,
-}
 assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
 # Settled instances are observed: their health and drift are the provisioner's to show.
 OBSERVED_STATES = frozenset(lifecycle.SETTLED)
@@ -117,7 +110,8 @@ def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[A
     if view.deadline_retries < max_retries:
         return [ExtendDeadline(f"{view.state} past its deadline"), Enqueue(job, "deadline re-enqueue")]
     event = "degrade" if view.state == "updating" else "fail"
-    return [Transition(event, timeout_reason(view.state, view.deadline_retries))]
+    reason = timeout_reason(view.state, view.deadline_retries)
+    return [Transition(event, reason, code=failures.deadline_missed(view.state))]
 
 
 def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
@@ -136,7 +130,7 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
     if view.state == "ready" and broken:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
-        return [Transition("degrade", f"observed {why}"), Enqueue(HEAL, f"heal: {why}")]
+        return [Transition("degrade", f"observed {why}", code=UNHEALTHY), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
         if broken:
             backing_off = view.heal_not_before is not None and now < view.heal_not_before

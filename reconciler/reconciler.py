@@ -271,6 +271,7 @@ class Reconciler:
                 expected_state=inst.state,
                 actor=self.actor,
                 reason=action.reason,
+                detail={"code": action.code} if failing and action.code else None,
                 patch=patch,
             )
             summary.count(action.event)

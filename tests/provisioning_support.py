@@ -102,22 +102,32 @@ def credentials(settings: Settings, row: Mapping[str, Any]) -> ConnectionInfo:
     return ConnectionInfo(password=load_box(settings).decrypt(bytes(row["secret"])), **row["connection"])
 
 
-def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str]:
-    """The environment of a worker subprocess (controlplane settings from variables, faults)."""
+# The settings a worker subprocess takes from its test's Settings.
+WORKER_SETTINGS = (
+    "database_url",
+    "data_dir",
+    "pg_bindir",
+    "local_port_min",
+    "local_port_max",
+    "heartbeat_interval_s",
+    "poll_interval_s",
+    "provisioner",
+)
+
+
+def settings_env(settings: Settings, names: tuple[str, ...]) -> dict[str, str]:
+    """The test's environment without CONTROLPLANE_* variables, plus the settings `names` as variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    for name in (
-        "database_url",
-        "data_dir",
-        "pg_bindir",
-        "local_port_min",
-        "local_port_max",
-        "heartbeat_interval_s",
-        "poll_interval_s",
-        "provisioner",
-    ):
+    for name in names:
         value = setting_value(settings, name)
         if value is not None:
             env[env_name(name)] = str(value.get_secret_value() if isinstance(value, SecretStr) else value)
+    return env
+
+
+def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str]:
+    """The environment of a worker subprocess (controlplane settings from variables, faults)."""
+    env = settings_env(settings, WORKER_SETTINGS)
     env["CONTROLPLANE_FAULTS"] = faults
     env["CONTROLPLANE_WORKER_ID"] = worker_id
     return env

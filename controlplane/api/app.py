@@ -12,6 +12,8 @@ from fastapi.openapi.utils import get_openapi
 
 from controlplane import db
 from controlplane.api import (
+    console,
+    docs,
     errors,
     routes_admin,
     routes_backups,
@@ -80,6 +82,9 @@ def create_app(
         description="Create, resize and delete PostgreSQL databases; SRE views of their lifecycle.",
         lifespan=lifespan,
         dependencies=[Depends(errors.refuse_unknown_query)],
+        # Served from the project's own assets (controlplane.api.docs), not a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     errors.install(app)
     for router in (
@@ -92,6 +97,8 @@ def create_app(
         routes_tls.router,
     ):
         app.include_router(router)
+    docs.install(app)
+    console.install(app)
     app.add_middleware(errors.BodySizeLimit, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(errors.CatchAll)
     app.add_middleware(errors.RequestId)

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane import logs
 from controlplane.domain_errors import (
+    AlreadyReplaced,
     Conflict,
     DeletionProtected,
     DomainError,
@@ -29,6 +30,7 @@ from controlplane.domain_errors import (
     InvalidState,
     NameTaken,
     NotFound,
+    NotRetryable,
     PreconditionFailed,
     Unsupported,
 )
@@ -49,6 +51,8 @@ KINDS: dict[str, tuple[int, str]] = {
     "not-acceptable": (406, "Not acceptable"),
     "invalid-state": (409, "Not allowed in the current state"),
     "deletion-protected": (409, "Deletion protection is on"),
+    "not-retryable": (409, "A retry cannot help"),
+    "already-replaced": (409, "Already retried"),
     "name-taken": (409, "Name already in use"),
     "conflict": (409, "Conflict"),
     "idempotency-in-flight": (409, "A request with this Idempotency-Key is in progress"),
@@ -65,9 +69,11 @@ KINDS: dict[str, tuple[int, str]] = {
 # The problem kind of each domain refusal; the most specific class first.
 DOMAIN_KINDS: tuple[tuple[type[DomainError], str], ...] = (
     (DeletionProtected, "deletion-protected"),
+    (NotRetryable, "not-retryable"),
     (InvalidState, "invalid-state"),
     (NotFound, "not-found"),
     (NameTaken, "name-taken"),
+    (AlreadyReplaced, "already-replaced"),
     (Conflict, "conflict"),
     (PreconditionFailed, "precondition-failed"),
     (InvalidRequest, "validation"),
@@ -160,7 +166,8 @@ def _field(loc: Sequence[Any]) -> str:
 def validation_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for error in errors:
-        message = str(error.get("msg", "invalid"))
+        # A validator's own sentence, without pydantic's "Value error, " before it.
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         if error.get("type") == "extra_forbidden":
             message = "unknown field"
         out.append({"field": _field(error.get("loc", ())), "message": message})
@@ -179,6 +186,16 @@ async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
 def domain_problem(exc: DomainError) -> ProblemError:
     """The problem a domain refusal is answered with: its kind, its sentence, the state it names."""
     kind = next((k for cls, k in DOMAIN_KINDS if isinstance(exc, cls)), "bad-request")
+    if isinstance(exc, NotRetryable):
+        return ProblemError(
+            kind,
+            exc.detail,
+            current_state=exc.current_state,
+            allowed_actions=exc.allowed_actions,
+            failure=exc.failure,
+        )
+    if isinstance(exc, AlreadyReplaced):
+        return ProblemError(kind, exc.detail, replaced_by=str(exc.replaced_by))
     if isinstance(exc, InvalidState):
         return ProblemError(
             kind, exc.detail, current_state=exc.current_state, allowed_actions=exc.allowed_actions

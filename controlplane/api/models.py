@@ -71,7 +71,10 @@ class RestoreFrom(Strict):
 
 class InstanceCreate(Strict):
     name: str = Field(
-        min_length=1, max_length=63, pattern=DNS_LABEL, description="DNS label, unique among live instances"
+        min_length=1,
+        max_length=63,
+        description="DNS label, unique among live instances",
+        json_schema_extra={"pattern": DNS_LABEL},
     )
     plan: str = Field(
         description="one of the plans listed by GET /v1/plans",
@@ -85,6 +88,15 @@ class InstanceCreate(Strict):
     )
 
     _plan = field_validator("plan")(_known_plan)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not re.fullmatch(DNS_LABEL, value):
+            raise ValueError(
+                "use lower-case letters, digits and hyphens, starting and ending with a letter or digit"
+            )
+        return value
 
 
 class InstanceUpdate(Strict):
@@ -113,6 +125,55 @@ class Connection(BaseModel):
     uri: str
 
 
+class StateInfo(BaseModel):
+    """The lifecycle's metadata of a state (GET /v1/lifecycle publishes the table)."""
+
+    label: str
+    description: str
+    severity: Literal["healthy", "transient", "fault", "suspended", "terminal"]
+    billing: Literal["billed", "storage_only", "not_billed"]
+
+
+class Failure(BaseModel):
+    """What is wrong, as the customer is told: a stable code, a message, whether asking again helps."""
+
+    code: str = Field(description="a stable code (GET /v1/lifecycle: failure_reasons)")
+    message: str
+    retryable: bool = Field(
+        description="failed: whether POST /v1/instances/{id}/retry can help (it is refused otherwise);"
+        " degraded: whether asking for the same change again can help"
+    )
+    hint: str = Field(description="what to do about it")
+
+
+class Step(BaseModel):
+    name: str
+    label: str
+    state: Literal["pending", "running", "done", "failed"]
+    attempts: int = Field(description="how many times the step was started in this state")
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_s: float | None = Field(description="of its latest attempt (up to now while running)")
+    expected_s: float | None = Field(description="how long it usually takes (null without history)")
+    failure: Failure | None = Field(description="the reason of its latest failed attempt")
+
+
+class Progress(BaseModel):
+    """Where an instance in a transitional state is: its operation's steps, and when it should be done."""
+
+    operation: str = Field(description="the job kind driving the state: provision, update, deprovision")
+    job_id: uuid.UUID | None
+    attempt: int | None
+    started_at: datetime = Field(description="when the instance entered its state")
+    current_step: str | None = Field(description="running now, or failed last while the job waits to retry")
+    steps: list[Step]
+    expected_by: datetime | None = Field(
+        description="when the state should be left: the usual step durations, never after the deadline"
+    )
+    deadline_at: datetime | None
+    overdue: bool = Field(description="expected_by has passed: taking longer than expected")
+
+
 class Instance(BaseModel):
     id: uuid.UUID
     name: str
@@ -126,8 +187,9 @@ class Instance(BaseModel):
     storage_gb: int | None = Field(description="the volume of each server, GiB")
     restore_from: RestoreFrom | None = Field(None, description="where its data came from, if restored")
     state: InstanceState
+    state_info: StateInfo
     state_version: int
-    progress: str | None
+    progress: Progress | None = Field(description="set exactly while the state is transitional")
     allowed_actions: list[str]
     spec_generation: int
     observed_generation: int
@@ -138,9 +200,13 @@ class Instance(BaseModel):
     state_entered_at: datetime
     time_in_state_s: float
     deadline_at: datetime | None
-    failure_reason: str | None
-    failure_code: str | None = Field(
-        description="a stable code of what is wrong: data_lost (restore it: POST /v1/instances/{id}/restore)"
+    failure: Failure | None = Field(description="what is wrong (failed, degraded; lost data while suspended)")
+    failure_reason: str | None = Field(description="failure.message")
+    failure_code: str | None = Field(description="failure.code")
+    replaces: uuid.UUID | None = Field(description="the failed instance this one was created to retry")
+    replaced_by: uuid.UUID | None = Field(description="the instance created to retry this failed one")
+    archived_at: datetime | None = Field(
+        description="when this failed instance was deleted: it is left out of lists unless include=archived"
     )
     deletion_protection: bool
     billing_hold: bool
@@ -166,6 +232,7 @@ class InstanceEvent(BaseModel):
     from_state: str | None
     to_state: str
     event: str
+    label: str | None = Field(description="the move's label in a timeline (the lifecycle's edge metadata)")
     actor: Actor
     reason: str | None
     detail: dict[str, Any]
@@ -176,6 +243,26 @@ class InstanceEvent(BaseModel):
 class InstanceEventPage(BaseModel):
     items: list[InstanceEvent]
     next_cursor: str | None
+
+
+class AdminStep(BaseModel):
+    id: int
+    job_id: uuid.UUID
+    kind: str
+    step: str
+    event: Literal["started", "finished", "failed"]
+    attempt: int
+    fence: int
+    worker: str
+    at: datetime
+    started_at: datetime | None
+    code: str | None
+    error: str | None = Field(description="the raw error of a failure")
+
+
+class AdminInstance(Instance):
+    failure_reason_raw: str | None = Field(description="the raw error (provider text, paths): SREs only")
+    steps: list[AdminStep] = Field(description="every step record of every job of the instance, oldest first")
 
 
 class AdminEvent(InstanceEvent):
@@ -347,6 +434,15 @@ class Transition(BaseModel):
     from_: str = Field(alias="from")
     event: str
     to: str
+    label: str | None = Field(None, description="instance moves: the label of the move in a timeline")
+    alerts: bool | None = Field(None, description="instance moves: whether the move alerts")
+
+
+class PublishedState(StateInfo):
+    transitional: bool
+    deadline_s: float | None = Field(
+        description="the deadline this installation enforces (transitional states)"
+    )
 
 
 class LifecycleTable(BaseModel):
@@ -354,12 +450,28 @@ class LifecycleTable(BaseModel):
     initial: str
     terminal: list[str]
     transitions: list[Transition]
+    state_info: dict[str, PublishedState] | None = Field(
+        None, description="per state (the instance lifecycle)"
+    )
+
+
+class PublishedReason(Failure):
+    states: list[str] = Field(description="where the code appears")
+
+
+class StepName(BaseModel):
+    name: str
+    label: str
 
 
 class Lifecycles(BaseModel):
     instance: LifecycleTable
     job: LifecycleTable
     customer_actions: dict[str, str]
+    severities: dict[str, str]
+    billing_classes: dict[str, str]
+    failure_reasons: list[PublishedReason]
+    steps: dict[str, list[StepName]] = Field(description="the steps each operation's progress lists")
 
 
 class WebhookAck(BaseModel):

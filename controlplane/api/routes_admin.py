@@ -1,4 +1,5 @@
-"""SRE routes (admin key): the audit log of all instances, jobs and operator actions, dwell times."""
+"""SRE routes (admin key): any instance with its raw failure and its step records, the audit log of
+all instances (raw reasons), jobs and operator actions, dwell times."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from controlplane import dwell, events, queue
+from controlplane import dwell, events, queue, sql
 from controlplane.api import errors, views
 from controlplane.api.auth import AdminKey
 from controlplane.api.models import (
     AdminEventPage,
+    AdminInstance,
     DwellStats,
     InstanceState,
     Job,
@@ -21,11 +23,33 @@ from controlplane.api.models import (
     Timestamp,
 )
 from controlplane.api.state import app_state
+from controlplane.services import instances
+
+# Step records an SRE view of an instance lists at most (the oldest first).
+MAX_STEPS = 1000
 
 router = APIRouter(prefix="/v1/admin", tags=["sre"])
 
 MAX_LIMIT = 500
 DEFAULT_LIMIT = 100
+
+
+@router.get(
+    "/instances/{instance_id}",
+    response_model=AdminInstance,
+    responses=errors.responses(401, 403, 404, 422),
+    summary="Any instance as SREs see it: the raw failure reason and every step record of its jobs",
+)
+async def admin_instance(instance_id: uuid.UUID, request: Request, _: AdminKey) -> dict[str, Any]:
+    app = app_state(request)
+    async with app.pool.connection() as conn:
+        inst = await instances.load(conn, None, instance_id)
+        doc = await views.one_instance(conn, inst, app.box)
+        cursor = await conn.execute(
+            sql.INSTANCE_STEPS, {"instance_id": instance_id, "after": 0, "limit": MAX_STEPS}
+        )
+        steps = await cursor.fetchall()
+    return {**doc, "failure_reason_raw": inst.failure_reason, "steps": steps}
 
 
 @router.get(
@@ -60,7 +84,7 @@ async def admin_events(
     page, next_cursor = views.page_of(rows, limit, views.id_cursor)
     items = [
         {
-            **views.event(r),
+            **views.sre_event(r),
             "instance_id": r["instance_id"],
             "org_id": r["org_id"],
             "state_version": r["state_version"],

@@ -12,7 +12,7 @@ from controlplane.api import errors
 from controlplane.api.auth import AdminKey, AnyKey
 from controlplane.api.errors import ProblemError
 from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated
-from controlplane.api.state import app_state
+from controlplane.api.state import AppState, app_state
 from controlplane.tenants import Principal
 
 router = APIRouter(tags=["organisations and keys"])
@@ -103,10 +103,16 @@ async def create_own_key(body: KeyCreate, request: Request, who: AnyKey) -> Any:
     summary="Revoke an API key (an organisation's own keys; an admin, any key)",
 )
 async def revoke_key(key_id: uuid.UUID, request: Request, who: AnyKey) -> Response:
-    scope = None if who.is_admin else who.org_id
-    state = app_state(request)
-    async with state.pool.connection() as conn:
-        if not await tenants.revoke_key(conn, key_id, scope):
-            raise ProblemError("not-found", f"no live key {key_id}")
-    state.keys.forget(key_id)
+    if not await revoke(app_state(request), key_id, None if who.is_admin else who.org_id):
+        raise ProblemError("not-found", f"no live key {key_id}")
     return Response(status_code=204)
+
+
+async def revoke(state: AppState, key_id: uuid.UUID, org_id: uuid.UUID | None) -> bool:
+    """Revoke a live key of `org_id` (any organisation's: None), trusted by this process no longer
+    (nor its console sessions, which end with it); False if there is no such live key."""
+    async with state.pool.connection() as conn:
+        revoked = await tenants.revoke_key(conn, key_id, org_id)
+    if revoked:
+        state.keys.forget(key_id)
+    return revoked

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane import actions, db, lifecycle, plans, sql
+from controlplane import db, plans, reference, sql
 from controlplane.api import errors
 from controlplane.api.models import Health, Lifecycles, PlanList
 from controlplane.api.state import app_state
@@ -70,16 +70,12 @@ async def metrics() -> Response:
     response_model=Lifecycles,
     response_model_by_alias=True,
     tags=["reference"],
-    summary="The instance and job lifecycle tables, and the customer actions",
+    summary="The lifecycle tables with their metadata (labels, severity, billing, alerting moves,"
+    " deadlines), the failure reasons, the steps of each operation, the customer actions",
 )
-async def lifecycle_tables() -> JSONResponse:
-    return JSONResponse(
-        {
-            "instance": lifecycle.INSTANCE.as_dict(),
-            "job": lifecycle.JOB.as_dict(),
-            "customer_actions": actions.CUSTOMER_ACTIONS,
-        }
-    )
+async def lifecycle_tables(request: Request) -> JSONResponse:
+    deadlines = app_state(request).settings.reconciler.deadline_s
+    return JSONResponse(reference.lifecycle_document(deadlines))
 
 
 @router.get("/v1/plans", response_model=PlanList, tags=["reference"], summary="The plans on offer")

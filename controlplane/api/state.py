@@ -14,6 +14,7 @@ from controlplane.db import AsyncConn
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import SecretBox
 from controlplane.services.policy import Policy
+from controlplane.sessions import Seal
 from controlplane.settings import Settings
 from controlplane.tenants import Principal
 from provisioners.base import Provisioner
@@ -62,6 +63,12 @@ class AppState:
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
     # The provisioner of the instances (for the CA it publishes); built on first use when not given.
     provisioner: Provisioner | None = None
+    # The console's cookies and form tokens (from the secret key); made with the box when not given.
+    seal: Seal | None = None
+
+    def __post_init__(self) -> None:
+        if self.seal is None:
+            self.seal = Seal(self.box, self.settings.api.console_session_s)
 
 
 def provisioner_of(state: AppState) -> Provisioner:

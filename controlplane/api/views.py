@@ -1,4 +1,5 @@
-"""How rows become API documents: instance representation, customer actions, opaque cursors."""
+"""How rows become API documents: instance representation (with its state's metadata, progress and
+typed failure), audit rows as customers see them, opaque cursors."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from controlplane import actions, plans
+from controlplane import actions, failures, lifecycle, plans, steps
 from controlplane.api.errors import ProblemError
+from controlplane.db import AsyncConn
 from controlplane.records import Instance as InstanceRecord
 from controlplane.secretbox import SecretBox
 from controlplane.services.instances import Versions
@@ -40,9 +42,21 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
     }
 
 
-def instance(inst: InstanceRecord, box: SecretBox, *, reveal: bool = False) -> dict[str, Any]:
-    """The API representation of an instance (read with its organisation's billing hold)."""
+def failure(inst: InstanceRecord) -> dict[str, Any] | None:
+    """The typed reason of what is wrong with the instance, as its customer is told (never the raw
+    error): from its code, or the unknown reason for a failed or degraded one that has none."""
+    if inst.failure_code is None and inst.state not in ("failed", "degraded"):
+        return None
+    return failures.reason(inst.failure_code).as_dict()
+
+
+def instance(
+    inst: InstanceRecord, box: SecretBox, *, reveal: bool = False, progress: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The API representation of an instance (read with its organisation's billing hold);
+    `progress` as `steps.progress_of` gives it (for a transitional state)."""
     shape = plans.SHAPES.get(str(inst.plan))
+    wrong = failure(inst)
     return {
         "id": inst.id,
         "name": inst.name,
@@ -53,8 +67,9 @@ def instance(inst: InstanceRecord, box: SecretBox, *, reveal: bool = False) -> d
         "storage_gb": None if shape is None else max(shape.storage_gb, int(inst.spec.get("storage_gb") or 0)),
         "restore_from": inst.spec.get("restore_from"),
         "state": inst.state,
+        "state_info": lifecycle.INSTANCE.state_info[inst.state].as_dict(),
         "state_version": inst.state_version,
-        "progress": inst.progress,
+        "progress": progress,
         "allowed_actions": actions.of(inst),
         "spec_generation": inst.spec_generation,
         "observed_generation": inst.observed_generation,
@@ -62,8 +77,12 @@ def instance(inst: InstanceRecord, box: SecretBox, *, reveal: bool = False) -> d
         "state_entered_at": inst.state_entered_at,
         "time_in_state_s": max(0.0, round(float(inst.time_in_state_s or 0.0), 3)),
         "deadline_at": inst.deadline_at,
-        "failure_reason": inst.failure_reason,
-        "failure_code": inst.failure_code,
+        "failure": wrong,
+        "failure_reason": None if wrong is None else wrong["message"],
+        "failure_code": None if wrong is None else wrong["code"],
+        "replaces": inst.replaces,
+        "replaced_by": inst.replaced_by,
+        "archived_at": inst.archived_at,
         "deletion_protection": inst.deletion_protection,
         "billing_hold": inst.billing_hold,
         "deletion_requested": inst.deletion_requested,
@@ -73,19 +92,52 @@ def instance(inst: InstanceRecord, box: SecretBox, *, reveal: bool = False) -> d
     }
 
 
+async def instances(
+    conn: AsyncConn, found: Sequence[InstanceRecord], box: SecretBox, *, reveal: bool = False
+) -> list[dict[str, Any]]:
+    """The documents of `found`, each with its progress (read in one go for the page)."""
+    moving = await steps.progress_of(conn, found)
+    return [instance(inst, box, reveal=reveal, progress=moving.get(inst.id)) for inst in found]
+
+
+async def one_instance(
+    conn: AsyncConn, inst: InstanceRecord, box: SecretBox, *, reveal: bool = False
+) -> dict[str, Any]:
+    (doc,) = await instances(conn, [inst], box, reveal=reveal)
+    return doc
+
+
+def _edge_label(row: Mapping[str, Any]) -> str | None:
+    if row["from_state"] is None:
+        return "Created" if row["event"] == lifecycle.INSTANCE.creation_event else None
+    info = lifecycle.INSTANCE.edge_info.get((row["from_state"], row["event"]))
+    return None if info is None else info.label
+
+
 def event(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An audit row as its customer sees it: a coded failure says its reason (not the raw error),
+    and what is kept for SREs (`detail.sre`) is left out."""
+    detail = dict(row["detail"] or {})
+    detail.pop("sre", None)
+    code = detail.get("code")
     return {
         "id": row["id"],
         "at": row["at"],
         "from_state": row["from_state"],
         "to_state": row["to_state"],
         "event": row["event"],
+        "label": _edge_label(row),
         "actor": {"kind": row["actor_kind"], "id": row["actor_id"]},
-        "reason": row["reason"],
-        "detail": row["detail"] or {},
+        "reason": failures.reason(str(code)).message if code else row["reason"],
+        "detail": detail,
         "seq": row["seq"],
         "hash": bytes(row["hash"]).hex(),
     }
+
+
+def sre_event(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An audit row as SREs see it: the raw reason and the whole detail."""
+    return {**event(row), "reason": row["reason"], "detail": row["detail"] or {}}
 
 
 def etag(state_version: int) -> str:

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,15 @@ def register(commands: Any) -> None:
     delete.add_argument("id")
     delete.add_argument("--skip-final-backup", action="store_true")
     delete.add_argument("--wait", action="store_true")
+
+    retry = _action(
+        actions,
+        "retry",
+        "create a failed database again: same name and plan, linked to the failed one",
+        cmd_retry,
+    )
+    retry.add_argument("id", metavar="NAME_OR_ID", help="an id, or the name of a failed database")
+    retry.add_argument("--wait", action="store_true", help="follow progress until ready")
 
     events = _action(actions, "events", "a database's audit log", cmd_events)
     events.add_argument("id")
@@ -121,16 +131,22 @@ class Api:
             raise CommandError(problem_line(response))
         return response.json() if response.content else None
 
-    def stream_events(self, instance_id: str) -> Iterator[dict[str, Any]]:
-        """The instance's transitions as they happen (Server-Sent Events)."""
+    def stream_events(self, instance_id: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The instance's snapshot, then its transitions and steps as they happen (Server-Sent
+        Events), as (event name, data)."""
         try:
             with self.client.stream("GET", f"/v1/instances/{instance_id}/watch", timeout=None) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise CommandError(problem_line(response))
+                name = "message"
                 for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        yield json.loads(line[5:].strip())
+                    if line.startswith("event:"):
+                        name = line[6:].strip()
+                    elif line.startswith("data:"):
+                        yield name, json.loads(line[5:].strip())
+                    elif not line:
+                        name = "message"
         except httpx.HTTPError as exc:
             raise CommandError(f"lost the watch stream: {exc}") from None
 
@@ -174,21 +190,140 @@ def connection_uri(api: Api, connection: dict[str, Any]) -> str:
     return f"{uri}&sslrootcert={quote(str(path), safe='/')}"
 
 
+# Shown in their own rows by `instances show` (the rest, field by field).
+SHOWN_APART = ("connection", "progress", "failure", "failure_reason", "failure_code", "state_info")
+
+
+def _duration(seconds: Any) -> str:
+    return "" if seconds is None else f"{float(seconds):.2f}s"
+
+
+def step_summary(step: dict[str, Any]) -> str:
+    """One step of a progress as a person reads it: done in 0.52s, running for 3.10s, failed ..."""
+    state = step["state"]
+    tries = f", attempt {step['attempts']}" if step.get("attempts", 0) > 1 else ""
+    if state == "done":
+        return f"done in {_duration(step['duration_s'])}{tries}"
+    if state == "running":
+        usual = f" (usually {_duration(step['expected_s'])})" if step.get("expected_s") is not None else ""
+        return f"running for {_duration(step['duration_s'])}{usual}{tries}"
+    if state == "failed":
+        failure = step.get("failure") or {}
+        return f"failed after {_duration(step['duration_s'])}{tries}: {failure.get('message', 'no reason')}"
+    return "pending"
+
+
+def failure_rows(failure: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("failure", f"{failure['code']}: {failure['message']}"),
+        ("retryable", "yes" if failure["retryable"] else "no"),
+        ("hint", failure["hint"]),
+    ]
+
+
+def progress_rows(progress: dict[str, Any]) -> list[tuple[str, str]]:
+    attempt = f", attempt {progress['attempt']}" if progress.get("attempt") else ""
+    late = "; taking longer than expected" if progress.get("overdue") else ""
+    rows = [("progress", f"{progress['operation']}{attempt}{late}")]
+    rows += [(f"  {step['label']}", step_summary(step)) for step in progress["steps"]]
+    rows += [
+        ("expected_by", progress.get("expected_by") or ""),
+        ("deadline_at", progress.get("deadline_at") or ""),
+    ]
+    return rows
+
+
 def show_instance(instance: dict[str, Any], as_json: bool, api: Api | None = None) -> None:
     if as_json:
         print_json(instance)
         return
-    rows = [(key, instance.get(key)) for key in instance if key != "connection"]
+    rows: list[tuple[str, Any]] = []
+    for key, value in instance.items():
+        if key in SHOWN_APART:
+            continue
+        rows.append((key, value))
+        if key == "state" and instance.get("state_info"):
+            info = instance["state_info"]
+            rows.append(("status", f"{info['label']} ({info['severity']}; billing: {info['billing']})"))
+    if instance.get("failure"):
+        rows += failure_rows(instance["failure"])
+    if instance.get("progress"):
+        rows += progress_rows(instance["progress"])
     connection = instance.get("connection")
     if connection:
         rows.append(("uri", connection_uri(api, connection) if api else connection.get("uri")))
     print_table(rows, ("field", "value"))
 
 
-def _updates(api: Api, instance_id: str) -> Iterator[dict[str, Any]]:
-    """The instance as it is now, then as it is after each change its watch stream announces."""
+class Follower:
+    """Prints, as they happen, an instance's state changes and steps, with the time since it started."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.started = time.monotonic()
+        self.last_state: str | None = None
+        # (step, attempt, state) lines printed: each once.
+        self.printed: set[tuple[str, int, str]] = set()
+        self.warned_overdue = False
+
+    def _print(self, text: str) -> None:
+        if not self.as_json:
+            print(f"[{time.monotonic() - self.started:6.1f}s] {text}", flush=True)
+
+    def instance(self, instance: dict[str, Any]) -> None:
+        if instance["state"] != self.last_state:
+            info = instance.get("state_info") or {}
+            label = f" ({info['label']})" if info.get("label") else ""
+            self._print(f"{instance['state']}{label}")
+            self.last_state = instance["state"]
+        progress = instance.get("progress")
+        if progress:
+            for step in progress["steps"]:
+                if step["state"] != "pending":  # under way before following started
+                    self._step_line(step["name"], step["label"], max(1, step["attempts"]), step)
+            self._overdue(progress)
+
+    def step(self, event: dict[str, Any]) -> None:
+        state = {"started": "running", "finished": "done", "failed": "failed"}[event["event"]]
+        step = {
+            "state": state,
+            "attempts": event["attempt"],
+            "duration_s": event["duration_s"],
+            "expected_s": None,
+            "failure": event.get("failure"),
+        }
+        self._step_line(event["step"], event["label"], event["attempt"], step)
+        if event.get("progress"):
+            self._overdue(event["progress"])
+
+    def _step_line(self, name: str, label: str, attempt: int, step: dict[str, Any]) -> None:
+        key = (name, attempt, step["state"])
+        ended = {(name, attempt, "done"), (name, attempt, "failed")}
+        # Each line once, and never a start after that attempt's end (a late or replayed event).
+        if key in self.printed or (step["state"] == "running" and ended & self.printed):
+            return
+        self.printed.add(key)
+        if step["state"] == "running":
+            text = f"started (attempt {attempt})" if attempt > 1 else "started"
+        else:
+            text = step_summary({**step, "attempts": attempt})
+        self._print(f"  {label}: {text}")
+
+    def _overdue(self, progress: dict[str, Any]) -> None:
+        if progress.get("overdue") and not self.warned_overdue:
+            self.warned_overdue = True
+            self._print(f"  taking longer than expected (expected by {progress.get('expected_by')})")
+
+
+def _updates(api: Api, instance_id: str, follower: Follower | None = None) -> Iterator[dict[str, Any]]:
+    """The instance as it is now, then as it is after each change its watch stream announces; its
+    steps go to `follower` as they happen."""
     yield api.request("GET", f"/v1/instances/{instance_id}")
-    for _event in api.stream_events(instance_id):
+    for name, data in api.stream_events(instance_id):
+        if name == "step":
+            if follower is not None:
+                follower.step(data)
+            continue
         yield api.request("GET", f"/v1/instances/{instance_id}")
 
 
@@ -206,19 +341,42 @@ def _all_items(api: Api, path: str, params: dict[str, Any] | None = None) -> lis
 
 
 def follow(api: Api, instance_id: str, until: tuple[str, ...], as_json: bool) -> dict[str, Any]:
-    """Print each state change until the instance reaches one of `until` (or a terminal state)."""
-    started = time.monotonic()
-    last = None
-    for instance in _updates(api, instance_id):
-        step = instance.get("progress") or ""
-        key = (instance["state"], step)
-        if key != last and not as_json:
-            elapsed = time.monotonic() - started
-            print(f"[{elapsed:6.1f}s] {instance['state']}" + (f" ({step})" if step else ""), flush=True)
-        last = key
+    """Print each state change and step until the instance reaches one of `until` (or a terminal state)."""
+    follower = Follower(as_json)
+    for instance in _updates(api, instance_id, follower):
+        follower.instance(instance)
         if instance["state"] in until or instance["state"] in TERMINAL:
             break
     return instance
+
+
+def ended_failed(instance: dict[str, Any]) -> CommandError:
+    """Print why the instance failed and what to do next; the one-line error to exit with."""
+    failure = instance.get("failure")
+    name = instance.get("name") or instance["id"]
+    for label, text in failure_rows(failure) if failure else []:
+        print(f"{label}: {text}")
+    if "retry" in instance.get("allowed_actions", []):
+        print(f"retry: controlplane instances retry {name} --wait")
+    elif "delete" in instance.get("allowed_actions", []):
+        print(f"remove what is left: controlplane instances delete {instance['id']}")
+    code = (failure or {}).get("code", "no reason")
+    return CommandError(f"instance {name} ended {instance['state']}: {code}")
+
+
+def wait_until_ready(api: Api, instance: dict[str, Any], as_json: bool) -> int:
+    """Follow a new instance until ready: then its URI, else why it failed and the retry command."""
+    final = follow(api, instance["id"], ("ready",), as_json)
+    if as_json:
+        print_json(final)
+        if final["state"] != "ready":
+            raise CommandError(f"instance ended {final['state']}")
+        return 0
+    if final["state"] != "ready":
+        raise ended_failed(final)
+    if final.get("connection"):
+        print(connection_uri(api, final["connection"]))
+    return 0
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -232,14 +390,36 @@ def cmd_create(args: argparse.Namespace) -> int:
     if not args.wait:
         show_instance(instance, args.json)
         return 0
-    final = follow(api, instance["id"], ("ready",), args.json)
-    if args.json:
-        print_json(final)
-    elif final["state"] == "ready" and final.get("connection"):
-        print(connection_uri(api, final["connection"]))
-    if final["state"] != "ready":
-        raise CommandError(f"instance ended {final['state']}: {final.get('failure_reason') or 'no reason'}")
-    return 0
+    return wait_until_ready(api, instance, args.json)
+
+
+def failed_to_retry(api: Api, name_or_id: str) -> str:
+    """The id to retry: `name_or_id` itself when it is an id, else the newest failed instance of
+    that name not yet retried."""
+    try:
+        return str(uuid.UUID(name_or_id))
+    except ValueError:
+        pass
+    named = _all_items(api, "/v1/instances", {"name": name_or_id, "state": "failed", "limit": 100})
+    waiting = [i for i in named if not i.get("replaced_by")]
+    if not waiting:
+        raise CommandError(f"no failed instance named {name_or_id!r} is waiting for a retry")
+    return str(max(waiting, key=lambda i: str(i["created_at"]))["id"])
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    api = Api(args)
+    failed_id = failed_to_retry(api, args.id)
+    # A failed instance is retried at most once (the API refuses a second retry): no key is needed.
+    instance = api.request("POST", f"/v1/instances/{failed_id}/retry")
+    if args.json and not args.wait:
+        print_json(instance)
+        return 0
+    if not args.json:
+        print(f"{instance['name']}: retried as {instance['id']} (replaces {failed_id})")
+    if not args.wait:
+        return 0
+    return wait_until_ready(api, instance, args.json)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -274,7 +454,7 @@ def cmd_resize(args: argparse.Namespace) -> int:
             show_instance(instance, args.json)
             raise CommandError(
                 f"resize to {args.plan} did not complete: instance is {instance['state']}"
-                f" ({instance.get('failure_reason') or 'no reason recorded'})"
+                f" ({(instance.get('failure') or {}).get('message') or 'no reason recorded'})"
             )
     show_instance(instance, args.json)
     return 0
@@ -305,7 +485,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if args.wait:
         instance = follow(api, args.id, ("deleted",), args.json)
         if instance["state"] != "deleted":
-            raise CommandError(f"instance ended {instance['state']}: {instance.get('failure_reason')}")
+            raise ended_failed(instance)
     if args.json:
         print_json(instance)
     else:
@@ -338,7 +518,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     if not args.json:
         follow(api, args.id, (), as_json=False)
         return 0
-    for event in api.stream_events(args.id):
+    for _name, event in api.stream_events(args.id):
         json.dump(event, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -388,7 +568,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     if args.json:
         print_json(final)
     if final["state"] != "ready":
-        raise CommandError(f"instance is {final['state']}: {final.get('failure_reason') or 'no reason'}")
+        reason = (final.get("failure") or {}).get("message") or "no reason"
+        raise CommandError(f"instance is {final['state']}: {reason}")
     return 0
 
 

@@ -24,6 +24,7 @@ API = (
     "public_url",
     "max_body_bytes",
     "api_key_cache_s",
+    "console_session_s",
     "stripe_webhook_secret",
     "secret_key",
     "job_registry",

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from controlplane import audit, checkpoints, events, export, lifecycle, signing, sql
+from controlplane import audit, checkpoints, events, export, lifecycle, reference, signing, sql
 from controlplane.cli import jobs as jobs_cli
 from controlplane.cli.common import (
     CommandError,
@@ -29,7 +29,9 @@ SIGNING_FLAGS = (*DB_FLAGS, "secret_key")
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("lifecycle", help="print the instance and job lifecycle tables")
+    parser = commands.add_parser(
+        "lifecycle", help="print the lifecycle tables, their metadata and the failure reasons"
+    )
     parser.add_argument("--format", choices=("table", "json", "mermaid"), default="table")
     parser.set_defaults(handler=cmd_lifecycle)
 
@@ -113,18 +115,37 @@ def register(commands: Any) -> None:
 
 
 def cmd_lifecycle(args: argparse.Namespace) -> int:
+    document = reference.lifecycle_document(settings_from(args).reconciler.deadline_s)
     if args.format == "json":
-        print_json({name: table.as_dict() for name, table in lifecycle.LIFECYCLES.items()})
+        print_json(document)
         return 0
-    for name, table in lifecycle.LIFECYCLES.items():
-        if args.format == "mermaid":
+    if args.format == "mermaid":
+        for name, table in lifecycle.LIFECYCLES.items():
             print(f"%% {name} lifecycle\n{table.mermaid()}\n")
-            continue
+        return 0
+    states = document["instance"]["state_info"]
+    print_table(
+        [
+            (state, info["label"], info["severity"], info["billing"], info["deadline_s"] or "")
+            for state, info in states.items()
+        ],
+        ("instance state", "label", "severity", "billing", "deadline_s"),
+    )
+    print()
+    for name, table in lifecycle.LIFECYCLES.items():
         print(f"{name}: initial {table.initial}; terminal {', '.join(sorted(table.terminal))}")
         width = max(len(s) for s, _ in table.transitions)
         for (src, event), dst in table.transitions.items():
-            print(f"  {src.ljust(width)}  --{event}-->  {dst}")
+            alert = "  (alerts)" if table.alerts(src, event) else ""
+            print(f"  {src.ljust(width)}  --{event}-->  {dst}{alert}")
         print()
+    print_table(
+        [
+            (r["code"], "yes" if r["retryable"] else "no", ", ".join(r["states"]), r["message"])
+            for r in document["failure_reasons"]
+        ],
+        ("failure code", "retryable", "states", "message"),
+    )
     return 0
 
 

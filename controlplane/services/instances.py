@@ -1,4 +1,5 @@
-"""The instance use cases: create, change (plan, deletion protection) and request deletion.
+"""The instance use cases: create, change (plan, deletion protection), request deletion (of a failed
+instance: archive it and remove what it left), and retry a failed instance.
 
 Each runs in one transaction: the instance row, its audit row and the job that carries the
 request out commit together or not at all. A request that cannot run now is recorded on the
@@ -11,13 +12,15 @@ import contextlib
 import uuid
 from dataclasses import dataclass
 
-from controlplane import actions, db, instances, jobs, kinds, lifecycle, sql
+from controlplane import actions, db, failures, instances, jobs, kinds, lifecycle, sql
 from controlplane.constraints import unique_violations
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import (
+    AlreadyReplaced,
     DeletionProtected,
     InvalidState,
     NotFound,
+    NotRetryable,
     PreconditionFailed,
     Unsupported,
 )
@@ -68,6 +71,12 @@ class RequestDeletion:
     instance_id: uuid.UUID
     skip_final_backup: bool = False
     if_versions: Versions | None = None
+
+
+@dataclass(frozen=True)
+class RetryInstance:
+    org_id: uuid.UUID
+    instance_id: uuid.UUID
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,8 @@ async def request_deletion(
     it can). Asking again while the deletion is recorded or running changes nothing."""
     async with db.transaction(conn):
         inst = await _load_to_change(conn, request.org_id, request.instance_id, request.if_versions)
+        if inst.state == "failed":
+            return await _archive(conn, actor, request_id, request, policy, inst)
         if inst.state in lifecycle.INSTANCE.terminal:
             raise InvalidState(
                 f"instance {inst.id} is {inst.state}",
@@ -178,6 +189,79 @@ async def request_deletion(
                 enqueued = await _enqueue(conn, actor, request_id, policy, inst, payload)
             inst = await load(conn, request.org_id, request.instance_id)
     return InstanceResult(inst, enqueued)
+
+
+async def _archive(
+    conn: AsyncConn,
+    actor: Actor,
+    request_id: str | None,
+    request: RequestDeletion,
+    policy: Policy,
+    inst: Instance,
+) -> InstanceResult:
+    """A failed instance deleted: archived (no state change: `failed` is terminal), and a cleanup
+    job removes what its failure left, through the provisioner, fenced like every job. Asking
+    again changes nothing but enqueues the cleanup again if none is live (removal is idempotent).
+    Deletion protection guards data a failed instance can no longer serve: it does not block this.
+    A final backup is taken only of an instance that was once ready (one that never was holds none).
+    """
+    await conn.execute(sql.ARCHIVE_INSTANCE, {"id": inst.id, "org": request.org_id})
+    skip = request.skip_final_backup or inst.observed_generation == 0
+    payload = kinds.DeprovisionPayload(reason="deleted by its customer", skip_final_backup=skip, cleanup=True)
+    enqueued = await _enqueue(conn, actor, request_id, policy, inst, payload)
+    return InstanceResult(await load(conn, request.org_id, request.instance_id), enqueued)
+
+
+async def retry(
+    conn: AsyncConn, actor: Actor, request_id: str | None, request: RetryInstance, policy: Policy
+) -> InstanceResult:
+    """A new instance from a failed one's spec, name and deletion protection, linked both ways (the
+    new one `replaces` it; it is then `replaced_by` the new one) and provisioned like a created one.
+
+    The failed instance stays as it is (terminal). Refused when it is not failed or archived
+    (InvalidState), when its reason says a retry cannot help (NotRetryable), when it was retried
+    already (AlreadyReplaced), or when a live instance has its name now (NameTaken).
+    """
+    with unique_violations(replaces=request.instance_id):
+        async with db.transaction(conn):
+            # Locked (not changed): two retries of one instance run one after the other.
+            old = await load(conn, request.org_id, request.instance_id, lock=True)
+            if old.state != "failed" or old.archived_at is not None:
+                why = "it was deleted (archived)" if old.archived_at is not None else f"it is {old.state}"
+                raise InvalidState(
+                    f"instance {old.id} cannot be retried: {why}",
+                    current_state=old.state,
+                    allowed_actions=actions.of(old),
+                )
+            reason = failures.reason(old.failure_code)
+            if not reason.retryable:
+                raise NotRetryable(
+                    f"instance {old.id} cannot be retried: {reason.message} {reason.hint}",
+                    current_state=old.state,
+                    allowed_actions=actions.of(old),
+                    failure=reason.as_dict(),
+                )
+            if old.replaced_by is not None:
+                raise AlreadyReplaced(
+                    f"instance {old.id} has been retried already: instance {old.replaced_by}",
+                    replaced_by=old.replaced_by,
+                )
+            # A unique violation aborts the transaction, which then rolls back on the way out.
+            with unique_violations(name=old.name):
+                row = await instances.create_instance(
+                    conn,
+                    request.org_id,
+                    old.name,
+                    old.spec,
+                    actor,
+                    deadline_s=policy.pending_deadline_s,
+                    deletion_protection=old.deletion_protection,
+                    request_id=request_id,
+                    replaces=old.id,
+                )
+            new = Instance.from_row(row)
+            enqueued = await _enqueue(conn, actor, request_id, policy, new, kinds.ProvisionPayload())
+    return InstanceResult(new, enqueued)
 
 
 async def load(

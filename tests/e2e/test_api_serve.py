@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane import db, tenants
+from controlplane import db, failures, tenants
 from controlplane.api import watch
 from tests.factories import walk
 from tests.queue_kinds import until
@@ -127,7 +127,9 @@ async def _update_given_up(url: str, instance_id: uuid.UUID) -> None:
     async with conn:
         await walk(conn, instance_id, "update")
         reason = "update failed after 1 attempt(s): apply_plan: plan small cannot be applied here"
-        await walk(conn, instance_id, "degrade", patch={"failure_reason": reason, "failed_generation": 2})
+        code = failures.PLAN_CHANGE_FAILED
+        patch = {"failure_reason": reason, "failure_code": code, "failed_generation": 2}
+        await walk(conn, instance_id, "degrade", patch=patch)
 
 
 def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
@@ -161,7 +163,8 @@ def test_resize_wait_ends_with_a_one_line_error_when_the_update_is_given_up(
     finally:
         resize.kill()
     assert resize.returncode == 1, (out, err)
+    # The customer's words for the coded reason (the raw error is for SREs only).
+    message = failures.reason(failures.PLAN_CHANGE_FAILED).message
     assert err.strip().splitlines() == [
-        "controlplane: error: resize to small did not complete: instance is degraded"
-        " (update failed after 1 attempt(s): apply_plan: plan small cannot be applied here)"
+        f"controlplane: error: resize to small did not complete: instance is degraded ({message})"
     ]

@@ -241,7 +241,8 @@ async def test_patch_on_terminal_instance_is_409_with_state_and_actions(
     assert response.status_code == 409
     problem = response.json()
     assert problem["type"] == "urn:controlplane:problem:invalid-state"
-    assert problem["current_state"] == "failed" and problem["allowed_actions"] == []
+    # A failed instance changes no more: it can only be retried (a new one) or deleted (archived).
+    assert problem["current_state"] == "failed" and problem["allowed_actions"] == ["retry", "delete"]
 
 
 async def test_delete_protected_is_409_then_allowed_after_unprotecting(
@@ -294,14 +295,14 @@ async def test_delete_of_pending_records_the_intent_only(
     assert response.status_code == 409 and "deletion" in response.json()["detail"]
 
 
-async def test_delete_of_deleted_or_failed_is_409_naming_the_state(
+async def test_delete_of_deleted_is_409_naming_the_state(
     client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
 ) -> None:
     made = await create(client, tenant, "orders")
-    await drive(conn, made["id"], "fail")
+    await drive(conn, made["id"], "start_provisioning", "provisioned", "deprovision", "deprovisioned")
     response = await client.delete(f"/v1/instances/{made['id']}", headers=tenant.headers)
     assert response.status_code == 409
-    assert response.json()["current_state"] == "failed" and "failed" in response.json()["detail"]
+    assert response.json()["current_state"] == "deleted" and "deleted" in response.json()["detail"]
 
 
 async def test_events_are_the_audit_log_oldest_first_with_cursor(
@@ -326,12 +327,14 @@ async def test_events_are_the_audit_log_oldest_first_with_cursor(
         "from_state",
         "to_state",
         "event",
+        "label",
         "actor",
         "reason",
         "detail",
         "seq",
         "hash",
     }
+    assert rest["items"][0]["label"] == "Created"
     # The instance's chain as the API shows it: seq 0, 1, 2, each hash the one in the log.
     assert [e["seq"] for e in first["items"] + rest["items"]] == [0, 1, 2]
     cursor = await conn.execute(
@@ -351,6 +354,7 @@ async def test_lifecycle_and_plans_are_public(client: httpx.AsyncClient) -> None
         "delete",
         "backup",
         "restore",
+        "retry",
     }
     plans = (await client.get("/v1/plans")).json()["items"]
     assert {"dev", "small"} <= {p["name"] for p in plans}

@@ -654,6 +654,8 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert data_lost["labels"]["severity"] == "page" and "for" not in data_lost
     failed = rule_using('controlplane_entities{entity="job", state="failed"}')
     assert failed["labels"]["severity"] == "warning" and failed["for"] == "15m"
+    faults = rule_using("controlplane_instance_alerting_transitions_total")
+    assert faults["labels"]["severity"] == "warning" and "for" not in faults
 
 
 # A reconciler that led and stood down keeps exporting the gauges of its last pass; the rules

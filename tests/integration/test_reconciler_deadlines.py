@@ -98,7 +98,7 @@ async def test_pending_past_its_deadline_is_re_enqueued_a_bounded_number_of_time
         assert (await rec.run_once(late + timedelta(hours=1))).actions == {}  # terminal: never again
     row = await instance(conn, iid)
     reason = "timeout: pending exceeded its deadline after 2 re-enqueue(s)"
-    assert (row["state"], row["failure_reason"]) == ("failed", reason)
+    assert (row["state"], row["failure_reason"], row["failure_code"]) == ("failed", reason, "init_timeout")
     assert await live_jobs(conn, iid) == []
     assert (await instance_events(conn, iid))[-1] == ("pending", "failed", "fail", RECONCILER)
     reason_logged = await scalar(
@@ -168,6 +168,7 @@ async def test_a_live_heartbeating_job_keeps_an_instance_from_failing_for_time_a
         assert (await rec.run_once()).actions == {"fail": 1}
     row = await instance(conn, iid)
     assert row["failure_reason"] == "timeout: provisioning exceeded its deadline after 0 re-enqueue(s)"
+    assert row["failure_code"] == "init_timeout"
     assert await audit.verify(conn) == []
 
 
@@ -187,6 +188,7 @@ async def test_deprovisioning_past_its_deadline_is_re_enqueued_then_failed(
         assert (await rec.run_once(late)).actions == {"fail": 1}
     row = await instance(conn, iid)
     assert row["failure_reason"] == "timeout: deprovisioning exceeded its deadline after 1 re-enqueue(s)"
+    assert row["failure_code"] == "deprovision_timeout"
     assert await audit.verify(conn) == []
 
 

@@ -26,14 +26,23 @@ TABLES = {
     "instance_events",
     "jobs",
     "job_events",
+    "job_steps",
     "stripe_events",
     "idempotency_keys",
+    "console_sessions",
     "audit_keys",
     "audit_checkpoints",
     "audit_checkpoint_heads",
 }
 GUARD_FUNCTIONS = {"cp_guard_state", "cp_append_only", "cp_event_hash", "cp_ensure_event_partitions"}
-APPEND_ONLY = ("instance_events", "job_events", "audit_keys", "audit_checkpoints", "audit_checkpoint_heads")
+APPEND_ONLY = (
+    "instance_events",
+    "job_events",
+    "job_steps",
+    "audit_keys",
+    "audit_checkpoints",
+    "audit_checkpoint_heads",
+)
 TRIGGERS = {
     "instances_guard_state",
     "jobs_guard_state",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from controlplane.api.errors import KINDS
 from controlplane.cli import build_parser
 from controlplane.db import ROOT
+from controlplane.reference import reason_table
 from controlplane.settings import SETTINGS, reference_table
 
 DOCS = ROOT / "docs"
@@ -37,3 +39,13 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
             for command in action.choices.values():
                 found |= _options(command)
     return found
+
+
+def test_the_failure_reasons_in_the_api_reference_are_the_table_the_code_has() -> None:
+    text = (DOCS / "api.md").read_text()
+    assert reason_table() in text, "regenerate it: python -m controlplane.reference"
+
+
+def test_every_problem_type_is_in_the_api_reference() -> None:
+    text = (DOCS / "api.md").read_text()
+    assert [kind for kind in KINDS if f"`{kind}`" not in text] == []

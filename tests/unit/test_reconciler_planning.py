@@ -44,13 +44,15 @@ def test_past_deadline_without_job_is_re_enqueued_then_failed() -> None:
     exhausted = replace(late, deadline_retries=2)
     (action,) = plan(exhausted, NOW, max_retries=2)
     assert isinstance(action, Transition) and action.event == "fail"
-    assert action.reason.startswith("timeout: provisioning")
+    assert action.reason.startswith("timeout: provisioning") and action.code == "init_timeout"
 
 
 def test_updating_past_deadline_degrades_instead_of_failing() -> None:
     late = view("updating", deadline_at=NOW - timedelta(seconds=1), deadline_retries=5)
     (action,) = plan(late, NOW, max_retries=2)
-    assert action == Transition("degrade", "timeout: updating exceeded its deadline after 5 re-enqueue(s)")
+    assert action == Transition(
+        "degrade", "timeout: updating exceeded its deadline after 5 re-enqueue(s)", code="update_timeout"
+    )
 
 
 def test_live_job_protects_an_instance_from_deadline_failure() -> None:
@@ -67,11 +69,11 @@ def test_before_deadline_nothing_happens() -> None:
 def test_ready_but_down_is_degraded_and_healed() -> None:
     down = view("ready", observed=Observed(True, False, False, False, "server not running"))
     assert plan(down, NOW, 2) == [
-        Transition("degrade", "observed server not running"),
+        Transition("degrade", "observed server not running", code="unhealthy"),
         Enqueue("heal", "heal: server not running"),
     ]
     missing = view("ready", observed=Observed(False, False, False, False))
-    assert plan(missing, NOW, 2)[0] == Transition("degrade", "observed missing")
+    assert plan(missing, NOW, 2)[0] == Transition("degrade", "observed missing", code="unhealthy")
 
 
 def test_ready_but_down_under_a_suspend_or_resume_is_left_to_that_job() -> None:
@@ -79,7 +81,7 @@ def test_ready_but_down_under_a_suspend_or_resume_is_left_to_that_job() -> None:
     for kind in ("suspend", "resume"):
         assert plan(view("ready", observed=restarting, live_jobs=(kind,)), NOW, 2) == []
     assert plan(view("ready", observed=restarting, live_jobs=("update",)), NOW, 2)[0] == Transition(
-        "degrade", "observed server not running"
+        "degrade", "observed server not running", code="unhealthy"
     )
 
 

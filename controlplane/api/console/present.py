@@ -1,0 +1,100 @@
+"""How the console words what it shows (pure): durations, times, connection formats, badges.
+
+What a state is called, how severe it is and how it is billed are the lifecycle's metadata, read
+from the instance document (`state_info`), never worded here.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from controlplane import lifecycle
+
+# The file name the console offers the CA certificate under, and that its commands name.
+CA_FILE = "controlplane-ca.pem"
+MASK = "\u2022" * 8
+
+# The badge colour of each severity class of the lifecycle metadata: wait, act, fine, suspended.
+BADGES: Mapping[str, str] = {
+    "transient": "wait",
+    "fault": "act",
+    "healthy": "fine",
+    "suspended": "suspended",
+    "terminal": "ended",
+}
+
+# States in which the instance's server serves its data (read-only while suspended): its
+# connection panel shows. Live states with a server, less those on their way out.
+CONNECTABLE = tuple(s for s in lifecycle.WITH_SERVER if s not in lifecycle.GONE_OR_GOING)
+
+
+def badge(severity: str | None) -> str:
+    """The badge colour of a severity class."""
+    return BADGES.get(str(severity), "ended")
+
+
+def duration(seconds: float | None) -> str:
+    """A short human duration: 4 s, 2 min 05 s, 3 h 10 min, 2 d 4 h."""
+    if seconds is None:
+        return "\u2013"
+    total = max(0, int(seconds))
+    if seconds < 10 and seconds != total:
+        return f"{max(0.0, seconds):.1f} s"
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def iso(at: datetime | str | None) -> str:
+    if at is None:
+        return ""
+    if isinstance(at, str):
+        return at
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def when(at: datetime | str | None) -> str:
+    """A time as people read it in a table: 2026-05-01 10:00:04 UTC."""
+    if at is None:
+        return "\u2013"
+    moment = datetime.fromisoformat(at.replace("Z", "+00:00")) if isinstance(at, str) else at
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[str, str]:
+    """The ways to connect: a URI, a `psql` command and environment variables; the password masked
+    unless `reveal` (then `connection` must carry it)."""
+    password = connection.get("password")
+    if reveal != (password is not None):
+        raise ValueError("reveal the password from a revealed connection, mask it from one without it")
+    shown = MASK if password is None else str(password)
+    host, port, sslmode = str(connection["host"]), int(connection["port"]), connection.get("sslmode")
+    # The API's URI: with the password when revealed, else without it (where the mask then goes).
+    uri = str(connection["uri"])
+    if password is None:
+        uri = uri.replace("@", f":{MASK}@", 1)
+    verified = f"{uri}&sslrootcert={CA_FILE}" if sslmode else uri
+    env = {
+        "PGHOST": host,
+        "PGPORT": str(port),
+        "PGDATABASE": str(connection["dbname"]),
+        "PGUSER": str(connection["user"]),
+        "PGPASSWORD": shown,
+    }
+    if sslmode:
+        env |= {"PGSSLMODE": str(sslmode), "PGSSLROOTCERT": CA_FILE}
+    return {
+        "uri": uri,
+        "psql": f"psql {shlex.quote(verified)}",
+        "env": "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items()),
+    }

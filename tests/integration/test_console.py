@@ -1,0 +1,343 @@
+"""The console over HTTP (the browser tests drive it in Chromium): sessions, CSRF, tenancy, forms
+that call the use cases, and the documentation served from local files."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from controlplane import sessions, tenants
+from controlplane.api.console.session import COOKIE
+from controlplane.db import AsyncConn
+from controlplane.secretbox import SecretBox
+from controlplane.sessions import Seal
+from controlplane.settings import Settings
+from tests.api_support import Tenant, create, make_ready, make_tenant
+from tests.console_support import PAGE, sign_in, signed_in, text_of, token_of
+
+pytest_plugins = ("tests.api_fixtures",)
+
+
+async def _count(conn: AsyncConn, org_id: uuid.UUID) -> int:
+    cursor = await conn.execute("SELECT count(*) AS n FROM instances WHERE org_id = %s", (org_id,))
+    row = await cursor.fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
+# ---- signing in -----------------------------------------------------------------------------------
+
+
+async def test_a_wrong_key_is_refused_with_a_message_and_nothing_else(
+    client: httpx.AsyncClient, tenant: Tenant
+) -> None:
+    for key in ("nope", tenant.key[:-2] + "xx", "cpk_000000000000_" + "a" * 43):
+        refused = await sign_in(client, key)
+        assert refused.status_code == 401
+        assert "That key is not valid, or it has been revoked." in text_of(refused.text)
+        assert COOKIE not in refused.cookies
+    assert (await client.get("/", headers=PAGE)).headers["location"] == "/sign-in"
+
+
+async def test_an_admin_key_is_sent_to_an_organisation_key(
+    client: httpx.AsyncClient, conn: AsyncConn
+) -> None:
+    admin = await tenants.create_admin_key(conn)
+    refused = await sign_in(client, admin.plaintext)
+    assert refused.status_code == 403 and "That is an admin key" in text_of(refused.text)
+
+
+async def test_sign_in_gives_a_strict_http_only_cookie_that_names_a_session(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    response = await sign_in(client, tenant.key)
+    assert response.status_code == 303 and response.headers["location"] == "/"
+    cookie = next(h for h in response.headers.get_list("set-cookie") if h.startswith(f"{COOKIE}="))
+    attributes = {part.strip().split("=")[0].lower() for part in cookie.split(";")[1:]}
+    assert {"httponly", "samesite", "max-age", "path"} <= attributes and "secure" not in attributes
+    assert "samesite=strict" in cookie.lower()
+    # The value is sealed: it does not carry the key, and a session row backs it.
+    assert tenant.key not in cookie
+    cursor = await conn.execute(
+        "SELECT count(*) AS n FROM console_sessions WHERE org_id = %s", (tenant.org_id,)
+    )
+    assert (await cursor.fetchone()) == {"n": 1}
+    home = await client.get("/", headers=PAGE)
+    assert home.status_code == 200 and "acme" in home.text and "No databases yet" in text_of(home.text)
+
+
+async def test_behind_https_the_cookie_is_secure(api_settings: Settings, tenant: Tenant) -> None:
+    from controlplane.api.app import create_app
+
+    app = create_app(api_settings.replace(public_url="https://console.example"))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="https://console.example") as http:
+            response = await sign_in(http, tenant.key)
+    assert response.status_code == 303
+    assert "secure" in response.headers["set-cookie"].lower()
+
+
+async def test_sign_in_without_its_form_token_is_refused(client: httpx.AsyncClient, tenant: Tenant) -> None:
+    refused = await client.post("/sign-in", data={"key": tenant.key}, headers=PAGE)
+    assert refused.status_code == 403 and COOKIE not in refused.cookies
+    assert "This sign-in form has expired" in text_of(refused.text)
+
+
+async def test_sign_out_ends_the_session_for_every_copy_of_the_cookie(
+    client: httpx.AsyncClient, tenant: Tenant
+) -> None:
+    token = await signed_in(client, tenant.key)
+    copy = client.cookies[COOKIE]
+    out = await client.post("/sign-out", data={"csrf_token": token}, headers=PAGE)
+    assert out.status_code == 303 and out.headers["location"] == "/sign-in?signed_out=true"
+    client.cookies.set(COOKIE, copy)  # a copy kept elsewhere names an ended session
+    again = await client.get("/", headers=PAGE)
+    assert again.status_code == 303 and again.headers["location"] == "/sign-in?ended=true"
+
+
+async def test_revoking_the_key_ends_its_sessions(client: httpx.AsyncClient, tenant: Tenant) -> None:
+    await signed_in(client, tenant.key)
+    (key,) = (await client.get("/v1/keys", headers=tenant.headers)).json()["items"]
+    assert (await client.delete(f"/v1/keys/{key['id']}", headers=tenant.headers)).status_code == 204
+    ended = await client.get("/", headers=PAGE)
+    assert ended.status_code == 303 and ended.headers["location"] == "/sign-in?ended=true"
+    # The page's script gets a 401 instead of a redirect (it reloads the page).
+    assert (await client.get("/", headers={"Accept": "*/*"})).status_code == 401
+
+
+async def test_an_expired_session_signs_in_again(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    await signed_in(client, tenant.key)
+    await conn.execute("UPDATE console_sessions SET expires_at = now() - interval '1 second'")
+    ended = await client.get("/", headers=PAGE)
+    assert ended.headers["location"] == "/sign-in?ended=true"
+
+
+async def test_sessions_live_by_the_injected_time(conn: AsyncConn, tenant: Tenant) -> None:
+    who = await tenants.authenticate(conn, tenant.key)
+    assert who is not None
+    session = await sessions.start(conn, who, ttl_s=600)
+    assert await sessions.resolve(conn, session.id) == session
+    assert await sessions.resolve(conn, session.id, now=session.expires_at - timedelta(seconds=1)) == session
+    assert await sessions.resolve(conn, session.id, now=session.expires_at) is None
+    await sessions.end(conn, session.id)
+    assert await sessions.resolve(conn, session.id) is None
+
+
+def test_a_cookie_opens_only_with_its_secret_and_within_its_lifetime() -> None:
+    box = SecretBox("a" * 43 + "=")
+    seal = Seal(box, ttl_s=3600)
+    session_id = uuid.uuid4()
+    now = time.time()
+    value = seal.seal(session_id, now=now)
+    assert seal.open(value, now=now + 60) == session_id
+    assert seal.open(value, now=now + 3601) is None  # older than a session lives
+    assert Seal(SecretBox("b" * 43 + "="), ttl_s=3600).open(value, now=now) is None
+    assert seal.open(value[:-4] + "AAAA", now=now) is None
+    assert seal.open("not a cookie", now=now) is None
+    # The form token is the session's, and the credentials' key is not the cookies' key.
+    assert seal.csrf_valid(session_id, seal.csrf_token(session_id))
+    assert not seal.csrf_valid(uuid.uuid4(), seal.csrf_token(session_id))
+    assert box.subkey("console-session") != box.subkey("console-csrf")
+
+
+# ---- CSRF and tenancy -------------------------------------------------------------------------------
+
+
+async def test_a_form_post_without_the_csrf_token_is_refused_and_changes_nothing(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    token = await signed_in(client, tenant.key)
+    form = {"name": "orders", "plan": "dev", "request_key": "k1"}
+    for data, headers in (
+        (form, PAGE),
+        (form | {"csrf_token": "0" * 64}, PAGE),
+        (form | {"csrf_token": token}, PAGE | {"Origin": "https://evil.example"}),
+        (form | {"csrf_token": token}, PAGE | {"Sec-Fetch-Site": "cross-site"}),
+    ):
+        refused = await client.post("/instances", data=data, headers=headers)
+        assert refused.status_code == 403, refused.text
+    assert await _count(conn, tenant.org_id) == 0
+    for path in ("/sign-out", "/keys"):
+        assert (await client.post(path, data={}, headers=PAGE)).status_code == 403
+    assert (await client.get("/", headers=PAGE)).status_code == 200  # still signed in
+    made = await client.post("/instances", data=form | {"csrf_token": token}, headers=PAGE)
+    assert made.status_code == 303 and await _count(conn, tenant.org_id) == 1
+
+
+async def test_another_organisation_sees_none_of_it(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, other_tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    await make_ready(conn, app_state_settings(app), created["id"])
+    token = await signed_in(client, other_tenant.key)
+    home = await client.get("/", headers=PAGE)
+    assert "orders" not in home.text
+    base = f"/instances/{created['id']}"
+    for path in (base, f"{base}/live", f"{base}/history", f"{base}/connection", f"{base}/watch"):
+        assert (await client.get(path, headers=PAGE)).status_code == 404, path
+    for action, data in (
+        ("resize", {"plan": "small"}),
+        ("protection", {"deletion_protection": "on"}),
+        ("delete", {"confirm_name": "orders", "final_backup": "on"}),
+    ):
+        refused = await client.post(f"{base}/{action}", data=data | {"csrf_token": token}, headers=PAGE)
+        assert refused.status_code == 404, action
+    row = await (await conn.execute("SELECT * FROM instances WHERE id = %s", (created["id"],))).fetchone()
+    assert row is not None and row["deletion_requested_at"] is None and row["spec"]["plan"] == "dev"
+    assert not row["deletion_protection"]
+
+
+def app_state_settings(app: FastAPI) -> Settings:
+    return app.state.controlplane.settings  # type: ignore[no-any-return]
+
+
+# ---- the forms call the use cases ------------------------------------------------------------------
+
+
+async def test_create_shows_the_apis_validation_next_to_the_field_and_creates_once(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    token = await signed_in(client, tenant.key)
+    bad = await client.post(
+        "/instances", data={"csrf_token": token, "name": "Bad_Name", "plan": "dev"}, headers=PAGE
+    )
+    assert bad.status_code == 422
+    assert re.search(r'<p id="name-error" class="field-error">use lower-case letters', bad.text)
+    assert 'value="Bad_Name"' in bad.text and 'aria-invalid="true"' in bad.text
+    plan = await client.post(
+        "/instances", data={"csrf_token": token, "name": "ok", "plan": "huge"}, headers=PAGE
+    )
+    assert plan.status_code == 422 and "unknown plan &#39;huge&#39;" in plan.text
+    form = {"csrf_token": token, "name": "orders", "plan": "small", "request_key": "once"}
+    first = await client.post("/instances", data=form, headers=PAGE)
+    again = await client.post("/instances", data=form, headers=PAGE)  # a double submit
+    assert first.status_code == again.status_code == 303
+    assert first.headers["location"] == again.headers["location"]
+    assert await _count(conn, tenant.org_id) == 1
+    taken = await client.post("/instances", data=form | {"request_key": "other"}, headers=PAGE)
+    assert taken.status_code == 422 and 'id="name-error"' in taken.text
+    assert "already" in text_of(taken.text)
+
+
+async def test_resize_protection_and_delete_go_through_the_use_cases(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    await make_ready(conn, app_state_settings(app), created["id"])
+    token = await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    resized = await client.post(f"{base}/resize", data={"csrf_token": token, "plan": "small"}, headers=PAGE)
+    assert resized.status_code == 303 and resized.headers["location"] == f"{base}?done=resize"
+    on = await client.post(
+        f"{base}/protection", data={"csrf_token": token, "deletion_protection": "on"}, headers=PAGE
+    )
+    assert on.status_code == 303
+    refused = await client.post(
+        f"{base}/delete",
+        data={"csrf_token": token, "confirm_name": "orders", "final_backup": "on"},
+        headers=PAGE,
+    )
+    assert refused.status_code == 409 and "deletion protection is on" in text_of(refused.text)
+    await client.post(
+        f"{base}/protection", data={"csrf_token": token, "deletion_protection": "off"}, headers=PAGE
+    )
+    mistyped = await client.post(
+        f"{base}/delete", data={"csrf_token": token, "confirm_name": "order"}, headers=PAGE
+    )
+    assert mistyped.status_code == 422 and "Type the database's name, orders, to confirm." in text_of(
+        mistyped.text
+    )
+    deleted = await client.post(
+        f"{base}/delete", data={"csrf_token": token, "confirm_name": "orders"}, headers=PAGE
+    )
+    assert deleted.status_code == 303
+    row = await (await conn.execute("SELECT * FROM instances WHERE id = %s", (created["id"],))).fetchone()
+    assert row is not None and row["spec"]["plan"] == "small" and row["spec_generation"] == 2
+    assert row["deletion_requested_at"] is not None and row["skip_final_backup"]  # the box was unticked
+    history = await client.get(f"{base}/history", headers=PAGE)
+    assert history.status_code == 200
+    # Who: the key the session signed in with, by its name.
+    assert "API key first key" in text_of(history.text)
+
+
+async def test_the_connection_is_shown_masked_and_revealed_on_request(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    assert (await client.get(f"{base}/connection")).status_code == 404  # not usable yet
+    assert "data-connection=" not in (await client.get(base, headers=PAGE)).text
+    await make_ready(conn, app_state_settings(app), created["id"], password="s3cret/pw")
+    page = await client.get(base, headers=PAGE)
+    assert page.status_code == 200 and "s3cret" not in page.text and "postgresql://app_owner:" in page.text
+    assert page.headers["cache-control"] == "no-store"
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    revealed = await client.get(f"{base}/connection")
+    assert revealed.headers["cache-control"] == "no-store"
+    formats = revealed.json()
+    assert formats["uri"] == "postgresql://app_owner:s3cret%2Fpw@127.0.0.1:15432/app"
+    assert "export PGPASSWORD=s3cret/pw" in formats["env"]
+
+
+async def test_keys_are_created_once_listed_and_revoked(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    token = await signed_in(client, tenant.key)
+    made = await client.post("/keys", data={"csrf_token": token, "name": "ci deploys"}, headers=PAGE)
+    assert made.status_code == 201
+    key = re.search(r'id="new-key-value">(cpk_[^<]+)<', made.text)
+    assert key is not None and await tenants.authenticate(conn, key.group(1)) is not None
+    listed = await client.get("/keys", headers=PAGE)
+    assert key.group(1) not in listed.text and "ci deploys" in listed.text
+    other = next(row for row in await tenants.list_keys(conn, tenant.org_id) if row["name"] == "ci deploys")
+    revoked = await client.post(f"/keys/{other['id']}/revoke", data={"csrf_token": token}, headers=PAGE)
+    assert revoked.status_code == 303 and revoked.headers["location"] == "/keys?done=revoked"
+    assert await tenants.authenticate(conn, key.group(1)) is None
+    own = next(row for row in await tenants.list_keys(conn, tenant.org_id) if row["name"] == "first key")
+    out = await client.post(f"/keys/{own['id']}/revoke", data={"csrf_token": token}, headers=PAGE)
+    assert out.headers["location"] == "/sign-in?ended=true"
+    assert (await client.get("/keys", headers=PAGE)).headers["location"] == "/sign-in"  # cookie cleared
+
+
+async def test_another_organisations_key_cannot_be_revoked(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    victim = await make_tenant(conn, "victim")
+    (key,) = await tenants.list_keys(conn, victim.org_id)
+    token = await signed_in(client, tenant.key)
+    refused = await client.post(f"/keys/{key['id']}/revoke", data={"csrf_token": token}, headers=PAGE)
+    assert refused.status_code == 404
+    assert await tenants.authenticate(conn, victim.key) is not None
+
+
+# ---- documentation and static files -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc"])
+async def test_the_api_reference_loads_from_local_files_only(client: httpx.AsyncClient, path: str) -> None:
+    page = await client.get(path)
+    assert page.status_code == 200
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sources and all(s.startswith("/") for s in sources), sources
+    assert "fonts.googleapis" not in page.text
+    for source in sources:
+        asset = await client.get(source)
+        assert asset.status_code == 200 and len(asset.content) > 1000, source
+
+
+async def test_the_console_assets_are_served(client: httpx.AsyncClient) -> None:
+    page = await client.get("/sign-in", headers=PAGE)
+    for source in re.findall(r'(?:src|href)="(/static/[^"]+)"', page.text):
+        assert (await client.get(source)).status_code == 200, source
+    assert "http" not in " ".join(re.findall(r'(?:src|href)="([^"]+)"', page.text))
+    assert token_of(page.text)
