@@ -393,7 +393,10 @@ class Reconciler:
             full = False
             if leading or held:
                 try:
-                    summary = await self.run_once(shards=shards, duties=leading)
+                    if shards is None:
+                        summary = await self.run_once()
+                    else:
+                        summary = await self.run_once(shards=shards, duties=leading)
                     full = summary.scanned >= self.settings.reconciler.batch_size
                 except (psycopg.OperationalError, PoolTimeout) as exc:
                     log.warning("reconciler pass failed: %s", exc)
