@@ -42,6 +42,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--only", default="", help="comma-separated workload keys to run (default: all); see --list"
     )
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    parser.add_argument(
+        "--mvcc-minutes",
+        type=float,
+        default=None,
+        help="minutes of the MVCC-pressure workload (mvcc), its snapshot held (default 5; 1 with --quick)",
+    )
     parser.add_argument("--conditions", default="", help="how the machine was when measured (for latest.md)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; write no results")
     parser.add_argument(
@@ -77,6 +83,8 @@ def run_workloads(
                 continue
             workload = outcome.workload
             for variant in workload.variants:
+                if repetition > 0 and variant in workload.once:
+                    continue
                 started = time.monotonic()
                 try:
                     values = workload.run(ctx, variant, repetition)
@@ -178,6 +186,7 @@ def main(argv: list[str]) -> int:
             peers_python=peers,
             wrk=wrk,
             log=log,
+            mvcc_minutes=args.mvcc_minutes or (1.0 if args.quick else 5.0),
         )
         profiler = None
         if args.profile:

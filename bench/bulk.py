@@ -109,6 +109,30 @@ def load_terminal_instances(url: str, count: int) -> None:
         conn.execute("VACUUM (ANALYZE) job_events")
 
 
+def load_terminal_jobs(url: str, count: int) -> None:
+    """Insert `count` completed jobs (no instance, no events: what a claim never reads), server-side
+    in one statement with the table's indexes dropped and its triggers disabled for the load."""
+    with psycopg.connect(url) as conn:
+        indexes = drop_indexes(conn, ("jobs",))
+        conn.execute("ALTER TABLE jobs DISABLE TRIGGER ALL")
+        conn.execute(
+            """
+            INSERT INTO jobs (id, kind, payload, state, state_version, attempt, claimed_by, claimed_at,
+                              fence, verdict, run_at, created_at, updated_at, state_entered_at,
+                              chain_seq)
+            SELECT lpad(to_hex(g), 32, '0')::uuid, 'bench_noop', '{}'::jsonb, 'completed', 3, 1,
+                   'bench-load', t, g, '{"result": "done"}'::jsonb, t, t, t, t, 3
+            FROM generate_series(1, %(count)s) g,
+                 LATERAL (SELECT now() - interval '30 days' + g * interval '1 ms' AS t) at
+            """,
+            {"count": count},
+        )
+        create_indexes(conn, indexes)
+        conn.execute("ALTER TABLE jobs ENABLE TRIGGER ALL")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ANALYZE jobs")
+
+
 def drop_indexes(conn: psycopg.Connection[Any], tables: Sequence[str]) -> list[str]:
     """Drop the tables' secondary indexes (a partitioned table's with its partitions'); return
     their definitions for create_indexes."""

@@ -60,6 +60,8 @@ class Context:
     # Set only during the profiling pass (--profile), after the measured repetitions.
     profiler: Profiler | None = None
     project_python: str = sys.executable
+    # How long the MVCC-pressure workload runs (`--mvcc-minutes`).
+    mvcc_minutes: float = 5.0
     _counter: int = 0
 
     def fresh_database(self, prefix: str, template: str | None = None) -> tuple[str, str]:
@@ -84,6 +86,8 @@ class Workload:
     notes: list[str] = field(default_factory=list)
     # The variants worth a py-spy profile (the project's own processes).
     profiled: tuple[str, ...] = ()
+    # Variants too long to repeat: run in the first repetition only (their n is 1).
+    once: tuple[str, ...] = ()
 
     def prepare(self, ctx: Context) -> None:
         """Once before the repetitions; raise NotAvailable when a part is missing."""

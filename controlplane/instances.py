@@ -11,6 +11,7 @@ from psycopg.rows import DictRow
 
 from controlplane import sql
 from controlplane.db import AsyncConn
+from controlplane.jobs import NewJob
 from controlplane.records import Instance, InstancePatch
 from controlplane.transitions import Actor, transition
 
@@ -26,24 +27,32 @@ async def create_instance(
     deletion_protection: bool = False,
     request_id: str | None = None,
     replaces: uuid.UUID | None = None,
+    first_job: NewJob | None = None,
 ) -> DictRow:
-    """Insert an instance in `pending` with its creation event, in the caller's transaction
-    (`replaces`: the failed instance it retries)."""
-    cursor = await conn.execute(
-        sql.CREATE_INSTANCE,
-        {
-            "org_id": org_id,
-            "name": name,
-            "spec": json.dumps(dict(spec)),
-            "deletion_protection": deletion_protection,
-            "deadline_s": deadline_s,
-            "replaces": replaces,
-            "actor_kind": actor.kind,
-            "actor_id": actor.id,
-            "request_id": request_id,
-        },
-        prepare=True,
-    )
+    """Insert an instance in `pending` with its creation event (and `first_job`, for it, with its
+    own: one statement), in the caller's transaction or as one of its own (`replaces`: the failed
+    instance it retries)."""
+    params: dict[str, Any] = {
+        "org_id": org_id,
+        "name": name,
+        "spec": json.dumps(dict(spec)),
+        "deletion_protection": deletion_protection,
+        "deadline_s": deadline_s,
+        "replaces": replaces,
+        "actor_kind": actor.kind,
+        "actor_id": actor.id,
+        "request_id": request_id,
+    }
+    if first_job is None:
+        cursor = await conn.execute(sql.CREATE_INSTANCE, params, prepare=True)
+    else:
+        params.update(
+            job_kind=first_job.kind,
+            job_payload=first_job.payload_json(),
+            job_priority=first_job.priority,
+            job_max_attempts=first_job.max_attempts,
+        )
+        cursor = await conn.execute(sql.CREATE_INSTANCE_WITH_JOB, params, prepare=True)
     row = await cursor.fetchone()
     assert row is not None
     return row

@@ -73,21 +73,28 @@ async def _enqueue_once(
 ) -> list[Enqueued | None]:
     """One insert of `jobs`: each created, or the live job it collided with, or None when that
     job finished between the insert and the look-up (to insert again)."""
-    cursor = await conn.execute(
-        sql.ENQUEUE_JOBS,
-        {
+    if len(jobs) == 1:
+        (one,) = jobs
+        params: dict[str, Any] = {
+            "kinds": one.kind,
+            "instance_ids": one.instance_id,
+            "payloads": one.payload_json(),
+            "priorities": one.priority,
+            "max_attempts": one.max_attempts,
+            "delays": one.delay_s,
+        }
+    else:
+        params = {
             "kinds": [j.kind for j in jobs],
             "instance_ids": [j.instance_id for j in jobs],
             "payloads": [j.payload_json() for j in jobs],
             "priorities": [j.priority for j in jobs],
             "max_attempts": [j.max_attempts for j in jobs],
             "delays": [j.delay_s for j in jobs],
-            "actor_kind": actor.kind,
-            "actor_id": actor.id,
-            "request_id": request_id,
-        },
-        prepare=True,
-    )
+        }
+    params.update(actor_kind=actor.kind, actor_id=actor.id, request_id=request_id)
+    statement = sql.ENQUEUE_JOB if len(jobs) == 1 else sql.ENQUEUE_JOBS
+    cursor = await conn.execute(statement, params, prepare=True)
     created = await cursor.fetchall()
     by_key = {(row["instance_id"], row["kind"]): row for row in created if row["instance_id"]}
     unkeyed = iter(row for row in created if row["instance_id"] is None)

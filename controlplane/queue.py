@@ -7,11 +7,12 @@ import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import lifecycle, sql
+from controlplane import lifecycle, metrics, sql
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import InvalidRequest, InvalidState, NotFound
 from controlplane.jobs import get_job
@@ -77,7 +78,7 @@ async def _batch(conn: AsyncConn, moves: list[Move], actor: Actor) -> BatchResul
 async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: int) -> list[DictRow]:
     """Claim up to `limit` due queued jobs of `kinds` in one statement; each gets a new fence.
 
-    Returned in claim order: priority, then run_at.
+    Returned in claim order: priority, work already begun first, then run_at.
     """
     if limit <= 0 or not kinds:
         return []
@@ -94,10 +95,67 @@ async def claim(conn: AsyncConn, worker_id: str, kinds: Sequence[str], limit: in
         prepare=True,
     )
     rows = await cursor.fetchall()
-    rows.sort(key=lambda row: (row["priority"], row["run_at"], row["fence"]))
+    rows.sort(key=_claim_order)
     for row in rows:
         observe_transition("job", row)
     return rows
+
+
+@dataclass(frozen=True)
+class ClaimFrom:
+    """A point in the claim's order (priority, fresh work, run_at) where a claim may start."""
+
+    priority: int
+    fresh: bool
+    run_at: datetime
+
+    @classmethod
+    def before(cls, job: Mapping[str, Any], margin: timedelta) -> ClaimFrom:
+        """Just before a job claim_and_start returned (its attempt counts this claim)."""
+        return cls(int(job["priority"]), int(job["attempt"]) == 1, job["run_at"] - margin)
+
+    def params(self) -> dict[str, Any]:
+        return {"from_priority": self.priority, "from_fresh": self.fresh, "from_run_at": self.run_at}
+
+
+async def claim_and_start(
+    conn: AsyncConn,
+    worker_id: str,
+    kinds: Sequence[str],
+    limit: int,
+    start: ClaimFrom | None = None,
+) -> list[DictRow]:
+    """Claim up to `limit` due jobs of `kinds` and start them: one statement, one round trip.
+
+    Each job makes both moves of the transition path (queued -> claimed with a new fence, then
+    claimed -> running), each with its event row; returned as started, in claim order. With
+    `start`, only jobs at that point of the claim's order or after it are looked at.
+    """
+    if limit <= 0 or not kinds:
+        return []
+    params = {"kinds": list(kinds), "limit": limit, "worker": worker_id}
+    params.update(start.params() if start is not None else sql.CLAIM_FROM_START)
+    cursor = await conn.execute(sql.CLAIM_AND_START, params, prepare=True)
+    rows = await cursor.fetchall()
+    if rows:
+        rows.sort(key=_claim_order)
+        observe_claims_and_starts(rows)
+    return rows
+
+
+def _claim_order(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (row["priority"], row["attempt"] == 1, row["run_at"], row["fence"])
+
+
+def observe_claims_and_starts(rows: Sequence[Mapping[str, Any]]) -> None:
+    """The metrics of both moves of claim_and_start (what observe_transition records for each)."""
+    metrics.TRANSITIONS.labels("job", "queued", "claimed", "claim").inc(len(rows))
+    metrics.TRANSITIONS.labels("job", "claimed", "running", "start").inc(len(rows))
+    queued = metrics.TIME_IN_STATE.labels("job", "queued")
+    claimed = metrics.TIME_IN_STATE.labels("job", "claimed")
+    for row in rows:
+        queued.observe(max(0.0, row["_queued_s"]))
+        claimed.observe(0.0)
 
 
 async def start_many(conn: AsyncConn, jobs: Sequence[Mapping[str, Any]], actor: Actor) -> BatchResult:

@@ -23,7 +23,7 @@ from controlplane.registry import JobRegistry
 from controlplane.settings import NotAvailable, Settings
 from controlplane.worker import Worker, default_worker_id, worker_pool
 from provisioners.base import Provisioner
-from reconciler.leader import LeaderElection
+from reconciler.leader import LeaderElection, ShardLeases
 from reconciler.reconciler import Reconciler
 
 if TYPE_CHECKING:
@@ -186,7 +186,11 @@ async def run_reconciler_role(
             else:
                 log.warning("another reconciler holds the leader lock; no pass run")
             return
-        await reconciler.run(stop, election)
+        shards = ShardLeases(url, settings.reconciler.shards)
+        try:
+            await reconciler.run(stop, election, shards)
+        finally:
+            await shards.release()
     finally:
         await election.release()
         await pool.close()

@@ -200,7 +200,14 @@ jobs = Table(
         "heartbeat_at",
         postgresql_where=text(f"state IN {HELD}"),
     ),
-    Index("ix_jobs_queued_order", "priority", "run_at", postgresql_where=text("state = 'queued'")),
+    # The claim's order (sql.CLAIM_ORDER): priority, work already begun first, then run_at.
+    Index(
+        "ix_jobs_queued_order",
+        "priority",
+        text("(attempt = 0)"),
+        "run_at",
+        postgresql_where=text("state = 'queued'"),
+    ),
     Index("ix_jobs_failed_run_at", "run_at", postgresql_where=text("state = 'failed'")),
     Index(
         "ux_jobs_live_instance_kind",

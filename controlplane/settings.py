@@ -294,6 +294,14 @@ class ReconcilerSettings(_Group):
     concurrency: int = _setting(
         4, "reconcile_concurrency", "Provisioner calls (observe) one pass makes at once.", ge=1
     )
+    shards: int = _setting(
+        16,
+        "reconcile_shards",
+        "Shards of the instances (by a hash of the id) that the running reconcilers share out, each "
+        "held by one process at a time; more shards than processes keeps the shares even.",
+        ge=1,
+        le=1024,
+    )
     deadline_pending_s: float = _setting(
         300.0, "deadline_pending_s", "Time an instance may stay `pending` before the reconciler acts.", gt=0
     )
@@ -358,6 +366,12 @@ class ProvisionerSettings(_Group):
         "local",
         "provisioner",
         "`local` (PostgreSQL servers on this machine), `kubernetes`, or `noop` (benchmarks).",
+    )
+    noop_observe_latency_s: float = _setting(
+        0.0,
+        "noop_observe_latency_s",
+        "How long the noop provisioner's observe takes (benchmarks of the reconciler).",
+        ge=0,
     )
     local_port_min: int = _setting(
         15432, "local_port_min", "Lowest port the local provisioner gives an instance.", ge=1, le=65535

@@ -34,6 +34,8 @@ def _live_states(table: str, terminal: frozenset[str], states: tuple[str, ...]) 
 
 
 LIVE_INSTANCE = _live_states("i.", INSTANCE.terminal, INSTANCE.states)
+# An instance's reconciler shard (0 .. shard_count - 1), from its id (see JOIN_SHARDS).
+SHARD_OF = "mod(hashtext({id}::text) & 2147483647, %(shard_count)s)"
 
 # ---- the one transition path (instances and jobs) -------------------------------------------------
 
@@ -132,8 +134,8 @@ _MOVED_FIELDS = (
 _EVENT_AT = "GREATEST(now(), t.state_entered_at)"
 
 
-def _audit_tail(spec: EntityTable) -> str:
-    """Event rows and notifications for the rows in `moved`, then the moved rows themselves.
+def _audit_ctes(spec: EntityTable) -> str:
+    """Event rows and notifications for the rows in `moved` (a final SELECT must read both CTEs).
 
     The moved rows carry the new chain head (`chain_seq`, `chain_head`, set by the UPDATE) and the
     previous one (`_prev_hash`): the event row is the head, linked to its predecessor."""
@@ -148,10 +150,19 @@ def _audit_tail(spec: EntityTable) -> str:
     RETURNING 1
 ), notified AS (
     SELECT pg_notify('cp_{spec.entity}_' || state, id::text || ':' || state_version) FROM moved
-)
+)"""
+
+
+# The moved rows themselves, once their event rows and notifications are written.
+_RETURN_MOVED = """
 SELECT moved.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _notified
 FROM moved
 """
+
+
+def _audit_tail(spec: EntityTable) -> str:
+    """Event rows and notifications for the rows in `moved`, then the moved rows themselves."""
+    return _audit_ctes(spec) + _RETURN_MOVED
 
 
 def _chain_sets(entity: str, fields: str) -> str:
@@ -162,7 +173,8 @@ def _chain_sets(entity: str, fields: str) -> str:
         chain_head = {head}"""
 
 
-def _transition(spec: EntityTable, moves_input: str) -> str:
+def _transition_ctes(spec: EntityTable, moves_input: str) -> str:
+    """The transition's CTEs (`m`, `moved`, `audit`, `notified`): a final SELECT completes them."""
     sets = ",\n        ".join(spec.sets)
     return f"""
 WITH m AS ({moves_input}), moved AS (
@@ -178,8 +190,11 @@ WITH m AS ({moves_input}), moved AS (
               m.detail AS _detail, prev.chain_head AS _prev_hash,
               extract(epoch FROM now() - prev.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - t.created_at)::float8 AS _age_s
-){_audit_tail(spec)}
-"""
+){_audit_ctes(spec)}"""
+
+
+def _transition(spec: EntityTable, moves_input: str) -> str:
+    return _transition_ctes(spec, moves_input) + _RETURN_MOVED
 
 
 # Move rows along their lifecycle (one or many): the one transition path.
@@ -202,12 +217,29 @@ _CLAIM_FIELDS = (
     " t.state_version + 1"
 )
 
+# The claim's order: priority, then work already begun (a reclaimed or retried job, attempt > 0)
+# before fresh work, then run_at; served by the partial index ix_jobs_queued_order, whose columns
+# are these expressions. A reclaimed job keeps its run_at, so without the middle key it could wait
+# behind a backlog enqueued at the same moment.
+CLAIM_ORDER = "priority, attempt = 0, run_at"
+
+# Where in that order a claim starts: at (from_priority, from_fresh, from_run_at) or after. A
+# worker passes a point just before the jobs it claimed last, so that its index scan does not walk
+# the entries of the rows claimed since (dead, but kept while any snapshot is older than them); it
+# scans from the start of the order (CLAIM_FROM_START) every so often, for what comes before.
+CLAIM_FROM = (
+    "(priority, attempt = 0, run_at)"
+    " >= (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
+)
+CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
+
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
-CLAIM_JOBS = f"""
+_CLAIM_CTES = f"""
 WITH locked AS (
     SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
-    ORDER BY priority, run_at
+      AND {CLAIM_FROM}
+    ORDER BY {CLAIM_ORDER}
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), picked AS (
@@ -231,7 +263,94 @@ WITH locked AS (
               picked.chain_head AS _prev_hash,
               extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - picked.created_at)::float8 AS _age_s
-){_audit_tail(JOB_TABLE)}
+){_audit_ctes(JOB_TABLE)}"""
+
+
+def _substitute(statement: str, **expressions: str) -> str:
+    """`statement` with each %(name)s placeholder named replaced by an SQL expression."""
+    for name, expression in expressions.items():
+        statement = statement.replace(f"%({name})s", expression)
+    return statement
+
+
+def _bind(statement: str, **expressions: str) -> str:
+    """`statement` with every placeholder replaced by an SQL expression (a function's body)."""
+    statement = _substitute(statement, **expressions)
+    assert "%(" not in statement, f"unbound placeholder in {statement}"
+    return statement
+
+
+# The claim on its own (a claimed job is started by a transition of its own), over the whole queue.
+CLAIM_JOBS = (
+    _substitute(
+        _CLAIM_CTES,
+        from_priority=f"({CLAIM_FROM_START['from_priority']})",
+        from_fresh="false",
+        from_run_at="'-infinity'",
+    )
+    + _RETURN_MOVED
+)
+
+
+# The start of the rows a claim just took, as the transition template's input (in the function).
+_START_CLAIMED_INPUT = """
+    SELECT c.id, c.version AS expected_version, 'claimed'::text AS from_state,
+           'running'::text AS to_state, 'start'::text AS event, NULL::text AS reason,
+           NULL::jsonb AS detail, '{}'::jsonb AS patch
+    FROM unnest(v_ids, v_versions) AS c(id, version)
+"""
+_WORKER_ACTOR = {"actor_kind": "'worker'::text", "actor_id": "p_worker", "request_id": "NULL::text"}
+_CLAIM_FROM_ARGS = {
+    "from_priority": "p_from_priority",
+    "from_fresh": "p_from_fresh",
+    "from_run_at": "p_from_run_at",
+}
+
+# The body of cp_claim_and_start (migration 0009 holds this text; tests/integration/test_schema.py
+# checks that the installed function still matches it, so a change here needs a migration).
+# Two statements in one call, one round trip: the claim (CLAIM_JOBS: SKIP LOCKED, a new fence,
+# its event rows), then the start of what it claimed through the one transition template (guarded
+# on id, version and state, its own event rows); the state trigger checks each. Returns the jobs as
+# started, with how long each had been queued.
+CLAIM_AND_START_BODY = f"""
+DECLARE
+    v_ids uuid[];
+    v_versions bigint[];
+    v_queued float8[];
+    v_rows bigint;
+    v_audited bigint;
+    v_notified bigint;
+BEGIN
+{_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_CLAIM_FROM_ARGS, **_WORKER_ACTOR)}
+SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._dwell_s),
+       (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
+INTO v_ids, v_versions, v_queued, v_audited, v_notified
+FROM moved;
+IF v_ids IS NULL THEN
+    RETURN;
+END IF;
+{_bind(_transition_ctes(JOB_TABLE, _START_CLAIMED_INPUT), **_WORKER_ACTOR)}
+SELECT count(*), (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
+INTO v_rows, v_audited, v_notified
+FROM moved;
+RETURN QUERY
+    SELECT q.queued_s, j FROM jobs AS j
+    JOIN unnest(v_ids, v_queued) AS q(id, queued_s) ON q.id = j.id
+    WHERE j.state = 'running' AND j.claimed_by = p_worker;
+END
+"""
+CLAIM_AND_START_SIGNATURE = (
+    "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text,"
+    " p_from_priority integer, p_from_fresh boolean, p_from_run_at timestamptz)"
+)
+
+# Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
+CLAIM_AND_START = """
+SELECT (c.job).*, c.queued_s AS _queued_s
+FROM cp_claim_and_start(
+    %(kinds)s::text[], %(limit)s::int, %(worker)s::text,
+    %(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz
+) AS c
 """
 
 # Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.
@@ -248,34 +367,55 @@ _ENQUEUE_FIELDS = (
     " %(request_id)s, 0"
 )
 
-# Enqueue jobs (one or many) with their creation events; a second live job of the same
-# (instance, kind) is not created: the partial unique index turns it into a no-op.
-ENQUEUE_JOBS = f"""
-WITH input AS (
+# The per-job input of an enqueue: many as arrays, or one as scalars (cheaper to send).
+_ENQUEUE_INPUT = """
     SELECT gen_random_uuid() AS id, now() AS at, i.* FROM unnest(
         %(kinds)s::text[], %(instance_ids)s::uuid[], %(payloads)s::jsonb[], %(priorities)s::int[],
         %(max_attempts)s::int[], %(delays)s::float8[]
     ) AS i(kind, instance_id, payload, priority, max_attempts, delay_s)
-), created AS (
+"""
+_ENQUEUE_ONE_INPUT = """
+    SELECT gen_random_uuid() AS id, now() AS at, %(kinds)s::text AS kind,
+           %(instance_ids)s::uuid AS instance_id, %(payloads)s::jsonb AS payload,
+           %(priorities)s::int AS priority, %(max_attempts)s::int AS max_attempts,
+           %(delays)s::float8 AS delay_s
+"""
+
+
+def _enqueue_ctes(job_input: str, prefix: str = "") -> str:
+    """Enqueue jobs with their creation events (CTEs `input`, `created`, `audit`, `notified`, each
+    name prefixed); a second live job of the same (instance, kind) is not created: the partial
+    unique index turns it into a no-op."""
+    return f"""{prefix}input AS ({job_input}), {prefix}created AS (
     INSERT INTO jobs (id, kind, instance_id, payload, state, priority, max_attempts, run_at,
                       state_entered_at, chain_seq, chain_head)
     SELECT id, kind, instance_id, payload, 'queued', priority, max_attempts,
            now() + make_interval(secs => delay_s), at, 0,
            {event_hash("job", "id", "0", "NULL", _ENQUEUE_FIELDS, "at")}
-    FROM input
+    FROM {prefix}input
     ON CONFLICT (instance_id, kind) WHERE state NOT IN {FINISHED} DO NOTHING
     RETURNING *
-), audit AS (
+), {prefix}audit AS (
     INSERT INTO job_events (job_id, {EVENT_FIELDS}, at, seq, prev_hash, hash)
     SELECT id, {_ENQUEUE_FIELDS}, state_entered_at, 0, NULL, chain_head
-    FROM created
+    FROM {prefix}created
     RETURNING 1
-), notified AS (
-    SELECT pg_notify('cp_job_queued', id::text || ':0') FROM created
-)
+), {prefix}notified AS (
+    SELECT pg_notify('cp_job_queued', id::text || ':0') FROM {prefix}created
+)"""
+
+
+def _enqueue(job_input: str) -> str:
+    return f"""
+WITH {_enqueue_ctes(job_input)}
 SELECT created.*, (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
 FROM created
 """
+
+
+ENQUEUE_JOBS = _enqueue(_ENQUEUE_INPUT)
+# The same statement for a single job (as TRANSITION_ONE is for a single move).
+ENQUEUE_JOB = _enqueue(_ENQUEUE_ONE_INPUT)
 
 # The live job of each (instance, kind) pair: what a de-duplicated enqueue found instead.
 LIVE_JOBS_FOR = f"""
@@ -295,7 +435,7 @@ _CREATE_FIELDS = (
 )
 
 # Create an instance in its initial state with its creation event (a retry names the failed one).
-CREATE_INSTANCE = f"""
+_CREATE_INSTANCE_CTES = f"""
 WITH input AS (
     SELECT gen_random_uuid() AS id, now() AS at, %(spec)s::jsonb AS spec, %(replaces)s::uuid AS replaces
 ), created AS (
@@ -313,11 +453,34 @@ WITH input AS (
     RETURNING 1
 ), notified AS (
     SELECT pg_notify('cp_instance_pending', id::text || ':0') FROM created
-)
+)"""
+_CREATED_INSTANCE = """
 SELECT created.*, o.billing_hold, 0::float8 AS time_in_state_s,
-       (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n
+       (SELECT count(*) FROM audit) AS _audited, (SELECT count(*) FROM notified) AS _n{more}
 FROM created JOIN organisations o ON o.id = created.org_id
 """
+CREATE_INSTANCE = _CREATE_INSTANCE_CTES + _CREATED_INSTANCE.format(more="")
+
+# The new instance's first job, from the instance the same statement creates.
+_FIRST_JOB_INPUT = """
+    SELECT gen_random_uuid() AS id, now() AS at, %(job_kind)s::text AS kind,
+           created.id AS instance_id, %(job_payload)s::jsonb AS payload,
+           %(job_priority)s::int AS priority, %(job_max_attempts)s::int AS max_attempts,
+           0::float8 AS delay_s
+    FROM created
+"""
+
+# Create an instance and its first job, each with its creation event, in one statement: the rows
+# a create needs, in one round trip.
+CREATE_INSTANCE_WITH_JOB = (
+    _CREATE_INSTANCE_CTES
+    + ", "
+    + _enqueue_ctes(_FIRST_JOB_INPUT, "job_")
+    + _CREATED_INSTANCE.format(
+        more=",\n       (SELECT count(*) FROM job_audit) + (SELECT count(*) FROM job_notified) AS _job_n,"
+        "\n       (SELECT kind FROM job_created) AS _job_kind"
+    )
+)
 
 # ---- the supervisor's scans -------------------------------------------------------------------------
 
@@ -345,9 +508,10 @@ FOR UPDATE SKIP LOCKED
 
 # ---- the reconciler ---------------------------------------------------------------------------------
 
-# Reconciler: a batch of live instances, least recently reconciled first, with the kinds of
-# their live jobs and their organisation's hold. Served by the partial index ix_instances_live_state
-# (and ux_jobs_live_instance_kind for the jobs), so its cost follows live work, not table size.
+# Reconciler: a batch of live instances (of the given shards, or all), least recently reconciled
+# first, with the kinds of their live jobs and their organisation's hold. Served by the partial
+# index ix_instances_live_state (and ux_jobs_live_instance_kind for the jobs), so its cost follows
+# live work, not table size.
 SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
        i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
@@ -360,6 +524,7 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
        COALESCE(%(now)s::timestamptz, now()) AS now
 FROM instances i JOIN organisations o ON o.id = i.org_id
 WHERE {LIVE_INSTANCE}
+  AND (%(shards)s::int[] IS NULL OR {SHARD_OF.format(id="i.id")} = ANY(%(shards)s::int[]))
 ORDER BY i.last_reconciled_at NULLS FIRST, i.id
 LIMIT %(limit)s
 """
@@ -779,6 +944,25 @@ SESSION_WRITABLE = "SELECT current_setting('transaction_read_only') = 'off' AS w
 PING = "SELECT 1"
 TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s) AS locked"
 RELEASE_LEADER_LOCK = "SELECT pg_advisory_unlock(%(key)s)"
+
+# Reconciler shards: an instance's shard is a hash of its id; each shard is a session advisory lock
+# (class, shard) held by one reconciler process, and each process holds a membership lock
+# (class, its backend pid) so that the others can count the processes sharing the shards.
+JOIN_SHARDS = "SELECT pg_advisory_lock(%(members)s, pg_backend_pid()), pg_backend_pid() AS pid"
+SHARD_MEMBERS = """
+SELECT count(*) AS members FROM pg_locks
+WHERE locktype = 'advisory' AND classid = %(members)s::oid AND objsubid = 2 AND granted
+"""
+TRY_SHARD = "SELECT pg_try_advisory_lock(%(shards)s, %(shard)s) AS locked"
+RELEASE_SHARD = "SELECT pg_advisory_unlock(%(shards)s, %(shard)s)"
+# Inside the transaction that acts on an instance: its shard's lock is still held by `pid`.
+HOLDS_SHARD_OF = f"""
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND classid = %(shards)s::oid AND objsubid = 2 AND granted
+      AND pid = %(pid)s AND objid = {SHARD_OF.format(id="%(id)s")}::oid
+) AS held
+"""
 
 # ---- backups: what the control plane holds of each instance -----------------------------------------
 

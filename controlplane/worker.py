@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -11,9 +12,9 @@ import signal
 import socket
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import psycopg
@@ -38,6 +39,18 @@ DATABASE_GONE = (psycopg.OperationalError, PoolTimeout, db.READ_ONLY)
 CONNECTION_TIMEOUT_S = 5.0
 # Longest wait for more free slots before claiming into a backlog (bigger, fewer claim batches).
 CLAIM_LINGER_S = 0.05
+# Jobs are claimed ahead of free slots only while handlers take less than this on average: a ready
+# job must not wait behind long handlers (a provisioning) while another worker has slots free.
+PREFETCH_BELOW_S = 0.05
+# How often a claim looks at the whole queue (from the start of the claim's order): in between,
+# a worker's claims start just before the jobs it claimed last, so that they do not walk the index
+# entries of every job claimed since the oldest open snapshot. Work that sorts earlier (reclaimed or
+# retried, a higher priority, an enqueue that committed late) waits at most this long.
+FULL_CLAIM_EVERY_S = 1.0
+# How far before the run_at of the jobs it claimed last a worker's next claim starts.
+CLAIM_FROM_MARGIN = timedelta(seconds=1)
+# Under a trickle, how long the writer waits for more outcomes to share a statement with.
+WRITE_LINGER_S = 0.002
 
 
 def default_worker_id() -> str:
@@ -111,9 +124,11 @@ class Outcome:
 class Worker:
     """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`.
 
-    Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), starts the claimed
-    batch in one statement, heartbeats all held jobs in one statement on its own connection,
-    and writes completions and errors in batches. `request_stop()` begins a graceful shutdown.
+    Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), claiming and starting
+    a batch in one statement, and keeps up to half its concurrency more started jobs ready (claimed
+    while the others run) for the slots that free up; heartbeats all held jobs in one statement on
+    its own connection, and writes completions and errors in batches on a third.
+    `request_stop()` begins a graceful shutdown.
     """
 
     def __init__(
@@ -143,8 +158,16 @@ class Worker:
         self.concurrency = settings.worker.concurrency
         # With a backlog, claim when at least this many slots are free (or after CLAIM_LINGER_S).
         self._batch_min = max(1, self.concurrency // 2)
+        # Started jobs kept ready for slots to free up: the next batch is claimed while these run.
+        self.prefetch = self._batch_min
+        # Mean handler time (exponentially weighted; None until one returns): decides the prefetch.
+        self._handler_s: float | None = None
+        # Where the next claim starts (None: the whole queue), and when the next whole one is due.
+        self._claim_from: queue.ClaimFrom | None = None
+        self._full_claim_at = 0.0
+        self._ready: collections.deque[Held] = collections.deque()
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
-        self.counts: Counter[str] = Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
         self._held: dict[uuid.UUID, Held] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._outcomes: list[Outcome] = []
@@ -231,24 +254,29 @@ class Worker:
 
     # ----------------------------------------------------------------- claiming
 
+    def _room(self) -> int:
+        """How many more jobs this worker may take: free slots, plus the ready jobs it may keep."""
+        quick = self._handler_s is not None and self._handler_s < PREFETCH_BELOW_S
+        return self.concurrency + (self.prefetch if quick else 0) - len(self._tasks) - len(self._ready)
+
     async def _claim_loop(self) -> None:
         backlog = False  # the last claim was full: more jobs are likely waiting
         while not self._stop.is_set():
-            free = self.concurrency - len(self._tasks)
-            if free <= 0:
+            room = self._room()
+            if room <= 0:
                 self._kick.clear()
                 await self._kick.wait()
                 continue
-            if backlog and free < self._batch_min:
+            if backlog and room < self._batch_min:
                 await self._gather_slots()
                 if self._stop.is_set():
                     break
-                free = self.concurrency - len(self._tasks)
+                room = self._room()
             self._kick.clear()
-            backlog = await self._claim_and_start(free) == free
+            backlog = await self._claim_and_start(room) == room
             if self._stop.is_set():
                 break
-            if self.concurrency - len(self._tasks) <= 0:
+            if self._room() <= 0:
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=self.settings.worker.poll_interval_s)
@@ -256,7 +284,7 @@ class Worker:
     async def _gather_slots(self) -> None:
         """With a backlog, let up to half the slots free up (briefly) so claims come in batches."""
         deadline = time.monotonic() + CLAIM_LINGER_S
-        while not self._stop.is_set() and self.concurrency - len(self._tasks) < self._batch_min:
+        while not self._stop.is_set() and self._room() < self._batch_min:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -264,42 +292,48 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=remaining)
 
-    async def _claim_and_start(self, free: int) -> int:
-        """Claim up to `free` jobs and start them in one transaction; returns how many were claimed.
+    async def _claim_and_start(self, room: int) -> int:
+        """Claim and start up to `room` jobs in one statement; returns how many were started.
 
-        One commit per batch on the path to the handlers. The jobs become this worker's (heartbeated,
-        handed back at shutdown) only once that commit is known: a heartbeat that ran while the
-        transaction was open would still see them queued and take them for lost.
+        One round trip per batch on the path to the handlers. The jobs become this worker's
+        (heartbeated, handed back at shutdown) once the statement's commit is known; those beyond
+        the free slots wait, started, in `_ready` (a kill -9 leaves them to the supervisor, as it
+        does the running ones).
         """
+        now = time.monotonic()
+        start = self._claim_from if now < self._full_claim_at else None
+        if start is None:
+            self._full_claim_at = now + FULL_CLAIM_EVERY_S
 
-        async def claim_and_start() -> tuple[list[DictRow], BatchResult]:
-            async with self._claiming.connection() as conn, conn.transaction():
-                claimed = await queue.claim(conn, self.worker_id, self.kinds, free)
-                started = (
-                    await queue.start_many(conn, claimed, self.actor) if claimed else BatchResult([], [])
-                )
-            return claimed, started
+        async def claim_and_start() -> list[DictRow]:
+            async with self._claiming.connection() as conn:
+                return await queue.claim_and_start(conn, self.worker_id, self.kinds, room, start)
 
         sent = time.monotonic()
         try:
             # A claim that loses a race (a deadlock with a writer of the same rows) is run again.
-            claimed, started = await db.retry_lost_races(claim_and_start)
+            started = await db.retry_lost_races(claim_and_start)
         except DATABASE_GONE as exc:
-            # Rolled back, or committed with its reply lost: then its jobs go stale and are reclaimed.
+            # Not applied, or applied with its reply lost: then its jobs go stale and are reclaimed.
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
             await self._pause_after_failure()
             return 0
-        self.counts["claimed"] += len(claimed)
-        for row in started.moved:
+        self.counts["claimed"] += len(started)
+        if started:
+            self._claim_from = queue.ClaimFrom.before(started[0], CLAIM_FROM_MARGIN)
+        for row in started:
             held = Held(row, lease_from=sent)
             self._held[held.id] = held
-            self._launch(held)
-        for failure in started.failed:
-            # The claim holds the rows' locks until the commit: a start cannot lose a race to
-            # anyone. Should it fail anyway, the job stays claimed and the supervisor reclaims it.
-            log.error("worker %s: a job it claimed did not start: %s", self.worker_id, failure)
-            self.counts["not_started"] += 1
-        return len(claimed)
+            self._ready.append(held)
+        self._launch_ready()
+        return len(started)
+
+    def _launch_ready(self) -> None:
+        """Start handlers for ready jobs while slots are free (none once the worker is stopping)."""
+        while self._ready and len(self._tasks) < self.concurrency and not self._stop.is_set():
+            held = self._ready.popleft()
+            if not held.lost:
+                self._launch(held)
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -313,6 +347,7 @@ class Worker:
 
     def _slot_freed(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        self._launch_ready()
         self._kick.set()
 
     # ----------------------------------------------------------------- running handlers
@@ -327,6 +362,7 @@ class Worker:
             settings=self.settings,
             services=self.services,
         )
+        began = time.monotonic()
         try:
             verdict = await kind.handler(context)
         except asyncio.CancelledError:
@@ -347,6 +383,8 @@ class Worker:
             self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
         else:
             crashpoints.reached("worker.after_handler")
+            took = time.monotonic() - began
+            self._handler_s = took if self._handler_s is None else 0.9 * self._handler_s + 0.1 * took
             problem = _not_a_verdict(verdict)
             if problem:
                 self._fail(held, problem, "temporary", None)
@@ -390,6 +428,8 @@ class Worker:
     async def _write_loop(self) -> None:
         while True:
             await self._outcome_ready.wait()
+            if not self._writer_closing and len(self._outcomes) < self._batch_min:
+                await asyncio.sleep(WRITE_LINGER_S)  # more outcomes may share the statement
             self._outcome_ready.clear()
             batch = [o for o in self._outcomes if not o.held.lost]
             self._outcomes = []

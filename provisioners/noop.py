@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import TYPE_CHECKING
 
 from provisioners.base import (
     ConnectionInfo,
@@ -13,11 +15,23 @@ from provisioners.base import (
     Resource,
 )
 
+if TYPE_CHECKING:
+    from controlplane.settings import Settings
+
 
 class NoopProvisioner(Provisioner):
     """No infrastructure: what is left is the control plane's own cost of running an operation."""
 
     name = "noop"
+    observe_latency_s = 0.0
+
+    def __init__(self, observe_latency_s: float = 0.0) -> None:
+        # What an observe costs a real provisioner (a health check's round trip): benchmarks set it.
+        self.observe_latency_s = observe_latency_s
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> NoopProvisioner:
+        return cls(settings.provisioner.noop_observe_latency_s)
 
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         return None
@@ -46,6 +60,8 @@ class NoopProvisioner(Provisioner):
         return DeprovisionResult(backup=None, removed=False)
 
     async def observe(self, instance_id: uuid.UUID) -> Observation:
+        if self.observe_latency_s:
+            await asyncio.sleep(self.observe_latency_s)
         return Observation(True, running=True, healthy=True, read_only=False, detail="noop")
 
     async def inventory(self) -> list[Resource]:

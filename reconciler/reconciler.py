@@ -26,7 +26,7 @@ from controlplane.supervisor import PassResult, Supervisor
 from controlplane.transitions import Actor, Conflict, InvariantViolation, transition
 from provisioners.base import InstanceSpec, Provisioner
 from reconciler import planning
-from reconciler.leader import LeaderElection
+from reconciler.leader import LeaderElection, ShardLeases
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +127,34 @@ class Reconciler:
         # Partitions of the event tables ahead, signed checkpoints of the audit log.
         self.audit = AuditMaintenance(settings, pool, load_box(settings)) if audit else None
 
-    async def run_once(self, now: datetime | None = None) -> PassSummary:
-        """One bounded pass. `now` replaces the database clock in time comparisons (tests)."""
+    async def run_once(
+        self, now: datetime | None = None, *, shards: ShardLeases | None = None, duties: bool = True
+    ) -> PassSummary:
+        """One bounded pass. `now` replaces the database clock in time comparisons (tests).
+
+        With `shards`, the pass looks only at the instances of the shards held (and acts on one
+        only while its shard is still held); `duties` (the leader's: job supervision, orphans, the
+        audit log's upkeep, the gauges) are done by one process of all.
+        """
         started = time.monotonic()
         summary = PassSummary()
-        summary.jobs = await self.supervisor.run_once(now)
-        async with self.pool.connection() as conn:
-            cursor = await conn.execute(
-                sql.SCAN_LIVE_INSTANCES,
-                {"now": now, "limit": self.settings.reconciler.batch_size},
-                prepare=True,
-            )
-            scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
+        if duties:
+            summary.jobs = await self.supervisor.run_once(now)
+        scanned: list[ScannedInstance] = []
+        held = None if shards is None else sorted(shards.held)
+        if held is None or held:
+            async with self.pool.connection() as conn:
+                cursor = await conn.execute(
+                    sql.SCAN_LIVE_INSTANCES,
+                    {
+                        "now": now,
+                        "limit": self.settings.reconciler.batch_size,
+                        "shards": held,
+                        "shard_count": shards.count if shards is not None else 1,
+                    },
+                    prepare=True,
+                )
+                scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
         summary.scanned = len(scanned)
         observations = await self._observe_all(scanned, summary)
         backed_up = self.provisioner.supports_backups
@@ -146,14 +162,15 @@ class Reconciler:
             view = _view(inst, observations.get(inst.id), self.settings, backed_up=backed_up)
             actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
             if actions:
-                await self._apply(inst, actions, summary)
+                await self._apply(inst, actions, summary, shards)
         async with self.pool.connection() as conn:
             if scanned:
-                await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]})
-            await self._record_gauges(conn)
-        if self.sweep_orphans:
+                await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]}, prepare=True)
+            if duties:
+                await self._record_gauges(conn)
+        if self.sweep_orphans and duties:
             await self._sweep(summary)
-        if self.audit is not None:
+        if self.audit is not None and duties:
             try:
                 summary.audit = await self.audit.run_once(now)
             except Exception:  # the next pass tries again; the checkpoint gauge stops moving
@@ -207,11 +224,22 @@ class Reconciler:
         return {instance_id: seen for instance_id, seen in results if seen is not None}
 
     async def _apply(
-        self, inst: ScannedInstance, actions: list[planning.Action], summary: PassSummary
+        self,
+        inst: ScannedInstance,
+        actions: list[planning.Action],
+        summary: PassSummary,
+        shards: ShardLeases | None,
     ) -> None:
-        """Carry out one instance's actions in one transaction; a lost race leaves it to the next pass."""
+        """Carry out one instance's actions in one transaction; a lost race leaves it to the next pass.
+
+        With shards, only while this process still holds the instance's shard (else its new
+        holder acts, and this process must not: each instance is acted on by one process)."""
         try:
             async with self.pool.connection() as conn, conn.transaction():
+                if shards is not None and not await shards.holds_shard_of(conn, inst.id):
+                    summary.count("shard_moved")
+                    log.info("instance %s: its shard moved to another reconciler; left to it", inst.id)
+                    return
                 for action in actions:
                     await self._apply_one(conn, inst, action, summary)
         except Conflict as exc:
@@ -348,19 +376,35 @@ class Reconciler:
             metrics.ORPHANS_REMOVED.inc()
             log.warning("orphan removed: %s %s (final backup: %s)", instance_id, why, result.backup)
 
-    async def run(self, stop: asyncio.Event, election: LeaderElection | None = None) -> None:
-        """Pass after pass while leading; a standby checks for the lock every interval."""
+    async def run(
+        self,
+        stop: asyncio.Event,
+        election: LeaderElection | None = None,
+        shards: ShardLeases | None = None,
+    ) -> None:
+        """Pass after pass: the leader does the duties, every process the instances of its shards
+        (all of them without `shards`, on the leader only). A pass that found a full batch is
+        followed by the next at once; otherwise the next comes after the interval."""
         interval = self.settings.reconciler.interval_s
         while not stop.is_set():
             leading = election is None or await election.ensure()
             metrics.RECONCILER_LEADER.set(1 if leading else 0)
-            if leading:
+            held = None if shards is None else await shards.ensure()
+            full = False
+            if leading or held:
                 try:
-                    await self.run_once()
+                    if shards is None:
+                        summary = await self.run_once()
+                    else:
+                        summary = await self.run_once(shards=shards, duties=leading)
+                    full = summary.scanned >= self.settings.reconciler.batch_size
                 except (psycopg.OperationalError, PoolTimeout) as exc:
                     log.warning("reconciler pass failed: %s", exc)
                 except Exception:
                     # One broken pass must not stop reconciliation; the next pass tries again.
                     log.exception("reconciler pass failed")
+            if full:
+                await asyncio.sleep(0)  # more instances are due: the next pass now
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)

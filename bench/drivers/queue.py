@@ -4,6 +4,7 @@ drain      enqueue N no-op jobs, then time one worker at concurrency C until all
 pickup     a producer at a steady rate; enqueue-to-handler-start latency per job
 worker     run_worker() with a sleeping job kind until SIGTERM (crash-recovery workload)
 supervise  the supervisor loop until SIGTERM (reclaims the jobs of a dead worker)
+claim-latency  enqueue one job, then time its claim and start; N times
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from typing import Any
 
 from bench.drivers.common import emit, quiet_logs
+from bench.peers import cost
 from controlplane import aio, db
 from controlplane.jobs import NewJob, enqueue_many
 from controlplane.registry import JobContext, JobKind, JobRegistry, Verdict
@@ -64,6 +66,8 @@ async def drain(args: argparse.Namespace) -> None:
     pool = db.pool(args.url, min_size=2, max_size=args.concurrency + 3, name="bench-drain")
     await pool.open(wait=True, timeout=30)
     worker = Worker("bench-drain", cfg, pool, registry())
+    meter = cost.Meter(args.url)
+    meter.begin()
     started = time.perf_counter()
     runner = asyncio.create_task(worker.run())
     progress, progressed_at = 0, started
@@ -74,6 +78,7 @@ async def drain(args: argparse.Namespace) -> None:
         elif time.perf_counter() - progressed_at > STALL_S:
             break  # reported below: the worker stopped completing jobs
     elapsed = time.perf_counter() - started
+    spent = meter.end(worker.counts["completed"])
     worker.request_stop()
     await runner
     await pool.close()
@@ -103,6 +108,7 @@ async def drain(args: argparse.Namespace) -> None:
             "counts": dict(worker.counts),
             "batches": batches,
             "states": states,
+            "cost": spent,
             "stalled": worker.counts["completed"] < args.jobs,
         }
     )
@@ -110,9 +116,12 @@ async def drain(args: argparse.Namespace) -> None:
 
 async def pickup(args: argparse.Namespace) -> None:
     latencies: list[float] = []
+    sent: list[float] = []
 
     async def record(ctx: JobContext) -> Verdict:
-        latencies.append(time.time() - float(ctx.payload["t"]))
+        at = float(ctx.payload["t"])
+        latencies.append(time.time() - at)
+        sent.append(at)
         return {"result": "nothing to do"}
 
     cfg = settings(args.url, args.concurrency)
@@ -135,6 +144,7 @@ async def pickup(args: argparse.Namespace) -> None:
     interval = 1.0 / args.rate
     total = int(args.rate * args.seconds)
     start = time.perf_counter()
+    start_wall = time.time()
     behind = 0
     sends = []
     for n in range(total):
@@ -177,8 +187,26 @@ async def pickup(args: argparse.Namespace) -> None:
             "produce_seconds": produced_s,
             "producer_fell_behind": behind,
             "latencies_ms": [round(x * 1000, 3) for x in latencies],
+            # When each job (in the order of latencies_ms) was enqueued, in seconds from the start.
+            "sent_s": [round(x - start_wall, 3) for x in sent],
         }
     )
+
+
+async def claim_latency(args: argparse.Namespace) -> None:
+    """One job enqueued, then claimed and started (the worker's statement), timed; `--jobs` times."""
+    from controlplane import queue
+
+    conn = await db.connect(args.url)
+    latencies = []
+    async with conn:
+        for _ in range(args.jobs):
+            await enqueue_many(conn, [NewJob(NOOP)], ACTOR)
+            began = time.perf_counter()
+            (started,) = await queue.claim_and_start(conn, "bench-claim", [NOOP], 10)
+            latencies.append(time.perf_counter() - began)
+            await queue.finish_many(conn, [(started, {"result": "nothing to do"})], ACTOR)
+    emit({"latencies_ms": [round(x * 1000, 3) for x in latencies]})
 
 
 async def worker(args: argparse.Namespace) -> None:
@@ -210,6 +238,7 @@ COMMANDS = {
     "worker": worker,
     "supervise": supervise,
     "enqueue-sleepers": enqueue_sleepers,
+    "claim-latency": claim_latency,
 }
 
 if __name__ == "__main__":

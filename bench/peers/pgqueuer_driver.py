@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 
 import asyncpg
+import cost  # bench/peers/cost.py, beside this script
 import uvloop
 from pgqueuer import AsyncpgDriver, Job, QueueManager
 from pgqueuer.domain.types import QueueExecutionMode
@@ -65,12 +66,24 @@ async def drain(dsn: str, jobs: int, batch_size: int) -> None:
         nonlocal done
         done += 1
 
+    meter = cost.Meter(dsn)
+    meter.begin()
     started = time.perf_counter()
     await qm.run(batch_size=batch_size, mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1))
     elapsed = time.perf_counter() - started
+    spent = meter.end(done)
     await worker_conn.close()
     left = await pending(dsn)
-    emit({"jobs": jobs, "executed": done, "left": left, "seconds": elapsed, "jobs_per_s": done / elapsed})
+    emit(
+        {
+            "jobs": jobs,
+            "executed": done,
+            "left": left,
+            "seconds": elapsed,
+            "jobs_per_s": done / elapsed,
+            "cost": spent,
+        }
+    )
 
 
 async def pickup(dsn: str, rate: float, seconds: float, batch_size: int) -> None:

@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 
+import cost  # bench/peers/cost.py, beside this script
 import psycopg
 import uvloop
 from procrastinate import App, PsycopgConnector
@@ -46,9 +47,12 @@ async def drain(dsn: str, jobs: int, concurrency: int) -> None:
         chunk = 1000
         for start in range(0, jobs, chunk):
             await task.batch_defer_async(*([{}] * min(chunk, jobs - start)))
+        meter = cost.Meter(dsn)
+        meter.begin()
         started = time.perf_counter()
         await app.run_worker_async(concurrency=concurrency, wait=False, install_signal_handlers=False)
         elapsed = time.perf_counter() - started
+        spent = meter.end(counter["done"])
     async with await psycopg.AsyncConnection.connect(dsn) as conn:
         cursor = await conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'")
         row = await cursor.fetchone()
@@ -58,6 +62,7 @@ async def drain(dsn: str, jobs: int, concurrency: int) -> None:
             "jobs": jobs,
             "executed": counter["done"],
             "succeeded": succeeded,
+            "cost": spent,
             "seconds": elapsed,
             "jobs_per_s": counter["done"] / elapsed,
         }

@@ -10,6 +10,8 @@ def all_workloads() -> list[Workload]:
     from bench.workloads.audit import AuditWorkload
     from bench.workloads.crash import CrashWorkload
     from bench.workloads.drain import DrainWorkload
+    from bench.workloads.freshness import FreshnessWorkload
+    from bench.workloads.mvcc import MvccWorkload
     from bench.workloads.pickup import PickupWorkload
     from bench.workloads.reconciler import ReconcilerWorkload
     from bench.workloads.transitions import TransitionsWorkload
@@ -22,4 +24,6 @@ def all_workloads() -> list[Workload]:
         ReconcilerWorkload(),
         CrashWorkload(),
         AuditWorkload(),
+        FreshnessWorkload(),
+        MvccWorkload(),
     ]

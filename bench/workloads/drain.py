@@ -8,6 +8,10 @@ from bench.workloads import peers
 JOBS_S = Metric("jobs_per_s", "jobs/s", "1/s")
 CLAIM_BATCH = Metric("claim_batch", "mean claim batch (jobs/statement)", "", 1)
 FINISH_BATCH = Metric("finish_batch", "mean finish batch (jobs/statement)", "", 1)
+COMMITS = Metric("commits_per_job", "write transactions (commits) per job", "", 2)
+WAL = Metric("wal_bytes_per_job", "WAL bytes per job", "B")
+PER_CORE = Metric("jobs_per_cpu_s", "jobs/s per core (jobs per CPU second, client + server)", "1/s")
+COST = (COMMITS, WAL, PER_CORE)
 CONCURRENCY = 10
 
 
@@ -18,9 +22,9 @@ class DrainWorkload(Workload):
             title="2. Queue drain (concurrency 10)",
             variants=("ours", "pgqueuer", "procrastinate"),
             metrics={
-                "ours": (JOBS_S, CLAIM_BATCH, FINISH_BATCH),
-                "pgqueuer": (JOBS_S,),
-                "procrastinate": (JOBS_S,),
+                "ours": (JOBS_S, CLAIM_BATCH, FINISH_BATCH, *COST),
+                "pgqueuer": (JOBS_S, *COST),
+                "procrastinate": (JOBS_S, *COST),
             },
             targets=(
                 Target("ours/pgqueuer", ("ours", JOBS_S.key), ("pgqueuer", JOBS_S.key), ">=", 1.0),
@@ -40,6 +44,10 @@ class DrainWorkload(Workload):
             "pgqueuer 1.6.0: one QueueManager, asyncpg, batch_size 10, durable tables (its default); "
             "it buffers completions (status log rows flushed in batches) and deletes finished jobs.",
             "procrastinate 3.10.0: one worker, concurrency 10, psycopg pool; finished jobs are kept.",
+            "Cost per job, measured by each driver around its timed phase (`bench/peers/cost.py`): write "
+            "transactions (transaction ids taken: each commit is an fsync), WAL bytes "
+            "(pg_current_wal_lsn before and after), and jobs per CPU second of the driver process and "
+            "the database server together (/proc): jobs/s per core.",
         ]
 
     def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
@@ -72,6 +80,7 @@ class DrainWorkload(Workload):
                 f"(job states {result.get('states')}, worker counts {result.get('counts')})"
             )
         values = {JOBS_S.key: float(result["jobs_per_s"])}
+        values.update({metric.key: float(result["cost"][metric.key]) for metric in COST})
         if "batches" in result:
             values[CLAIM_BATCH.key] = float(result["batches"].get("claim", 0.0))
             values[FINISH_BATCH.key] = float(result["batches"].get("finish", 0.0))

@@ -129,7 +129,11 @@ async def explain_scans(url: str) -> str:
     report: list[str] = []
     async with conn:
         for label, statement, params in (
-            ("SCAN_LIVE_INSTANCES", sql.SCAN_LIVE_INSTANCES, {"now": None, "limit": 100}),
+            (
+                "SCAN_LIVE_INSTANCES",
+                sql.SCAN_LIVE_INSTANCES,
+                {"now": None, "limit": 100, "shards": None, "shard_count": 1},
+            ),
             ("COUNT_LIVE_INSTANCES", sql.COUNT_LIVE_INSTANCES, {}),
             ("COUNT_LIVE_JOBS", sql.COUNT_LIVE_JOBS, {}),
         ):

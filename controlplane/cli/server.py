@@ -38,6 +38,7 @@ API = (
 )
 PROVISIONER = (
     "provisioner",
+    "noop_observe_latency_s",
     "local_port_min",
     "local_port_max",
     "local_listen_host",
@@ -74,6 +75,7 @@ RECONCILER = (
     "reconcile_interval_s",
     "reconcile_batch_size",
     "reconcile_concurrency",
+    "reconcile_shards",
     "deadline_pending_s",
     "deadline_provisioning_s",
     "deadline_updating_s",

@@ -8,6 +8,7 @@ instance (a new spec generation, a deletion request) and carried out as soon as 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 
@@ -98,8 +99,11 @@ async def create(
     spec: dict[str, object] = {"plan": request.plan, "region": request.region}
     if request.restore_from is not None:
         spec["restore_from"] = request.restore_from.as_dict()
+    payload = kinds.ProvisionPayload()
+    # The instance, its provision job and their events are one statement: one round trip.
+    job = jobs.NewJob(payload.kind, payload=payload, max_attempts=policy.job_max_attempts)
     with unique_violations(name=request.name):
-        async with db.transaction(conn):
+        async with db.transaction(conn) if request.restore_from is not None else contextlib.nullcontext():
             if request.restore_from is not None:
                 await _check_restore_source(conn, request.org_id, request.restore_from, policy)
             row = await instances.create_instance(
@@ -111,10 +115,9 @@ async def create(
                 deadline_s=policy.pending_deadline_s,
                 deletion_protection=request.deletion_protection,
                 request_id=request_id,
+                first_job=job,
             )
-            inst = Instance.from_row(row)
-            enqueued = await _enqueue(conn, actor, request_id, policy, inst, kinds.ProvisionPayload())
-    return InstanceResult(inst, enqueued)
+    return InstanceResult(Instance.from_row(row), payload.kind)
 
 
 async def change(

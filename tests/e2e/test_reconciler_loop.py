@@ -191,7 +191,7 @@ def is_pass(entry: dict[str, object]) -> bool:
     return entry.get("msg") == "reconciler pass"
 
 
-def test_two_reconciler_processes_one_runs_passes_and_kill_9_hands_over(
+def test_two_reconciler_processes_one_leads_and_kill_9_hands_over(
     fresh_database: str, tmp_path: Path
 ) -> None:
     interval = 0.2
@@ -212,9 +212,9 @@ def test_two_reconciler_processes_one_runs_passes_and_kill_9_hands_over(
         leaders = [name for name, proc in procs.items() if proc.messages("reconciler became leader")]
         assert len(leaders) == 1, leaders
         leader, standby = procs[leaders[0]], procs[({"a", "b"} - set(leaders)).pop()]
-        # Several passes by the leader, none by the standby.
+        # Several passes by the leader; the other reconciles its shards of the instances only
+        # (tests/integration/test_reconciler_shards.py), and never leads while the leader lives.
         leader.wait_for(lambda e: is_pass(e) and len(leader.messages("reconciler pass")) >= 4, timeout_s=10)
-        assert standby.messages("reconciler pass") == []
         assert standby.messages("reconciler became leader") == []
 
         killed = time.monotonic()

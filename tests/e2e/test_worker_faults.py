@@ -203,6 +203,44 @@ async def test_kill_9_jobs_are_reclaimed_and_completed_by_another_worker(
     assert await audit.verify(conn) == []
 
 
+async def test_kill_9_with_a_job_started_but_waiting_for_a_slot_loses_nothing_and_runs_it_once(
+    fresh_database: str, conn: db.AsyncConn, settings: Settings, workers: Workers
+) -> None:
+    await create_tables(conn)
+    victim = workers.start("w-victim", "--concurrency", "2")
+    # Quick handlers first: the worker then claims ahead of its free slots.
+    await enqueue_many(conn, [NewJob("noop") for _ in range(10)], TEST_ACTOR)
+    await until(fresh_database, count_in("completed", 10), channels=("cp_job_completed",))
+    # Three jobs in one statement, slow on their first attempt: two run, one waits for a slot.
+    made = await enqueue_many(
+        conn, [NewJob("record", payload={"seconds": 120, "slow_attempts": 1}) for _ in range(3)], TEST_ACTOR
+    )
+    await until(fresh_database, running_by("w-victim", 3), channels=("cp_job_running",))
+    await poll_until(fresh_database, executions(2))
+    victim.kill()  # SIGKILL, with one job started in the database whose handler never began
+    victim.wait()
+    async with supervising(fresh_database, settings):
+        workers.start("w-rescue", "--concurrency", "8")
+        await until(fresh_database, count_in("completed", 13), timeout=30)
+    assert workers.terminate_all() == {"w-victim": -signal.SIGKILL, "w-rescue": 0}
+    assert await finishes_per_job(conn) == {1: 13}
+    cursor = await conn.execute("SELECT worker_id, count(*) AS n FROM test_executions GROUP BY 1")
+    assert {r["worker_id"]: r["n"] for r in await cursor.fetchall()} == {"w-victim": 2, "w-rescue": 3}
+    for job in made:
+        events = await events_of(conn, job.job["id"])
+        assert [e for e, _, _ in events] == [
+            "enqueue",
+            "claim",
+            "start",
+            "reclaim",
+            "claim",
+            "start",
+            "finish",
+        ]
+        assert events[-1] == ("finish", "worker", "w-rescue")
+    assert await audit.verify(conn) == []
+
+
 async def test_workers_survive_a_postgresql_restart(
     fresh_database: str, settings: Settings, workers: Workers, test_server: TestServer
 ) -> None:

@@ -187,3 +187,20 @@ def test_operator_actions_are_exactly_the_job_lifecycle_events() -> None:
 async def test_unknown_job_is_reported(conn: db.AsyncConn) -> None:
     with pytest.raises(queue.JobNotFound):
         await queue.pause(conn, uuid.uuid4(), "alice", "checking")
+
+
+async def test_claim_and_start_takes_reclaimed_work_before_a_backlog_enqueued_with_it(
+    conn: db.AsyncConn,
+) -> None:
+    # One statement: every job has the same run_at, so only the claim's order decides.
+    made = await enqueue_many(conn, [NewJob("noop") for _ in range(20)], TEST_ACTOR)
+    (first,) = await queue.claim_and_start(conn, "w-dead", ["noop"], 1)
+    assert first["state"] == "running" and first["claimed_by"] == "w-dead"
+    assert (await queue.reclaim_many(conn, [first], Actor("supervisor", "sup"), "worker died")).moved
+    (again,) = await queue.claim_and_start(conn, "w-next", ["noop"], 1)
+    assert again["id"] == first["id"] and again["attempt"] == 2
+    rest = await queue.claim_and_start(conn, "w-next", ["noop"], 30)
+    assert len(rest) == 19 and {r["id"] for r in rest} == {m.job["id"] for m in made} - {first["id"]}
+    events = await events_of(conn, first["id"])
+    assert [e for e, _, _ in events] == ["enqueue", "claim", "start", "reclaim", "claim", "start"]
+    assert await audit.verify(conn) == []

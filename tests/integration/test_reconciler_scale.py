@@ -64,7 +64,12 @@ async def test_a_pass_over_200000_terminal_instances_touches_only_the_100_live_o
     print(f"\nloaded {TERMINAL} terminal and {LIVE} live instances in {time.monotonic() - began:.1f}s")
     assert await scalar(conn, "SELECT count(*) FROM instances WHERE state = 'failed'") == TERMINAL
 
-    params = {"now": await db_now(conn) + timedelta(seconds=1), "limit": settings.reconciler.batch_size}
+    params = {
+        "now": await db_now(conn) + timedelta(seconds=1),
+        "limit": settings.reconciler.batch_size,
+        "shards": None,
+        "shard_count": 1,
+    }
     for statement, args in ((sql.SCAN_LIVE_INSTANCES, params), (sql.COUNT_LIVE_INSTANCES, None)):
         cursor = await conn.execute("EXPLAIN " + statement, args)
         plan = plan_text(await cursor.fetchall())

@@ -112,6 +112,13 @@ def test_models_and_migrations_do_not_drift(fresh_database: str) -> None:
     command.check(alembic_config(fresh_database))
 
 
+def test_installed_claim_and_start_is_the_one_sql_py_builds(fresh_database: str) -> None:
+    # The function's body is built from the transition template: a change there needs a migration.
+    with psycopg.connect(fresh_database) as conn:
+        row = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'cp_claim_and_start'").fetchone()
+    assert row is not None and row[0] == sql.CLAIM_AND_START_BODY
+
+
 async def test_database_lifecycle_rows_equal_the_python_tables(conn: AsyncConn) -> None:
     cursor = await conn.execute("SELECT entity, from_state, event, to_state FROM lifecycle_transitions")
     rows = {(r["entity"], r["from_state"], r["event"], r["to_state"]) for r in await cursor.fetchall()}
