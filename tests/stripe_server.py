@@ -78,7 +78,9 @@ def _handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
                 recorder.requests += 1
                 if self.path != PATH:
                     recorder.problems.append(f"unexpected path {self.path}")
-                    return self._answer(404, {"error": {"type": "invalid_request_error", "message": "no such path"}})
+                    return self._answer(
+                        404, {"error": {"type": "invalid_request_error", "message": "no such path"}}
+                    )
                 if recorder.failed < recorder.fail_first:
                     recorder.failed += 1
                     return self._answer(500, {"error": {"type": "api_error", "message": "outage"}})

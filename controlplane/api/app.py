@@ -20,6 +20,7 @@ from controlplane.api import (
     routes_instances,
     routes_orgs,
     routes_public,
+    routes_notifications,
     routes_tls,
     webhooks,
 )
@@ -95,6 +96,7 @@ def create_app(
         webhooks.router,
         routes_public.router,
         routes_tls.router,
+        routes_notifications.router,
     ):
         app.include_router(router)
     docs.install(app)

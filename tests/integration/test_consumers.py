@@ -20,7 +20,8 @@ async def _recording_table(conn: AsyncConn) -> None:
 
 async def record(conn: AsyncConn, event: LogEvent) -> None:
     await conn.execute(
-        "INSERT INTO seen VALUES (%s, %s, %s) ON CONFLICT DO NOTHING", (event.id, event.instance_id, event.seq)
+        "INSERT INTO seen VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+        (event.id, event.instance_id, event.seq),
     )
 
 
@@ -67,7 +68,9 @@ async def test_an_event_that_commits_after_a_later_id_is_not_skipped(
         assert (await runner.run_once())["recorder"] == 2
         everything = await _all_events(conn)
         assert await _seen(conn) == everything and len(everything) == 4
-        cursor = await conn.execute("SELECT id FROM instance_events WHERE instance_id = %s AND seq = 1", (early["id"],))
+        cursor = await conn.execute(
+            "SELECT id FROM instance_events WHERE instance_id = %s AND seq = 1", (early["id"],)
+        )
         row = await cursor.fetchone()
         assert row is not None and row["id"] < ids[late["id"]]
         assert (await lag_of(conn, "recorder")).events == 0
@@ -83,7 +86,9 @@ async def test_one_runner_per_consumer_at_a_time(conn: AsyncConn, runtime_url: s
     await pool.open(wait=True)
     other = await db.connect(runtime_url)
     try:
-        cursor = await other.execute("SELECT pg_try_advisory_lock(hashtextextended('cp_consumer:' || 'recorder', 0))")
+        cursor = await other.execute(
+            "SELECT pg_try_advisory_lock(hashtextextended('cp_consumer:' || 'recorder', 0))"
+        )
         assert (await cursor.fetchone()) is not None
         runner = ConsumerRunner(pool, [Consumer("recorder", record)])
         assert (await runner.run_once())["recorder"] == 0  # another replica holds it

@@ -29,7 +29,9 @@ SCRIPT: list[tuple[float, str, str, dict[str, Any]]] = [
 ]
 
 
-async def scripted_instance(conn: AsyncConn, org: uuid.UUID, start: datetime, plan: str = "standard") -> uuid.UUID:
+async def scripted_instance(
+    conn: AsyncConn, org: uuid.UUID, start: datetime, plan: str = "standard"
+) -> uuid.UUID:
     """An instance whose log is SCRIPT from `start` (its creation moved back to `start`)."""
     cursor = await conn.execute(
         "INSERT INTO instances (org_id, name, spec, state, chain_seq) VALUES (%s, %s, %s, 'pending', NULL) RETURNING id",
@@ -39,7 +41,9 @@ async def scripted_instance(conn: AsyncConn, org: uuid.UUID, start: datetime, pl
     assert row is not None
     instance: uuid.UUID = row["id"]
     await conn.execute("UPDATE instances SET created_at = %s WHERE id = %s", (start, instance))
-    await append_event(conn, "instance", instance, None, "pending", "create", 0, at=start, detail={"spec": {"plan": plan}})
+    await append_event(
+        conn, "instance", instance, None, "pending", "create", 0, at=start, detail={"spec": {"plan": plan}}
+    )
     previous = "pending"
     for version, (minute, event, state, detail) in enumerate(SCRIPT, start=1):
         at = start + timedelta(minutes=minute)
@@ -77,17 +81,26 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
     await make_org(conn)  # an organisation without a Stripe customer is not reported
     settle = timedelta(minutes=5)
     # The first pass reports the last settled period only; later passes each period after it.
-    assert await usage.enqueue_due_reports(conn, start + HOUR + settle, HOUR, settle, TEST_ACTOR, 50) == [start]
+    assert await usage.enqueue_due_reports(conn, start + HOUR + settle, HOUR, settle, TEST_ACTOR, 50) == [
+        start
+    ]
     later = await usage.enqueue_due_reports(conn, start + 3 * HOUR + settle, HOUR, settle, TEST_ACTOR, 50)
     assert later == [start + HOUR, start + 2 * HOUR]
-    assert await usage.enqueue_due_reports(conn, start + 3 * HOUR + settle, HOUR, settle, TEST_ACTOR, 50) == []
+    assert (
+        await usage.enqueue_due_reports(conn, start + 3 * HOUR + settle, HOUR, settle, TEST_ACTOR, 50) == []
+    )
 
     with stripe_server(fail_first=3) as (base, recorder):
         configured = settings.replace(stripe_api_key=API_KEY, stripe_api_base=base)
         registry = operations.registry(NoopProvisioner())
-        await run_until(configured, registry, _reports_done, timeout_s=30, supervise_at=now + timedelta(days=1))
+        await run_until(
+            configured, registry, _reports_done, timeout_s=30, supervise_at=now + timedelta(days=1)
+        )
         assert recorder.failed == 3 and recorder.problems == [] and recorder.duplicates == 0
-        sent = {(e["timestamp"], e["event_name"], e["payload"]["plan"]): int(e["payload"]["value"]) for e in recorder.accepted.values()}
+        sent = {
+            (e["timestamp"], e["event_name"], e["payload"]["plan"]): int(e["payload"]["value"])
+            for e in recorder.accepted.values()
+        }
         t = [int((start + n * HOUR).timestamp()) for n in range(3)]
         compute, storage = "database_compute_seconds", "database_storage_seconds"
         assert sent == {
@@ -103,7 +116,9 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
         # Reconciliation: the usage recomputed from the log is what Stripe acknowledged.
         recomputed = {}
         for n in range(3):
-            for event in await usage.period_events(conn, start + n * HOUR, start + (n + 1) * HOUR, event_names(configured.billing)):
+            for event in await usage.period_events(
+                conn, start + n * HOUR, start + (n + 1) * HOUR, event_names(configured.billing)
+            ):
                 recomputed[event.identifier] = event.value
         cursor = await conn.execute(sql.METER_EVENTS_SENT)
         recorded = {row["identifier"]: row["value"] for row in await cursor.fetchall()}
@@ -114,7 +129,11 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
         await conn.execute("DELETE FROM meter_events_sent WHERE period_start = %s", (start,))
         await jobs.enqueue(
             conn,
-            jobs.NewJob(REPORT_USAGE, None, payload={"period_start": start.isoformat(), "period_end": (start + HOUR).isoformat()}),
+            jobs.NewJob(
+                REPORT_USAGE,
+                None,
+                payload={"period_start": start.isoformat(), "period_end": (start + HOUR).isoformat()},
+            ),
             TEST_ACTOR,
         )
         requests = recorder.requests

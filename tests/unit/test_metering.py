@@ -70,7 +70,11 @@ def test_a_window_clips_the_segments_and_the_future_is_not_billed() -> None:
 def test_hourly_periods_cover_the_time_once() -> None:
     db = uuid.uuid4()
     events = history(
-        db, (0, "pending", {"spec": {"plan": "dev"}}), (0, "provisioning", {}), (7, "ready", {}), (400, "suspended", {})
+        db,
+        (0, "pending", {"spec": {"plan": "dev"}}),
+        (0, "provisioning", {}),
+        (7, "ready", {}),
+        (400, "suspended", {}),
     )
     now = T0 + timedelta(days=1)
     hourly = [
@@ -78,14 +82,21 @@ def test_hourly_periods_cover_the_time_once() -> None:
     ]
     summed = metering.totals_by([line for hour in hourly for line in hour], "billing")
     whole = metering.totals_by(metering.usage(events, T0, now, now), "billing")
-    assert summed == whole == {("not_billed",): 7 * 60.0, ("billed",): 393 * 60.0, ("storage_only",): 1040 * 60.0}
+    assert (
+        summed
+        == whole
+        == {("not_billed",): 7 * 60.0, ("billed",): 393 * 60.0, ("storage_only",): 1040 * 60.0}
+    )
 
 
 def test_periods_and_identifiers() -> None:
     hour = timedelta(hours=1)
     start = metering.period_floor(T0 + timedelta(minutes=75), hour)
     assert start == T0 + hour
-    assert metering.periods(T0, hour, T0 + timedelta(hours=3, minutes=4), timedelta(minutes=5)) == [T0, T0 + hour]
+    assert metering.periods(T0, hour, T0 + timedelta(hours=3, minutes=4), timedelta(minutes=5)) == [
+        T0,
+        T0 + hour,
+    ]
     line = metering.UsageLine(uuid.uuid4(), ORG, "standard", "billed", 10.0)
     identifier = metering.meter_identifier(T0, line)
     assert len(identifier) <= 100 and identifier == metering.meter_identifier(T0, line)
