@@ -6,11 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from controlplane.cli import common, customer, jobs, orgs, server, sre
+from controlplane.cli import account, common, customer, jobs, orgs, server, sre
 from controlplane.postgres import PostgresError
 from controlplane.settings import NotAvailable, SettingsError
 
-COMMAND_MODULES = (server, customer, sre, jobs, orgs)
+COMMAND_MODULES = (server, customer, account, sre, jobs, orgs)
 
 
 def build_parser() -> argparse.ArgumentParser:

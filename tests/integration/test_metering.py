@@ -76,6 +76,7 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
 ) -> None:
     now = await _now(conn)
     start = metering.period_floor(now - 4 * HOUR, HOUR)
+    await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now, start))
     org = await make_org(conn, stripe_customer_id="cus_metered")
     instance = await scripted_instance(conn, org, start)
     await make_org(conn)  # an organisation without a Stripe customer is not reported
