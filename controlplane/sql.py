@@ -1157,10 +1157,11 @@ GIVE_UP_DELIVERY = "UPDATE notification_deliveries SET state = 'failed' WHERE id
 # ---- billing policy: the grace period after past_due, deletion after a long suspension -------------
 
 MARK_PAST_DUE = """
-UPDATE organisations SET past_due_since = COALESCE(past_due_since, to_timestamp(%(created)s)),
+UPDATE organisations o SET past_due_since = COALESCE(o.past_due_since, to_timestamp(%(created)s)),
     billing_status = %(status)s
-WHERE id = %(id)s
-RETURNING past_due_since
+FROM organisations before
+WHERE o.id = %(id)s AND before.id = o.id
+RETURNING o.past_due_since, before.past_due_since IS NULL AS started
 """
 CLEAR_PAST_DUE = "UPDATE organisations SET past_due_since = NULL WHERE id = %(id)s"
 # Organisations past due for longer than the grace period and not on hold yet.

@@ -141,6 +141,8 @@ async def _past_due(
     )
     row = await cursor.fetchone()
     assert row is not None
+    if not row["started"]:
+        return
     suspends_at = row["past_due_since"] + timedelta(seconds=policy.grace_period_s)
     body = {
         "id": f"evt_billing_{event.id}",
