@@ -229,7 +229,7 @@ class Attempt:
 
 
 def retry_delay(attempts: int) -> float:
-    return min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** max(0, attempts - 1))
+    return float(min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** max(0, attempts - 1)))
 
 
 async def post_webhook(

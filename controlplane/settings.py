@@ -500,7 +500,8 @@ class NotificationSettings(_Group):
     retry_window_s: float = _setting(
         86400.0,
         "notify_retry_window_s",
-        "How long a failing delivery is retried (with backoff); then it is given up and its endpoint disabled.",
+        "How long a failing delivery is retried (with backoff); then it is given up and its endpoint "
+        "disabled.",
         ge=0,
     )
     timeout_s: float = _setting(10.0, "notify_timeout_s", "Timeout of one webhook delivery.", gt=0)

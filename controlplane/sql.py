@@ -1073,7 +1073,8 @@ UPDATE usage_reports SET reported_at = now(), meter_events = %(count)s WHERE per
 """
 METER_EVENTS_SENT_IN = "SELECT identifier FROM meter_events_sent WHERE period_start = %(start)s"
 RECORD_METER_EVENT = """
-INSERT INTO meter_events_sent (identifier, period_start, org_id, instance_id, plan, billing, event_name, value)
+INSERT INTO meter_events_sent
+    (identifier, period_start, org_id, instance_id, plan, billing, event_name, value)
 VALUES (%(identifier)s, %(start)s, %(org)s, %(instance)s, %(plan)s, %(billing)s, %(event_name)s, %(value)s)
 ON CONFLICT (identifier) DO NOTHING
 """

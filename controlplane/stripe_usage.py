@@ -12,6 +12,7 @@ import asyncio
 from datetime import datetime
 
 import stripe
+from stripe._base_address import BaseAddresses
 
 from controlplane.errors import PermanentError, TemporaryError
 from controlplane.registry import JobContext, JobKind, Verdict
@@ -27,9 +28,11 @@ def client(billing: BillingSettings) -> stripe.StripeClient:
     """A Stripe client for the configured account (and base URL); its own retries are off."""
     if billing.stripe_api_key is None:
         raise PermanentError("CONTROLPLANE_STRIPE_API_KEY is not set: usage cannot be reported")
-    base = {"api": billing.stripe_api_base.rstrip("/")} if billing.stripe_api_base else None
+    base: BaseAddresses = (
+        {"api": billing.stripe_api_base.rstrip("/")} if billing.stripe_api_base else {}
+    )
     return stripe.StripeClient(
-        billing.stripe_api_key.get_secret_value(), base_addresses=base or {}, max_network_retries=0
+        billing.stripe_api_key.get_secret_value(), base_addresses=base, max_network_retries=0
     )
 
 

@@ -18,9 +18,9 @@ from controlplane.api import (
     routes_admin,
     routes_backups,
     routes_instances,
+    routes_notifications,
     routes_orgs,
     routes_public,
-    routes_notifications,
     routes_tls,
     webhooks,
 )

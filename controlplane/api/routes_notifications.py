@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from controlplane import notifications as notices
 from controlplane import metering, sql
+from controlplane import notifications as notices
 from controlplane.api import errors, idempotency, views
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import Strict

@@ -152,8 +152,8 @@ async def _past_due(
         "data": {
             "past_due_since": row["past_due_since"].isoformat(),
             "suspends_at": suspends_at.isoformat(),
-            "message": f"The subscription is past due: the databases become read-only on {suspends_at:%Y-%m-%d %H:%M} UTC"
-            " unless the invoice is paid.",
+            "message": "The subscription is past due: the databases become read-only on"
+            f" {suspends_at:%Y-%m-%d %H:%M} UTC unless the invoice is paid.",
         },
     }
     await notifications.queue_notice(conn, org_id, None, "billing.past_due", body)

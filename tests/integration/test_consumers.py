@@ -49,7 +49,7 @@ async def test_an_event_that_commits_after_a_later_id_is_not_skipped(
         # A transaction takes the next event id and stays open; a later one commits after it.
         holder = await psycopg.AsyncConnection.connect(fresh_database, row_factory=psycopg.rows.dict_row)
         await holder.execute("BEGIN")
-        held = await walk(holder, early["id"], "start_provisioning")  # type: ignore[arg-type]
+        held = await walk(holder, early["id"], "start_provisioning")
         committed = await walk(conn, late["id"], "start_provisioning")
         cursor = await conn.execute(
             "SELECT id, instance_id FROM instance_events WHERE instance_id = ANY(%s) AND seq = 1",

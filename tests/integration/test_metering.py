@@ -34,7 +34,7 @@ async def scripted_instance(
 ) -> uuid.UUID:
     """An instance whose log is SCRIPT from `start` (its creation moved back to `start`)."""
     cursor = await conn.execute(
-        "INSERT INTO instances (org_id, name, spec, state, chain_seq) VALUES (%s, %s, %s, 'pending', NULL) RETURNING id",
+        "INSERT INTO instances (org_id, name, spec, state) VALUES (%s, %s, %s, 'pending') RETURNING id",
         (org, f"db-{uuid.uuid4().hex[:6]}", f'{{"plan": "{plan}", "region": "local"}}'),
     )
     row = await cursor.fetchone()

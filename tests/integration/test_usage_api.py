@@ -31,7 +31,8 @@ WEEK: list[tuple[timedelta, str, str, dict[str, Any]]] = [
 
 async def scripted_week(conn: AsyncConn, org: uuid.UUID, start: datetime, name: str) -> uuid.UUID:
     cursor = await conn.execute(
-        "INSERT INTO instances (org_id, name, spec, state, created_at) VALUES (%s, %s, %s, 'pending', %s) RETURNING id",
+        "INSERT INTO instances (org_id, name, spec, state, created_at)"
+        " VALUES (%s, %s, %s, 'pending', %s) RETURNING id",
         (org, name, '{"plan": "small", "region": "local"}', start),
     )
     row = await cursor.fetchone()
@@ -53,7 +54,7 @@ async def test_the_usage_of_a_scripted_week_is_exact_and_the_organisations_own(
     conn: AsyncConn, client: httpx.AsyncClient
 ) -> None:
     org, key = await tenants.create_org(conn, "acme-usage")
-    other, other_key = await tenants.create_org(conn, "globex-usage")
+    other, _ = await tenants.create_org(conn, "globex-usage")
     cursor = await conn.execute(sql.DATABASE_NOW)
     now_row = await cursor.fetchone()
     assert now_row is not None
@@ -85,7 +86,8 @@ async def test_the_usage_of_a_scripted_week_is_exact_and_the_organisations_own(
     print("\n--- usage of a scripted week ---")
     for item in report["totals"]:
         print(
-            f"{item['plan']:>6} {item['billing']:>13} {item['seconds']:>10.0f} s  {item['seconds'] / 3600:8.3f} h"
+            f"{item['plan']:>6} {item['billing']:>13} {item['seconds']:>10.0f} s"
+            f"  {item['seconds'] / 3600:8.3f} h"
         )
 
 
