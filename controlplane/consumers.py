@@ -100,7 +100,11 @@ class ConsumerRunner:
             cursor = await conn.execute(sql.TRY_CONSUMER_LOCK, {"name": consumer.name})
             row = await cursor.fetchone()
             if row is None or not row["locked"]:
-                return 0  # another replica runs this consumer now
+                # Another replica runs this consumer now: it alone exports the consumer's lag.
+                for gauge in (metrics.CONSUMER_LAG_EVENTS, metrics.CONSUMER_LAG_SECONDS):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(consumer.name)
+                return 0
             try:
                 await conn.execute(sql.ENSURE_CONSUMER, {"name": consumer.name})
                 applied = 0
