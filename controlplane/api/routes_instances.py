@@ -20,6 +20,7 @@ from controlplane import sql
 from controlplane.api import errors, idempotency, views, watch
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
+    DNS_LABEL,
     Instance,
     InstanceCreate,
     InstanceEventPage,
@@ -150,7 +151,9 @@ async def list_instances(
     request: Request,
     who: Caller,
     state: InstanceState | None = None,
-    name: Annotated[str | None, Query(max_length=63, description="only the instances of this name")] = None,
+    name: Annotated[
+        str | None, Query(max_length=63, pattern=DNS_LABEL, description="only the instances of this name")
+    ] = None,
     include: Annotated[
         Literal["archived"] | None, Query(description="archived: list deleted failed instances too")
     ] = None,
