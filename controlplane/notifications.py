@@ -182,8 +182,12 @@ def address_allowed(address: str) -> bool:
 def check_url(url: str, policy: NotificationSettings) -> None:
     """Refuse a webhook URL customers may not use (InvalidRequest on the `url` field): its scheme,
     then every address its host resolves to now (so it is checked again at each delivery)."""
-    parts = urlsplit(url)
     allowed = ("https", "http") if policy.allow_http else ("https",)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a bracketed host that is no IPv6 address, a port out of range
+        raise InvalidRequest("url", "the URL is not a valid URL") from None
     if parts.scheme not in allowed or not parts.hostname:
         raise InvalidRequest("url", f"the URL must be {' or '.join(allowed)}://host/...")
     if parts.username or parts.password:
@@ -191,9 +195,9 @@ def check_url(url: str, policy: NotificationSettings) -> None:
     if policy.allow_private:
         return
     try:
-        infos = socket.getaddrinfo(parts.hostname, parts.port or 443, proto=socket.IPPROTO_TCP)
-    except socket.gaierror:
-        raise InvalidRequest("url", f"the host {parts.hostname} does not resolve") from None
+        infos = socket.getaddrinfo(parts.hostname, port or 443, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError, ValueError):  # no such name, or not a name at all
+        raise InvalidRequest("url", f"the host {parts.hostname[:100]} does not resolve") from None
     refused = sorted({str(info[4][0]) for info in infos if not address_allowed(str(info[4][0]))})
     if refused:
         raise InvalidRequest("url", f"the host {parts.hostname} resolves to an address that is not public")

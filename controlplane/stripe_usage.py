@@ -28,9 +28,7 @@ def client(billing: BillingSettings) -> stripe.StripeClient:
     """A Stripe client for the configured account (and base URL); its own retries are off."""
     if billing.stripe_api_key is None:
         raise PermanentError("CONTROLPLANE_STRIPE_API_KEY is not set: usage cannot be reported")
-    base: BaseAddresses = (
-        {"api": billing.stripe_api_base.rstrip("/")} if billing.stripe_api_base else {}
-    )
+    base: BaseAddresses = {"api": billing.stripe_api_base.rstrip("/")} if billing.stripe_api_base else {}
     return stripe.StripeClient(
         billing.stripe_api_key.get_secret_value(), base_addresses=base, max_network_retries=0
     )

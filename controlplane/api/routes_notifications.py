@@ -4,9 +4,10 @@ its usage and its billing state. Thin: the use cases are controlplane.services.n
 
 from __future__ import annotations
 
+import typing
 import uuid
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -28,15 +29,38 @@ MAX_LIMIT = 100
 EVENT_TYPES = ", ".join(f"`{name}`" for name in notices.EVENT_TYPES)
 
 
+# The event types a target subscribes to (`*`: all of them).
+EventType = Literal[
+    "instance.ready",
+    "instance.failed",
+    "instance.degraded",
+    "instance.recovered",
+    "instance.suspended",
+    "instance.resumed",
+    "instance.deleted",
+    "instance.deadline_overdue",
+    "billing.past_due",
+    "*",
+]
+assert set(typing.get_args(EventType)) == {*notices.EVENT_TYPES, "*"}
+
+
 class WebhookEndpointCreate(Strict):
-    url: str = Field(min_length=8, max_length=2048, description="https URL the events are POSTed to")
-    event_types: list[str] = Field(min_length=1, max_length=20, description=f"of {EVENT_TYPES}, or `*`")
-    description: str = Field("", max_length=200)
+    url: str = Field(
+        min_length=10,
+        max_length=2048,
+        pattern=r"^https?://[A-Za-z0-9.\[\]:-]+(/[!-~]*)?$",
+        description="https URL the events are POSTed to (its host must resolve to public addresses)",
+    )
+    event_types: list[EventType] = Field(min_length=1, max_length=20, description=f"of {EVENT_TYPES}, or `*`")
+    description: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")
 
 
 class NotificationEmailCreate(Strict):
-    address: str = Field(min_length=3, max_length=254)
-    event_types: list[str] = Field(min_length=1, max_length=20, description=f"of {EVENT_TYPES}, or `*`")
+    address: str = Field(
+        min_length=3, max_length=254, pattern=r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$"
+    )
+    event_types: list[EventType] = Field(min_length=1, max_length=20, description=f"of {EVENT_TYPES}, or `*`")
 
 
 class WebhookEndpoint(BaseModel):
@@ -202,7 +226,7 @@ async def create_webhook_endpoint(
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
-    asked = service.NewTarget(who.org_id, "webhook", body.url, body.event_types, body.description)
+    asked = service.NewTarget(who.org_id, "webhook", body.url, list(body.event_types), body.description)
 
     def shown(row: Any) -> dict[str, Any]:
         return WebhookEndpoint.model_validate(_endpoint(row)).model_dump(mode="json")
@@ -291,7 +315,7 @@ async def create_notification_email(
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
-    asked = service.NewTarget(who.org_id, "email", body.address, body.event_types)
+    asked = service.NewTarget(who.org_id, "email", body.address, list(body.event_types))
 
     def shown(row: Any) -> dict[str, Any]:
         return NotificationEmail.model_validate(_email(row)).model_dump(mode="json")

@@ -4,8 +4,8 @@ notice, then the hold), and the deletion of instances suspended by billing for t
 from __future__ import annotations
 
 import uuid
-from typing import Any
 from datetime import timedelta
+from typing import Any
 
 from controlplane import billing, tenants
 from controlplane.db import AsyncConn
