@@ -10,9 +10,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs
+
+from tests.notify_support import serving
 
 API_KEY = "sk_test_metering"
 PATH = "/v1/billing/meter_events"
@@ -112,12 +114,5 @@ def _handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
 @contextmanager
 def stripe_server(fail_first: int = 0) -> Iterator[tuple[str, Recorder]]:
     recorder = Recorder(fail_first=fail_first)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(recorder))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", recorder
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(_handler(recorder)) as base:
+        yield base, recorder

@@ -244,13 +244,22 @@ async def create_webhook_endpoint(
 async def list_webhook_endpoints(
     request: Request, who: Caller, cursor: str | None = None, limit: Limit = DEFAULT_LIMIT
 ) -> dict[str, Any]:
+    return await _targets(request, who, "webhook", cursor, limit, _endpoint)
+
+
+async def _targets(
+    request: Request, who: Customer, kind: service.Kind, cursor: str | None, limit: int, shown: Any
+) -> dict[str, Any]:
+    """A page of the organisation's targets of a kind, oldest first, and the next page's cursor."""
     limit = min(limit, MAX_LIMIT)
     async with app_state(request).pool.connection() as conn:
-        rows = await service.page(conn, who.org_id, "webhook", limit + 1, _after(cursor))
-    page, next_cursor = views.page_of(
-        rows, limit, lambda r: views.encode_cursor(r["created_at"].isoformat(), r["id"])
-    )
-    return {"items": [_endpoint(row) for row in page], "next_cursor": next_cursor}
+        rows = await service.page(conn, who.org_id, kind, limit + 1, _after(cursor))
+    page, next_cursor = _page_of(rows, limit)
+    return {"items": [shown(row) for row in page], "next_cursor": next_cursor}
+
+
+def _page_of(rows: Any, limit: int) -> tuple[Any, str | None]:
+    return views.page_of(rows, limit, lambda r: views.encode_cursor(r["created_at"].isoformat(), r["id"]))
 
 
 @router.get(
@@ -333,13 +342,7 @@ async def create_notification_email(
 async def list_notification_emails(
     request: Request, who: Caller, cursor: str | None = None, limit: Limit = DEFAULT_LIMIT
 ) -> dict[str, Any]:
-    limit = min(limit, MAX_LIMIT)
-    async with app_state(request).pool.connection() as conn:
-        rows = await service.page(conn, who.org_id, "email", limit + 1, _after(cursor))
-    page, next_cursor = views.page_of(
-        rows, limit, lambda r: views.encode_cursor(r["created_at"].isoformat(), r["id"])
-    )
-    return {"items": [_email(row) for row in page], "next_cursor": next_cursor}
+    return await _targets(request, who, "email", cursor, limit, _email)
 
 
 @router.delete(

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from psycopg.rows import DictRow
 
@@ -71,16 +71,14 @@ async def page(
     conn: AsyncConn, org_id: uuid.UUID, kind: Kind, limit: int, after: tuple[datetime, uuid.UUID] | None
 ) -> list[DictRow]:
     cursor = await conn.execute(
-        sql.NOTIFICATION_TARGETS_PAGE,
-        {
-            "org": org_id,
-            "kind": kind,
-            "after_created": after[0] if after else None,
-            "after_id": after[1] if after else None,
-            "limit": limit,
-        },
+        sql.NOTIFICATION_TARGETS_PAGE, {"org": org_id, "kind": kind, **_cursor(after), "limit": limit}
     )
     return await cursor.fetchall()
+
+
+def _cursor(at: tuple[datetime, uuid.UUID] | None) -> dict[str, Any]:
+    """The page statements' cursor parameters (both NULL: from the first row)."""
+    return {"after_created": at[0] if at else None, "after_id": at[1] if at else None}
 
 
 async def get(conn: AsyncConn, org_id: uuid.UUID, kind: Kind, target_id: uuid.UUID) -> DictRow:
@@ -110,13 +108,6 @@ async def deliveries(
     """The delivery log of one of the organisation's webhook endpoints, newest first."""
     await get(conn, org_id, "webhook", target_id)
     cursor = await conn.execute(
-        sql.DELIVERIES_PAGE,
-        {
-            "target": target_id,
-            "org": org_id,
-            "after_created": before[0] if before else None,
-            "after_id": before[1] if before else None,
-            "limit": limit,
-        },
+        sql.DELIVERIES_PAGE, {"target": target_id, "org": org_id, **_cursor(before), "limit": limit}
     )
     return await cursor.fetchall()

@@ -52,14 +52,6 @@ async def scripted_instance(
     return instance
 
 
-async def _now(conn: AsyncConn) -> datetime:
-    cursor = await conn.execute(sql.DATABASE_NOW)
-    row = await cursor.fetchone()
-    assert row is not None
-    value: datetime = row["now"]
-    return value
-
-
 async def _reports_done(conn: AsyncConn) -> bool:
     cursor = await conn.execute(
         "SELECT count(*) FILTER (WHERE state NOT IN ('completed', 'abandoned')) AS live,"
@@ -74,7 +66,7 @@ async def _reports_done(conn: AsyncConn) -> bool:
 async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the_log(
     conn: AsyncConn, settings: Settings
 ) -> None:
-    now = await _now(conn)
+    now = await usage.db_now(conn)
     start = metering.period_floor(now - 4 * HOUR, HOUR)
     await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now, start))
     org = await make_org(conn, stripe_customer_id="cus_metered")

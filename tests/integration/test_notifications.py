@@ -11,12 +11,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from controlplane import db, operations, signatures, tenants
 from controlplane.api.app import create_app
@@ -31,6 +29,8 @@ from tests.factories import make_instance, walk
 from tests.notify_support import smtp_server, webhook_receiver
 from tests.operations_support import run_until
 
+pytest_plugins = ("tests.api_fixtures",)
+
 
 @pytest.fixture
 def notify_settings(settings: Settings) -> Settings:
@@ -38,17 +38,14 @@ def notify_settings(settings: Settings) -> Settings:
 
 
 @pytest.fixture
-async def api(notify_settings: Settings) -> AsyncIterator[FastAPI]:
-    application = create_app(notify_settings)
-    async with application.router.lifespan_context(application):
-        yield application
+def api_settings(notify_settings: Settings) -> Settings:
+    """The API of tests.api_fixtures (the `client` fixture), with loopback endpoints allowed."""
+    return notify_settings
 
 
 @pytest.fixture
-async def http(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=api, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        yield client
+def http(client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return client
 
 
 async def _key(conn: AsyncConn) -> tuple[uuid.UUID, dict[str, str]]:

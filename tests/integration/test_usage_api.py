@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 
-from controlplane import metering, sql, tenants
+from controlplane import metering, tenants
 from controlplane.db import AsyncConn
+from controlplane.services import usage
 from tests.factories import append_event
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -55,11 +56,9 @@ async def test_the_usage_of_a_scripted_week_is_exact_and_the_organisations_own(
 ) -> None:
     org, key = await tenants.create_org(conn, "acme-usage")
     other, _ = await tenants.create_org(conn, "globex-usage")
-    cursor = await conn.execute(sql.DATABASE_NOW)
-    now_row = await cursor.fetchone()
-    assert now_row is not None
-    start = metering.period_floor(now_row["now"] - 8 * DAY, DAY)
-    await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now_row["now"], start))
+    now = await usage.db_now(conn)
+    start = metering.period_floor(now - 8 * DAY, DAY)
+    await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now, start))
     instance = await scripted_week(conn, org["id"], start, "orders")
     await scripted_week(conn, other["id"], start, "theirs")
     params = {"from": start.isoformat(), "to": (start + 7 * DAY).isoformat()}
