@@ -285,3 +285,30 @@ async def test_a_consumer_killed_between_its_effects_and_its_position_delivers_n
     assert applied == 6  # the batch again: at least once
     assert await _count(conn, deliveries) == 4 and await _count(conn, delivery_jobs) == 4  # no double effect
     assert await _count(conn, "SELECT count(*) FROM event_consumers WHERE last_id > 0") == 1
+
+
+async def test_another_organisation_sees_and_removes_none_of_the_endpoints(
+    conn: AsyncConn, http: httpx.AsyncClient
+) -> None:
+    _, mine = await _key(conn)
+    _, thief = await _key(conn)
+    endpoint = (
+        await http.post(
+            "/v1/webhook-endpoints", json={"url": "http://127.0.0.1:9/h", "event_types": ["*"]}, headers=mine
+        )
+    ).json()
+    email = (
+        await http.post(
+            "/v1/notification-emails", json={"address": "a@example.com", "event_types": ["*"]}, headers=mine
+        )
+    ).json()
+    path = f"/v1/webhook-endpoints/{endpoint['id']}"
+    assert (await http.get(path, headers=thief)).status_code == 404
+    assert (await http.get(f"{path}/deliveries", headers=thief)).status_code == 404
+    assert (await http.delete(path, headers=thief)).status_code == 404
+    assert (await http.delete(f"/v1/notification-emails/{email['id']}", headers=thief)).status_code == 404
+    assert (await http.get("/v1/webhook-endpoints", headers=thief)).json()["items"] == []
+    assert (await http.get("/v1/notification-emails", headers=thief)).json()["items"] == []
+    assert (await http.get(path, headers=mine)).json()["enabled"] is True
+    assert (await http.delete(path, headers=mine)).status_code == 204
+    assert (await http.get(path, headers=mine)).status_code == 404
