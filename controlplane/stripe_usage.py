@@ -48,6 +48,12 @@ def sender(api: stripe.StripeClient):  # type: ignore[no-untyped-def]
             )
         except (stripe.APIConnectionError, stripe.RateLimitError) as exc:
             raise TemporaryError(f"Stripe unreachable: {exc.user_message or exc}", RETRY_AFTER_S) from exc
+        except stripe.InvalidRequestError as exc:
+            if _already_recorded(exc):  # sent before, its answer lost, its idempotency key expired
+                return
+            raise PermanentError(
+                f"Stripe refused meter event {event.identifier}: {exc.user_message or exc}"
+            ) from exc
         except stripe.StripeError as exc:
             status = exc.http_status or 0
             if status >= 500 or status in (401, 403, 409):
@@ -59,6 +65,12 @@ def sender(api: stripe.StripeClient):  # type: ignore[no-untyped-def]
             ) from exc
 
     return send
+
+
+def _already_recorded(exc: stripe.InvalidRequestError) -> bool:
+    """Stripe's refusal of a second meter event with an identifier it has (within its window)."""
+    message = str(exc.user_message or exc).lower()
+    return exc.code == "resource_already_exists" or ("identifier" in message and "already" in message)
 
 
 async def report_usage(ctx: JobContext) -> Verdict:

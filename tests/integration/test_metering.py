@@ -120,16 +120,21 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
 
         # A report run again (a crash after Stripe answered, before it was recorded) bills nothing twice.
         await conn.execute("DELETE FROM meter_events_sent WHERE period_start = %s", (start,))
-        await jobs.enqueue(
-            conn,
-            jobs.NewJob(
-                REPORT_USAGE,
-                None,
-                payload={"period_start": start.isoformat(), "period_end": (start + HOUR).isoformat()},
-            ),
-            TEST_ACTOR,
-        )
+        period = {"period_start": start.isoformat(), "period_end": (start + HOUR).isoformat()}
+        await jobs.enqueue(conn, jobs.NewJob(REPORT_USAGE, None, payload=period), TEST_ACTOR)
         requests = recorder.requests
         await run_until(configured, registry, _reports_done, timeout_s=30)
         assert recorder.requests == requests + 1 and recorder.duplicates == 0
         assert len(recorder.accepted) == 5
+        # The same a day later, when Stripe no longer remembers the Idempotency-Key: it refuses the
+        # identifier it has, and the report records the event as sent.
+        await conn.execute("DELETE FROM meter_events_sent WHERE period_start = %s", (start,))
+        recorder.by_key.clear()
+        await jobs.enqueue(conn, jobs.NewJob(REPORT_USAGE, None, payload=period), TEST_ACTOR)
+        await run_until(configured, registry, _reports_done, timeout_s=30)
+        assert recorder.duplicates == 1 and len(recorder.accepted) == 5
+        cursor = await conn.execute(
+            "SELECT count(*) FROM meter_events_sent WHERE period_start = %s", (start,)
+        )
+        row = await cursor.fetchone()
+        assert row is not None and row["count"] == 1
