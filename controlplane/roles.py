@@ -335,7 +335,7 @@ async def _announce_when_listening(
         "next: create an organisation and a database:",
         f"  export CONTROLPLANE_URL={report.url}",
         f"  .venv/bin/controlplane orgs create my-org --data-dir {report.data_dir}",
-        "  export CONTROLPLANE_API_KEY=<the key printed above>",
+        "  export CONTROLPLANE_API_KEY=<the organisation's key that orgs create printed>",
         "  .venv/bin/controlplane instances create mydb --plan dev --wait",
         f"or open the console at {report.url}/ and sign in with the organisation's key.",
         "Ctrl-C stops everything (instance servers too; they start again with the next `up`).",

@@ -298,7 +298,9 @@ class Follower:
 
     def _step_line(self, name: str, label: str, attempt: int, step: dict[str, Any]) -> None:
         key = (name, attempt, step["state"])
-        if key in self.printed:
+        ended = {(name, attempt, "done"), (name, attempt, "failed")}
+        # Each line once, and never a start after that attempt's end (a late or replayed event).
+        if key in self.printed or (step["state"] == "running" and ended & self.printed):
             return
         self.printed.add(key)
         if step["state"] == "running":
