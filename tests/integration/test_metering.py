@@ -87,7 +87,7 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
         configured = settings.replace(stripe_api_key=API_KEY, stripe_api_base=base)
         registry = operations.registry(NoopProvisioner())
         await run_until(
-            configured, registry, _reports_done, timeout_s=30, supervise_at=now + timedelta(days=1)
+            configured, registry, _reports_done, timeout_s=120, supervise_at=now + timedelta(days=1)
         )
         assert recorder.failed == 3 and recorder.problems == [] and recorder.duplicates == 0
         sent = {
@@ -123,7 +123,7 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
         period = {"period_start": start.isoformat(), "period_end": (start + HOUR).isoformat()}
         await jobs.enqueue(conn, jobs.NewJob(REPORT_USAGE, None, payload=period), TEST_ACTOR)
         requests = recorder.requests
-        await run_until(configured, registry, _reports_done, timeout_s=30)
+        await run_until(configured, registry, _reports_done, timeout_s=120)
         assert recorder.requests == requests + 1 and recorder.duplicates == 0
         assert len(recorder.accepted) == 5
         # The same a day later, when Stripe no longer remembers the Idempotency-Key: it refuses the
@@ -131,7 +131,7 @@ async def test_each_period_reaches_stripe_once_despite_an_outage_and_matches_the
         await conn.execute("DELETE FROM meter_events_sent WHERE period_start = %s", (start,))
         recorder.by_key.clear()
         await jobs.enqueue(conn, jobs.NewJob(REPORT_USAGE, None, payload=period), TEST_ACTOR)
-        await run_until(configured, registry, _reports_done, timeout_s=30)
+        await run_until(configured, registry, _reports_done, timeout_s=120)
         assert recorder.duplicates == 1 and len(recorder.accepted) == 5
         cursor = await conn.execute(
             "SELECT count(*) FROM meter_events_sent WHERE period_start = %s", (start,)

@@ -101,7 +101,7 @@ async def test_a_provisioned_instance_sends_one_signed_ready_delivery_and_an_ema
             return len(received.requests) >= 1 and len(mailbox.messages) >= 1
 
         try:
-            await run_until(settings, operations.registry(NoopProvisioner()), delivered, timeout_s=30)
+            await run_until(settings, operations.registry(NoopProvisioner()), delivered, timeout_s=120)
             # Replaying the whole log delivers nothing twice.
             await conn.execute(
                 "UPDATE event_consumers SET last_xid = '0', last_id = 0 WHERE name = %s", (NOTIFIER,)
@@ -157,7 +157,7 @@ async def test_a_failing_endpoint_is_retried_then_disabled(
             )
 
         try:
-            await run_until(settings, operations.registry(NoopProvisioner()), disabled, timeout_s=30)
+            await run_until(settings, operations.registry(NoopProvisioner()), disabled, timeout_s=120)
         finally:
             await pool.close()
         assert len(received.requests) >= 2
@@ -223,7 +223,7 @@ async def test_an_endpoint_that_resolves_privately_at_delivery_is_not_called(
             return await _count(c, "SELECT count(*) FROM notification_deliveries WHERE state = 'failed'") == 1
 
         try:
-            await run_until(strict, operations.registry(NoopProvisioner()), given_up, timeout_s=30)
+            await run_until(strict, operations.registry(NoopProvisioner()), given_up, timeout_s=120)
         finally:
             await pool.close()
         assert received.requests == []
