@@ -106,3 +106,28 @@ AUDIT_PARTITIONS_UNTIL = Gauge(
     "controlplane_audit_partitions_until_timestamp_seconds",
     "Unix time up to which the event tables have partitions, as last made sure by the reconciler.",
 )
+CONSUMER_EVENTS = Counter(
+    "controlplane_consumer_events_total",
+    "Instance events applied by a consumer of the event log (replays after a crash count again).",
+    ["consumer"],
+)
+CONSUMER_LAG_EVENTS = Gauge(
+    "controlplane_consumer_lag_events",
+    "Instance events written after a consumer's position, as of its last pass.",
+    ["consumer"],
+)
+CONSUMER_LAG_SECONDS = Gauge(
+    "controlplane_consumer_lag_seconds",
+    "Age of the oldest instance event a consumer has not applied yet (0: caught up), as of its last pass.",
+    ["consumer"],
+)
+USAGE_REPORTS = Counter(
+    "controlplane_usage_reports_total",
+    "Usage periods reported to Stripe as meter events, by outcome.",
+    ["outcome"],
+)
+NOTIFICATION_DELIVERIES = Counter(
+    "controlplane_notification_deliveries_total",
+    "Notification delivery attempts, by channel (webhook, email) and outcome.",
+    ["channel", "outcome"],
+)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import PurePath
 from typing import Any, TypeVar
 
-from controlplane import abandonment, actions, kinds, lifecycle, sql, steps
+from controlplane import abandonment, actions, kinds, lifecycle, notifications, sql, steps, stripe_usage
 from controlplane.domain_errors import NotFound
 from controlplane.errors import PermanentError, StaleFence, TemporaryError
 from controlplane.failures import DATA_LOST
@@ -550,4 +550,6 @@ def kind_table(operations: Operations | None) -> list[JobKind]:
 def registry(provisioner: Provisioner | None = None) -> JobRegistry:
     """The job registry of a process: the instance operations over `provisioner`, or, without one
     (the API, an operator's command), their abandonment hooks only: such a process runs no job."""
-    return JobRegistry(kind_table(None if provisioner is None else Operations(provisioner)))
+    runs = provisioner is not None
+    instance_kinds = kind_table(Operations(provisioner) if provisioner is not None else None)
+    return JobRegistry([*instance_kinds, *notifications.kinds(runs), *stripe_usage.kinds(runs)])

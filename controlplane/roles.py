@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from prometheus_client import start_http_server
+from psycopg_pool import AsyncConnectionPool
 
 import provisioners
-from controlplane import crashpoints, datadir, db, lifecycle, operations, sql, tenants
+from controlplane import crashpoints, datadir, db, lifecycle, notifications, operations, sql, tenants
 from controlplane.api.app import create_app, end_streams
+from controlplane.consumers import ConsumerRunner
 from controlplane.registry import JobRegistry
 from controlplane.settings import NotAvailable, Settings
 from controlplane.worker import Worker, default_worker_id, worker_pool
@@ -131,11 +133,25 @@ async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, s
     pool = await worker_pool(settings, url, worker_id)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
+    # The event log's consumers (one runner per consumer across the replicas, by its lock).
+    runner = event_consumers(pool, settings)
+    consuming = asyncio.create_task(
+        runner.run(stop, settings.notifications.consumer_poll_interval_s), name="consumers"
+    )
     try:
         await worker.run()
     finally:
         waiter.cancel()
+        stop.set()
+        await asyncio.gather(consuming, return_exceptions=True)
         await pool.close()
+
+
+def event_consumers(pool: AsyncConnectionPool[db.AsyncConn], settings: Settings) -> ConsumerRunner:
+    """The consumers of the instance event log this control plane runs."""
+    return ConsumerRunner(
+        pool, [notifications.consumer()], batch_size=settings.notifications.consumer_batch_size
+    )
 
 
 async def _forward_stop(stop: asyncio.Event, request_stop: Callable[[], None]) -> None:

@@ -17,9 +17,11 @@ from sqlalchemy import (
     Sequence,
     Table,
     Text,
+    UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
+from sqlalchemy.types import UserDefinedType
 
 from controlplane.lifecycle import INSTANCE
 from controlplane.sql import FINISHED, HELD, state_list
@@ -41,6 +43,16 @@ NEW_UUID = text("gen_random_uuid()")
 # The predicates of the partial indexes, from the lifecycle tables (as the hot-path SQL states them).
 INSTANCE_LIVE = "state NOT IN " + state_list(tuple(s for s in INSTANCE.states if s in INSTANCE.terminal))
 JOB_LIVE = f"state NOT IN {FINISHED}"
+
+
+class XID8(UserDefinedType[int]):
+    """PostgreSQL's 64-bit transaction id (`pg_current_xact_id()`): which transaction wrote a row."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "XID8"
+
 
 job_fence_seq = Sequence("job_fence_seq", metadata=metadata)
 
@@ -93,6 +105,8 @@ organisations = Table(
     Column("billing_status", Text),
     # Stripe `created` (unix seconds) of the newest event applied: older ones are ignored.
     Column("billing_event_created", BigInteger),
+    # Since when the subscription is past due (NULL: it is not): the grace period runs from here.
+    Column("past_due_since", TZ),
     Column("created_at", TZ, nullable=False, server_default=NOW),
 )
 
@@ -167,7 +181,103 @@ instance_events = Table(
     *event_columns("instance_id", "instances.id"),
     Index("ix_instance_events_instance_id_id", "instance_id", "id"),
     Index("ix_instance_events_at", "at"),
+    # The writing transaction: consumers read below the oldest one still running (never skipping
+    # an event that commits after one with a higher id). Rows from before it have 0.
+    Column("xid", XID8(), nullable=False, server_default=text("pg_current_xact_id()")),
+    Index("ix_instance_events_xid_id", "xid", "id"),
     postgresql_partition_by="RANGE (at)",
+)
+
+# The consumers of the instance event log and their positions: every event below
+# (last_xid, last_id), in (xid, id) order, has been applied.
+event_consumers = Table(
+    "event_consumers",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("last_xid", XID8(), nullable=False, server_default=text("'0'::xid8")),
+    Column("last_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("processed", BigInteger, nullable=False, server_default=text("0")),
+    # The time of the newest event applied (the lag in seconds is measured from it).
+    Column("last_event_at", TZ),
+    Column("updated_at", TZ, nullable=False, server_default=NOW),
+)
+
+# Where an organisation's notifications go: webhook endpoints (kind 'webhook', an https URL and
+# a signing secret, encrypted) and email addresses (kind 'email').
+notification_targets = Table(
+    "notification_targets",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("org_id", UUID(as_uuid=True), ForeignKey("organisations.id"), nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("address", Text, nullable=False),
+    Column("event_types", ARRAY(Text), nullable=False),
+    Column("description", Text, nullable=False, server_default=text("''")),
+    Column("secret", LargeBinary),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    # Disabled after its deliveries failed for the whole retry window.
+    Column("disabled_at", TZ),
+    Column("disabled_reason", Text),
+    Column("deleted_at", TZ),
+    Index(
+        "ix_notification_targets_live",
+        "org_id",
+        "created_at",
+        "id",
+        postgresql_where=text("deleted_at IS NULL"),
+    ),
+)
+
+# One notification to one target (the delivery log): its body carries the event's id, which a
+# receiver de-duplicates by.
+notification_deliveries = Table(
+    "notification_deliveries",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID),
+    Column("target_id", UUID(as_uuid=True), ForeignKey("notification_targets.id"), nullable=False),
+    Column("org_id", UUID(as_uuid=True), nullable=False),
+    Column("instance_id", UUID(as_uuid=True)),
+    Column("event_id", Text, nullable=False),
+    Column("event_type", Text, nullable=False),
+    Column("body", JSONB, nullable=False),
+    # 'pending' (being tried), 'delivered' or 'failed' (given up).
+    Column("state", Text, nullable=False, server_default=text("'pending'")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("last_status", Integer),
+    Column("last_error", Text),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("last_attempt_at", TZ),
+    Column("delivered_at", TZ),
+    UniqueConstraint("target_id", "event_id"),
+    Index("ix_notification_deliveries_target_created", "target_id", "created_at", "id"),
+)
+
+# The usage periods whose report to Stripe was enqueued (one per period), and when it was sent.
+usage_reports = Table(
+    "usage_reports",
+    metadata,
+    Column("period_start", TZ, primary_key=True),
+    Column("period_end", TZ, nullable=False),
+    Column("job_id", UUID(as_uuid=True)),
+    Column("meter_events", Integer),
+    Column("created_at", TZ, nullable=False, server_default=NOW),
+    Column("reported_at", TZ),
+)
+
+# Every meter event Stripe acknowledged, by its identifier (the reconciliation compares these
+# with the usage recomputed from the log).
+meter_events_sent = Table(
+    "meter_events_sent",
+    metadata,
+    Column("identifier", Text, primary_key=True),
+    Column("period_start", TZ, nullable=False),
+    Column("org_id", UUID(as_uuid=True), nullable=False),
+    Column("instance_id", UUID(as_uuid=True), nullable=False),
+    Column("plan", Text, nullable=False),
+    Column("billing", Text, nullable=False),
+    Column("event_name", Text, nullable=False),
+    Column("value", BigInteger, nullable=False),
+    Column("sent_at", TZ, nullable=False, server_default=NOW),
 )
 
 jobs = Table(
@@ -362,6 +472,7 @@ __all__ = [
     "audit_keys",
     "backups",
     "console_sessions",
+    "event_consumers",
     "idempotency_keys",
     "instance_events",
     "instances",
@@ -371,6 +482,10 @@ __all__ = [
     "jobs",
     "lifecycle_transitions",
     "metadata",
+    "meter_events_sent",
+    "notification_deliveries",
+    "notification_targets",
     "organisations",
     "stripe_events",
+    "usage_reports",
 ]

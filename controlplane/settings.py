@@ -498,6 +498,94 @@ class BillingSettings(_Group):
         "stripe_webhook_secret",
         "Signing secret of the Stripe webhook endpoint (`whsec_...`); without it webhooks are refused.",
     )
+    stripe_api_key: SecretStr | None = _setting(
+        None,
+        "stripe_api_key",
+        "Secret key of the Stripe account usage is reported to (`sk_...`); without it no usage is reported.",
+    )
+    stripe_api_base: str | None = _setting(
+        None,
+        "stripe_api_base",
+        "Base URL of the Stripe API (a proxy or a test server); empty: Stripe's own.",
+        pattern=r"^https?://",
+    )
+    meter_interval_s: float = _setting(
+        3600.0,
+        "meter_interval_s",
+        "Length of a usage period: each one is reported to Stripe once, as meter events.",
+        ge=60,
+    )
+    meter_settle_s: float = _setting(
+        300.0,
+        "meter_settle_s",
+        "How long after a period's end its report waits, for the period's last events to commit.",
+        ge=0,
+    )
+    meter_event_billed: str = _setting(
+        "database_compute_seconds",
+        "meter_event_billed",
+        "The Stripe meter (`event_name`) of the seconds billed for compute and storage.",
+        min_length=1,
+        max_length=100,
+    )
+    meter_event_storage_only: str = _setting(
+        "database_storage_seconds",
+        "meter_event_storage_only",
+        "The Stripe meter (`event_name`) of the seconds billed for storage only (suspended instances).",
+        min_length=1,
+        max_length=100,
+    )
+    grace_period_s: float = _setting(
+        7 * 86400.0,
+        "billing_grace_period_s",
+        "How long an organisation's subscription may stay `past_due` before its instances are suspended "
+        "(its notification names the date).",
+        ge=0,
+    )
+    deprovision_after_days: float | None = _setting(
+        None,
+        "deprovision_after_days",
+        "Delete instances suspended by billing for this many days (with their final backup); empty: never.",
+        gt=0,
+    )
+
+
+class NotificationSettings(_Group):
+    allow_http: bool = _setting(
+        False,
+        "notify_allow_http",
+        "Accept `http://` webhook endpoints (development only); otherwise https is required.",
+    )
+    allow_private: bool = _setting(
+        False,
+        "notify_allow_private",
+        "Accept webhook endpoints on private, loopback and link-local addresses (checked at registration "
+        "and again at each delivery).",
+    )
+    retry_window_s: float = _setting(
+        86400.0,
+        "notify_retry_window_s",
+        "How long a failing delivery is retried (with backoff); then it is given up and its endpoint "
+        "disabled.",
+        ge=0,
+    )
+    timeout_s: float = _setting(10.0, "notify_timeout_s", "Timeout of one webhook delivery.", gt=0)
+    smtp_host: str | None = _setting(
+        None, "smtp_host", "SMTP server notification emails are sent through; empty: no email."
+    )
+    smtp_port: int = _setting(25, "smtp_port", "Port of the SMTP server.", ge=1, le=65535)
+    smtp_from: str = _setting(
+        "controlplane@localhost", "smtp_from", "Sender address of notification emails.", min_length=3
+    )
+    consumer_poll_interval_s: float = _setting(
+        2.0,
+        "consumer_poll_interval_s",
+        "How often the event log's consumers look for events when no notification woke them.",
+        gt=0,
+    )
+    consumer_batch_size: int = _setting(
+        200, "consumer_batch_size", "Events a consumer applies per transaction.", ge=1
+    )
 
 
 class LoggingSettings(_Group):
@@ -576,6 +664,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     provisioner: ProvisionerSettings = Field(default_factory=ProvisionerSettings)
     billing: BillingSettings = Field(default_factory=BillingSettings)
+    notifications: NotificationSettings = Field(default_factory=NotificationSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod

@@ -1238,3 +1238,187 @@ READ_WRITE_PRIVILEGES = "SELECT, INSERT, UPDATE, DELETE"
 GRANT_SEQUENCES = "GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}"
 REVOKE_FUNCTION_FROM_PUBLIC = "REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC"
 GRANT_FUNCTION = "GRANT EXECUTE ON FUNCTION {function} TO {role}"
+
+# ---- consumers of the instance event log ------------------------------------------------------------
+
+# A consumer's lock (one runner at a time per consumer, across replicas), held for one pass.
+TRY_CONSUMER_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('cp_consumer:' || %(name)s, 0)) AS locked"
+RELEASE_CONSUMER_LOCK = "SELECT pg_advisory_unlock(hashtextextended('cp_consumer:' || %(name)s, 0))"
+ENSURE_CONSUMER = "INSERT INTO event_consumers (name) VALUES (%(name)s) ON CONFLICT (name) DO NOTHING"
+CONSUMER_POSITION = (
+    "SELECT name, last_xid::text::bigint AS last_xid, last_id FROM event_consumers WHERE name = %(name)s"
+)
+# The next events after a position, in (xid, id) order, only from transactions older than the
+# oldest one still running: every such transaction has ended, so no event can still appear below
+# the new position. (Reading by `id > last` would skip an event whose transaction took its id
+# first and committed last.) Served by ix_instance_events_xid_id.
+CONSUMER_EVENTS = """
+SELECT e.id, e.xid::text::bigint AS xid, e.instance_id, i.org_id, e.from_state, e.to_state, e.event,
+       e.actor_kind, e.actor_id, e.reason, e.detail, e.at, e.seq, e.state_version
+FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE (e.xid, e.id) > (%(last_xid)s::text::xid8, %(last_id)s)
+  AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
+ORDER BY e.xid, e.id
+LIMIT %(limit)s
+"""
+ADVANCE_CONSUMER = """
+UPDATE event_consumers
+SET last_xid = %(last_xid)s::text::xid8, last_id = %(last_id)s, processed = processed + %(count)s,
+    last_event_at = %(last_event_at)s, updated_at = now()
+WHERE name = %(name)s
+"""
+# How far behind a consumer is: events after its position (visible now, whether or not they are
+# below the horizon yet) and the age of the oldest.
+CONSUMER_LAG = """
+SELECT count(*) AS events, extract(epoch FROM now() - min(e.at))::float8 AS seconds
+FROM instance_events e, event_consumers c
+WHERE c.name = %(name)s AND (e.xid, e.id) > (c.last_xid, c.last_id)
+"""
+CONSUMERS = """
+SELECT name, last_xid::text AS last_xid, last_id, processed, last_event_at, updated_at
+FROM event_consumers ORDER BY name
+"""
+
+# ---- usage: the instance events that a window's usage is computed from ------------------------------
+
+_USAGE_EVENTS = f"""
+SELECT e.instance_id, i.org_id, e.seq, e.to_state, e.at, e.detail
+FROM instances i JOIN instance_events e ON e.instance_id = i.id
+{{join}}
+WHERE i.created_at < %(end)s AND e.at < %(end)s
+  AND NOT (i.state IN {state_list(tuple(sorted(INSTANCE.terminal)))} AND i.state_entered_at <= %(start)s)
+  {{where}}
+ORDER BY e.instance_id, e.seq
+"""
+# One organisation's instances that lived in [start, end), with their events up to the end.
+USAGE_EVENTS_OF_ORG = _USAGE_EVENTS.format(join="", where="AND i.org_id = %(org)s")
+# The same for every organisation with a Stripe customer (what a report sends).
+USAGE_EVENTS_BILLED = _USAGE_EVENTS.format(
+    join="JOIN organisations o ON o.id = i.org_id AND o.stripe_customer_id IS NOT NULL", where=""
+)
+STRIPE_CUSTOMERS = "SELECT id, stripe_customer_id FROM organisations WHERE stripe_customer_id IS NOT NULL"
+LAST_USAGE_REPORT = "SELECT max(period_start) AS period_start FROM usage_reports"
+# A period's report, enqueued once (a second reconciler pass finds it and does nothing).
+RECORD_USAGE_REPORT = """
+INSERT INTO usage_reports (period_start, period_end) VALUES (%(start)s, %(end)s)
+ON CONFLICT (period_start) DO NOTHING RETURNING period_start
+"""
+SET_USAGE_REPORT_JOB = "UPDATE usage_reports SET job_id = %(job)s WHERE period_start = %(start)s"
+FINISH_USAGE_REPORT = """
+UPDATE usage_reports SET reported_at = now(), meter_events = %(count)s WHERE period_start = %(start)s
+"""
+METER_EVENTS_SENT_IN = "SELECT identifier FROM meter_events_sent WHERE period_start = %(start)s"
+RECORD_METER_EVENT = """
+INSERT INTO meter_events_sent
+    (identifier, period_start, org_id, instance_id, plan, billing, event_name, value)
+VALUES (%(identifier)s, %(start)s, %(org)s, %(instance)s, %(plan)s, %(billing)s, %(event_name)s, %(value)s)
+ON CONFLICT (identifier) DO NOTHING
+"""
+METER_EVENTS_SENT = """
+SELECT identifier, period_start, org_id, instance_id, plan, billing, event_name, value
+FROM meter_events_sent ORDER BY period_start, identifier
+"""
+USAGE_REPORTS = "SELECT * FROM usage_reports ORDER BY period_start"
+
+# ---- notifications: targets (webhook endpoints, email addresses) and deliveries --------------------
+
+_TARGET_COLUMNS = (
+    "id, org_id, kind, address, event_types, description, created_at, disabled_at, disabled_reason"
+)
+CREATE_NOTIFICATION_TARGET = f"""
+INSERT INTO notification_targets (org_id, kind, address, event_types, description, secret)
+VALUES (%(org)s, %(kind)s, %(address)s, %(event_types)s, %(description)s, %(secret)s)
+RETURNING {_TARGET_COLUMNS}
+"""
+# One page of an organisation's live targets of a kind, oldest first, after a cursor.
+NOTIFICATION_TARGETS_PAGE = f"""
+SELECT {_TARGET_COLUMNS} FROM notification_targets
+WHERE org_id = %(org)s AND kind = %(kind)s AND deleted_at IS NULL
+  AND (%(after_created)s::timestamptz IS NULL OR (created_at, id) > (%(after_created)s, %(after_id)s))
+ORDER BY created_at, id
+LIMIT %(limit)s
+"""
+NOTIFICATION_TARGET = f"""
+SELECT {_TARGET_COLUMNS} FROM notification_targets
+WHERE id = %(id)s AND org_id = %(org)s AND kind = %(kind)s AND deleted_at IS NULL
+"""
+DELETE_NOTIFICATION_TARGET = """
+UPDATE notification_targets SET deleted_at = now()
+WHERE id = %(id)s AND org_id = %(org)s AND kind = %(kind)s AND deleted_at IS NULL
+RETURNING id
+"""
+# The targets an event goes to: the organisation's, live, enabled, subscribed to its type.
+TARGETS_FOR_EVENT = """
+SELECT id, kind FROM notification_targets
+WHERE org_id = %(org)s AND deleted_at IS NULL AND disabled_at IS NULL
+  AND (%(type)s = ANY(event_types) OR '*' = ANY(event_types))
+ORDER BY created_at, id
+"""
+# One delivery per target and event: a replayed event finds it and creates nothing.
+CREATE_DELIVERY = """
+INSERT INTO notification_deliveries (target_id, org_id, instance_id, event_id, event_type, body)
+VALUES (%(target)s, %(org)s, %(instance)s, %(event_id)s, %(type)s, %(body)s)
+ON CONFLICT (target_id, event_id) DO NOTHING
+RETURNING id
+"""
+DELIVERY_TO_SEND = """
+SELECT d.*, t.kind, t.address, t.secret, t.disabled_at, t.deleted_at
+FROM notification_deliveries d JOIN notification_targets t ON t.id = d.target_id
+WHERE d.id = %(id)s
+"""
+DELIVERY_ATTEMPTED = """
+UPDATE notification_deliveries
+SET attempts = attempts + 1, last_attempt_at = now(), last_status = %(status)s, last_error = %(error)s,
+    state = %(state)s, delivered_at = CASE WHEN %(state)s = 'delivered' THEN now() END
+WHERE id = %(id)s
+RETURNING attempts, extract(epoch FROM now() - created_at)::float8 AS age_s
+"""
+DISABLE_TARGET = """
+UPDATE notification_targets SET disabled_at = now(), disabled_reason = %(reason)s
+WHERE id = %(id)s AND disabled_at IS NULL
+"""
+DELIVERIES_PAGE = """
+SELECT id, event_id, event_type, instance_id, state, attempts, last_status, last_error, created_at,
+       last_attempt_at, delivered_at
+FROM notification_deliveries
+WHERE target_id = %(target)s AND org_id = %(org)s
+  AND (%(after_created)s::timestamptz IS NULL OR (created_at, id) < (%(after_created)s, %(after_id)s))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+"""
+INSTANCE_FOR_NOTICE = """
+SELECT id, name, state, spec->>'plan' AS plan, failure_code FROM instances WHERE id = %(id)s
+"""
+GIVE_UP_DELIVERY = "UPDATE notification_deliveries SET state = 'failed' WHERE id = %(id)s"
+
+# ---- billing policy: the grace period after past_due, deletion after a long suspension -------------
+
+MARK_PAST_DUE = """
+UPDATE organisations o SET past_due_since = COALESCE(o.past_due_since, to_timestamp(%(created)s)),
+    billing_status = %(status)s
+FROM organisations before
+WHERE o.id = %(id)s AND before.id = o.id
+RETURNING o.past_due_since, before.past_due_since IS NULL AS started
+"""
+CLEAR_PAST_DUE = "UPDATE organisations SET past_due_since = NULL WHERE id = %(id)s"
+# Organisations past due for longer than the grace period and not on hold yet.
+GRACE_OVER = """
+SELECT id FROM organisations
+WHERE past_due_since IS NOT NULL AND NOT billing_hold
+  AND past_due_since + make_interval(secs => %(grace_s)s::float8) <= %(now)s
+ORDER BY past_due_since
+FOR UPDATE SKIP LOCKED
+"""
+HOLD_AFTER_GRACE = "UPDATE organisations SET billing_hold = true WHERE id = %(id)s"
+# Instances suspended by billing for longer than the deletion delay, not being deleted yet.
+LONG_SUSPENDED = """
+SELECT id, org_id, state_entered_at FROM instances
+WHERE state = 'suspended' AND suspended_by_billing AND deletion_requested_at IS NULL
+  AND NOT deletion_protection
+  AND state_entered_at + make_interval(secs => %(after_s)s::float8) <= %(now)s
+ORDER BY state_entered_at
+LIMIT 100
+"""
+ORGANISATION_BILLING = """
+SELECT id, billing_hold, billing_status, past_due_since FROM organisations WHERE id = %(id)s
+"""

@@ -21,6 +21,8 @@ from controlplane.kinds import RESUME, SUSPEND
 from controlplane.records import InstancePatch, ScannedInstance
 from controlplane.registry import JobRegistry
 from controlplane.secretbox import load_box
+from controlplane.services import billing_policy, usage
+from controlplane.services.policy import Policy
 from controlplane.settings import Settings
 from controlplane.supervisor import PassResult, Supervisor
 from controlplane.transitions import Actor, Conflict, InvariantViolation, transition
@@ -48,6 +50,8 @@ class PassSummary:
     orphans: list[str] = field(default_factory=list)
     orphans_removed: int = 0
     audit: MaintenanceResult | None = None
+    # Usage periods whose report to Stripe this pass enqueued.
+    usage_reports: int = 0
     duration_s: float = 0.0
 
     def count(self, action: str) -> None:
@@ -134,7 +138,7 @@ class Reconciler:
 
         With `shards`, the pass looks only at the instances of the shards held (and acts on one
         only while its shard is still held); `duties` (the leader's: job supervision, orphans, the
-        audit log's upkeep, the gauges) are done by one process of all.
+        audit log's upkeep, billing, the gauges) are done by one process of all.
         """
         started = time.monotonic()
         summary = PassSummary()
@@ -175,6 +179,11 @@ class Reconciler:
                 summary.audit = await self.audit.run_once(now)
             except Exception:  # the next pass tries again; the checkpoint gauge stops moving
                 log.exception("audit step failed (partitions ahead, checkpoint)")
+        if duties:
+            try:
+                summary.usage_reports = await self._billing_step(now)
+            except Exception:  # the next pass tries again; nothing is lost (periods are kept by start)
+                log.exception("billing step failed (usage reports, grace periods, long suspensions)")
         summary.duration_s = time.monotonic() - started
         metrics.RECONCILE_PASS_DURATION.observe(summary.duration_s)
         metrics.RECONCILE_LAST_SUCCESS.set(time.time())
@@ -316,6 +325,27 @@ class Reconciler:
             inst.newest_backup_at or "none held",
             extra={"instance_id": str(inst.id), "failure_code": DATA_LOST},
         )
+
+    async def _billing_step(self, now: datetime | None) -> int:
+        """Enqueue the usage reports of settled periods; apply the grace period and long suspensions."""
+        billing = self.settings.billing
+        enqueued = 0
+        async with self.pool.connection() as conn:
+            moment = now or await usage.db_now(conn)
+            if billing.stripe_api_key is not None:
+                periods = await usage.enqueue_due_reports(
+                    conn,
+                    moment,
+                    timedelta(seconds=billing.meter_interval_s),
+                    timedelta(seconds=billing.meter_settle_s),
+                    self.actor,
+                    max_attempts=50,
+                )
+                enqueued = len(periods)
+            await billing_policy.enforce(
+                conn, moment, billing, self.actor, Policy.from_settings(self.settings)
+            )
+        return enqueued
 
     async def _record_gauges(self, conn: AsyncConn) -> None:
         cursor = await conn.execute(sql.COUNT_LIVE_INSTANCES)

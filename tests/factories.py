@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from psycopg.rows import DictRow
@@ -71,7 +73,7 @@ async def walk(
 APPEND_EVENT = """
 WITH head AS (
     SELECT id, COALESCE(chain_seq, -1) + 1 AS seq, chain_head AS prev,
-           now() - make_interval(secs => %(age_s)s::float8) AS at
+           COALESCE(%(at)s::timestamptz, now() - make_interval(secs => %(age_s)s::float8)) AS at
     FROM {table} WHERE id = %(id)s FOR UPDATE
 ), ev AS (
     SELECT head.*, cp_event_hash('{entity}', id, seq, prev, %(from_state)s, %(to_state)s, %(event)s,
@@ -107,6 +109,8 @@ async def append_event(
     actor: Actor = OPERATOR,
     reason: str | None = None,
     age_s: float = 0.0,
+    at: datetime | None = None,
+    detail: Mapping[str, Any] | None = None,
 ) -> int:
     """Append an event to an entity's log (and chain) directly; return the event's id."""
     table, events, fk = EVENT_TABLES[entity]
@@ -120,9 +124,10 @@ async def append_event(
             "actor_kind": actor.kind,
             "actor_id": actor.id,
             "reason": reason,
-            "detail": "{}",
+            "detail": json.dumps(dict(detail or {})),
             "state_version": state_version,
             "age_s": age_s,
+            "at": at,
         },
     )
     row = await cursor.fetchone()

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 from psycopg.rows import DictRow
@@ -34,8 +35,10 @@ async def run_until(
     *,
     timeout_s: float = 60,
     worker: bool = True,
+    supervise_at: datetime | None = None,
 ) -> None:
-    """Run a worker and supervisor passes until `done` holds (or fail after `timeout_s`)."""
+    """Run a worker and supervisor passes until `done` holds (or fail after `timeout_s`); the
+    supervisor's passes take `supervise_at` as now when given (failed jobs due at once)."""
     assert settings.database.url_value is not None
     pool = db.pool(settings.database.url_value, min_size=1, max_size=8, name="ops-test")
     await pool.open(wait=True)
@@ -45,7 +48,7 @@ async def run_until(
     deadline = time.monotonic() + timeout_s
     try:
         while True:
-            await supervisor.run_once()
+            await supervisor.run_once(supervise_at)
             async with pool.connection() as conn:
                 if await done(conn):
                     return

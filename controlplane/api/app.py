@@ -20,6 +20,7 @@ from controlplane.api import (
     routes_admin,
     routes_backups,
     routes_instances,
+    routes_notifications,
     routes_orgs,
     routes_public,
     routes_tls,
@@ -99,6 +100,7 @@ def create_app(
         webhooks.router,
         routes_public.router,
         routes_tls.router,
+        routes_notifications.router,
     ):
         app.include_router(router)
     docs.install(app)

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from controlplane import exit_codes
-from controlplane.cli import common, customer, jobs, orgs, server, shell, sre
+from controlplane.cli import account, common, customer, jobs, orgs, server, shell, sre
 from controlplane.domain_errors import DomainError
 from controlplane.postgres import PostgresError
 from controlplane.settings import NotAvailable, SettingsError
 
-COMMAND_MODULES = (server, customer, sre, jobs, orgs, shell)
+COMMAND_MODULES = (server, customer, account, sre, jobs, orgs, shell)
 
 
 def build_parser() -> argparse.ArgumentParser:

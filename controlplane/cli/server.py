@@ -57,6 +57,29 @@ PROVISIONER = (
     "secret_key",
 )
 METRICS = ("metrics_port", "api_host")
+# Usage reports to Stripe and the billing policy (the reconciler enqueues, the worker sends).
+BILLING = (
+    "stripe_api_key",
+    "stripe_api_base",
+    "meter_interval_s",
+    "meter_settle_s",
+    "meter_event_billed",
+    "meter_event_storage_only",
+    "billing_grace_period_s",
+    "deprovision_after_days",
+)
+# The event log's consumers and the notifications they deliver (worker); the endpoint checks (API).
+NOTIFY = (
+    "notify_allow_http",
+    "notify_allow_private",
+    "notify_retry_window_s",
+    "notify_timeout_s",
+    "smtp_host",
+    "smtp_port",
+    "smtp_from",
+    "consumer_poll_interval_s",
+    "consumer_batch_size",
+)
 WORKER = (
     "worker_id",
     "worker_concurrency",
@@ -106,15 +129,15 @@ def register(commands: Any) -> None:
     parser.set_defaults(handler=cmd_migrate)
 
     parser = commands.add_parser("serve", help="run the REST API")
-    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, LOGGING))
+    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, BILLING, NOTIFY, LOGGING))
     parser.set_defaults(handler=cmd_serve)
 
     parser = commands.add_parser("worker", help="run a job worker")
-    add_settings_flags(parser, _flags(DATABASE, WORKER, PROVISIONER, LOGGING, METRICS))
+    add_settings_flags(parser, _flags(DATABASE, WORKER, PROVISIONER, BILLING, NOTIFY, LOGGING, METRICS))
     parser.set_defaults(handler=cmd_worker)
 
     parser = commands.add_parser("reconcile", help="run the reconciler (leader-elected)")
-    add_settings_flags(parser, _flags(DATABASE, RECONCILER, PROVISIONER, LOGGING, METRICS))
+    add_settings_flags(parser, _flags(DATABASE, RECONCILER, PROVISIONER, BILLING, NOTIFY, LOGGING, METRICS))
     parser.add_argument("--once", action="store_true", help="run one pass (if leader) and exit")
     parser.add_argument(
         "--dry-run-orphans", action="store_true", help="list orphaned resources instead of removing them"
@@ -124,7 +147,9 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "up", help="run everything in one process: embedded PostgreSQL, API, worker, reconciler"
     )
-    add_settings_flags(parser, _flags(DATABASE, MIGRATION, API, PROVISIONER, WORKER, RECONCILER, LOGGING))
+    add_settings_flags(
+        parser, _flags(DATABASE, MIGRATION, API, PROVISIONER, WORKER, RECONCILER, BILLING, NOTIFY, LOGGING)
+    )
     parser.add_argument(
         "--leave-instances-running",
         action="store_true",

@@ -8,10 +8,12 @@ out-of-order delivery), and the organisation's instances get their suspend or re
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
-from controlplane import billing, crashpoints, db, jobs, kinds, lifecycle, sql
+from controlplane import billing, crashpoints, db, jobs, kinds, lifecycle, notifications, sql
 from controlplane.db import AsyncConn
 from controlplane.services.policy import Policy
 from controlplane.transitions import Actor
@@ -74,23 +76,58 @@ async def _apply(
     decision = billing.decide(event.status, event.created, org["billing_event_created"])
     outcome: Outcome = decision.action.value
     if not decision.applies:
+        if event.status == "past_due" and decision.action is billing.Action.NO_CHANGE:
+            await _past_due(conn, org["id"], event, policy)
         return StripeEventApplied(outcome)
     hold = decision.action is billing.Action.HOLD
     await conn.execute(
         sql.SET_BILLING_HOLD,
         {"hold": hold, "status": event.status, "created": event.created, "id": org["id"]},
     )
+    await conn.execute(sql.CLEAR_PAST_DUE, {"id": org["id"]})
     if hold:
+        count = await hold_instances(conn, org["id"], actor, policy, request_id)
         kind = kinds.SUSPEND
-        cursor = await conn.execute(sql.ORG_INSTANCES_IN, {"org": org["id"], "states": list(SUSPENDABLE)})
-        payload: kinds.Payload = kinds.SuspendPayload(billing=True)
     else:
         kind = kinds.RESUME
         cursor = await conn.execute(
             sql.ORG_INSTANCES_SUSPENDED_BY_BILLING, {"org": org["id"], "states": list(RESUMABLE)}
         )
+        targets = [row["id"] for row in await cursor.fetchall()]
         payload = kinds.ResumePayload(billing=True)
+        await _enqueue_all(conn, kind, targets, payload, actor, policy, request_id)
+        count = len(targets)
+    log.info(
+        "billing %s for organisation %s (%s): %d %s job(s)",
+        decision.action.value,
+        org["id"],
+        decision.reason,
+        count,
+        kind,
+    )
+    return StripeEventApplied(outcome, count)
+
+
+async def hold_instances(
+    conn: AsyncConn, org_id: uuid.UUID, actor: Actor, policy: Policy, request_id: str | None
+) -> int:
+    """Enqueue the suspension of the organisation's instances that can be suspended (a hold)."""
+    cursor = await conn.execute(sql.ORG_INSTANCES_IN, {"org": org_id, "states": list(SUSPENDABLE)})
     targets = [row["id"] for row in await cursor.fetchall()]
+    payload = kinds.SuspendPayload(billing=True)
+    await _enqueue_all(conn, kinds.SUSPEND, targets, payload, actor, policy, request_id)
+    return len(targets)
+
+
+async def _enqueue_all(
+    conn: AsyncConn,
+    kind: str,
+    targets: list[uuid.UUID],
+    payload: kinds.Payload,
+    actor: Actor,
+    policy: Policy,
+    request_id: str | None,
+) -> None:
     await jobs.enqueue_many(
         conn,
         [
@@ -100,15 +137,33 @@ async def _apply(
         actor,
         request_id=request_id,
     )
-    log.info(
-        "billing %s for organisation %s (%s): %d %s job(s)",
-        decision.action.value,
-        org["id"],
-        decision.reason,
-        len(targets),
-        kind,
+
+
+async def _past_due(
+    conn: AsyncConn, org_id: uuid.UUID, event: billing.SubscriptionEvent, policy: Policy
+) -> None:
+    """Start the grace period (once) and tell the customer when the databases become read-only."""
+    cursor = await conn.execute(
+        sql.MARK_PAST_DUE, {"id": org_id, "created": event.created, "status": event.status}
     )
-    return StripeEventApplied(outcome, len(targets))
+    row = await cursor.fetchone()
+    assert row is not None
+    if not row["started"]:
+        return
+    suspends_at = row["past_due_since"] + timedelta(seconds=policy.grace_period_s)
+    body = {
+        "id": f"evt_billing_{event.id}",
+        "type": "billing.past_due",
+        "created": event.created,
+        "organisation_id": str(org_id),
+        "data": {
+            "past_due_since": row["past_due_since"].isoformat(),
+            "suspends_at": suspends_at.isoformat(),
+            "message": "The subscription is past due: the databases become read-only on"
+            f" {suspends_at:%Y-%m-%d %H:%M} UTC unless the invoice is paid.",
+        },
+    }
+    await notifications.queue_notice(conn, org_id, None, "billing.past_due", body)
 
 
 async def apply_on_mapping(conn: AsyncConn, org_id: object, customer_id: str) -> str | None:

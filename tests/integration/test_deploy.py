@@ -656,6 +656,8 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert failed["labels"]["severity"] == "warning" and failed["for"] == "15m"
     faults = rule_using("controlplane_instance_alerting_transitions_total")
     assert faults["labels"]["severity"] == "warning" and "for" not in faults
+    lagging = rule_using("controlplane_consumer_lag_seconds")
+    assert lagging["labels"]["severity"] == "warning" and "max by (consumer)" in lagging["expr"]
 
 
 # A reconciler that led and stood down keeps exporting the gauges of its last pass; the rules

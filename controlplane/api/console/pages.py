@@ -34,7 +34,8 @@ from controlplane.api.state import AppState, app_state
 from controlplane.db import AsyncConn
 from controlplane.domain_errors import DomainError, LimitReached, NotFound
 from controlplane.records import Instance as InstanceRecord
-from controlplane.services import instances
+from controlplane.services import billing_policy, instances
+from controlplane.settings import BillingSettings
 
 router = APIRouter(include_in_schema=False)
 
@@ -147,7 +148,7 @@ async def instance_list(
     except ProblemError:  # a cursor that is not one of ours: the first page
         return redirect("/")
     async with app.pool.connection() as conn:
-        org = await _org(conn, who)
+        org = await _org(conn, who, app.settings.billing)
     groups: dict[str, list[dict[str, Any]]] = {"live": [], "failed": [], "ended": []}
     for doc in docs:
         if doc["state"] not in lifecycle.INSTANCE.terminal:
@@ -166,8 +167,9 @@ async def instance_list(
 
 @router.get("/instances/new", response_class=HTMLResponse)
 async def new_instance_page(request: Request, who: SignedIn) -> Response:
-    async with app_state(request).pool.connection() as conn:
-        org = await _org(conn, who)
+    app = app_state(request)
+    async with app.pool.connection() as conn:
+        org = await _org(conn, who, app.settings.billing)
     return _new_instance_form(who, org, {"plan": plans.plan_names()[0]}, {})
 
 
@@ -195,7 +197,7 @@ async def create_instance(request: Request, who: SignedIn, form: Form) -> Respon
         else:
             return redirect(f"/instances/{created.body['id']}")
     async with app.pool.connection() as conn:
-        org = await _org(conn, who)
+        org = await _org(conn, who, app.settings.billing)
     return _new_instance_form(who, org, values, field_errors, status=422)
 
 
@@ -228,7 +230,7 @@ async def instance_live(request: Request, instance_id: uuid.UUID, who: SignedIn)
     app = app_state(request)
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
-        org = await _org(conn, who)
+        org = await _org(conn, who, app.settings.billing)
         context = await _instance_context(conn, app, who, org, record)
     return render("_live.html", context)
 
@@ -342,7 +344,7 @@ async def _instance_view(
     app = app_state(request)
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
-        org = await _org(conn, who)
+        org = await _org(conn, who, app.settings.billing)
         context = await _instance_context(conn, app, who, org, record)
     context |= {
         "notice": notice,
@@ -383,7 +385,7 @@ async def history(
         return redirect(f"/instances/{instance_id}/history")
     async with app.pool.connection() as conn:
         record = await _load(conn, who, instance_id)
-        org = await _org(conn, who)
+        org = await _org(conn, who, app.settings.billing)
         keys = {row["id"]: row for row in await tenants.list_keys(conn, who.org_id, limit=KEYS_SHOWN)}
         doc = await views.one_instance(conn, record, app.box)
     entries = [_entry(event, keys) for event in map(views.event, rows)]
@@ -489,8 +491,9 @@ async def _keys_view(
     new_key: Mapping[str, str] | None = None,
     status: int = 200,
 ) -> Response:
-    async with app_state(request).pool.connection() as conn:
-        org = await _org(conn, who)
+    app = app_state(request)
+    async with app.pool.connection() as conn:
+        org = await _org(conn, who, app.settings.billing)
         keys = await tenants.list_keys(conn, who.org_id, limit=KEYS_SHOWN)
     context = _page(who, org, "keys") | {
         "keys": [dict(key) for key in keys],
@@ -518,11 +521,12 @@ def _page(who: Visitor, org: Mapping[str, Any], active: str) -> dict[str, Any]:
     }
 
 
-async def _org(conn: AsyncConn, who: Visitor) -> Mapping[str, Any]:
+async def _org(conn: AsyncConn, who: Visitor, billing: BillingSettings) -> Mapping[str, Any]:
+    """The organisation, with its billing state as customers see it (the grace period's end)."""
     org = await tenants.get_org(conn, who.org_id)
     if org is None:  # a session outlives no organisation (they are not deleted)
         raise Missing()
-    return org
+    return {**org, "billing": billing_policy.billing_view(dict(org), billing)}
 
 
 async def _load(conn: AsyncConn, who: Visitor, instance_id: uuid.UUID) -> InstanceRecord:

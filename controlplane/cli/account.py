@@ -1,0 +1,167 @@
+"""Customer commands about the organisation: `controlplane usage`, `billing` and `webhooks ...`,
+talking to the REST API with an API key."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from controlplane.cli.client import Api
+from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
+from controlplane.cli.customer import _action, api_flags
+
+
+def register(commands: Any) -> None:
+    usage = commands.add_parser(
+        "usage", help="the organisation's usage: seconds per database, plan and billing class"
+    )
+    api_flags(usage)
+    add_output_flag(usage)
+    usage.add_argument("--from", dest="start", help="start (RFC 3339; default: the start of this month, UTC)")
+    usage.add_argument("--to", dest="end", help="end (RFC 3339; default: now)")
+    usage.set_defaults(handler=cmd_usage)
+
+    billing = commands.add_parser(
+        "billing", help="the organisation's billing state: hold, grace period, policy"
+    )
+    api_flags(billing)
+    add_output_flag(billing)
+    billing.set_defaults(handler=cmd_billing)
+
+    webhooks = commands.add_parser(
+        "webhooks", help="webhook endpoints that the databases' events are sent to"
+    )
+    actions = webhooks.add_subparsers(dest="webhooks_command", metavar="ACTION", required=True)
+    create = _action(
+        actions,
+        "create",
+        "register an endpoint (its signing secret is printed once)",
+        cmd_webhook_create,
+        "controlplane webhooks create https://example.com/hooks --events instance.ready,instance.failed",
+    )
+    create.add_argument("url")
+    create.add_argument("--events", required=True, help="comma-separated event types, or '*'")
+    create.add_argument("--description", default="")
+    _action(actions, "list", "list the endpoints", cmd_webhook_list, "controlplane webhooks list")
+    delete = _action(
+        actions,
+        "delete",
+        "remove an endpoint",
+        cmd_webhook_delete,
+        "controlplane webhooks delete ENDPOINT_ID",
+    )
+    delete.add_argument("id")
+    deliveries = _action(
+        actions,
+        "deliveries",
+        "an endpoint's delivery log, newest first",
+        cmd_webhook_deliveries,
+        "controlplane webhooks deliveries ENDPOINT_ID",
+    )
+    deliveries.add_argument("id")
+
+
+def _time(value: str, name: str) -> str:
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise CommandError(
+            f"--{name} must be an RFC 3339 time (e.g. 2026-05-01T00:00:00Z), not {value!r}"
+        ) from None
+    if moment.tzinfo is None:
+        raise CommandError(f"--{name} must carry a time zone (e.g. 2026-05-01T00:00:00Z), not {value!r}")
+    return moment.isoformat()
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h ({seconds:.0f} s)"
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    now = datetime.now(UTC)
+    start = (
+        _time(args.start, "from")
+        if args.start
+        else now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).isoformat()
+    )
+    end = _time(args.end, "to") if args.end else (now + timedelta(seconds=1)).isoformat()
+    report = Api(args).request("GET", "/v1/usage", params={"from": start, "to": end})
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(report, fmt)
+        return 0
+    print(f"usage from {report['from']} to {report['to']} (as of {report['as_of']})")
+    rows = [[i["instance_id"], i["plan"], i["billing"], _hours(i["seconds"])] for i in report["items"]]
+    print_table(rows, ("instance", "plan", "billing", "time"))
+    print()
+    print_table(
+        [[t["plan"], t["billing"], _hours(t["seconds"])] for t in report["totals"]],
+        ("plan", "billing", "total"),
+    )
+    return 0
+
+
+def cmd_billing(args: argparse.Namespace) -> int:
+    state = Api(args).request("GET", "/v1/billing")
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(state, fmt)
+        return 0
+    rows = [[key, "" if value is None else value] for key, value in state.items()]
+    print_table(rows, ("billing", "value"))
+    if state.get("suspends_at"):
+        print(f"the subscription is past due: the databases become read-only at {state['suspends_at']}")
+    return 0
+
+
+def cmd_webhook_create(args: argparse.Namespace) -> int:
+    events = [e.strip() for e in args.events.split(",") if e.strip()]
+    endpoint = Api(args).request(
+        "POST",
+        "/v1/webhook-endpoints",
+        json={"url": args.url, "event_types": events, "description": args.description},
+    )
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(endpoint, fmt)
+        return 0
+    print(f"endpoint {endpoint['id']} registered for {', '.join(endpoint['event_types'])}")
+    print(f"signing secret (shown once): {endpoint['secret']}")
+    return 0
+
+
+def cmd_webhook_list(args: argparse.Namespace) -> int:
+    items = Api(args).all_items("/v1/webhook-endpoints", {"limit": 100})
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(items, fmt)
+        return 0
+    rows = [
+        [
+            e["id"],
+            e["url"],
+            ",".join(e["event_types"]),
+            "yes" if e["enabled"] else f"no: {e['disabled_reason']}",
+        ]
+        for e in items
+    ]
+    print_table(rows, ("id", "url", "events", "enabled"))
+    return 0
+
+
+def cmd_webhook_delete(args: argparse.Namespace) -> int:
+    Api(args).request("DELETE", f"/v1/webhook-endpoints/{args.id}")
+    print(f"endpoint {args.id} removed")
+    return 0
+
+
+def cmd_webhook_deliveries(args: argparse.Namespace) -> int:
+    page = Api(args).request("GET", f"/v1/webhook-endpoints/{args.id}/deliveries", params={"limit": 100})
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(page["items"], fmt)
+        return 0
+    columns = ("created_at", "event_id", "event_type", "state", "attempts", "last_status", "last_error")
+    print_table([[d.get(c) for c in columns] for d in page["items"]], columns)
+    return 0

@@ -1,0 +1,108 @@
+"""GET /v1/usage over a scripted week: exact to the second per instance, plan and billing class,
+scoped to the organisation, problem+json on bad input."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+
+from controlplane import metering, tenants
+from controlplane.db import AsyncConn
+from controlplane.services import usage
+from tests.factories import append_event
+
+pytest_plugins = ("tests.api_fixtures",)
+
+DAY = timedelta(days=1)
+# A week from a midnight: (offset, event, state reached, detail).
+WEEK: list[tuple[timedelta, str, str, dict[str, Any]]] = [
+    (timedelta(minutes=1), "start_provisioning", "provisioning", {}),
+    (timedelta(minutes=3, seconds=20), "provisioned", "ready", {}),
+    (DAY + timedelta(hours=10), "update", "updating", {}),
+    (DAY + timedelta(hours=10, minutes=2, seconds=7), "updated", "ready", {"plan": "large"}),
+    (3 * DAY, "suspend", "suspended", {}),
+    (3 * DAY + timedelta(hours=6), "resume", "ready", {}),
+    (5 * DAY + timedelta(hours=12), "deprovision", "deprovisioning", {}),
+    (5 * DAY + timedelta(hours=12, minutes=4), "deprovisioned", "deleted", {"backup": "final-1"}),
+]
+
+
+async def scripted_week(conn: AsyncConn, org: uuid.UUID, start: datetime, name: str) -> uuid.UUID:
+    cursor = await conn.execute(
+        "INSERT INTO instances (org_id, name, spec, state, created_at)"
+        " VALUES (%s, %s, %s, 'pending', %s) RETURNING id",
+        (org, name, '{"plan": "small", "region": "local"}', start),
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    instance: uuid.UUID = row["id"]
+    await append_event(
+        conn, "instance", instance, None, "pending", "create", 0, at=start, detail={"spec": {"plan": "small"}}
+    )
+    previous = "pending"
+    for version, (offset, event, state, detail) in enumerate(WEEK, start=1):
+        await append_event(
+            conn, "instance", instance, previous, state, event, version, at=start + offset, detail=detail
+        )
+        previous = state
+    return instance
+
+
+async def test_the_usage_of_a_scripted_week_is_exact_and_the_organisations_own(
+    conn: AsyncConn, client: httpx.AsyncClient
+) -> None:
+    org, key = await tenants.create_org(conn, "acme-usage")
+    other, _ = await tenants.create_org(conn, "globex-usage")
+    now = await usage.db_now(conn)
+    start = metering.period_floor(now - 8 * DAY, DAY)
+    await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now, start))
+    instance = await scripted_week(conn, org["id"], start, "orders")
+    await scripted_week(conn, other["id"], start, "theirs")
+    params = {"from": start.isoformat(), "to": (start + 7 * DAY).isoformat()}
+    answer = await client.get(
+        "/v1/usage", params=params, headers={"Authorization": f"Bearer {key.plaintext}"}
+    )
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    got = {(item["plan"], item["billing"]): item["seconds"] for item in report["items"]}
+    assert {item["instance_id"] for item in report["items"]} == {str(instance)}
+    ready_small = DAY + timedelta(hours=10) - timedelta(minutes=3, seconds=20)
+    updating = timedelta(minutes=2, seconds=7)
+    ready_large = (3 * DAY - (DAY + timedelta(hours=10, minutes=2, seconds=7))) + (
+        5 * DAY + timedelta(hours=12) - (3 * DAY + timedelta(hours=6))
+    )
+    assert got == {
+        ("small", "not_billed"): (timedelta(minutes=3, seconds=20) + timedelta(0)).total_seconds(),
+        ("small", "billed"): (ready_small + updating).total_seconds(),
+        ("large", "billed"): ready_large.total_seconds(),
+        ("large", "storage_only"): timedelta(hours=6).total_seconds(),
+        ("large", "not_billed"): timedelta(minutes=4).total_seconds(),
+    }
+    assert sum(got.values()) == (5 * DAY + timedelta(hours=12, minutes=4)).total_seconds()
+    print("\n--- usage of a scripted week ---")
+    for item in report["totals"]:
+        print(
+            f"{item['plan']:>6} {item['billing']:>13} {item['seconds']:>10.0f} s"
+            f"  {item['seconds'] / 3600:8.3f} h"
+        )
+
+
+async def test_bad_usage_windows_are_problems(conn: AsyncConn, client: httpx.AsyncClient) -> None:
+    _, key = await tenants.create_org(conn, "acme-bad-usage")
+    headers = {"Authorization": f"Bearer {key.plaintext}"}
+    for params in (
+        {"from": "2026-05-01T00:00:00Z"},
+        {"from": "yesterday", "to": "2026-05-02T00:00:00Z"},
+        {"from": "2026-05-02T00:00:00Z", "to": "2026-05-01T00:00:00Z"},
+        {"from": "2026-05-01T00:00:00", "to": "2026-05-02T00:00:00"},
+        {"from": "2024-01-01T00:00:00Z", "to": "2026-05-02T00:00:00Z"},
+    ):
+        answer = await client.get("/v1/usage", params=params, headers=headers)
+        assert answer.status_code == 422, (params, answer.text)
+        assert answer.headers["content-type"].startswith("application/problem+json")
+    assert (
+        await client.get("/v1/usage", params={"from": "2026-05-01T00:00:00Z", "to": "2026-05-02T00:00:00Z"})
+    ).status_code == 401

@@ -1,0 +1,93 @@
+"""Webhook signatures and the notification rules (pure): sign and verify, the addresses an endpoint
+may not use, which events customers hear of."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane import signatures
+from controlplane.consumers import LogEvent
+from controlplane.notifications import DEADLINE_CODES, address_allowed, notice_types
+
+SECRET = "whsec_test"
+BODY = b'{"id":"evt_1","type":"instance.ready"}'
+
+
+def test_a_signature_verifies_with_its_secret_and_body_only() -> None:
+    header = signatures.sign(SECRET, 1_800_000_000, BODY)
+    assert header.startswith("t=1800000000,v1=")
+    assert signatures.verify(SECRET, header, BODY, now=1_800_000_010) == 1_800_000_000
+    for secret, body in (("whsec_other", BODY), (SECRET, BODY + b" ")):
+        with pytest.raises(signatures.SignatureError, match="no signature matches"):
+            signatures.verify(secret, header, body, now=1_800_000_010)
+
+
+def test_an_old_or_malformed_signature_is_refused() -> None:
+    header = signatures.sign(SECRET, 1_800_000_000, BODY)
+    with pytest.raises(signatures.SignatureError, match="away from now"):
+        signatures.verify(SECRET, header, BODY, now=1_800_000_301)
+    for bad in (None, "", "v1=abc", "t=1800000000", "t=x,v1=abc"):
+        with pytest.raises(signatures.SignatureError):
+            signatures.verify(SECRET, bad, BODY, now=1_800_000_000)
+    # A rotated secret's receiver accepts either of two v1 values.
+    both = f"{header},v1={'0' * 64}"
+    assert signatures.verify(SECRET, both, BODY, now=1_800_000_000) == 1_800_000_000
+
+
+@pytest.mark.parametrize(
+    ("address", "allowed"),
+    [
+        ("93.184.216.34", True),
+        ("2606:2800:220:1:248:1893:25c8:1946", True),
+        ("127.0.0.1", False),
+        ("10.0.0.5", False),
+        ("172.16.3.4", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("0.0.0.0", False),
+        ("::1", False),
+        ("fe80::1", False),
+        ("fd00::1", False),
+        ("::ffff:10.0.0.1", False),
+        ("224.0.0.1", False),
+    ],
+)
+def test_endpoint_addresses(address: str, allowed: bool) -> None:
+    assert address_allowed(address) is allowed
+
+
+def _event(from_state: str | None, to_state: str, **detail: object) -> LogEvent:
+    return LogEvent(
+        1,
+        1,
+        uuid.uuid4(),
+        uuid.uuid4(),
+        from_state,
+        to_state,
+        "e",
+        "worker",
+        "w",
+        None,
+        detail,
+        datetime(2026, 5, 1, tzinfo=UTC),
+        1,
+        1,
+    )
+
+
+def test_which_events_customers_hear_of() -> None:
+    assert notice_types(_event("provisioning", "ready"), DEADLINE_CODES) == ["instance.ready"]
+    assert notice_types(_event("degraded", "ready"), DEADLINE_CODES) == ["instance.recovered"]
+    assert notice_types(_event("suspended", "ready"), DEADLINE_CODES) == ["instance.resumed"]
+    assert notice_types(_event("updating", "ready"), DEADLINE_CODES) == []
+    assert notice_types(_event("pending", "provisioning"), DEADLINE_CODES) == []
+    assert notice_types(_event("ready", "suspended"), DEADLINE_CODES) == ["instance.suspended"]
+    assert notice_types(_event("deprovisioning", "deleted"), DEADLINE_CODES) == ["instance.deleted"]
+    assert notice_types(
+        _event("provisioning", "failed", code="storage_allocation_failed"), DEADLINE_CODES
+    ) == ["instance.failed"]
+    overdue = notice_types(_event("provisioning", "failed", code="init_timeout"), DEADLINE_CODES)
+    assert overdue == ["instance.failed", "instance.deadline_overdue"]
