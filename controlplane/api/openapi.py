@@ -78,6 +78,11 @@ TAGS = [
     {"name": "organisations and keys", "description": "Organisations (admin) and their API keys."},
     {"name": "sre", "description": "SRE views and actions across organisations (an admin key)."},
     {"name": "webhooks", "description": "Events from Stripe (signed, no API key)."},
+    {
+        "name": "notifications",
+        "description": "The organisation's usage and billing state, and where its events are sent"
+        " (signed webhook endpoints, email).",
+    },
     {"name": "reference", "description": "The plans, the lifecycles and the CA certificate (no key)."},
     {"name": "health", "description": "Liveness, readiness and metrics (no key)."},
 ]

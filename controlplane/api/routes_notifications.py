@@ -58,22 +58,29 @@ class WebhookEndpointCreate(Strict):
 
 class NotificationEmailCreate(Strict):
     address: str = Field(
-        min_length=3, max_length=254, pattern=r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$"
+        min_length=3,
+        max_length=254,
+        pattern=r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$",
+        description="the email address notifications are sent to",
     )
     event_types: list[EventType] = Field(min_length=1, max_length=20, description=f"of {EVENT_TYPES}, or `*`")
 
 
 class WebhookEndpoint(BaseModel):
     id: uuid.UUID
-    url: str
-    event_types: list[str]
+    url: str = Field(description="the https URL events are POSTed to")
+    event_types: list[str] = Field(description="the event types sent to it (`*`: all)")
     description: str
     created_at: datetime
-    enabled: bool
-    disabled_at: datetime | None
-    disabled_reason: str | None
+    enabled: bool = Field(description="whether deliveries are made to it")
+    disabled_at: datetime | None = Field(
+        description="when it was disabled after sustained failure (null while enabled)"
+    )
+    disabled_reason: str | None = Field(description="why it was disabled (null while enabled)")
     # The signing secret: in the answer to the registration only (null everywhere else).
-    secret: str | None = None
+    secret: str | None = Field(
+        None, description="the signing secret: in the answer to the registration only, null everywhere else"
+    )
 
 
 class WebhookEndpointPage(BaseModel):
@@ -83,8 +90,8 @@ class WebhookEndpointPage(BaseModel):
 
 class NotificationEmail(BaseModel):
     id: uuid.UUID
-    address: str
-    event_types: list[str]
+    address: str = Field(description="the email address notifications are sent to")
+    event_types: list[str] = Field(description="the event types sent to it (`*`: all)")
     created_at: datetime
 
 
@@ -95,16 +102,20 @@ class NotificationEmailPage(BaseModel):
 
 class Delivery(BaseModel):
     id: uuid.UUID
-    event_id: str
-    event_type: str
+    event_id: str = Field(
+        description="the event's id, the same on every attempt (receivers de-duplicate by it)"
+    )
+    event_type: str = Field(description="the event's type, e.g. instance.ready")
     instance_id: uuid.UUID | None
     state: str
-    attempts: int
-    last_status: int | None
+    attempts: int = Field(description="attempts made so far")
+    last_status: int | None = Field(description="HTTP status of the last attempt (null if none answered)")
     last_error: str | None
     created_at: datetime
-    last_attempt_at: datetime | None
-    delivered_at: datetime | None
+    last_attempt_at: datetime | None = Field(description="when the last attempt was made")
+    delivered_at: datetime | None = Field(
+        description="when an attempt was answered with a 2xx (null until then)"
+    )
 
 
 class DeliveryPage(BaseModel):
@@ -116,31 +127,37 @@ class UsageLine(BaseModel):
     instance_id: uuid.UUID
     plan: str
     billing: str
-    seconds: float
+    seconds: float = Field(description="billable seconds in the window")
 
 
 class UsageTotal(BaseModel):
     plan: str
     billing: str
-    seconds: float
+    seconds: float = Field(description="billable seconds in the window")
 
 
 class Usage(BaseModel):
-    organisation_id: uuid.UUID
+    organisation_id: uuid.UUID = Field(description="the organisation the usage is of")
     start: datetime = Field(alias="from")
     end: datetime = Field(alias="to")
-    as_of: datetime
+    as_of: datetime = Field(description="the time the usage was computed at (the window's end at most)")
     items: list[UsageLine]
-    totals: list[UsageTotal]
+    totals: list[UsageTotal] = Field(description="the seconds per plan and billing class over all instances")
 
 
 class Billing(BaseModel):
-    hold: bool
+    hold: bool = Field(description="whether a billing hold is on (the databases are suspended: read-only)")
     status: str | None
-    past_due_since: datetime | None
-    suspends_at: datetime | None
-    grace_period_s: float
-    deprovision_after_days: float | None
+    past_due_since: datetime | None = Field(
+        description="when the subscription became past due (null if it is not)"
+    )
+    suspends_at: datetime | None = Field(
+        description="when a past-due subscription's databases become read-only unless paid"
+    )
+    grace_period_s: float = Field(description="seconds between past due and suspension")
+    deprovision_after_days: float | None = Field(
+        description="days suspended after which the databases are deleted (with a final backup); null: never"
+    )
 
 
 def _endpoint(row: Any, secret: str | None = None) -> dict[str, Any]:
@@ -218,6 +235,13 @@ async def _register(
     response_model=WebhookEndpoint,
     responses=errors.responses(400, 401, 403, 409, 413, 422),
     operation_id="createWebhookEndpoint",
+    description=(
+        "Registers an https endpoint for the organisation's events. Each delivery is a POST signed like "
+        'Stripe\'s (`Controlplane-Signature: t=<unix time>,v1=<HMAC-SHA256 of "t.body" with the secret>`),'
+        " carries the event's id for de-duplication, and is retried with backoff for up to a day; an "
+        "endpoint that keeps failing is disabled. The URL must resolve to public addresses unless the "
+        "operator allows private ones."
+    ),
     summary="Register a webhook endpoint: its signing secret is in this answer only",
 )
 async def create_webhook_endpoint(
@@ -239,6 +263,10 @@ async def create_webhook_endpoint(
     response_model=WebhookEndpointPage,
     responses=errors.responses(401, 403, 422),
     operation_id="listWebhookEndpoints",
+    description=(
+        "The organisation's webhook endpoints, oldest first, with whether each is enabled and, if not, "
+        "why. The signing secret is never shown again."
+    ),
     summary="List the organisation's webhook endpoints (oldest first, cursor paginated)",
 )
 async def list_webhook_endpoints(
@@ -267,6 +295,10 @@ def _page_of(rows: Any, limit: int) -> tuple[Any, str | None]:
     response_model=WebhookEndpoint,
     responses=errors.responses(401, 403, 404, 422),
     operation_id="getWebhookEndpoint",
+    description=(
+        "One webhook endpoint of the organisation: its URL, event types, and whether it is enabled (an "
+        "endpoint disabled after sustained failure says why)."
+    ),
     summary="A webhook endpoint: whether it is enabled, and why not",
 )
 async def get_webhook_endpoint(endpoint_id: uuid.UUID, request: Request, who: Caller) -> dict[str, Any]:
@@ -279,6 +311,10 @@ async def get_webhook_endpoint(endpoint_id: uuid.UUID, request: Request, who: Ca
     status_code=204,
     responses=errors.responses(401, 403, 404, 422),
     operation_id="deleteWebhookEndpoint",
+    description=(
+        "Removes a webhook endpoint: no new delivery is made to it, and deliveries still queued for it "
+        "are dropped."
+    ),
     summary="Remove a webhook endpoint: nothing more is sent to it",
 )
 async def delete_webhook_endpoint(endpoint_id: uuid.UUID, request: Request, who: Caller) -> Response:
@@ -292,6 +328,10 @@ async def delete_webhook_endpoint(endpoint_id: uuid.UUID, request: Request, who:
     response_model=DeliveryPage,
     responses=errors.responses(401, 403, 404, 422),
     operation_id="listWebhookDeliveries",
+    description=(
+        "The delivery log of one endpoint, newest first: each event sent or to be sent, its attempts, the"
+        " last HTTP status or error, and when it was delivered."
+    ),
     summary="The delivery log of a webhook endpoint (newest first, cursor paginated)",
 )
 async def list_webhook_deliveries(
@@ -316,6 +356,10 @@ async def list_webhook_deliveries(
     response_model=NotificationEmail,
     responses=errors.responses(400, 401, 403, 409, 413, 422),
     operation_id="createNotificationEmail",
+    description=(
+        "Adds an email address that the organisation's notifications are sent to by SMTP, for the event "
+        "types given."
+    ),
     summary="Add an email address that notifications are sent to",
 )
 async def create_notification_email(
@@ -337,6 +381,10 @@ async def create_notification_email(
     response_model=NotificationEmailPage,
     responses=errors.responses(401, 403, 422),
     operation_id="listNotificationEmails",
+    description=(
+        "The email addresses the organisation's notifications are sent to, oldest first, with their event"
+        " types."
+    ),
     summary="List the email addresses notifications are sent to (oldest first, cursor paginated)",
 )
 async def list_notification_emails(
@@ -350,6 +398,7 @@ async def list_notification_emails(
     status_code=204,
     responses=errors.responses(401, 403, 404, 422),
     operation_id="deleteNotificationEmail",
+    description="Removes an email address: no further notification is sent to it.",
     summary="Stop sending notifications to an email address",
 )
 async def delete_notification_email(email_id: uuid.UUID, request: Request, who: Caller) -> Response:
@@ -363,6 +412,11 @@ async def delete_notification_email(email_id: uuid.UUID, request: Request, who: 
     response_model=Usage,
     responses=errors.responses(401, 403, 422),
     operation_id="getUsage",
+    description=(
+        "Billable time from the audit log over [from, to): seconds per instance, plan and billing class "
+        "(`billed`, `storage_only`, `not_billed`, from the lifecycle metadata), with totals per plan and "
+        "class. Exact to the second across plan changes and restarts."
+    ),
     summary="The organisation's usage over [from, to): seconds per instance, plan and billing class",
 )
 async def get_usage(
@@ -401,6 +455,11 @@ async def get_usage(
     response_model=Billing,
     responses=errors.responses(401, 403),
     operation_id="getBilling",
+    description=(
+        "The organisation's billing state: whether a billing hold is on, the subscription status, when a "
+        "past-due grace period started and when the databases become read-only, and the policy (grace "
+        "period, deprovisioning after a long suspension)."
+    ),
     summary="The organisation's billing state: the hold, the grace period and when it ends, the policy",
 )
 async def get_billing(request: Request, who: Caller) -> dict[str, Any]:
