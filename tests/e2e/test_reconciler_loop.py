@@ -10,6 +10,7 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -107,8 +108,8 @@ class Counting(Reconciler):
     passes = 0
     woke: asyncio.Event
 
-    async def run_once(self, now: datetime | None = None) -> PassSummary:
-        summary = await super().run_once(now)
+    async def run_once(self, now: datetime | None = None, **kwargs: Any) -> PassSummary:
+        summary = await super().run_once(now, **kwargs)
         self.passes += 1
         self.woke.set()
         return summary

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +128,8 @@ async def test_the_control_plane_rides_a_failover_of_its_database(pair: Pair) ->
     passes: list[float] = []
     real_pass = reconciler.run_once
 
-    async def counted_pass(now: object = None) -> PassSummary:
-        summary = await real_pass()
+    async def counted_pass(now: datetime | None = None, **kwargs: Any) -> PassSummary:
+        summary = await real_pass(now, **kwargs)
         passes.append(time.monotonic())
         return summary
 
