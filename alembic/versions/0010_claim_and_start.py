@@ -1,7 +1,7 @@
 """claim and start in one call; reclaimed and retried jobs claimed first
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-12-01
 
 `cp_claim_and_start(kinds, limit, worker, from...)` claims due queued jobs with SKIP LOCKED
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from alembic import op
 
-revision: str = "0009"
-down_revision: str | None = "0008"
+revision: str = "0010"
+down_revision: str | None = "0009"
 branch_labels: str | None = None
 depends_on: str | None = None
 

@@ -1,7 +1,7 @@
 """event consumers, notifications, metering reports, billing grace
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-01
 
 Consumers of the instance event log read it by the writing transaction's id (`xid`, below the
@@ -19,8 +19,8 @@ from sqlalchemy.dialects import postgresql
 from alembic import op
 from controlplane.schema import XID8
 
-revision: str = "0009"
-down_revision: str | None = "0008"
+revision: str = "0011"
+down_revision: str | None = "0010"
 branch_labels: str | None = None
 depends_on: str | None = None
 
