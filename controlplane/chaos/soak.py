@@ -516,10 +516,15 @@ async def leader(cluster: Cluster) -> Proc | None:
 
 
 def _postmaster_pid(pgdata: Path) -> int | None:
+    """The pid of the postmaster running on `pgdata`, or None. A postmaster.pid left by a killed
+    server names a pid another process may have been given since: only a process whose working
+    directory is that data directory (a postmaster's is) counts, so nothing else is ever killed."""
     try:
-        return int((pgdata / "postmaster.pid").read_text().split()[0])
+        pid = int((pgdata / "postmaster.pid").read_text().split()[0])
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
     except (OSError, ValueError, IndexError):
         return None
+    return pid if cwd == pgdata.resolve() else None
 
 
 def _pid_alive(pid: int) -> bool:
