@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -158,8 +159,32 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "controlplane.cli", *args]
 
 
+# The customer servers' ports come from below the kernel's ephemeral range (where `free_port`, and
+# so the soak's own API and database ports, come from), in a block free when the soak starts.
+INSTANCE_PORTS_FROM, INSTANCE_PORTS_TO = 20000, 32000
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _instance_ports(count: int) -> int:
+    """The first of `count` ports, all free now, none of which the kernel hands out on its own."""
+    picker = random.Random()  # noqa: S311 (a port, not a secret; apart from the seeded schedule)
+    for _ in range(200):
+        first = picker.randrange(INSTANCE_PORTS_FROM, INSTANCE_PORTS_TO - count)
+        if all(_port_free(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} free ports between {INSTANCE_PORTS_FROM} and {INSTANCE_PORTS_TO}")
+
+
 def _environment(root: Path, url: str, options: Options) -> tuple[dict[str, str], Settings]:
-    port_min = free_port()
+    port_min = _instance_ports(4 * options.max_instances + 21)
     values = {
         "database_url": url,
         "data_dir": str(root / "data"),
