@@ -8,7 +8,7 @@ from sqlalchemy import create_engine, pool, text
 
 from alembic import context
 from controlplane.db import sqlalchemy_url
-from controlplane.schema import metadata
+from controlplane.schema import XID8, metadata
 
 config = context.config
 
@@ -29,6 +29,8 @@ def run_migrations_online() -> None:
     if not url:
         raise RuntimeError("no database URL given to the migration (use `controlplane migrate`)")
     engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    # Reflection names the columns of PostgreSQL's xid8 type (this engine's dialect only).
+    engine.dialect.ischema_names = {**engine.dialect.ischema_names, "xid8": XID8}
     with engine.connect() as connection:
         context.configure(
             connection=connection,
