@@ -491,11 +491,17 @@ class LocalProvisioner(Provisioner):
 
     def _configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec) -> None:
         server = self._require_storage(instance_id)
+        self._port_to_start_on(instance_id, server)
+        self._conform(server, spec)
+
+    def _port_to_start_on(self, instance_id: uuid.UUID, server: InstanceServer) -> int:
+        """The instance's port, moved to a free one if another process holds it while this server
+        is not running (the connection details initialize_database returns carry the new one)."""
         port = self.ports.allocate(instance_id)
         if not server.is_running() and port_in_use(port, self.connect_host):
             log.warning("port %s of instance %s is taken by another process; moving", port, instance_id)
             port = self.ports.allocate(instance_id, avoid=port)
-        self._conform(server, spec)
+        return port
 
     async def initialize_database(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
@@ -507,8 +513,10 @@ class LocalProvisioner(Provisioner):
     def _initialize_database(
         self, instance_id: uuid.UUID, spec: InstanceSpec, password: str | None
     ) -> ConnectionInfo:
-        self._require_storage(instance_id)
-        port = self._require_port(instance_id)
+        stopped = self._require_storage(instance_id)
+        self._require_port(instance_id)
+        # A port taken since configure_network ran is left for another: these details carry it.
+        port = self._port_to_start_on(instance_id, stopped)
         server = self._server(instance_id, port)
         self._ensure_started(server)
         state = self._load_state(instance_id)

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +119,34 @@ async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> N
     again_result = await local.deprovision(iid, small, fence=14)
     assert again_result.removed is False and again_result.backup is None
     assert list(Path(result.backup).parent.iterdir()) == [Path(result.backup)]
+
+
+def occupy(port: int) -> socket.socket:
+    """Another process's listener on `port` (of the loopback address the instances use)."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    return holder
+
+
+async def test_a_port_taken_before_the_first_start_is_left_for_a_free_one(local: LocalProvisioner) -> None:
+    # Taken before configure_network, and again between it and the server's first start (a retry of
+    # initialize_database does not run configure_network again): the server starts on a free port.
+    iid = uuid.uuid4()
+    await local.allocate_storage(iid, DEV, fence=1)
+    first = local.ports.allocate(iid)
+    with occupy(first):
+        await local.configure_network(iid, DEV, fence=1)
+        second = local.ports.port_of(iid)
+        assert second is not None and second != first
+        with occupy(second):
+            info = await local.initialize_database(iid, DEV, fence=1)
+    assert info.port not in (first, second) and local.ports.port_of(iid) == info.port
+    with connect(info) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    # Running, the server keeps its port: it is the one holding it.
+    assert (await local.initialize_database(iid, DEV, fence=1)).port == info.port
 
 
 async def test_observe_sees_a_killed_server_and_a_removed_directory(local: LocalProvisioner) -> None:
