@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,11 +211,30 @@ class PostgresServer:
 
     def start(self, timeout: float = 60) -> None:
         """Start the server (idempotent) and wait until it accepts connections."""
+        self._start(f"-p {self.port} -c listen_addresses={self.host} -k {self.socket_dir()}", timeout)
+
+    @contextlib.contextmanager
+    def private(self, timeout: float = 60) -> Iterator[None]:
+        """The server running for the block, stopped after, with no TCP listener and its only
+        socket in a directory that no one but the server's user may enter: no client connects."""
+        if self.is_running():
+            raise PostgresError(f"PostgreSQL in {self.datadir} is running; it cannot start privately")
+        directory = Path(tempfile.mkdtemp(prefix="cp-private-"))
+        try:
+            make_owned_dir(directory, self.run_as)
+            self._start(f"-p {self.port} -c listen_addresses='' -k {directory}", timeout)
+            yield
+        finally:
+            try:
+                self.stop("fast")
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _start(self, options: str, timeout: float) -> None:
         if not self.initialised:
             raise PostgresError(f"{self.datadir} holds no PostgreSQL cluster")
         if self.is_running():
             return
-        options = f"-p {self.port} -c listen_addresses={self.host} -k {self.socket_dir()}"
         result = self._run(
             [
                 self.bin("pg_ctl"),
@@ -268,6 +289,22 @@ class PostgresServer:
     def restart(self, mode: str = "fast") -> None:
         self.stop(mode)
         self.start()
+
+    def configured(self, name: str) -> str:
+        """The value setting `name` has in the configuration files (the server stopped or not)."""
+        result = self._run([self.bin("postgres"), "-D", str(self.datadir), "-C", name], timeout=30)
+        if result.returncode != 0:
+            raise PostgresError(f"could not read {name} of {self.datadir}: {result.stdout.strip()}")
+        return result.stdout.strip()
+
+    def control_data(self) -> dict[str, str]:
+        """What pg_control records (pg_controldata's fields by name), e.g. the settings of the last
+        primary run that a hot standby must match: `max_connections setting`."""
+        result = self._run([self.bin("pg_controldata"), "-D", str(self.datadir)], timeout=30)
+        if result.returncode != 0:
+            raise PostgresError(f"could not read pg_control of {self.datadir}: {result.stdout.strip()}")
+        fields = (line.partition(":") for line in result.stdout.splitlines())
+        return {name.strip(): value.strip() for name, sep, value in fields if sep}
 
     def reload(self) -> None:
         self._run([self.bin("pg_ctl"), "-D", str(self.datadir), "reload"])

@@ -85,9 +85,23 @@ SERVER_KEY = "server.key"
 # A backup is a directory: the compressed base backup, then (written last) what describes it.
 BACKUP_ARCHIVE = "base.tar.gz"
 BACKUP_META = "backup.json"
+# A suspended instance's server runs in standby mode: the signal file's presence says so.
+STANDBY_SIGNAL = "standby.signal"
+# The signal set aside while the server runs once as a primary that no client can reach (see
+# _record_settings_for_standby); found at the next start, it is put back (that was cut short).
+SET_ASIDE_SIGNAL = "standby.signal.set-aside"
+# Settings a hot standby may not run below what pg_control recorded of the data's last primary
+# run (PostgreSQL refuses it: "insufficient parameter settings"), by pg_controldata's names.
+STANDBY_MINIMUMS = {
+    "max_connections": "max_connections setting",
+    "max_worker_processes": "max_worker_processes setting",
+    "max_wal_senders": "max_wal_senders setting",
+    "max_prepared_transactions": "max_prepared_xacts setting",
+    "max_locks_per_transaction": "max_locks_per_xact setting",
+}
 # Files a restored cluster must not keep: the old server's run state, and the signals that would
 # start it as a standby.
-NOT_RESTORED = ("postmaster.pid", "postmaster.opts", "standby.signal", "recovery.signal")
+NOT_RESTORED = ("postmaster.pid", "postmaster.opts", STANDBY_SIGNAL, SET_ASIDE_SIGNAL, "recovery.signal")
 
 T = TypeVar("T")
 
@@ -401,12 +415,37 @@ class LocalProvisioner(Provisioner):
         self._ensure_tls(server)  # ssl = on: no server starts without its certificate
         for attempt in range(attempts):
             try:
+                self._record_settings_for_standby(server)
                 server.start()
                 return
             except PostgresError:
                 if attempt == attempts - 1:
                     raise
                 time.sleep(0.5 * (attempt + 1))
+
+    def _record_settings_for_standby(self, server: InstanceServer) -> None:
+        """Before a standby-mode start: if a setting is below what pg_control recorded of the last
+        primary run (a plan lowered while the server was down, then a suspension), PostgreSQL
+        would refuse to start. The server then runs once as a primary that no client can reach
+        (no listener; a socket only its user may reach), which records the settings it has."""
+        signal_file, set_aside = server.datadir / STANDBY_SIGNAL, server.datadir / SET_ASIDE_SIGNAL
+        if set_aside.exists():
+            os.replace(set_aside, signal_file)
+        if server.is_running() or not signal_file.exists():
+            return
+        recorded = server.control_data()
+        lower = [
+            name
+            for name, field in STANDBY_MINIMUMS.items()
+            if int(server.configured(name)) < int(recorded[field])
+        ]
+        if not lower:
+            return
+        log.info("recording %s of %s before its standby start", ", ".join(lower), server.datadir)
+        os.replace(signal_file, set_aside)
+        with server.private():
+            pass  # a primary's start is what records its settings in pg_control
+        os.replace(set_aside, signal_file)
 
     async def _step(self, instance_id: uuid.UUID, fence: int, work: Callable[[], T]) -> T:
         """Run `work` in a thread while holding the instance's fence; translate errors at this edge.
@@ -570,17 +609,15 @@ class LocalProvisioner(Provisioner):
     def _suspend(self, instance_id: uuid.UUID) -> bool:
         """Restart the server in standby mode: read-only that no session can undo; sessions end."""
         server = self._require_storage(instance_id)
-        signal_file = server.datadir / "standby.signal"
+        signal_file = server.datadir / STANDBY_SIGNAL
         if server.is_running() and signal_file.exists() and self._in_recovery(instance_id, server.port):
             return False
         signal_file.touch()
         if self.run_as.is_switch:
             assert self.run_as.uid is not None and self.run_as.gid is not None
             os.chown(signal_file, self.run_as.uid, self.run_as.gid)
-        if server.is_running():
-            server.restart("fast")  # fast shutdown terminates every session, as pg_terminate_backend does
-        else:
-            self._ensure_started(server)
+        server.stop("fast")  # a fast shutdown ends every session, as pg_terminate_backend does
+        self._ensure_started(server)
         if not self._in_recovery(instance_id, server.port):
             raise TemporaryError(f"instance {instance_id} did not come back read-only")
         return True
@@ -591,10 +628,12 @@ class LocalProvisioner(Provisioner):
     def _resume(self, instance_id: uuid.UUID) -> bool:
         """Leave standby mode: promote a running server, or start a stopped one without the signal."""
         server = self._require_storage(instance_id)
-        signal_file = server.datadir / "standby.signal"
+        signal_file = server.datadir / STANDBY_SIGNAL
         if not server.is_running():
-            was_suspended = signal_file.exists()
+            set_aside = server.datadir / SET_ASIDE_SIGNAL
+            was_suspended = signal_file.exists() or set_aside.exists()
             signal_file.unlink(missing_ok=True)
+            set_aside.unlink(missing_ok=True)
             self._ensure_started(server)
             return was_suspended
         if not self._in_recovery(instance_id, server.port):

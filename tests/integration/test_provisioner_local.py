@@ -149,17 +149,74 @@ async def test_a_port_taken_before_the_first_start_is_left_for_a_free_one(local:
     assert (await local.initialize_database(iid, DEV, fence=1)).port == info.port
 
 
+def kill(local: LocalProvisioner, instance_id: uuid.UUID) -> None:
+    server = local._server(instance_id)
+    pid = server.pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    server.wait_until_down()
+
+
+async def test_a_plan_lowered_while_the_server_was_down_does_not_stop_its_standby_start(
+    local: LocalProvisioner,
+) -> None:
+    # small (50 connections) killed; the plan goes down to dev (20) while it is down; then a billing
+    # hold starts it in standby mode, below what pg_control recorded: PostgreSQL alone refuses that.
+    iid = uuid.uuid4()
+    small, dev = InstanceSpec("small", 1), InstanceSpec("dev", 2)
+    info = await provision(local, iid, fence=1, spec=small)
+    with connect(info) as owner:
+        owner.execute("CREATE TABLE notes (body text)")
+        owner.execute("INSERT INTO notes VALUES ('kept')")
+    kill(local, iid)
+    assert await local.apply_plan(iid, dev, fence=2) is True
+    assert await local.suspend(iid, dev, fence=3) is True
+    with connect(info) as reader:
+        assert reader.execute("SHOW max_connections").fetchone() == ("20",)
+        assert reader.execute("SELECT body FROM notes").fetchall() == [("kept",)]
+        cannot_write(reader)
+    assert local._server(iid).control_data()["max_connections setting"] == "20"
+
+    # Killed again while suspended, then deleted: the final dump starts it (read-only) and is taken.
+    kill(local, iid)
+    backup = await local.final_backup(iid, dev, fence=4)
+    assert backup is not None
+    assert (await local.deprovision(iid, dev, fence=5)).removed
+
+
+async def test_a_signal_set_aside_by_a_cut_short_start_is_put_back_or_dropped(
+    local: LocalProvisioner,
+) -> None:
+    # A crash while the server ran privately leaves the standby signal set aside: the next start puts
+    # it back (still suspended), and a resume of the stopped server drops it (writable).
+    iid = uuid.uuid4()
+    info = await provision(local, iid, fence=1)
+    with connect(info) as owner:
+        owner.execute("CREATE TABLE notes (body text)")
+    assert await local.suspend(iid, DEV, fence=2) is True
+    datadir = local.datadir(iid)
+    kill(local, iid)
+    os.replace(datadir / "standby.signal", datadir / "standby.signal.set-aside")
+    assert await local.suspend(iid, DEV, fence=3) is True
+    with connect(info) as reader:
+        cannot_write(reader)
+    assert not (datadir / "standby.signal.set-aside").exists()
+
+    kill(local, iid)
+    os.replace(datadir / "standby.signal", datadir / "standby.signal.set-aside")
+    assert await local.resume(iid, DEV, fence=4) is True
+    with connect(info) as writer:
+        writer.execute("INSERT INTO notes VALUES ('after resume')")
+    assert sorted(p.name for p in datadir.glob("standby.signal*")) == []
+
+
 async def test_observe_sees_a_killed_server_and_a_removed_directory(local: LocalProvisioner) -> None:
     iid, other = uuid.uuid4(), uuid.uuid4()
     info = await provision(local, iid, fence=1)
     other_port = local.ports.allocate(other)
     assert other_port != info.port
 
-    server = local._server(iid)
-    pid = server.pid()
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    server.wait_until_down()
+    kill(local, iid)
     observed = await local.observe(iid)
     assert observed.exists and not observed.running and not observed.healthy
     assert observed.detail == "server not running"
