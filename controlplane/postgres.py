@@ -192,19 +192,8 @@ class PostgresServer:
             os.chown(managed, self.run_as.uid, self.run_as.gid)
 
     def pid(self) -> int | None:
-        """The postmaster's pid when it is alive, from postmaster.pid."""
-        try:
-            first = (self.datadir / "postmaster.pid").read_text().splitlines()[0]
-            pid = int(first)
-        except (OSError, ValueError, IndexError):
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        return None if _is_zombie(pid) else pid
+        """The postmaster's pid when it is alive (see `postmaster_pid`)."""
+        return postmaster_pid(self.datadir)
 
     def is_running(self) -> bool:
         return self.pid() is not None
@@ -317,6 +306,32 @@ class PostgresServer:
         deadline = time.monotonic() + timeout
         while self.is_running() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def postmaster_pid(datadir: Path) -> int | None:
+    """The pid of the postmaster running on `datadir`, from its postmaster.pid, or None. A file
+    left by a killed server names a pid the system may have given another process since: where
+    /proc says, only a live process whose working directory is `datadir` (a postmaster's is) counts."""
+    try:
+        pid = int((datadir / "postmaster.pid").read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    if _is_zombie(pid):
+        return None
+    try:
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except PermissionError:
+        return pid  # another user's process: the signal probe above is all there is
+    except OSError:
+        # No /proc here: the live pid is all there is. Gone since the probe: not running.
+        return None if Path("/proc/self").exists() else pid
+    return pid if cwd == datadir.resolve() else None
 
 
 def _is_zombie(pid: int) -> bool:

@@ -38,7 +38,7 @@ from cryptography.fernet import Fernet
 from controlplane import audit, db, tenants
 from controlplane.chaos import plan
 from controlplane.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
-from controlplane.postgres import free_port
+from controlplane.postgres import free_port, postmaster_pid
 from controlplane.settings import Settings
 from provisioners.local import LocalProvisioner
 from reconciler.leader import RECONCILER_LOCK_KEY
@@ -540,31 +540,6 @@ async def leader(cluster: Cluster) -> Proc | None:
     return None
 
 
-def _postmaster_pid(pgdata: Path) -> int | None:
-    """The pid of the postmaster running on `pgdata`, or None. A postmaster.pid left by a killed
-    server names a pid another process may have been given since: only a process whose working
-    directory is that data directory (a postmaster's is) counts, so nothing else is ever killed."""
-    try:
-        pid = int((pgdata / "postmaster.pid").read_text().split()[0])
-        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if cwd == pgdata.resolve() else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
-            return False
-    return True
-
-
 class Faults:
     def __init__(self, cluster: Cluster, rng: random.Random, report: plan.Report) -> None:
         self.cluster = cluster
@@ -658,7 +633,7 @@ class Faults:
         return proc.name, recovered
 
     async def _control_plane_db(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
-        pid = _postmaster_pid(self.cluster.database.server.datadir)
+        pid = postmaster_pid(self.cluster.database.server.datadir)
         if pid is None:
             return None
         os.kill(pid, signal.SIGKILL)
@@ -676,8 +651,8 @@ class Faults:
         local = LocalProvisioner(self.cluster.settings)
         candidates = []
         for row in rows:
-            pid = _postmaster_pid(local.instance_dir(row["id"]) / "pgdata")
-            if pid is not None and _pid_alive(pid):
+            pid = postmaster_pid(local.instance_dir(row["id"]) / "pgdata")
+            if pid is not None:
                 candidates.append((row["id"], pid))
         if not candidates:
             return None
@@ -690,13 +665,8 @@ class Faults:
             )
             if state[0]["state"] in {"deprovisioning", "deleted"}:
                 return True  # deleted meanwhile: nothing left to recover
-            now = _postmaster_pid(local.instance_dir(iid) / "pgdata")
-            return (
-                state[0]["state"] in {"ready", "suspended"}
-                and now is not None
-                and now != pid
-                and _pid_alive(now)
-            )
+            now = postmaster_pid(local.instance_dir(iid) / "pgdata")
+            return state[0]["state"] in {"ready", "suspended"} and now is not None and now != pid
 
         return f"instance {iid} (pid {pid})", recovered
 
