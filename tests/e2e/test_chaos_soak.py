@@ -15,10 +15,6 @@ from tests.provisioning_support import pg_bindir
 from tests.up_support import scratch_dir
 
 
-# Out of the default run (pyproject: -m "not soak") while it finds two local-provisioner defects: a
-# recorded port taken before the first start, and a killed server that does not restart for its
-# final backup. `pytest -m soak tests/e2e/test_chaos_soak.py` runs it.
-@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_short_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
     with scratch_dir("cp-chaos-") as root:
