@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from sqlalchemy import create_engine, pool, text
+from sqlalchemy.dialects.postgresql.base import PGDialect
 
 from alembic import context
 from controlplane.db import sqlalchemy_url
@@ -30,7 +31,9 @@ def run_migrations_online() -> None:
         raise RuntimeError("no database URL given to the migration (use `controlplane migrate`)")
     engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
     # Reflection names the columns of PostgreSQL's xid8 type (this engine's dialect only).
-    engine.dialect.ischema_names = {**engine.dialect.ischema_names, "xid8": XID8}
+    dialect = engine.dialect
+    assert isinstance(dialect, PGDialect), "the control plane's database is PostgreSQL"
+    dialect.ischema_names = {**dialect.ischema_names, "xid8": XID8}
     with engine.connect() as connection:
         context.configure(
             connection=connection,
