@@ -552,10 +552,10 @@ class LocalProvisioner(Provisioner):
     def _initialize_database(
         self, instance_id: uuid.UUID, spec: InstanceSpec, password: str | None
     ) -> ConnectionInfo:
-        stopped = self._require_storage(instance_id)
-        self._require_port(instance_id)
+        current = self._require_storage(instance_id)
+        self._require_port(instance_id)  # configure_network ran
         # A port taken since configure_network ran is left for another: these details carry it.
-        port = self._port_to_start_on(instance_id, stopped)
+        port = self._port_to_start_on(instance_id, current)
         server = self._server(instance_id, port)
         self._ensure_started(server)
         state = self._load_state(instance_id)
