@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,9 +20,13 @@ from controlplane.api.app import create_app
 from controlplane.settings import Settings
 from tests.api_support import WEBHOOK_SECRET
 
-MAX_EXAMPLES = 30
+# Cases per operation; FUZZ_EXAMPLES=500 widens the search for a deeper run.
+MAX_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "30"))
+# A watch of an instance that exists stays open until the instance ends: its case reads for this
+# long, then validates what came (the snapshot event) instead of waiting out the general timeout.
+WATCH_READ_S = 1.0
 # The same generated cases on every run, so that the suite's verdict does not depend on the seed;
-# widen the search locally by raising MAX_EXAMPLES or turning derandomize off.
+# widen the search by raising FUZZ_EXAMPLES or turning derandomize off.
 FUZZ = settings(
     max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
 )
@@ -97,7 +102,10 @@ def _call(case: Any, key: str) -> None:
         (case.method == "POST" or case.path == "/v1/usage") and case.path in semantic
     )
     excluded = [positive_data_acceptance] if opaque else []
-    case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, excluded_checks=excluded, timeout=10)
+    timeout = WATCH_READ_S if case.path.endswith("/watch") else 10
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {key}"}, excluded_checks=excluded, timeout=timeout
+    )
 
 
 @schema.parametrize()
