@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import shutil
@@ -10,7 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,17 +201,16 @@ class PostgresServer:
         """Start the server (idempotent) and wait until it accepts connections."""
         self._start(f"-p {self.port} -c listen_addresses={self.host} -k {self.socket_dir()}", timeout)
 
-    @contextlib.contextmanager
-    def private(self, timeout: float = 60) -> Iterator[None]:
-        """The server running for the block, stopped after, with no TCP listener and its only
-        socket in a directory that no one but the server's user may enter: no client connects."""
+    def start_and_stop_privately(self, timeout: float = 60) -> None:
+        """Start the server and stop it again (what a start records in pg_control), with no TCP
+        listener and its only socket in a directory only the server's user may enter: no client
+        connects meanwhile."""
         if self.is_running():
             raise PostgresError(f"PostgreSQL in {self.datadir} is running; it cannot start privately")
         directory = Path(tempfile.mkdtemp(prefix="cp-private-"))
         try:
             make_owned_dir(directory, self.run_as)
             self._start(f"-p {self.port} -c listen_addresses='' -k {directory}", timeout)
-            yield
         finally:
             try:
                 self.stop("fast")

@@ -443,8 +443,7 @@ class LocalProvisioner(Provisioner):
             return
         log.info("recording %s of %s before its standby start", ", ".join(lower), server.datadir)
         os.replace(signal_file, set_aside)
-        with server.private():
-            pass  # a primary's start is what records its settings in pg_control
+        server.start_and_stop_privately()  # a primary's start records its settings in pg_control
         os.replace(set_aside, signal_file)
 
     async def _step(self, instance_id: uuid.UUID, fence: int, work: Callable[[], T]) -> T:
