@@ -147,7 +147,8 @@ async def keep_running(database: EmbeddedDatabase, stop: asyncio.Event, *, inter
                 )
                 down_since = None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
 
 
 # The two roles of the control plane's database: the owner runs migrations; the runtime role

@@ -198,7 +198,8 @@ class Supervisor:
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 log.warning("supervisor pass failed: %s", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await stop.wait()
 
 
 def _conflicts(result: BatchResult) -> int:

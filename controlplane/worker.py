@@ -279,7 +279,8 @@ class Worker:
             if self._room() <= 0:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=self.settings.worker.poll_interval_s)
+                async with asyncio.timeout(self.settings.worker.poll_interval_s):
+                    await self._kick.wait()
 
     async def _gather_slots(self) -> None:
         """With a backlog, let up to half the slots free up (briefly) so claims come in batches."""
@@ -290,7 +291,8 @@ class Worker:
                 break
             self._kick.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=remaining)
+                async with asyncio.timeout(remaining):
+                    await self._kick.wait()
 
     async def _claim_and_start(self, room: int) -> int:
         """Claim and start up to `room` jobs in one statement; returns how many were started.
@@ -337,7 +339,8 @@ class Worker:
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, self.settings.worker.poll_interval_s))
+            async with asyncio.timeout(min(1.0, self.settings.worker.poll_interval_s)):
+                await self._stop.wait()
 
     def _launch(self, held: Held) -> None:
         task = asyncio.create_task(self._run_handler(held), name=f"job-{held.id}")
@@ -534,17 +537,18 @@ class Worker:
                     continue
                 sent = time.monotonic()
                 try:
-                    if conn is None or conn.closed:
-                        conn = await asyncio.wait_for(db.connect(self._url), timeout=self._beat_timeout_s)
                     # Bounded: across a partition the statement would wait for an answer forever.
-                    still = await asyncio.wait_for(
-                        transitions.heartbeat(conn, self.worker_id, holdings), timeout=self._beat_timeout_s
-                    )
+                    async with asyncio.timeout(self._beat_timeout_s):
+                        if conn is None or conn.closed:
+                            conn = await db.connect(self._url)
+                    async with asyncio.timeout(self._beat_timeout_s):
+                        still = await transitions.heartbeat(conn, self.worker_id, holdings)
                 except Exception as exc:  # the heartbeat must outlive any failure: reconnect next time
                     log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc or type(exc).__name__)
                     if conn is not None:
                         with contextlib.suppress(Exception):
-                            await asyncio.wait_for(conn.close(), timeout=1)
+                            async with asyncio.timeout(1):
+                                await conn.close()
                     conn = None
                     continue
                 self.counts["heartbeats"] += 1

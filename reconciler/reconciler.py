@@ -437,4 +437,5 @@ class Reconciler:
                 await asyncio.sleep(0)  # more instances are due: the next pass now
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await stop.wait()

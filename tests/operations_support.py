@@ -22,6 +22,8 @@ from provisioners.base import Provisioner
 from tests.factories import TEST_ACTOR, make_instance
 
 Condition = Callable[[AsyncConn], Awaitable[bool]]
+# How long a stopping worker may take to hand back what it holds and end.
+STOP_S = 60.0
 
 
 def registry_for(provisioner: Provisioner) -> JobRegistry:
@@ -60,7 +62,8 @@ async def run_until(
     finally:
         if runner is not None and task is not None:
             runner.request_stop()
-            await task
+            async with asyncio.timeout(STOP_S):  # a worker that does not stop fails the test
+                await task
         await pool.close()
 
 

@@ -99,7 +99,8 @@ class Hub:
             raise Closed
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._listen(), name="watch-listen")
-        await asyncio.wait_for(self._listening.wait(), LISTENING_WAIT_S)
+        async with asyncio.timeout(LISTENING_WAIT_S):
+            await self._listening.wait()
         key, queue = str(instance_id), asyncio.Queue[Note](QUEUE_SIZE)
         self._queues.setdefault(key, set()).add(queue)
         try:

@@ -137,7 +137,8 @@ async def instance_stream(
                 yield chunk
         while state not in lifecycle.INSTANCE.terminal:
             try:
-                note = await asyncio.wait_for(queue.get(), keepalive_s)
+                async with asyncio.timeout(keepalive_s):
+                    note = await queue.get()
             except TimeoutError:
                 if await request.is_disconnected():
                     return

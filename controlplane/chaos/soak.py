@@ -458,7 +458,8 @@ class Workload:
         while not self.cluster.stop.is_set():
             await self.step()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cluster.stop.wait(), timeout=self.rng.uniform(0.5, 2.0))
+                async with asyncio.timeout(self.rng.uniform(0.5, 2.0)):
+                    await self.cluster.stop.wait()
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -689,7 +690,8 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> None:
                 if time.monotonic() - proc.killed_at >= RESTART_AFTER_S:
                     proc.start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=0.2)
+            async with asyncio.timeout(0.2):
+                await stop.wait()
 
 
 # ---------------------------------------------------------------------------------------------

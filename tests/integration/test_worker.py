@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from controlplane import audit, db, queue
+from controlplane import audit, db, queue, transitions
 from controlplane.fencing import FileFences
 from controlplane.jobs import NewJob, enqueue, enqueue_many, get_job
 from controlplane.registry import JobRegistry
@@ -240,6 +240,38 @@ async def test_a_hung_worker_is_fenced_off_after_reclaim(
     ]
     final = await get_job(conn, job["id"])
     assert final is not None and final["verdict"] == {"result": "written", "fence": ctx_b.fence}
+
+
+async def test_a_heartbeat_cancelled_as_its_answer_arrives_still_ends(
+    settings: Settings, pool: Any, conn: db.AsyncConn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopping worker cancels its heartbeat; a cancel that lands as a beat's answer comes back
+    must end the task. (Python 3.11's wait_for returned the answer instead, the task beat on, and
+    the worker's stop waited for it forever.)"""
+    gates = Gates()
+    await enqueue(conn, NewJob("gate"), TEST_ACTOR)
+    beaters: list[asyncio.Task[Any]] = []
+    beaten = asyncio.Event()
+    real = transitions.heartbeat
+
+    async def answered_then_cancelled(*args: Any) -> Any:
+        still = await real(*args)
+        beater = next(t for t in asyncio.all_tasks() if t.get_name() == "w1-heartbeat")
+        beater.cancel()  # the cancel arrives in the same turn as the answer
+        beaters.append(beater)
+        beaten.set()
+        return still
+
+    monkeypatch.setattr(transitions, "heartbeat", answered_then_cancelled)
+    running = start_worker("w1", settings, pool, gate_registry(), {"gates": gates}, heartbeat_interval_s=0.05)
+    try:
+        await asyncio.wait_for(gates.contexts.get(), timeout=10)
+        await asyncio.wait_for(beaten.wait(), timeout=10)
+        done, _ = await asyncio.wait({beaters[0]}, timeout=10)
+        assert done == {beaters[0]} and beaters[0].cancelled()
+        assert len(beaters) == 1  # it beat once, then ended
+    finally:
+        await running.stop()
 
 
 async def test_stopping_hands_back_what_did_not_finish_within_the_grace(
