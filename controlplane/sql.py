@@ -173,9 +173,15 @@ def _chain_sets(entity: str, fields: str) -> str:
         chain_head = {head}"""
 
 
-def _transition_ctes(spec: EntityTable, moves_input: str) -> str:
-    """The transition's CTEs (`m`, `moved`, `audit`, `notified`): a final SELECT completes them."""
+def _transition_ctes(spec: EntityTable, moves_input: str, *, by_ctid: bool = False) -> str:
+    """The transition's CTEs (`m`, `moved`, `audit`, `notified`): a final SELECT completes them.
+
+    `by_ctid`: the input also names each row's ctid (`row_ctid`, of a row this transaction holds
+    locked), so the UPDATE reads it by a TID scan, and the moved rows carry their new `_ctid`."""
     sets = ",\n        ".join(spec.sets)
+    locate = "t.ctid = m.row_ctid AND " if by_ctid else ""
+    locate_prev = "prev.ctid = m.row_ctid AND " if by_ctid else ""
+    new_ctid = "t.ctid AS _ctid, " if by_ctid else ""
     return f"""
 WITH m AS ({moves_input}), moved AS (
     UPDATE {spec.table} AS t
@@ -183,10 +189,10 @@ WITH m AS ({moves_input}), moved AS (
         state_version = t.state_version + 1,
         {_chain_sets(spec.entity, _MOVED_FIELDS)},
         {sets}
-    FROM m JOIN {spec.table} AS prev ON prev.id = m.id
-    WHERE t.id = m.id AND t.state_version = m.expected_version AND t.state = m.from_state
+    FROM m JOIN {spec.table} AS prev ON {locate_prev}prev.id = m.id
+    WHERE {locate}t.id = m.id AND t.state_version = m.expected_version AND t.state = m.from_state
       AND t.chain_seq IS NOT DISTINCT FROM prev.chain_seq
-    RETURNING t.*, m.from_state AS _from_state, m.event AS _event, m.reason AS _reason,
+    RETURNING t.*, {new_ctid}m.from_state AS _from_state, m.event AS _event, m.reason AS _reason,
               m.detail AS _detail, prev.chain_head AS _prev_hash,
               extract(epoch FROM now() - prev.state_entered_at)::float8 AS _dwell_s,
               extract(epoch FROM now() - t.created_at)::float8 AS _age_s
@@ -234,9 +240,15 @@ CLAIM_FROM = (
 CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
 
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
+# The UPDATE finds each locked row by its ctid (unchanged while the lock is held), and its guard
+# compares the state with the locked row's rather than with a constant: a constant lets a plan
+# made while `jobs` looked small read a partial index (queued, live) whole for every row instead,
+# and under a pinned xmin horizon those hold the dead entry of every job claimed since.
 _CLAIM_CTES = f"""
 WITH locked AS (
-    SELECT id, state_version, state_entered_at, created_at, chain_seq, chain_head FROM jobs
+    SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
+           chain_seq, chain_head
+    FROM jobs
     WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
       AND {CLAIM_FROM}
     ORDER BY {CLAIM_ORDER}
@@ -256,9 +268,11 @@ WITH locked AS (
         fence = picked.fence,
         {_chain_sets("job", _CLAIM_FIELDS)}
     FROM picked
-    WHERE t.id = picked.id AND t.state_version = picked.state_version AND t.state = 'queued'
+    WHERE t.ctid = picked.row_ctid
+      AND t.id = picked.id AND t.state_version = picked.state_version AND t.state = picked.row_state
       AND t.chain_seq IS NOT DISTINCT FROM picked.chain_seq
-    RETURNING t.*, 'queued'::text AS _from_state, 'claim'::text AS _event, NULL::text AS _reason,
+    RETURNING t.*, t.ctid AS _ctid, 'queued'::text AS _from_state, 'claim'::text AS _event,
+              NULL::text AS _reason,
               jsonb_build_object('worker', %(worker)s::text, 'fence', t.fence) AS _detail,
               picked.chain_head AS _prev_hash,
               extract(epoch FROM now() - picked.state_entered_at)::float8 AS _dwell_s,
@@ -292,12 +306,13 @@ CLAIM_JOBS = (
 )
 
 
-# The start of the rows a claim just took, as the transition template's input (in the function).
+# The start of the rows a claim just took, as the transition template's input (in the function),
+# each with the ctid and the state its claim left it at (no constant state: see _CLAIM_CTES).
 _START_CLAIMED_INPUT = """
-    SELECT c.id, c.version AS expected_version, 'claimed'::text AS from_state,
+    SELECT c.id, c.version AS expected_version, c.from_state,
            'running'::text AS to_state, 'start'::text AS event, NULL::text AS reason,
-           NULL::jsonb AS detail, '{}'::jsonb AS patch
-    FROM unnest(v_ids, v_versions) AS c(id, version)
+           NULL::jsonb AS detail, '{}'::jsonb AS patch, c.row_ctid
+    FROM unnest(v_ids, v_versions, v_ctids, v_states) AS c(id, version, row_ctid, from_state)
 """
 _WORKER_ACTOR = {"actor_kind": "'worker'::text", "actor_id": "p_worker", "request_id": "NULL::text"}
 _CLAIM_FROM_ARGS = {
@@ -316,33 +331,41 @@ CLAIM_AND_START_BODY = f"""
 DECLARE
     v_ids uuid[];
     v_versions bigint[];
+    v_ctids tid[];
+    v_states text[];
     v_queued float8[];
-    v_rows bigint;
     v_audited bigint;
     v_notified bigint;
 BEGIN
 {_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_CLAIM_FROM_ARGS, **_WORKER_ACTOR)}
-SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._dwell_s),
-       (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
-INTO v_ids, v_versions, v_queued, v_audited, v_notified
+SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._ctid),
+       array_agg(moved.state), array_agg(moved._dwell_s), (SELECT count(*) FROM audit),
+       (SELECT count(*) FROM notified)
+INTO v_ids, v_versions, v_ctids, v_states, v_queued, v_audited, v_notified
 FROM moved;
 IF v_ids IS NULL THEN
     RETURN;
 END IF;
-{_bind(_transition_ctes(JOB_TABLE, _START_CLAIMED_INPUT), **_WORKER_ACTOR)}
-SELECT count(*), (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
-INTO v_rows, v_audited, v_notified
+{_bind(_transition_ctes(JOB_TABLE, _START_CLAIMED_INPUT, by_ctid=True), **_WORKER_ACTOR)}
+SELECT array_agg(moved._ctid), (SELECT count(*) FROM audit), (SELECT count(*) FROM notified)
+INTO v_ctids, v_audited, v_notified
 FROM moved;
+-- The rows the start wrote (their ctids: this transaction holds them locked).
 RETURN QUERY
-    SELECT q.queued_s, j FROM jobs AS j
-    JOIN unnest(v_ids, v_queued) AS q(id, queued_s) ON q.id = j.id
-    WHERE j.state = 'running' AND j.claimed_by = p_worker;
+    SELECT q.queued_s, j FROM unnest(v_ids, v_queued) AS q(id, queued_s)
+    JOIN jobs AS j ON j.ctid = ANY(v_ctids) AND j.id = q.id;
 END
 """
 CLAIM_AND_START_SIGNATURE = (
     "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text,"
     " p_from_priority integer, p_from_fresh boolean, p_from_run_at timestamptz)"
 )
+# The function's own planner setting (migration 0012 sets it; the schema test checks it). Its
+# cached plan is generic: it cannot know that the claim's starting point leaves little of the
+# queued index to read, and took the live-state index plus a sort instead, which reads the dead
+# entry of every job claimed while the xmin horizon is pinned. No sort: the claim's order is the
+# queued index's.
+CLAIM_AND_START_CONFIG = ("enable_sort=off",)
 
 # Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
 CLAIM_AND_START = """
@@ -353,12 +376,24 @@ FROM cp_claim_and_start(
 ) AS c
 """
 
-# Heartbeat: touches heartbeat_at only; returns the ids the worker still holds.
+# Heartbeat: touches heartbeat_at only; returns the ids (and fences) the worker still holds. A
+# row locked by another writer (this worker's own batch of finishes, a reclaim) is not waited for
+# (SKIP LOCKED): waiting there, each statement holding rows the other needs, was a deadlock. Such a
+# row is still reported as held if it was, and gets its beat next time.
+_HELD_BY_WORKER = f"""
+    WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN {HELD}
+      AND fence = ANY(%(fences)s::bigint[])"""
 HEARTBEAT_JOBS = f"""
-UPDATE jobs SET heartbeat_at = now()
-WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN {HELD}
-  AND fence = ANY(%(fences)s::bigint[])
-RETURNING id, fence
+WITH held AS (
+    SELECT id, fence FROM jobs{_HELD_BY_WORKER}
+), locked AS (
+    SELECT ctid AS row_ctid FROM jobs{_HELD_BY_WORKER}
+    FOR NO KEY UPDATE SKIP LOCKED
+), beat AS (
+    UPDATE jobs SET heartbeat_at = now() FROM locked WHERE jobs.ctid = locked.row_ctid
+    RETURNING 1
+)
+SELECT id, fence FROM held
 """
 
 # The creation event's fields of a job (from the input row, or the created one: the same names).

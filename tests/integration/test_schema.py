@@ -115,8 +115,11 @@ def test_models_and_migrations_do_not_drift(fresh_database: str) -> None:
 def test_installed_claim_and_start_is_the_one_sql_py_builds(fresh_database: str) -> None:
     # The function's body is built from the transition template: a change there needs a migration.
     with psycopg.connect(fresh_database) as conn:
-        row = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'cp_claim_and_start'").fetchone()
+        row = conn.execute(
+            "SELECT prosrc, proconfig FROM pg_proc WHERE proname = 'cp_claim_and_start'"
+        ).fetchone()
     assert row is not None and row[0] == sql.CLAIM_AND_START_BODY
+    assert tuple(row[1] or ()) == sql.CLAIM_AND_START_CONFIG
 
 
 async def test_database_lifecycle_rows_equal_the_python_tables(conn: AsyncConn) -> None:

@@ -296,6 +296,33 @@ async def test_heartbeat_touches_only_heartbeat_at(conn: AsyncConn) -> None:
     assert await events_of(conn, "job", job["id"]) == events_before
 
 
+async def test_a_heartbeat_does_not_wait_for_a_row_another_writer_holds(
+    conn: AsyncConn, fresh_database: str
+) -> None:
+    """A worker's batch of finishes and its heartbeat run on two connections; when each held a
+    row the other needed next, both waited (a deadlock, a second lost). A heartbeat skips a row
+    another transaction holds locked: reported as held, beaten next time."""
+    first = (await enqueue(conn, NewJob("probe"), TEST_ACTOR)).job
+    second = (await enqueue(conn, NewJob("probe"), TEST_ACTOR)).job
+    claimed = {row["id"]: row["fence"] for row in await claim(conn, "worker-1", ["probe"])}
+    assert set(claimed) == {first["id"], second["id"]}
+    await conn.execute("UPDATE jobs SET heartbeat_at = now() - interval '1 hour'")
+    other = await db.connect(fresh_database)
+    try:
+        await other.set_autocommit(False)
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (first["id"],))
+        await conn.execute("SET lock_timeout = '2s'")  # the heartbeat used to wait for the lock
+        assert await heartbeat(conn, "worker-1", claimed) == set(claimed)
+        beaten = await fetch_all(conn, "SELECT id FROM jobs WHERE heartbeat_at > now() - interval '1 minute'")
+        assert [row["id"] for row in beaten] == [second["id"]]
+    finally:
+        await other.close()
+        await conn.execute("RESET lock_timeout")
+    assert await heartbeat(conn, "worker-1", claimed) == set(claimed)
+    beaten = await fetch_all(conn, "SELECT id FROM jobs WHERE heartbeat_at > now() - interval '1 minute'")
+    assert {row["id"] for row in beaten} == set(claimed)
+
+
 async def test_heartbeat_reports_a_lost_job(conn: AsyncConn) -> None:
     job = (await enqueue(conn, NewJob("probe"), TEST_ACTOR)).job
     (claimed,) = await claim(conn, "worker-1", ["probe"])
