@@ -229,15 +229,37 @@ _CLAIM_FIELDS = (
 # behind a backlog enqueued at the same moment.
 CLAIM_ORDER = "priority, attempt = 0, run_at"
 
-# Where in that order a claim starts: at (from_priority, from_fresh, from_run_at) or after. A
-# worker passes a point just before the jobs it claimed last, so that its index scan does not walk
-# the entries of the rows claimed since (dead, but kept while any snapshot is older than them); it
-# scans from the start of the order (CLAIM_FROM_START) every so often, for what comes before.
+# Where in that order a claim reads fresh work: at (from_priority, from_fresh, from_run_at) or
+# after. A worker passes a point just before the fresh jobs it claimed last, so that its index scan
+# does not walk the entries of the rows claimed since (dead, but kept while any snapshot is older
+# than them). What sorts before fresh work of that priority (a higher priority, a reclaimed or
+# retried job: few rows) is read at every claim too (CLAIM_BEFORE); only fresh work that sorts
+# before the point (an enqueue that committed late) waits for a claim from the start of the order
+# (CLAIM_FROM_START), which a worker makes every so often.
+_CLAIM_KEY = "(priority, attempt = 0, run_at)"
 CLAIM_FROM = (
-    "(priority, attempt = 0, run_at)"
-    " >= (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
+    f"{_CLAIM_KEY} >= (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
+)
+CLAIM_BEFORE = (
+    f"{_CLAIM_KEY} < (%(from_priority)s::int, true, '-infinity'::timestamptz)"
+    f" AND {_CLAIM_KEY} < (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
 )
 CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
+
+
+def _claim_range(condition: str) -> str:
+    """Due queued jobs in one range of the claim's order, locked (SKIP LOCKED), as the index
+    reads them; the claim takes the first `limit` of both ranges."""
+    return f"""SELECT * FROM (
+        SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
+               chain_seq, chain_head, priority, attempt = 0 AS fresh, run_at
+        FROM jobs
+        WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[]) AND {condition}
+        ORDER BY {CLAIM_ORDER}
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) AS in_range"""
+
 
 # Claim up to `limit` due queued jobs, each with a new fence, as a transition with its event row.
 # The UPDATE finds each locked row by its ctid (unchanged while the lock is held), and its guard
@@ -245,15 +267,12 @@ CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at
 # made while `jobs` looked small read a partial index (queued, live) whole for every row instead,
 # and under a pinned xmin horizon those hold the dead entry of every job claimed since.
 _CLAIM_CTES = f"""
-WITH locked AS (
-    SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
-           chain_seq, chain_head
-    FROM jobs
-    WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
-      AND {CLAIM_FROM}
-    ORDER BY {CLAIM_ORDER}
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+WITH candidates AS (
+    {_claim_range(CLAIM_BEFORE)}
+    UNION ALL
+    {_claim_range(CLAIM_FROM)}
+), locked AS (
+    SELECT * FROM candidates ORDER BY priority, fresh, run_at LIMIT %(limit)s
 ), picked AS (
     SELECT locked.*, nextval('job_fence_seq') AS fence FROM locked
 ), moved AS (
@@ -363,9 +382,10 @@ CLAIM_AND_START_SIGNATURE = (
 # The function's own planner setting (migration 0012 sets it; the schema test checks it). Its
 # cached plan is generic: it cannot know that the claim's starting point leaves little of the
 # queued index to read, and took the live-state index plus a sort instead, which reads the dead
-# entry of every job claimed while the xmin horizon is pinned. No sort: the claim's order is the
-# queued index's.
-CLAIM_AND_START_CONFIG = ("enable_sort=off",)
+# entry of every job claimed while the xmin horizon is pinned. No sort (but the merge of the
+# claim's two ranges, a few rows): the claim's order is the queued index's. No JIT: the cost a
+# disabled sort adds would otherwise have each call compiled, for a second and more.
+CLAIM_AND_START_CONFIG = ("enable_sort=off", "jit=off")
 
 # Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
 CLAIM_AND_START = """

@@ -43,11 +43,12 @@ CLAIM_LINGER_S = 0.05
 # job must not wait behind long handlers (a provisioning) while another worker has slots free.
 PREFETCH_BELOW_S = 0.05
 # How often a claim looks at the whole queue (from the start of the claim's order): in between,
-# a worker's claims start just before the jobs it claimed last, so that they do not walk the index
-# entries of every job claimed since the oldest open snapshot. Work that sorts earlier (reclaimed or
-# retried, a higher priority, an enqueue that committed late) waits at most this long.
-FULL_CLAIM_EVERY_S = 1.0
-# How far before the run_at of the jobs it claimed last a worker's next claim starts.
+# a worker's claims read fresh work from just before the fresh jobs it claimed last, so that they
+# do not walk the index entries of every job claimed since the oldest open snapshot. What sorts
+# before fresh work (reclaimed or retried, a higher priority) is read at every claim; only a fresh
+# job whose enqueue committed more than CLAIM_FROM_MARGIN late waits up to this long.
+FULL_CLAIM_EVERY_S = 10.0
+# How far before the run_at of the fresh jobs it claimed last a worker's next claim starts.
 CLAIM_FROM_MARGIN = timedelta(seconds=1)
 # Under a trickle, how long the writer waits for more outcomes to share a statement with.
 WRITE_LINGER_S = 0.002
@@ -321,8 +322,9 @@ class Worker:
             await self._pause_after_failure()
             return 0
         self.counts["claimed"] += len(started)
-        if started:
-            self._claim_from = queue.ClaimFrom.before(started[0], CLAIM_FROM_MARGIN)
+        fresh = next((row for row in started if row["attempt"] == 1), None)
+        if fresh is not None:  # what sorts before fresh work is read at every claim anyway
+            self._claim_from = queue.ClaimFrom.before(fresh, CLAIM_FROM_MARGIN)
         for row in started:
             held = Held(row, lease_from=sent)
             self._held[held.id] = held

@@ -5,7 +5,7 @@ Revises: 0011
 Create Date: 2026-12-01
 
 `cp_claim_and_start` gets the body `controlplane.sql.CLAIM_AND_START_BODY` has at this revision,
-and the planner setting `enable_sort = off` (`sql.CLAIM_AND_START_CONFIG`). Its UPDATEs and its
+and the planner settings `enable_sort = off` and `jit = off` (`sql.CLAIM_AND_START_CONFIG`). Its UPDATEs and its
 final read find each row it locked by the row's ctid (a TID scan), and its claim reads the queued
 index in the claim's order, from the worker's starting point. Before, its cached generic plans,
 made while `jobs` looked small, read the live-state or the queued index from the start for every
@@ -43,15 +43,28 @@ DECLARE
     v_notified bigint;
 BEGIN
 
-WITH locked AS (
-    SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
-           chain_seq, chain_head
-    FROM jobs
-    WHERE state = 'queued' AND run_at <= now() AND kind = ANY(p_kinds::text[])
-      AND (priority, attempt = 0, run_at) >= (p_from_priority::int, p_from_fresh::boolean, p_from_run_at::timestamptz)
-    ORDER BY priority, attempt = 0, run_at
-    LIMIT p_limit
-    FOR UPDATE SKIP LOCKED
+WITH candidates AS (
+    SELECT * FROM (
+        SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
+               chain_seq, chain_head, priority, attempt = 0 AS fresh, run_at
+        FROM jobs
+        WHERE state = 'queued' AND run_at <= now() AND kind = ANY(p_kinds::text[]) AND (priority, attempt = 0, run_at) < (p_from_priority::int, true, '-infinity'::timestamptz) AND (priority, attempt = 0, run_at) < (p_from_priority::int, p_from_fresh::boolean, p_from_run_at::timestamptz)
+        ORDER BY priority, attempt = 0, run_at
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    ) AS in_range
+    UNION ALL
+    SELECT * FROM (
+        SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
+               chain_seq, chain_head, priority, attempt = 0 AS fresh, run_at
+        FROM jobs
+        WHERE state = 'queued' AND run_at <= now() AND kind = ANY(p_kinds::text[]) AND (priority, attempt = 0, run_at) >= (p_from_priority::int, p_from_fresh::boolean, p_from_run_at::timestamptz)
+        ORDER BY priority, attempt = 0, run_at
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    ) AS in_range
+), locked AS (
+    SELECT * FROM candidates ORDER BY priority, fresh, run_at LIMIT p_limit
 ), picked AS (
     SELECT locked.*, nextval('job_fence_seq') AS fence FROM locked
 ), moved AS (
@@ -156,7 +169,7 @@ def _replace(body: str, config: str) -> None:
 
 
 def upgrade() -> None:
-    _replace(BODY, " SET enable_sort = off")
+    _replace(BODY, " SET enable_sort = off SET jit = off")
 
 
 def downgrade() -> None:

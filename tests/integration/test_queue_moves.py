@@ -204,3 +204,26 @@ async def test_claim_and_start_takes_reclaimed_work_before_a_backlog_enqueued_wi
     events = await events_of(conn, first["id"])
     assert [e for e, _, _ in events] == ["enqueue", "claim", "start", "reclaim", "claim", "start"]
     assert await audit.verify(conn) == []
+
+
+async def test_a_claim_from_a_point_reads_what_sorts_before_fresh_work_but_no_older_fresh_job(
+    conn: db.AsyncConn,
+) -> None:
+    # A worker's claims read fresh work from just before the fresh jobs it claimed last; work that
+    # sorts before fresh work (a reclaimed job, a higher priority) is read at every claim, and a
+    # fresh job before the point only by a claim from the start of the order.
+    await enqueue_many(conn, [NewJob("noop"), NewJob("noop")], TEST_ACTOR)
+    (died,) = await queue.claim_and_start(conn, "w-dead", ["noop"], 1)
+    assert (await queue.reclaim_many(conn, [died], Actor("supervisor", "sup"), "worker died")).moved
+    urgent = (await enqueue(conn, NewJob("noop", priority=10), TEST_ACTOR)).job
+    cursor = await conn.execute("SELECT now() + interval '1 hour' AS later")
+    row = await cursor.fetchone()
+    assert row is not None
+    point = queue.ClaimFrom(priority=100, fresh=True, run_at=row["later"])
+
+    taken = await queue.claim_and_start(conn, "w-next", ["noop"], 10, point)
+    assert [(r["id"], r["attempt"]) for r in taken] == [(urgent["id"], 1), (died["id"], 2)]
+    assert await queue.claim_and_start(conn, "w-next", ["noop"], 10, point) == []
+    (older,) = await queue.claim_and_start(conn, "w-next", ["noop"], 10)
+    assert older["attempt"] == 1 and older["id"] not in {urgent["id"], died["id"]}
+    assert await audit.verify(conn) == []
