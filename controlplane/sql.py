@@ -398,16 +398,23 @@ FROM cp_claim_and_start(
 
 # Heartbeat: touches heartbeat_at only; returns the ids (and fences) the worker still holds. A
 # row locked by another writer (this worker's own batch of finishes, a reclaim) is not waited for
-# (SKIP LOCKED): waiting there, each statement holding rows the other needs, was a deadlock. Such a
-# row is still reported as held if it was, and gets its beat next time.
-_HELD_BY_WORKER = f"""
-    WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(worker)s AND state IN {HELD}
-      AND fence = ANY(%(fences)s::bigint[])"""
+# (SKIP LOCKED): waiting there, each statement holding rows the other needed, was a deadlock. Such a
+# row is still reported as held if it was, and gets its beat next time. The rows are read by id
+# alone (a materialized CTE: no state constant reaches the scan, so no cached plan reads a
+# partial index of held jobs whole, which under a pinned xmin horizon holds the dead entry of
+# every job moved since), then locked by ctid, the states compared with a parameter (`held`: the
+# held states) for the same reason.
 HEARTBEAT_JOBS = f"""
-WITH held AS (
-    SELECT id, fence FROM jobs{_HELD_BY_WORKER}
+WITH rows AS MATERIALIZED (
+    SELECT ctid AS row_ctid, id, fence, state, claimed_by FROM jobs WHERE id = ANY(%(ids)s::uuid[])
+), held AS (
+    SELECT row_ctid, id, fence FROM rows
+    WHERE claimed_by = %(worker)s AND state IN {HELD} AND fence = ANY(%(fences)s::bigint[])
 ), locked AS (
-    SELECT ctid AS row_ctid FROM jobs{_HELD_BY_WORKER}
+    SELECT j.ctid AS row_ctid FROM jobs AS j
+    WHERE j.ctid = ANY(ARRAY(SELECT row_ctid FROM held))
+      AND j.claimed_by = %(worker)s AND j.state = ANY(%(held)s::text[])
+      AND j.fence = ANY(%(fences)s::bigint[])
     FOR NO KEY UPDATE SKIP LOCKED
 ), beat AS (
     UPDATE jobs SET heartbeat_at = now() FROM locked WHERE jobs.ctid = locked.row_ctid
