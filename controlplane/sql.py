@@ -379,10 +379,10 @@ CLAIM_AND_START_SIGNATURE = (
     "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text,"
     " p_from_priority integer, p_from_fresh boolean, p_from_run_at timestamptz)"
 )
-# The function's own planner setting (migration 0012 sets it; the schema test checks it). Its
-# cached plan is generic: it cannot know that the claim's starting point leaves little of the
-# queued index to read, and took the live-state index plus a sort instead, which reads the dead
-# entry of every job claimed while the xmin horizon is pinned. No sort (but the merge of the
+# The function's own planner settings (migration 0012 sets them; the schema test checks them).
+# Its cached plans are generic: they cannot know that the claim's starting point leaves little of
+# the queued index to read, and took the live-state index plus a sort instead, which reads the
+# dead entry of every job claimed while the xmin horizon is pinned. No sort (but the merge of the
 # claim's two ranges, a few rows): the claim's order is the queued index's. No JIT: the cost a
 # disabled sort adds would otherwise have each call compiled, for a second and more.
 CLAIM_AND_START_CONFIG = ("enable_sort=off", "jit=off")
