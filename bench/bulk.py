@@ -173,12 +173,14 @@ def load_chains(
     before it; `at` is each event's time from `base` and the step `{v}`. The rows' chain heads end
     at the last step."""
     table, events, fk = CHAINED[entity]
-    conn.execute(
-        "CREATE TEMP TABLE bench_heads AS"
-        f" SELECT id, base, NULL::bytea AS hash, NULL::timestamptz AS at FROM ({entities}) q"
-    )
-    conn.execute("CREATE UNIQUE INDEX ON bench_heads (id)")
-    conn.execute("ANALYZE bench_heads")
+    # Each step reads the heads of the step before from one table and writes the new heads into the
+    # other, which the step after reads while the first is emptied: one transaction updating one
+    # table in place would leave every earlier version behind for each later step to scan.
+    conn.execute(f"CREATE TEMP TABLE bench_base AS SELECT id, base FROM ({entities}) q")
+    conn.execute("CREATE TEMP TABLE bench_heads_a (id uuid, hash bytea)")
+    conn.execute("CREATE TEMP TABLE bench_heads_b (id uuid, hash bytea)")
+    conn.execute("ANALYZE bench_base")
+    read, write = "bench_heads_a", "bench_heads_b"
     for v, src, dst, event in path:
         fields = f"%(src)s, %(dst)s, %(event)s, 'system', 'bench-load', NULL, '{{}}'::jsonb, NULL, {v}"
         conn.execute(
@@ -186,17 +188,23 @@ def load_chains(
             WITH ins AS (
                 INSERT INTO {events} ({fk}, from_state, to_state, event, actor_kind, actor_id, reason,
                                       detail, request_id, state_version, at, seq, prev_hash, hash)
-                SELECT h.id, {fields}, h.at, {v}, h.hash,
-                       cp_event_hash('{entity}', h.id, {v}, h.hash, {fields}, h.at)
-                FROM (SELECT id, hash, {at.format(v=v)} AS at FROM bench_heads) h
-                RETURNING {fk} AS id, hash, at
+                SELECT b.id, {fields}, b.at, {v}, h.hash,
+                       cp_event_hash('{entity}', b.id, {v}, h.hash, {fields}, b.at)
+                FROM (SELECT id, {at.format(v=v)} AS at FROM bench_base) b
+                LEFT JOIN {read} h ON h.id = b.id
+                RETURNING {fk} AS id, hash
             )
-            UPDATE bench_heads h SET hash = ins.hash, at = ins.at FROM ins WHERE h.id = ins.id
+            INSERT INTO {write} SELECT id, hash FROM ins
             """,
             {"src": src, "dst": dst, "event": event},
         )
+        conn.execute(f"TRUNCATE {read}")
+        conn.execute(f"ANALYZE {write}")
+        read, write = write, read
+    last = path[-1][0]
     conn.execute(
-        f"UPDATE {table} t SET chain_seq = {path[-1][0]}, chain_head = h.hash, state_entered_at = h.at"
-        " FROM bench_heads h WHERE t.id = h.id"
+        f"UPDATE {table} t SET chain_seq = {last}, chain_head = h.hash, state_entered_at = b.at"
+        f" FROM {read} h JOIN (SELECT id, {at.format(v=last)} AS at FROM bench_base) b ON b.id = h.id"
+        " WHERE t.id = h.id"
     )
-    conn.execute("DROP TABLE bench_heads")
+    conn.execute("DROP TABLE bench_base, bench_heads_a, bench_heads_b")
