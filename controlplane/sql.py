@@ -379,13 +379,16 @@ CLAIM_AND_START_SIGNATURE = (
     "cp_claim_and_start(p_kinds text[], p_limit integer, p_worker text,"
     " p_from_priority integer, p_from_fresh boolean, p_from_run_at timestamptz)"
 )
-# The function's own planner settings (migration 0012 sets them; the schema test checks them).
-# Its cached plans are generic: they cannot know that the claim's starting point leaves little of
-# the queued index to read, and took the live-state index plus a sort instead, which reads the
-# dead entry of every job claimed while the xmin horizon is pinned. No sort (but the merge of the
-# claim's two ranges, a few rows): the claim's order is the queued index's. No JIT: the cost a
-# disabled sort adds would otherwise have each call compiled, for a second and more.
-CLAIM_AND_START_CONFIG = ("enable_sort=off", "jit=off")
+# The function's own planner settings (migrations 0012 and 0013 set them; the schema test checks
+# them). Its cached plans are generic and made while `jobs` may look small, so they cannot know
+# that the claim's starting point leaves little of the queued index to read, nor that the table
+# will grow before the next ANALYZE. No sort (but the merge of the claim's two ranges, a few rows):
+# the claim's order is the queued index's; a sort took the live-state index instead, which reads
+# the dead entry of every job claimed while the xmin horizon is pinned. No sequential scan: every
+# row the function touches is found by its ctid or its id; a small table's plan joined the locked
+# rows with a scan of all of `jobs`. No JIT: the cost a disabled plan type adds would otherwise
+# have each call compiled, for a second and more.
+CLAIM_AND_START_CONFIG = ("enable_sort=off", "jit=off", "enable_seqscan=off")
 
 # Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
 CLAIM_AND_START = """
