@@ -46,7 +46,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--mvcc-minutes",
         type=float,
         default=None,
-        help="minutes of the MVCC-pressure workload (mvcc), its snapshot held (default 5; 1 with --quick)",
+        help="minutes of the MVCC-pressure workload (mvcc), its snapshot held (default 10; 1 with --quick)",
     )
     parser.add_argument("--conditions", default="", help="how the machine was when measured (for latest.md)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; write no results")
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
             peers_python=peers,
             wrk=wrk,
             log=log,
-            mvcc_minutes=args.mvcc_minutes or (1.0 if args.quick else 5.0),
+            mvcc_minutes=args.mvcc_minutes or (1.0 if args.quick else 10.0),
         )
         profiler = None
         if args.profile:

@@ -61,7 +61,7 @@ class Context:
     profiler: Profiler | None = None
     project_python: str = sys.executable
     # How long the MVCC-pressure workload runs (`--mvcc-minutes`).
-    mvcc_minutes: float = 5.0
+    mvcc_minutes: float = 10.0
     _counter: int = 0
 
     def fresh_database(self, prefix: str, template: str | None = None) -> tuple[str, str]:
