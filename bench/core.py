@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,11 +64,14 @@ class Context:
     # How long the MVCC-pressure workload runs (`--mvcc-minutes`).
     mvcc_minutes: float = 10.0
     _counter: int = 0
+    # Workloads prepare on two threads at once (see bench.__main__.prepare_all).
+    _naming: threading.Lock = field(default_factory=threading.Lock)
 
     def fresh_database(self, prefix: str, template: str | None = None) -> tuple[str, str]:
         """A new database cloned from the migrated template (or `template`): (name, url)."""
-        self._counter += 1
-        name = f"{prefix}_{self._counter}"
+        with self._naming:
+            self._counter += 1
+            name = f"{prefix}_{self._counter}"
         return name, self.cluster.create_database(name, template or self.template)
 
     def size(self, full: Any, quick: Any) -> Any:
