@@ -224,17 +224,13 @@ async def transition(
     return result.moved[0]
 
 
-# The states in which a job is held by a worker (a parameter of the heartbeat, not a constant).
-HELD_STATES = sorted(lifecycle.JOB_HELD)
-
-
 async def heartbeat(conn: AsyncConn, worker: str, holdings: Mapping[uuid.UUID, int]) -> set[uuid.UUID]:
     """Touch heartbeat_at of the jobs `worker` holds (id -> fence); return those still held."""
     if not holdings:
         return set()
     cursor = await conn.execute(
         sql.HEARTBEAT_JOBS,
-        {"ids": list(holdings), "fences": list(holdings.values()), "worker": worker, "held": HELD_STATES},
+        {"ids": list(holdings), "fences": list(holdings.values()), "worker": worker},
         prepare=True,
     )
     return {row["id"] for row in await cursor.fetchall() if holdings.get(row["id"]) == row["fence"]}
