@@ -34,7 +34,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         description="Benchmarks of the control plane against PostgreSQL's limit and peer queues.",
     )
     parser.add_argument(
-        "--repeat", type=int, default=None, help="repetitions of every workload (default 1, to stay within 25 minutes on 2 cores; 2 with --quick)"
+        "--repeat",
+        type=int,
+        default=None,
+        help="repetitions of every workload (default 1, within 25 minutes on 2 cores; 2 with --quick)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="small sizes, short durations, 2 repetitions (~3 minutes)"
