@@ -50,7 +50,7 @@ class FreshnessWorkload(Workload):
 
     def prepare(self, ctx: Context) -> None:
         self.live = ctx.size(10_000, 1_000)
-        self.seconds = ctx.size(30.0, 8.0)
+        self.seconds = ctx.size(20.0, 8.0)
         name, url = ctx.fresh_database("w8")
         self.database = (name, url)
         started = time.monotonic()

@@ -3,6 +3,7 @@ finished jobs."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import psycopg
@@ -103,8 +104,10 @@ class MvccWorkload(Workload):
         if result["started"] != result["enqueued"]:
             raise RuntimeError(f"{result['started']} of {result['enqueued']} jobs started")
         minutes: dict[int, list[float]] = {}
+        last = max(0, math.ceil(seconds / 60) - 1)
         for at, latency in zip(result["sent_s"], result["latencies_ms"], strict=True):
-            minutes.setdefault(int(at // 60), []).append(latency)
+            # A job the producer sent after the end, behind schedule, belongs to the last minute.
+            minutes.setdefault(min(int(at // 60), last), []).append(latency)
         per_minute = [percentile(values, 99) for _, values in sorted(minutes.items())]
         ctx.log("  pickup p99 per minute (ms): " + ", ".join(f"{v:.1f}" for v in per_minute))
         self.per_minute.append(per_minute)

@@ -32,7 +32,7 @@ class PickupWorkload(Workload):
         self.seconds = 0.0
 
     def prepare(self, ctx: Context) -> None:
-        self.seconds = ctx.size(30.0, 4.0)
+        self.seconds = ctx.size(20.0, 4.0)
         self.notes = [
             f"A producer enqueues one job every 5 ms for {self.seconds:g} s (one committed statement each, "
             "open loop over 4 connections) in the worker's process; latency is wall clock from just "
