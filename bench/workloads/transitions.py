@@ -92,7 +92,7 @@ class TransitionsWorkload(Workload):
             title="1. Transition path (8 clients)",
             variants=("ours", "pgbench"),
             metrics={"ours": (TPS, CPU), "pgbench": (TPS, CPU)},
-            targets=(Target("ours/pgbench", ("ours", TPS.key), ("pgbench", TPS.key), ">=", 0.8),),
+            targets=(Target("ours/pgbench", ("ours", TPS.key), ("pgbench", TPS.key), ">=", 0.9),),
             notes=[
                 "Each transition: instance ready->suspended or suspended->ready through "
                 "controlplane.transitions.transition (guarded UPDATE, version bump, event row, pg_notify), "
