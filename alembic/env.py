@@ -8,8 +8,8 @@ from sqlalchemy import create_engine, pool, text
 from sqlalchemy.dialects.postgresql.base import PGDialect
 
 from alembic import context
-from controlplane.db import sqlalchemy_url
-from controlplane.schema import XID8, metadata
+from controlplane.db.connection import sqlalchemy_url
+from controlplane.db.schema import XID8, metadata
 
 config = context.config
 

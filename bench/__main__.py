@@ -194,7 +194,7 @@ def main(argv: list[str]) -> int:
         cluster = Cluster.start()
         template = "bench_template"
         template_url = cluster.create_database(template)
-        from controlplane import db
+        from controlplane.db import connection as db
 
         db.migrate(template_url)
         ctx = Context(

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg import sql
 
-from controlplane.embedded import SERVER_SETTINGS
-from controlplane.postgres import PostgresServer, free_port, make_owned_dir, server_user, url
+from controlplane.runtime.embedded import SERVER_SETTINGS
+from controlplane.runtime.postgres import PostgresServer, free_port, make_owned_dir, server_user, url
 
 SUPERUSER = "bench"
 

@@ -14,14 +14,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from controlplane import db, jobs, operations
-from controlplane.embedded import FAST_SETTINGS, open_embedded
-from controlplane.instances import create_instance
-from controlplane.kinds import DEPROVISION, PROVISION
-from controlplane.postgres import free_port
-from controlplane.settings import Settings
-from controlplane.transitions import Actor
-from controlplane.worker import Worker
+from controlplane.core.kinds import DEPROVISION, PROVISION
+from controlplane.db import connection as db
+from controlplane.db import job_rows as jobs
+from controlplane.db.instance_rows import create_instance
+from controlplane.db.transitions import Actor
+from controlplane.handlers import operations
+from controlplane.queue.worker import Worker
+from controlplane.runtime.embedded import FAST_SETTINGS, open_embedded
+from controlplane.runtime.postgres import free_port
+from controlplane.runtime.settings import Settings
 from provisioners.local import LocalProvisioner
 
 ACTOR = Actor("system", "bench")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from controlplane import db
-from controlplane.instances import create_instance
-from controlplane.transitions import Actor, Move, transition_many
+from controlplane.db import connection as db
+from controlplane.db.instance_rows import create_instance
+from controlplane.db.transitions import Actor, Move, transition_many
 
 BENCH_ACTOR = Actor("system", "bench")
 

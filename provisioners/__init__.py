@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from controlplane.settings import Settings
+    from controlplane.runtime.settings import Settings
     from provisioners.base import Provisioner
 
 
@@ -15,7 +15,8 @@ def build(settings: Settings) -> Provisioner:
     Wrapped in fault injection when faults are configured (CONTROLPLANE_FAULTS, read with the
     other settings at start): how a test tells a worker process where to fail or die.
     """
-    from provisioners.faults import FaultyProvisioner, parse_faults
+    from controlplane.core.faultspec import parse_faults
+    from provisioners.faults import FaultyProvisioner
 
     inner = provisioner_class(settings.provisioner.kind).from_settings(settings)
     faults = parse_faults(settings.provisioner.faults)

@@ -13,14 +13,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controlplane import plans
-from controlplane.errors import PermanentError
-from controlplane.failures import DATA_LOST, INVALID_SPEC, RESTORE_UNSUPPORTED
-from controlplane.fencing import FileFences
-from controlplane.kinds import OPERATION_STEPS, PROVISION, STEP_LABELS
+from controlplane.core import plans
+from controlplane.core.failures import DATA_LOST, INVALID_SPEC, RESTORE_UNSUPPORTED
+from controlplane.core.kinds import OPERATION_STEPS, PROVISION, STEP_LABELS
+from controlplane.core.step_errors import PermanentError
+from controlplane.runtime.fencing import FileFences
 
 if TYPE_CHECKING:
-    from controlplane.settings import Settings
+    from controlplane.runtime.settings import Settings
 
 # The attempt of the job whose handler is calling the provisioner (set by the operations);
 # fault injection uses it to fire on a chosen attempt only.

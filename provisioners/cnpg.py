@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from kubernetes.utils import quantity
 
-from controlplane.errors import PermanentError
-from controlplane.settings import Settings
+from controlplane.core.step_errors import PermanentError
+from controlplane.runtime.settings import Settings
 from provisioners.base import InstanceSpec, RestoreSource
 
 FIELD_MANAGER = "controlplane"

@@ -7,14 +7,13 @@ import os
 import signal
 import uuid
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-from controlplane.errors import PermanentError, TemporaryError
-from controlplane.failures import QUOTA_EXCEEDED
+from controlplane.core.failures import QUOTA_EXCEEDED
+from controlplane.core.faultspec import Fault
+from controlplane.core.step_errors import PermanentError, TemporaryError
 from provisioners.base import (
     JOB_ATTEMPT,
-    STEPS,
     BackupInfo,
     ConnectionInfo,
     DeprovisionResult,
@@ -24,69 +23,7 @@ from provisioners.base import (
     Resource,
 )
 
-Action = Literal["fail", "fail_permanent", "quota", "hang", "kill"]
-ACTIONS: tuple[Action, ...] = ("fail", "fail_permanent", "quota", "hang", "kill")
 T = TypeVar("T")
-
-
-class FaultSpecError(ValueError):
-    """A fault description that cannot be parsed."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """At `step`, on job attempt `attempt` (None: every attempt), do `action`.
-
-    `when` is "before" the real step runs, "after" it ran (its work is done but the caller never
-    learns), or a number of seconds into the step ("during": the real step keeps running).
-    """
-
-    step: str
-    action: Action
-    attempt: int | None = 1
-    when: str = "before"
-
-    @property
-    def during_s(self) -> float | None:
-        return None if self.when in ("before", "after") else float(self.when)
-
-    def matches(self, step: str, attempt: int) -> bool:
-        return self.step == step and (self.attempt is None or self.attempt == attempt)
-
-    def __str__(self) -> str:
-        attempt = "*" if self.attempt is None else str(self.attempt)
-        return f"{self.step}:{self.action}:{attempt}:{self.when}"
-
-
-def parse_faults(text: str | None) -> list[Fault]:
-    """`step:action[:attempt[:when]]`, comma-separated; attempt `*` means every attempt.
-
-    Example: `initialize_database:kill:1:after,apply_plan:fail_permanent`.
-    """
-    faults: list[Fault] = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        parts = item.split(":")
-        if len(parts) < 2 or len(parts) > 4:
-            raise FaultSpecError(f"fault {item!r}: expected step:action[:attempt[:when]]")
-        step, action = parts[0], parts[1]
-        if step not in (*STEPS, "observe"):
-            raise FaultSpecError(f"fault {item!r}: unknown step {step!r}")
-        if action not in ACTIONS:
-            raise FaultSpecError(f"fault {item!r}: action must be one of {', '.join(ACTIONS)}")
-        attempt: int | None = 1
-        if len(parts) > 2:
-            attempt = None if parts[2] == "*" else int(parts[2])
-        when = parts[3] if len(parts) > 3 else "before"
-        if when not in ("before", "after"):
-            try:
-                float(when)
-            except ValueError:
-                raise FaultSpecError(f"fault {item!r}: when is before, after or seconds") from None
-        faults.append(Fault(step, action, attempt, when))
-    return faults
 
 
 def kill_this_process() -> None:

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import kubernetes
 import urllib3
 
-from controlplane import fencing
-from controlplane.errors import PermanentError, StaleFence, TemporaryError
-from controlplane.failures import QUOTA_EXCEEDED, RESTORE_SOURCE_UNAVAILABLE
-from controlplane.settings import Settings
+from controlplane.core.failures import QUOTA_EXCEEDED, RESTORE_SOURCE_UNAVAILABLE
+from controlplane.core.step_errors import PermanentError, StaleFence, TemporaryError
+from controlplane.runtime import fencing
+from controlplane.runtime.settings import Settings
 from provisioners.base import (
     BackupInfo,
     ConnectionInfo,

@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
-from controlplane.errors import PermanentError, TemporaryError
-from controlplane.failures import CAPACITY_EXHAUSTED, QUOTA_EXCEEDED
-from controlplane.files import write_atomically
-from controlplane.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
-from controlplane.secretbox import SecretBox, load_box
-from controlplane.settings import Settings
-from controlplane.tls import CaStore, CertificateAuthority, needs_new_certificate
+from controlplane.core.failures import CAPACITY_EXHAUSTED, QUOTA_EXCEEDED
+from controlplane.core.step_errors import PermanentError, TemporaryError
+from controlplane.runtime.files import write_atomically
+from controlplane.runtime.postgres import PostgresError, PostgresServer, RunAs, port_in_use, server_user
+from controlplane.runtime.secretbox import SecretBox, load_box
+from controlplane.runtime.settings import Settings
+from controlplane.runtime.tls import CaStore, CertificateAuthority, needs_new_certificate
 from provisioners.base import (
     BACKUP_KINDS,
     BackupInfo,

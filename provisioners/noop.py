@@ -16,7 +16,7 @@ from provisioners.base import (
 )
 
 if TYPE_CHECKING:
-    from controlplane.settings import Settings
+    from controlplane.runtime.settings import Settings
 
 
 class NoopProvisioner(Provisioner):

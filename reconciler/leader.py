@@ -7,7 +7,8 @@ import logging
 
 import psycopg
 
-from controlplane import db, sql
+from controlplane.db import connection as db
+from controlplane.db import sql
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from controlplane import failures, lifecycle
-from controlplane.failures import DATA_LOST, UNHEALTHY
-from controlplane.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
+from controlplane.core import failures, lifecycle
+from controlplane.core.failures import DATA_LOST, UNHEALTHY
+from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
 assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
 # Settled instances are observed: their health and drift are the provisioner's to show.

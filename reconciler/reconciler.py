@@ -13,19 +13,22 @@ from datetime import datetime, timedelta
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane import jobs, kinds, lifecycle, metrics, plans, sql
-from controlplane.checkpoints import AuditMaintenance, MaintenanceResult
-from controlplane.db import AsyncConn
-from controlplane.failures import DATA_LOST
-from controlplane.kinds import RESUME, SUSPEND
-from controlplane.records import InstancePatch, ScannedInstance
-from controlplane.registry import JobRegistry
-from controlplane.secretbox import load_box
+from controlplane.audit.checkpoints import AuditMaintenance, MaintenanceResult
+from controlplane.core import kinds, lifecycle, plans
+from controlplane.core.failures import DATA_LOST
+from controlplane.core.kinds import RESUME, SUSPEND
+from controlplane.core.records import InstancePatch, ScannedInstance
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor, Conflict, InvariantViolation, transition
+from controlplane.queue.registry import JobRegistry
+from controlplane.queue.supervisor import PassResult, Supervisor
+from controlplane.runtime import metrics
+from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.settings import Settings
 from controlplane.services import billing_policy, usage
 from controlplane.services.policy import Policy
-from controlplane.settings import Settings
-from controlplane.supervisor import PassResult, Supervisor
-from controlplane.transitions import Actor, Conflict, InvariantViolation, transition
 from provisioners.base import InstanceSpec, Provisioner
 from reconciler import planning
 from reconciler.leader import LeaderElection, ShardLeases

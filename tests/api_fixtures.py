@@ -8,10 +8,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane import tenants
 from controlplane.api.app import create_app
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
 from tests.api_support import WEBHOOK_SECRET, Tenant, make_tenant
 
 

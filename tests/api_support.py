@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import stripe
 
-from controlplane import tenants
 from controlplane.api.app import create_app
-from controlplane.db import AsyncConn
-from controlplane.secretbox import load_box
-from controlplane.settings import Settings
-from controlplane.transitions import Actor
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
+from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
 from tests.factories import walk
 
 WEBHOOK_SECRET = "whsec_test_secret_for_api_tests"

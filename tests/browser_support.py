@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
-from controlplane.db import ROOT
-from controlplane.postgres import free_port
-from controlplane.settings import Settings
+from controlplane.db.connection import ROOT
+from controlplane.runtime.postgres import free_port
+from controlplane.runtime.settings import Settings
 from tests.provisioning_support import QUICK_RETRIES, WORKER_SETTINGS, real_instances, settings_env
 
 CLI = [sys.executable, "-m", "controlplane.cli"]

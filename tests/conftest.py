@@ -13,9 +13,9 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from controlplane import db
-from controlplane.db import AsyncConn
-from controlplane.embedded import (
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.embedded import (
     FAST_SETTINGS,
     OWNER_ROLE,
     RUNTIME_ROLE,
@@ -24,7 +24,7 @@ from controlplane.embedded import (
     open_embedded,
     role_passwords,
 )
-from controlplane.settings import Settings
+from controlplane.runtime.settings import Settings
 from tests.provisioning_support import QUICK_RETRIES, pg_bindir, real_instances
 
 TEMPLATE = "cp_template"

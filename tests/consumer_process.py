@@ -8,8 +8,9 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from controlplane import db, notifications
-from controlplane.consumers import ConsumerRunner, LogEvent
+from controlplane.db import connection as db
+from controlplane.queue.consumers import ConsumerRunner, LogEvent
+from controlplane.services import notices
 
 
 async def run(url: str) -> None:
@@ -20,7 +21,7 @@ async def run(url: str) -> None:
         print(f"EFFECTS {name} {len(events)}", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # killed while waiting here
 
-    runner = ConsumerRunner(pool, [notifications.consumer()], after_effects=stop_here)
+    runner = ConsumerRunner(pool, [notices.consumer()], after_effects=stop_here)
     await runner.run_once()
 
 

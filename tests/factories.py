@@ -10,9 +10,9 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane.db import AsyncConn
-from controlplane.instances import create_instance
-from controlplane.transitions import Actor, transition
+from controlplane.db.connection import AsyncConn
+from controlplane.db.instance_rows import create_instance
+from controlplane.db.transitions import Actor, transition
 
 TEST_ACTOR = Actor("system", "tests")
 GONE_WORKER = Actor("worker", "gone-worker")

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from controlplane.db import ROOT
-from controlplane.settings import Settings
+from controlplane.db.connection import ROOT
+from controlplane.runtime.settings import Settings
 from provisioners import build
 from provisioners.base import BackupInfo, InstanceSpec, RestoreSource
 from provisioners.kubernetes import KubernetesProvisioner

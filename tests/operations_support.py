@@ -11,13 +11,15 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import db, jobs, operations
-from controlplane.db import AsyncConn
-from controlplane.kinds import PROVISION
-from controlplane.registry import JobRegistry
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
-from controlplane.worker import Worker
+from controlplane.core.kinds import PROVISION
+from controlplane.db import connection as db
+from controlplane.db import job_rows as jobs
+from controlplane.db.connection import AsyncConn
+from controlplane.handlers import operations
+from controlplane.queue.registry import JobRegistry
+from controlplane.queue.supervisor import Supervisor
+from controlplane.queue.worker import Worker
+from controlplane.runtime.settings import Settings
 from provisioners.base import Provisioner
 from tests.factories import TEST_ACTOR, make_instance
 

@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 from pydantic import SecretStr
 
-from controlplane.secretbox import load_box
-from controlplane.settings import SETTINGS, Settings, env_name
+from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.settings import SETTINGS, Settings, env_name
 from provisioners.base import ConnectionInfo
 
 
@@ -78,7 +78,7 @@ def connect(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:
 
 def stop_all_servers(data_dir: Path) -> None:
     """Stop every instance server a test left running under `data_dir` (teardown)."""
-    from controlplane.postgres import server_user
+    from controlplane.runtime.postgres import server_user
     from provisioners.local import InstanceServer, _postmaster_pids_for
 
     instances = Path(data_dir).resolve() / "instances"

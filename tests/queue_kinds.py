@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from controlplane.db import AsyncConn
-from controlplane.errors import PermanentError, TemporaryError
-from controlplane.registry import JobContext, JobKind, JobRegistry, Verdict
+from controlplane.core.step_errors import PermanentError, TemporaryError
+from controlplane.db.connection import AsyncConn
+from controlplane.queue.registry import JobContext, JobKind, JobRegistry, Verdict
 
 EXECUTIONS_DDL = """
 CREATE TABLE IF NOT EXISTS test_executions (
@@ -119,9 +119,9 @@ async def states(conn: AsyncConn) -> dict[str, int]:
 
 async def running_job(conn: AsyncConn, kind: str = "noop", *, worker: str = WORKER, **new: Any) -> Any:
     """Enqueue one job of `kind` and move it to running as `worker`; returns the running row."""
-    from controlplane import queue
-    from controlplane.jobs import NewJob, enqueue
-    from controlplane.transitions import Actor
+    from controlplane.db.job_rows import NewJob, enqueue
+    from controlplane.db.transitions import Actor
+    from controlplane.queue import moves as queue
     from tests.factories import TEST_ACTOR
 
     made = await enqueue(conn, NewJob(kind, **new), TEST_ACTOR)
@@ -141,7 +141,7 @@ async def until(
     """Wait until `await condition(conn)` is true, re-checking on each job notification (no sleeping)."""
     import time
 
-    from controlplane import db
+    from controlplane.db import connection as db
 
     conn = await db.connect(url)
     async with conn:

@@ -21,11 +21,12 @@ from typing import Any
 import psycopg
 from psycopg.rows import DictRow
 
-from controlplane import db, queue
-from controlplane.db import AsyncConn
-from controlplane.registry import JobRegistry
-from controlplane.settings import Settings
-from controlplane.worker import Worker
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.queue import moves as queue
+from controlplane.queue.registry import JobRegistry
+from controlplane.queue.worker import Worker
+from controlplane.runtime.settings import Settings
 from provisioners.base import ConnectionInfo, Observation, Provisioner
 from provisioners.noop import NoopProvisioner
 from reconciler.reconciler import Reconciler

@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import sys
 
-from controlplane import logs
-from controlplane.settings import Settings
-from controlplane.worker import run_worker
+from controlplane.queue.worker import run_worker
+from controlplane.runtime import logs
+from controlplane.runtime.settings import Settings
 from tests.queue_kinds import build_registry
 
 

@@ -29,7 +29,7 @@ lifecycle_table = sa.table(
 )
 
 # A frozen copy of the lifecycle tables as they were at this revision; a test checks it
-# against controlplane.lifecycle, and a later change of the tables needs a new migration.
+# against controlplane.core.lifecycle, and a later change of the tables needs a new migration.
 _INSTANCE_EDGES = """
 pending start_provisioning provisioning
 pending fail failed

@@ -6,7 +6,7 @@ Create Date: 2026-12-01
 
 Every event row carries its entity's sequence number (0, 1, 2 ... without gaps), the hash of its
 predecessor for the same instance or job, and its own hash over a canonical encoding of its
-fields (`cp_event_hash`; `controlplane/chain.py` computes the same bytes in Python). Each instance
+fields (`cp_event_hash`; `controlplane/audit/chain.py` computes the same bytes in Python). Each instance
 and job row keeps its chain's head (`chain_seq`, `chain_head`), so that the statement writing an
 event finds its predecessor in the row it already updates.
 

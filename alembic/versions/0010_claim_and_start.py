@@ -8,14 +8,14 @@ Create Date: 2026-12-01
 (from a point of the claim's order on) and starts them, two statements in one call: the worker's
 path to its handlers is one round trip per batch.
 Each move is the transition path's (guarded UPDATE, version bump, state trigger, an event row
-each with its chain hash); the body is the text of `controlplane.sql.CLAIM_AND_START_BODY` at this
+each with its chain hash); the body is the text of `controlplane.db.sql.CLAIM_AND_START_BODY` at this
 revision, and the schema tests check the installed function against it.
 
 `ix_jobs_queued_order` becomes `(priority, (attempt = 0), run_at)`: the claim takes work already
 begun (a reclaimed or retried job) before fresh work of the same priority.
 """
 
-# ruff: noqa: E501 (the function body is SQL text, as controlplane/sql.py builds it)
+# ruff: noqa: E501 (the function body is SQL text, as controlplane/db/sql.py builds it)
 
 from __future__ import annotations
 

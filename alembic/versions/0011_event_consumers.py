@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from alembic import op
-from controlplane.schema import XID8
+from controlplane.db.schema import XID8
 
 revision: str = "0011"
 down_revision: str | None = "0010"

@@ -4,7 +4,7 @@ Revision ID: 0012
 Revises: 0011
 Create Date: 2026-12-01
 
-`cp_claim_and_start` gets the body `controlplane.sql.CLAIM_AND_START_BODY` has at this revision,
+`cp_claim_and_start` gets the body `controlplane.db.sql.CLAIM_AND_START_BODY` has at this revision,
 and the planner settings `enable_sort = off` and `jit = off` (`sql.CLAIM_AND_START_CONFIG`). Its UPDATEs and its
 final read find each row it locked by the row's ctid (a TID scan), and its claim reads the queued
 index in the claim's order, from the worker's starting point. Before, its cached generic plans,
@@ -13,7 +13,7 @@ call; under a pinned xmin horizon those hold the dead entry of every job claimed
 claim grew slower for as long as the horizon stayed pinned.
 """
 
-# ruff: noqa: E501 (the function body is SQL text, as controlplane/sql.py builds it)
+# ruff: noqa: E501 (the function body is SQL text, as controlplane/db/sql.py builds it)
 
 from __future__ import annotations
 

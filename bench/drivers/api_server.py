@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from psycopg.types.json import Jsonb
 
-from controlplane import logs
 from controlplane.api.app import create_app
 from controlplane.api.state import app_state
-from controlplane.settings import load
+from controlplane.runtime import logs
+from controlplane.runtime.settings import load
 
 BASELINE_TABLE = "CREATE TABLE IF NOT EXISTS bench_baseline (id bigserial PRIMARY KEY, body jsonb NOT NULL)"
 

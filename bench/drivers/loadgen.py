@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.drivers.common import emit, quiet_logs
-from controlplane import aio
+from controlplane.runtime import aio
 
 
 class Connection:

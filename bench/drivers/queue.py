@@ -1,4 +1,4 @@
-"""Driver: the project's job queue and worker (controlplane.worker.Worker / run_worker) under load.
+"""Driver: the project's job queue and worker (controlplane.queue.worker.Worker / run_worker) under load.
 
 drain      enqueue N no-op jobs, then time one worker at concurrency C until all are completed
 pickup     a producer at a steady rate; enqueue-to-handler-start latency per job
@@ -17,13 +17,14 @@ from typing import Any
 
 from bench.drivers.common import emit, quiet_logs
 from bench.peers import cost
-from controlplane import aio, db
-from controlplane.jobs import NewJob, enqueue_many
-from controlplane.registry import JobContext, JobKind, JobRegistry, Verdict
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
-from controlplane.transitions import Actor
-from controlplane.worker import Worker, run_worker
+from controlplane.db import connection as db
+from controlplane.db.job_rows import NewJob, enqueue_many
+from controlplane.db.transitions import Actor
+from controlplane.queue.registry import JobContext, JobKind, JobRegistry, Verdict
+from controlplane.queue.supervisor import Supervisor
+from controlplane.queue.worker import Worker, run_worker
+from controlplane.runtime import aio
+from controlplane.runtime.settings import Settings
 
 ACTOR = Actor("system", "bench")
 NOOP = "bench_noop"
@@ -195,7 +196,7 @@ async def pickup(args: argparse.Namespace) -> None:
 
 async def claim_latency(args: argparse.Namespace) -> None:
     """One job enqueued, then claimed and started (the worker's statement), timed; `--jobs` times."""
-    from controlplane import queue
+    from controlplane.queue import moves as queue
 
     conn = await db.connect(args.url)
     latencies = []

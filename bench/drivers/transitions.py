@@ -1,6 +1,6 @@
 """Driver: N clients, each on its own connection, moving its own instance ready <-> suspended.
 
-Every move goes through controlplane.transitions.transition (guarded UPDATE, event row, pg_notify).
+Every move goes through controlplane.db.transitions.transition (guarded UPDATE, event row, pg_notify).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import time
 import uuid
 
 from bench.drivers.common import emit, quiet_logs, sleep_until
-from controlplane import aio, db
-from controlplane.transitions import Actor, transition
+from controlplane.db import connection as db
+from controlplane.db.transitions import Actor, transition
+from controlplane.runtime import aio
 
 ACTOR = Actor("system", "bench")
 MOVES = {"ready": ("suspend", "suspended"), "suspended": ("resume", "ready")}

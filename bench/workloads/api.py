@@ -14,8 +14,8 @@ import httpx
 
 from bench.core import Context, Metric, NotAvailable, Target, Workload, percentile
 from bench.procs import wait_for
-from controlplane import db
-from controlplane.postgres import free_port
+from controlplane.db import connection as db
+from controlplane.runtime.postgres import free_port
 
 RPS = Metric("rps", "req/s at saturation", "1/s")
 P50 = Metric("p50_ms", "p50 ms at 200 req/s", "ms", 2)
@@ -29,7 +29,7 @@ RATE_CONNECTIONS = 16
 
 
 async def make_tenant(url: str) -> str:
-    from controlplane.tenants import create_org
+    from controlplane.services.tenants import create_org
 
     conn = await db.connect(url)
     async with conn:
@@ -54,7 +54,7 @@ class ApiWorkload(Workload):
     def prepare(self, ctx: Context) -> None:
         try:
             importlib.import_module("controlplane.api.app")
-            importlib.import_module("controlplane.tenants")
+            importlib.import_module("controlplane.services.tenants")
         except ImportError as exc:
             raise NotAvailable(f"the REST API is not in the product yet ({exc})") from exc
         self.seconds = ctx.size(10.0, 2.0)

@@ -52,10 +52,10 @@ def final_state() -> tuple[str, int]:
 def load_history(url: str, instances: int) -> tuple[str, list[str]]:
     """`instances` instances of one organisation, each with DEPTH hash-chained events over the last
     year; return the organisation's API key and the instances' ids."""
-    from controlplane.tenants import create_org
+    from controlplane.services.tenants import create_org
 
     async def tenant() -> tuple[uuid.UUID, str]:
-        from controlplane import db
+        from controlplane.db import connection as db
 
         conn = await db.connect(url)
         async with conn:
@@ -99,8 +99,8 @@ def load_history(url: str, instances: int) -> tuple[str, list[str]]:
 
 async def move_some(url: str, ids: list[str]) -> None:
     """MOVES_EACH suspends and resumes of MOVED_INSTANCES instances through the transition path."""
-    from controlplane import db
-    from controlplane.transitions import Actor, Move, transition_many
+    from controlplane.db import connection as db
+    from controlplane.db.transitions import Actor, Move, transition_many
 
     actor = Actor("system", "bench")
     conn = await db.connect(url)
@@ -122,9 +122,10 @@ async def move_some(url: str, ids: list[str]) -> None:
 
 async def checkpoint(url: str, data_dir: Any) -> float:
     """Record a checkpoint (the first covers the whole log); return how long it took."""
-    from controlplane import checkpoints, db
-    from controlplane.secretbox import load_box
-    from controlplane.settings import Settings
+    from controlplane.audit import checkpoints
+    from controlplane.db import connection as db
+    from controlplane.runtime.secretbox import load_box
+    from controlplane.runtime.settings import Settings
 
     box = load_box(Settings(data_dir=data_dir))
     conn = await db.connect(url)

@@ -44,7 +44,7 @@ class DrainWorkload(Workload):
         self.notes = [
             f"{self.jobs:,} no-op jobs enqueued first (not timed), then drained; each variant in a fresh "
             "database of the same cluster, timed from worker start to the last completion.",
-            "Ours: controlplane.worker.Worker at worker_concurrency 10 (claim, start, finish, each a "
+            "Ours: controlplane.queue.worker.Worker at worker_concurrency 10 (claim, start, finish, each a "
             "transition with its job_events row; 4 event rows per job).",
             "pgqueuer 1.6.0: one QueueManager, asyncpg, batch_size 10, durable tables (its default); "
             "it buffers completions (status log rows flushed in batches) and deletes finished jobs.",
@@ -108,9 +108,10 @@ def explain_queue(ctx: Context, url: str) -> None:
 async def _explain(url: str) -> str:
     from psycopg import sql as pgsql
 
-    from controlplane import db, sql
-    from controlplane.jobs import NewJob, enqueue_many
-    from controlplane.transitions import Actor, Move, _params  # the exact parameters of the product
+    from controlplane.db import connection as db
+    from controlplane.db import sql
+    from controlplane.db.job_rows import NewJob, enqueue_many
+    from controlplane.db.transitions import Actor, Move, _params
 
     actor = Actor("system", "bench")
     conn = await db.connect(url)

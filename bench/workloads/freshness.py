@@ -95,7 +95,7 @@ class FreshnessWorkload(Workload):
 
 
 async def _execute(url: str, statement: str) -> None:
-    from controlplane import db
+    from controlplane.db import connection as db
 
     conn = await db.connect(url)
     async with conn:
@@ -103,7 +103,7 @@ async def _execute(url: str, statement: str) -> None:
 
 
 async def _measure(url: str, seconds: float, processes: int) -> dict[str, float]:
-    from controlplane import db
+    from controlplane.db import connection as db
 
     conn = await db.connect(url)
     async with conn:

@@ -93,8 +93,9 @@ async def one_pass(url: str, work_dir: Path) -> float:
     """Reconciler.run_once over the noop provisioner, wired as the product's reconcile role wires it
     (pool, provisioner, the operations' job registry): one warm pass, then the median of PASSES."""
     import provisioners
-    from controlplane import db, operations
-    from controlplane.settings import Settings
+    from controlplane.db import connection as db
+    from controlplane.handlers import operations
+    from controlplane.runtime.settings import Settings
 
     reconciler_class = find_reconciler()
     settings = Settings(database_url=url, provisioner="noop", data_dir=work_dir / "reconciler")
@@ -123,7 +124,8 @@ async def explain_scans(url: str) -> str:
     """EXPLAIN ANALYZE of the pass's instance scan and live-count query (what should follow live rows)."""
     from psycopg import sql as pgsql
 
-    from controlplane import db, sql
+    from controlplane.db import connection as db
+    from controlplane.db import sql
 
     conn = await db.connect(url)
     report: list[str] = []

@@ -13,7 +13,7 @@ import psycopg
 
 from bench.core import Context, Metric, Target, Workload
 from bench.seed import ready_instances
-from controlplane import sql
+from controlplane.db import sql
 
 CLIENTS = 8
 THREADS = 2  # pgbench -j 2; ours likewise runs its 8 clients in 2 processes of 4
@@ -95,9 +95,9 @@ class TransitionsWorkload(Workload):
             targets=(Target("ours/pgbench", ("ours", TPS.key), ("pgbench", TPS.key), ">=", 0.9),),
             notes=[
                 "Each transition: instance ready->suspended or suspended->ready through "
-                "controlplane.transitions.transition (guarded UPDATE, version bump, event row, pg_notify), "
-                "one statement, autocommit. Ours: 8 connections in 2 processes of 4; pgbench: the same "
-                "statement text, -M prepared -c 8 -j 2, two moves per script run.",
+                "controlplane.db.transitions.transition (guarded UPDATE, version bump, event row, "
+                "pg_notify), one statement, autocommit. Ours: 8 connections in 2 processes of 4; "
+                "pgbench: the same statement text, -M prepared -c 8 -j 2, two moves per script run.",
                 "Client CPU: CPU time of the client processes (ours: the two driver processes; pgbench: "
                 "its process) per transition; on 2 cores it is taken from the server's share.",
             ],

@@ -10,28 +10,23 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from controlplane import db
-from controlplane.api import (
-    console,
-    docs,
-    errors,
-    openapi,
-    ratelimit,
-    routes_admin,
-    routes_backups,
-    routes_instances,
-    routes_notifications,
-    routes_orgs,
-    routes_public,
-    routes_tls,
-    webhooks,
-)
+from controlplane.api import console, docs, openapi, ratelimit
+from controlplane.api import problems as errors
 from controlplane.api.hub import Hub
+from controlplane.api.routes import admin as routes_admin
+from controlplane.api.routes import backups as routes_backups
+from controlplane.api.routes import instances as routes_instances
+from controlplane.api.routes import notifications as routes_notifications
+from controlplane.api.routes import orgs as routes_orgs
+from controlplane.api.routes import public as routes_public
+from controlplane.api.routes import stripe_webhooks as webhooks
+from controlplane.api.routes import tls as routes_tls
 from controlplane.api.state import AppState, KeyCache
-from controlplane.registry import JobRegistry
-from controlplane.secretbox import load_box
+from controlplane.db import connection as db
+from controlplane.queue.registry import JobRegistry
+from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.settings import Settings
 from controlplane.services.policy import Policy
-from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
 log = logging.getLogger(__name__)

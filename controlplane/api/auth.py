@@ -9,11 +9,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from controlplane import tenants
-from controlplane.api.errors import ProblemError, request_id
+from controlplane.api.problems import ProblemError, request_id
 from controlplane.api.state import app_state
-from controlplane.tenants import Principal
-from controlplane.transitions import Actor
+from controlplane.db.transitions import Actor
+from controlplane.services import tenants
+from controlplane.services.tenants import Principal
 
 bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer cpk_...`")
 

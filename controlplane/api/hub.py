@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import anyio
 from psycopg.conninfo import make_conninfo
 
-from controlplane import db, sql
+from controlplane.db import connection as db
+from controlplane.db import sql
 
 log = logging.getLogger(__name__)
 

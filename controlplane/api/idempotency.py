@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane import sql
-from controlplane.api.errors import ProblemError
-from controlplane.db import AsyncConn
+from controlplane.api.problems import ProblemError
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
 
 # Keys are kept at least this long; older ones are purged lazily by later requests.
 RETENTION_S = 24 * 3600

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
-from controlplane import lifecycle, plans
+from controlplane.core import lifecycle, plans
 
 DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 REGION = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"

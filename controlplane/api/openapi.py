@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.api.errors import PROBLEM_MEDIA_TYPE, Problem, responses
+from controlplane.api.problems import PROBLEM_MEDIA_TYPE, Problem, responses
 
 # Every header the API sends that a client may read, by name.
 HEADERS: dict[str, dict[str, Any]] = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controlplane.api.errors import _HttpMiddleware, problem_response
+from controlplane.api.problems import _HttpMiddleware, problem_response
 
 UNLIMITED_PATHS = ("/healthz", "/readyz", "/metrics")
 WEBHOOK_PREFIX = "/v1/webhooks/"

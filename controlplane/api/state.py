@@ -11,13 +11,13 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
 from controlplane.api.hub import Hub
-from controlplane.db import AsyncConn
-from controlplane.registry import JobRegistry
-from controlplane.secretbox import SecretBox
+from controlplane.db.connection import AsyncConn
+from controlplane.queue.registry import JobRegistry
+from controlplane.runtime.secretbox import SecretBox
+from controlplane.runtime.settings import Settings
 from controlplane.services.policy import Policy
-from controlplane.sessions import Seal
-from controlplane.settings import Settings
-from controlplane.tenants import Principal
+from controlplane.services.sessions import Seal
+from controlplane.services.tenants import Principal
 from provisioners.base import Provisioner
 
 

@@ -15,11 +15,12 @@ from urllib.parse import quote
 
 from fastapi import Depends, Query
 
-from controlplane import actions, failures, lifecycle, plans, steps
-from controlplane.api.errors import ProblemError
-from controlplane.db import AsyncConn
-from controlplane.records import Instance as InstanceRecord
-from controlplane.secretbox import SecretBox
+from controlplane.api.problems import ProblemError
+from controlplane.core import actions, failures, lifecycle, plans
+from controlplane.core.records import Instance as InstanceRecord
+from controlplane.db.connection import AsyncConn
+from controlplane.queue import steps
+from controlplane.runtime.secretbox import SecretBox
 from controlplane.services.instances import Versions
 
 Row = TypeVar("Row")

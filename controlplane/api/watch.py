@@ -18,12 +18,14 @@ from typing import Any
 
 from starlette.requests import Request
 
-from controlplane import failures, lifecycle, sql, steps
 from controlplane.api import views
 from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved, Stepped
 from controlplane.api.state import AppState
-from controlplane.kinds import STEP_LABELS
-from controlplane.records import Instance, StepRecord
+from controlplane.core import failures, lifecycle
+from controlplane.core.kinds import STEP_LABELS
+from controlplane.core.records import Instance, StepRecord
+from controlplane.db import sql
+from controlplane.queue import steps
 
 __all__ = ["APPLICATION_NAME", "instance_stream", "last_event_id", "sse"]
 

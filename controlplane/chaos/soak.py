@@ -35,11 +35,13 @@ import httpx
 import psycopg
 from cryptography.fernet import Fernet
 
-from controlplane import audit, db, tenants
+from controlplane.audit import verify as audit
 from controlplane.chaos import plan
-from controlplane.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
-from controlplane.postgres import free_port, postmaster_pid
-from controlplane.settings import Settings
+from controlplane.db import connection as db
+from controlplane.runtime.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
+from controlplane.runtime.postgres import free_port, postmaster_pid
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
 from provisioners.local import LocalProvisioner
 from reconciler.leader import RECONCILER_LOCK_KEY
 

@@ -7,11 +7,11 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-from controlplane import exit_codes
 from controlplane.cli import account, common, customer, jobs, orgs, server, shell, sre
-from controlplane.domain_errors import DomainError
-from controlplane.postgres import PostgresError
-from controlplane.settings import NotAvailable, SettingsError
+from controlplane.core import exit_codes
+from controlplane.core.refusals import DomainError
+from controlplane.runtime.postgres import PostgresError
+from controlplane.runtime.settings import NotAvailable, SettingsError
 
 COMMAND_MODULES = (server, customer, account, sre, jobs, orgs, shell)
 

@@ -1,6 +1,6 @@
 """The CLI's client of the REST API: where it is and which key to use (flags, environment, the
 profile), and its answers turned into results or one-line errors with the exit code of their
-problem type (`controlplane.exit_codes`)."""
+problem type (`controlplane.core.exit_codes`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from urllib.parse import quote
 
 import httpx
 
-from controlplane import exit_codes, lifecycle
 from controlplane.cli.common import CommandError
+from controlplane.core import exit_codes, lifecycle
 
 DEFAULT_URL = "http://127.0.0.1:8700"
 PROFILE_ENV = "CONTROLPLANE_PROFILE"
-# The problem types' common prefix (controlplane.api.errors.TYPE_PREFIX).
+# The problem types' common prefix (controlplane.api.problems.TYPE_PREFIX).
 TYPE_PREFIX = "urn:controlplane:problem:"
 # A watch whose stream ended early is resumed after this pause, for as long as this without an answer.
 RECONNECT_PAUSE_S = 0.5

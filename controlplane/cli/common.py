@@ -16,16 +16,17 @@ from typing import Any, TypeVar
 
 from pydantic import SecretStr
 
-from controlplane import db, exit_codes
-from controlplane import settings as settings_module
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.core import exit_codes
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime import settings as settings_module
+from controlplane.runtime.settings import Settings
 
 T = TypeVar("T")
 
 
 class CommandError(Exception):
-    """A failure to report as one line on stderr, with its exit code (`controlplane.exit_codes`)."""
+    """A failure to report as one line on stderr, with its exit code (`controlplane.core.exit_codes`)."""
 
     def __init__(self, message: str, code: int = exit_codes.OTHER) -> None:
         super().__init__(message)

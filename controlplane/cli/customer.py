@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from controlplane import exit_codes, lifecycle, plans
 from controlplane.cli.client import Api, WaitTimeout, config_dir, instance_path
 from controlplane.cli.common import (
     CommandError,
@@ -27,6 +26,7 @@ from controlplane.cli.common import (
     print_table,
     timestamp,
 )
+from controlplane.core import exit_codes, lifecycle, plans
 
 TERMINAL = lifecycle.INSTANCE.terminal
 LIST_COLUMNS = ("name", "id", "plan", "state", "created_at")

@@ -7,8 +7,7 @@ import getpass
 import uuid
 from typing import Any, TypeVar
 
-from controlplane import dwell, exit_codes, lifecycle, queue
-from controlplane import settings as settings_module
+from controlplane.audit import dwell
 from controlplane.cli.client import Api
 from controlplane.cli.common import (
     CommandError,
@@ -22,12 +21,15 @@ from controlplane.cli.common import (
     run_with_db,
     settings_from,
 )
-from controlplane.db import AsyncConn
-from controlplane.registry import JobRegistry, load_registry
+from controlplane.core import exit_codes, lifecycle
+from controlplane.db.connection import AsyncConn
+from controlplane.queue import moves as queue
+from controlplane.queue.registry import JobRegistry, load_registry
+from controlplane.runtime import settings as settings_module
 
 DB_FLAGS = ("database_url", "data_dir")
 # The instance job kinds: their abandonment hooks fail or degrade the instance (no provisioner needed).
-DEFAULT_REGISTRY = "controlplane.operations:registry"
+DEFAULT_REGISTRY = "controlplane.handlers.operations:registry"
 T = TypeVar("T")
 
 

@@ -8,10 +8,10 @@ import argparse
 import uuid
 from typing import Any
 
-from controlplane import exit_codes
 from controlplane.cli.client import Api
 from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
 from controlplane.cli.customer import api_flags
+from controlplane.core import exit_codes
 
 EXAMPLE = "example:\n  {}"
 

@@ -9,10 +9,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import provisioners
-from controlplane import aio, datadir, db, logs, operations, roles
+from controlplane.cli import process_roles
 from controlplane.cli.common import CommandError, add_settings_flags, settings_from
-from controlplane.registry import load_registry
-from controlplane.settings import Settings
+from controlplane.db import connection as db
+from controlplane.handlers import operations
+from controlplane.queue.registry import load_registry
+from controlplane.runtime import aio, datadir, logs
+from controlplane.runtime.settings import Settings
 from provisioners.base import Provisioner
 
 DATABASE = ("database_url", "data_dir", "pg_bindir")
@@ -171,7 +174,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             target = db.migration_target(settings)  # the configured URLs, or the running `up`'s
             db.migrate(target.url, runtime_role=target.runtime_role)
         else:
-            from controlplane.embedded import open_embedded
+            from controlplane.runtime.embedded import open_embedded
 
             # No `up` runs here: the embedded server is started for the migration only, under the lock.
             with datadir.held(settings.data_dir):
@@ -206,8 +209,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         stop = asyncio.Event()
-        roles.stop_on_signals(stop)
-        await roles.run_api(settings, url, registry, stop)
+        process_roles.stop_on_signals(stop)
+        await process_roles.run_api(settings, url, registry, stop)
 
     aio.run(run())
     return 0
@@ -225,8 +228,8 @@ def _run_role(args: argparse.Namespace, role: Role) -> int:
     async def run() -> None:
         provisioner = provisioners.build(settings)
         stop = asyncio.Event()
-        roles.stop_on_signals(stop)
-        roles.serve_metrics(settings)
+        process_roles.stop_on_signals(stop)
+        process_roles.serve_metrics(settings)
         try:
             await role(settings, url, provisioner, stop)
         finally:
@@ -238,14 +241,14 @@ def _run_role(args: argparse.Namespace, role: Role) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     async def worker(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
-        await roles.run_worker_role(settings, url, operations.registry(provisioner), stop)
+        await process_roles.run_worker_role(settings, url, operations.registry(provisioner), stop)
 
     return _run_role(args, worker)
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
     async def reconcile(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
-        await roles.run_reconciler_role(
+        await process_roles.run_reconciler_role(
             settings,
             url,
             provisioner,
@@ -260,4 +263,4 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     settings = _configured(args, default_format="text")
-    return aio.run(roles.up(settings, leave_instances_running=args.leave_instances_running))
+    return aio.run(process_roles.up(settings, leave_instances_running=args.leave_instances_running))

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controlplane import exit_codes, lifecycle, plans
 from controlplane.cli.client import (
     DEFAULT_URL,
     Api,
@@ -22,6 +21,7 @@ from controlplane.cli.client import (
     save_config,
 )
 from controlplane.cli.common import CommandError
+from controlplane.core import exit_codes, lifecycle, plans
 
 EXAMPLE = "example:\n  {}"
 

@@ -10,7 +10,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from controlplane import audit, checkpoints, events, export, lifecycle, reference, signing, sql
+from controlplane.audit import checkpoints, export, search, signing_key
+from controlplane.audit import verify as audit
 from controlplane.cli import jobs as jobs_cli
 from controlplane.cli.client import Api
 from controlplane.cli.common import (
@@ -25,8 +26,10 @@ from controlplane.cli.common import (
     run_with_db,
     settings_from,
 )
-from controlplane.db import AsyncConn
-from controlplane.secretbox import load_box
+from controlplane.core import lifecycle, reference
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.secretbox import load_box
 
 DB_FLAGS = ("database_url", "data_dir")
 # Commands that sign (a checkpoint, an export) decrypt the key with the secret box.
@@ -187,16 +190,16 @@ def _trusted_keys(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
     try:
-        key = signing.load_public_pem(path.read_bytes())
+        key = signing_key.load_public_pem(path.read_bytes())
     except OSError as exc:
         raise CommandError(f"cannot read the key {path}: {exc.strerror}") from None
-    except signing.BadPublicKey as exc:
+    except signing_key.BadPublicKey as exc:
         raise CommandError(f"{path}: {exc}") from None
-    return {signing.fingerprint(signing.raw_public(key)): key}
+    return {signing_key.fingerprint(signing_key.raw_public(key)): key}
 
 
 async def _verify(conn: AsyncConn, since: str | None, keys: dict[str, Any] | None) -> tuple[list[str], str]:
-    trusted = keys if keys is not None else await signing.public_keys(conn)
+    trusted = keys if keys is not None else await signing_key.public_keys(conn)
     window = None
     number = None
     if since is not None:
@@ -259,7 +262,7 @@ def cmd_audit_public_key(args: argparse.Namespace) -> int:
     box = load_box(settings_from(args))
 
     async def key(conn: AsyncConn) -> str:
-        return signing.public_pem((await signing.ensure_key(conn, box)).public_raw)
+        return signing_key.public_pem((await signing_key.ensure_key(conn, box)).public_raw)
 
     pem = run_with_db(args, key)
     if args.output:
@@ -329,10 +332,10 @@ def cmd_events(args: argparse.Namespace) -> int:
         )
         rows = page["items"][: args.limit]
     else:
-        where = events.EventFilter(
+        where = search.EventFilter(
             args.instance, args.org, args.actor, args.event, args.to_state, args.since, args.until
         )
-        rows = run_with_db(args, lambda conn: events.search(conn, where, limit=args.limit))
+        rows = run_with_db(args, lambda conn: search.search(conn, where, limit=args.limit))
     fmt = output_format(args)
     if fmt != "table":
         print_data(rows, fmt)

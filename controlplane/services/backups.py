@@ -17,13 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from controlplane import actions, db, jobs, kinds, sql
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import Conflict, InvalidRequest, InvalidState, NotFound
-from controlplane.records import Backup, Instance
+from controlplane.core import actions, kinds
+from controlplane.core.records import Backup, Instance
+from controlplane.core.refusals import Conflict, InvalidRequest, InvalidState, NotFound
+from controlplane.db import connection as db
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
 from controlplane.services import instances
 from controlplane.services.policy import Policy
-from controlplane.transitions import Actor
 from provisioners.base import BackupInfo
 
 

@@ -1,7 +1,7 @@
 """The billing use case: apply one verified Stripe event, exactly once, to its organisation's hold.
 
 The event is stored by id (a duplicate is a no-op) in the transaction that applies its effect:
-the hold is decided from the subscription status (`controlplane.billing.decide`, tolerant of
+the hold is decided from the subscription status (`controlplane.core.billing_rules.decide`, tolerant of
 out-of-order delivery), and the organisation's instances get their suspend or resume jobs.
 """
 
@@ -13,10 +13,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from controlplane import billing, crashpoints, db, jobs, kinds, lifecycle, notifications, sql
-from controlplane.db import AsyncConn
+from controlplane.core import billing_rules as billing
+from controlplane.core import kinds, lifecycle
+from controlplane.db import connection as db
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
+from controlplane.runtime import crashpoints
+from controlplane.services import notices
 from controlplane.services.policy import Policy
-from controlplane.transitions import Actor
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +169,7 @@ async def _past_due(
             f" {suspends_at:%Y-%m-%d %H:%M} UTC unless the invoice is paid.",
         },
     }
-    await notifications.queue_notice(conn, org_id, None, "billing.past_due", body)
+    await notices.queue_notice(conn, org_id, None, "billing.past_due", body)
 
 
 async def apply_on_mapping(conn: AsyncConn, org_id: object, customer_id: str) -> str | None:

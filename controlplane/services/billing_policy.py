@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from controlplane import sql
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import DomainError
+from controlplane.core.refusals import DomainError
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
+from controlplane.runtime.settings import BillingSettings
 from controlplane.services import instances
 from controlplane.services.billing import hold_instances
 from controlplane.services.policy import Policy
-from controlplane.settings import BillingSettings
-from controlplane.transitions import Actor
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,9 @@ import contextlib
 import uuid
 from dataclasses import dataclass
 
-from controlplane import actions, db, failures, instances, jobs, kinds, lifecycle, sql
-from controlplane.constraints import unique_violations
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import (
+from controlplane.core import actions, failures, kinds, lifecycle
+from controlplane.core.records import Instance
+from controlplane.core.refusals import (
     AlreadyReplaced,
     AmbiguousName,
     DeletionProtected,
@@ -25,9 +24,14 @@ from controlplane.domain_errors import (
     PreconditionFailed,
     Unsupported,
 )
-from controlplane.records import Instance
+from controlplane.db import connection as db
+from controlplane.db import instance_rows as instances
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.constraints import unique_violations
+from controlplane.db.transitions import Actor
 from controlplane.services.policy import Policy
-from controlplane.transitions import Actor
 from provisioners.base import RestoreSource
 
 # Deletion can start at once from these states; from the others it waits (the reconciler enqueues it).

@@ -14,11 +14,12 @@ from typing import Any, Literal
 
 from psycopg.rows import DictRow
 
-from controlplane import notifications, sql
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import NotFound
-from controlplane.secretbox import SecretBox
-from controlplane.settings import NotificationSettings
+from controlplane.core.refusals import NotFound
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.secretbox import SecretBox
+from controlplane.runtime.settings import NotificationSettings
+from controlplane.services import notices
 
 Kind = Literal["webhook", "email"]
 NAMES = {"webhook": "webhook endpoint", "email": "notification email"}
@@ -44,13 +45,13 @@ async def register(
     conn: AsyncConn, asked: NewTarget, box: SecretBox, policy: NotificationSettings
 ) -> Registered:
     types = sorted(set(asked.event_types))
-    notifications.check_event_types(types)
+    notices.check_event_types(types)
     secret = None
     if asked.kind == "webhook":
-        await asyncio.to_thread(notifications.check_url, asked.address, policy)
-        secret = notifications.new_secret()
+        await asyncio.to_thread(notices.check_url, asked.address, policy)
+        secret = notices.new_secret()
     else:
-        notifications.check_email(asked.address)
+        notices.check_email(asked.address)
     cursor = await conn.execute(
         sql.CREATE_NOTIFICATION_TARGET,
         {

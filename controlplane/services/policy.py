@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import provisioners
-from controlplane.settings import Settings
+from controlplane.runtime.settings import Settings
 
 
 @dataclass(frozen=True)

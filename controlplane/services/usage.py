@@ -1,6 +1,6 @@
 """The usage use cases: an organisation's usage over a window, and a period's report to Stripe.
 
-Usage is computed from the event log each time (`controlplane.metering`), so it is exact across
+Usage is computed from the event log each time (`controlplane.core.metering`), so it is exact across
 plan changes and restarts. A period is reported once: the reconciler records it and enqueues its
 `report_usage` job in one transaction; the job sends one meter event per instance, plan and
 billing class with an identifier made of those (Stripe refuses a second event with the same
@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from controlplane import db, jobs, metering, sql
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import InvalidRequest
-from controlplane.metering import UsageLine
-from controlplane.transitions import Actor
+from controlplane.core import metering
+from controlplane.core.metering import UsageLine
+from controlplane.core.refusals import InvalidRequest
+from controlplane.db import connection as db
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
 
 log = logging.getLogger(__name__)
 

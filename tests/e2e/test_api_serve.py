@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane import db, exit_codes, failures, tenants
 from controlplane.api import watch
+from controlplane.core import exit_codes, failures
+from controlplane.db import connection as db
+from controlplane.services import tenants
 from tests.factories import walk
 from tests.queue_kinds import until
 from tests.reconciler_support import to_ready

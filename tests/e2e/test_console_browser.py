@@ -16,7 +16,8 @@ import httpx
 import psycopg
 import pytest
 
-from controlplane import db, tenants
+from controlplane.db import connection as db
+from controlplane.services import tenants
 from tests.api_support import sign, stripe_event
 from tests.browser_support import (
     CHROMIUM,

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import audit, db
-from controlplane.db import ROOT, AsyncConn
-from controlplane.jobs import NewJob, enqueue
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.connection import ROOT, AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.queue.supervisor import Supervisor
+from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.operations_support import scalar
 from tests.queue_kinds import build_registry, create_tables

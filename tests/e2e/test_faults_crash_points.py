@@ -1,4 +1,4 @@
-"""Real processes killed at injected crash points (controlplane/crashpoints.py): a worker after the
+"""Real processes killed at injected crash points (controlplane/runtime/crashpoints.py): a worker after the
 last step's commit (F3), the API between recording a webhook and enqueuing its jobs (F19), the API
 in the middle of an idempotent POST (F20)."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.kinds import PROVISION
-from controlplane.operations import NOTHING_TO_DO
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.core.kinds import PROVISION
+from controlplane.db.connection import AsyncConn
+from controlplane.handlers.operations import NOTHING_TO_DO
+from controlplane.runtime.settings import Settings
 from provisioners.local import LocalProvisioner
 from tests.api_support import WEBHOOK_SECRET, make_ready, make_tenant, sign, stripe_event
 from tests.factories import make_instance

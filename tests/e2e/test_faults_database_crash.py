@@ -17,13 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane import audit, db
-from controlplane.embedded import SERVER_SETTINGS, EmbeddedDatabase, open_embedded
-from controlplane.jobs import NewJob, enqueue
-from controlplane.postgres import PostgresError
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
-from controlplane.worker import Worker
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.queue.supervisor import Supervisor
+from controlplane.queue.worker import Worker
+from controlplane.runtime.embedded import SERVER_SETTINGS, EmbeddedDatabase, open_embedded
+from controlplane.runtime.postgres import PostgresError
+from controlplane.runtime.settings import Settings
 from tests.api_support import make_tenant, serving
 from tests.factories import TEST_ACTOR
 from tests.provisioning_support import pg_bindir

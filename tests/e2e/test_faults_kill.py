@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.kinds import PROVISION
-from controlplane.settings import Settings
-from provisioners.faults import FaultyProvisioner, parse_faults
+from controlplane.audit import verify as audit
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import PROVISION
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
+from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance
 from tests.operations_support import enqueue, instance, instance_in, job, registry_for, run_until

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from controlplane import db, tenants
 from controlplane.api.app import create_app
-from controlplane.settings import Settings
+from controlplane.db import connection as db
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
 from tests.browser_support import Stack, stack_on_a_copy
 
 GENERATOR = "openapi-python-client==0.29.1"

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from controlplane.embedded import DBNAME, SUPERUSER
-from controlplane.postgres import url
+from controlplane.runtime.embedded import DBNAME, SUPERUSER
+from controlplane.runtime.postgres import url
 from tests.api_support import WEBHOOK_SECRET, sign, stripe_event
 from tests.up_support import org_client, postmaster_pid, read_until, run_cli, running_up, scratch_dir, up_env
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.jobs import NewJob, enqueue
-from controlplane.kinds import DEPROVISION, PROVISION
-from controlplane.settings import Settings
-from provisioners.faults import FaultyProvisioner, parse_faults
+from controlplane.audit import verify as audit
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import DEPROVISION, PROVISION
+from controlplane.db.connection import AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.runtime.settings import Settings
+from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
 from tests.factories import TEST_ACTOR, make_instance
 from tests.operations_support import Condition, instance, instance_in, job, registry_for

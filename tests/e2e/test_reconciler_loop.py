@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from controlplane import db
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from provisioners.base import Observation
 from reconciler.leader import LeaderElection
 from reconciler.reconciler import PassSummary, Reconciler

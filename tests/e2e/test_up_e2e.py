@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import yaml
 
-from controlplane import exit_codes
+from controlplane.core import exit_codes
 from tests.up_support import run_cli, running_up, scratch_dir, up_env, wait_until_gone
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import psycopg
 import pytest
 
-from controlplane import exit_codes
-from controlplane.postgres import free_port
+from controlplane.core import exit_codes
+from controlplane.runtime.postgres import free_port
 from tests.up_support import (
     clean_env,
     org_client,

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from controlplane import audit, db
-from controlplane.db import ROOT
-from controlplane.jobs import NewJob, enqueue_many
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.connection import ROOT
+from controlplane.db.job_rows import NewJob, enqueue_many
+from controlplane.queue.supervisor import Supervisor
+from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.operations_support import scalar
 from tests.queue_kinds import build_registry, count_in, create_tables, events_of, until
@@ -168,7 +169,7 @@ async def test_kill_9_jobs_are_reclaimed_and_completed_by_another_worker(
     await until(fresh_database, running_by("w-victim", 4), channels=("cp_job_running",))
     await poll_until(fresh_database, executions(4))  # its handlers got as far as recording their run
     # Two more held as claimed by the same worker (it dies between claim and start for these).
-    from controlplane import queue
+    from controlplane.queue import moves as queue
 
     held_claimed = await queue.claim(conn, "w-victim", ["record"], 2)
     assert len(held_claimed) == 2

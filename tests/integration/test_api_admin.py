@@ -11,12 +11,13 @@ import httpx
 import pytest
 from psycopg.rows import DictRow
 
-from controlplane import audit, queue
 from controlplane.api.app import create_app
-from controlplane.db import AsyncConn
-from controlplane.registry import JobKind, JobRegistry
-from controlplane.settings import Settings
-from controlplane.transitions import Actor, transition
+from controlplane.audit import verify as audit
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor, transition
+from controlplane.queue import moves as queue
+from controlplane.queue.registry import JobKind, JobRegistry
+from controlplane.runtime.settings import Settings
 from tests.api_support import WORKER, Tenant, create, drive
 
 pytest_plugins = ("tests.api_fixtures",)

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 
 from controlplane.api.state import KeyCache
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
-from controlplane.tenants import Principal
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
+from controlplane.services.tenants import Principal
 from tests.api_support import Tenant, create, deliver, make_ready, make_tenant, serving, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane.db import AsyncConn
+from controlplane.db.connection import AsyncConn
 from tests.api_support import Tenant
 
 pytest_plugins = ("tests.api_fixtures",)

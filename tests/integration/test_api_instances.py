@@ -6,9 +6,9 @@ import uuid
 
 import httpx
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from tests.api_support import Tenant, create, drive, make_ready
 
 pytest_plugins = ("tests.api_fixtures",)

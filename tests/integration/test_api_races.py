@@ -10,10 +10,11 @@ import uuid
 import httpx
 import pytest
 
-from controlplane import audit, db
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
-from controlplane.transitions import Actor, Conflict, transition
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.runtime.settings import Settings
 from tests.api_support import Tenant, create, deliver, drive, make_ready, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -119,9 +120,9 @@ async def test_patch_and_billing_suspension_through_the_real_operations(
     client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, fresh_database: str, api_settings: Settings
 ) -> None:
     """The same race, run by the instance operations: one moves first, the other defers or follows."""
-    from controlplane import queue
-    from controlplane.operations import Operations
-    from controlplane.registry import JobContext
+    from controlplane.handlers.operations import Operations
+    from controlplane.queue import moves as queue
+    from controlplane.queue.registry import JobContext
     from provisioners.noop import NoopProvisioner
 
     made = await create(client, tenant, "orders")

@@ -15,9 +15,10 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.python import asgi
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from controlplane import db, tenants
 from controlplane.api.app import create_app
-from controlplane.settings import Settings
+from controlplane.db import connection as db
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
 from tests.api_support import WEBHOOK_SECRET
 
 # Cases per operation; FUZZ_EXAMPLES=500 widens the search for a deeper run.

@@ -12,12 +12,13 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from controlplane import operations, roles
 from controlplane.api import watch
 from controlplane.api.state import AppState
-from controlplane.db import AsyncConn
-from controlplane.postgres import free_port
-from controlplane.settings import Settings
+from controlplane.cli import process_roles
+from controlplane.db.connection import AsyncConn
+from controlplane.handlers import operations
+from controlplane.runtime.postgres import free_port
+from controlplane.runtime.settings import Settings
 from tests.api_support import Tenant, create, drive
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -118,7 +119,9 @@ async def real_server(
     url = served.database.url_value
     assert url is not None
     stop, listening = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(roles.run_api(served, url, operations.registry(), stop, listening=listening))
+    task = asyncio.create_task(
+        process_roles.run_api(served, url, operations.registry(), stop, listening=listening)
+    )
     await asyncio.wait_for(listening.wait(), 30)
     try:
         async with httpx.AsyncClient(base_url=served.api.url, timeout=10) as client:

@@ -10,10 +10,11 @@ from typing import Any
 
 from psycopg.rows import DictRow
 
-from controlplane import audit, sql
-from controlplane.db import ROOT, AsyncConn
-from controlplane.jobs import NewJob, enqueue
-from controlplane.transitions import Actor, transition
+from controlplane.audit import verify as audit
+from controlplane.db import sql
+from controlplane.db.connection import ROOT, AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.db.transitions import Actor, transition
 from tests.factories import TEST_ACTOR, append_event, make_instance
 
 

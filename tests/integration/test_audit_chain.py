@@ -16,11 +16,13 @@ import pytest
 from cryptography.fernet import Fernet
 
 from alembic import command
-from controlplane import audit, chain, checkpoints, db, export, signing
-from controlplane.db import AsyncConn
-from controlplane.secretbox import SecretBox
-from controlplane.settings import Settings
-from controlplane.transitions import Actor, Conflict, transition
+from controlplane.audit import chain, checkpoints, export, signing_key
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.runtime.secretbox import SecretBox
+from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance, walk
 from tests.integration.test_audit import busy_history, run_cli
@@ -211,7 +213,7 @@ async def test_a_consistent_rewrite_is_found_by_the_signed_checkpoint(
         await owner.execute("ALTER TABLE instances ENABLE TRIGGER instances_guard_chain")
 
     assert (await audit.check(conn)).mismatches == []  # the chain itself is consistent again
-    keys = await signing.public_keys(conn)
+    keys = await signing_key.public_keys(conn)
     signed = await audit.check_checkpoints(conn, keys)
     assert signed.problems == [
         f"checkpoint 1: the head of instance {target} at seq 7 has another hash in the log now:"
@@ -230,12 +232,12 @@ async def test_checkpoints_are_signed_chained_and_checked(
     assert first is not None and second is not None
     assert (first["events"], first["heads"]) == (29, 6)
     assert (second["number"], second["events"], second["prev_hash"]) == (2, 31, first["hash"])
-    keys = await signing.public_keys(conn)
+    keys = await signing_key.public_keys(conn)
     assert (await audit.check_checkpoints(conn, keys)).problems == []
 
     # Another key (one the auditor holds from elsewhere) does not verify them.
     stranger = _other_key()
-    other = {signing.fingerprint(signing.raw_public(stranger)): stranger}
+    other = {signing_key.fingerprint(signing_key.raw_public(stranger)): stranger}
     problems = (await audit.check_checkpoints(conn, other)).problems
     assert problems[:2] == [
         f"checkpoint 1: signed by key {first['key_fingerprint']}, not a trusted key",
@@ -266,7 +268,7 @@ async def test_one_signing_key_even_when_two_processes_start_at_once(
 ) -> None:
     conns = [await db.connect(fresh_database) for _ in range(2)]
     try:
-        keys = await asyncio.gather(*(signing.ensure_key(c, box) for c in conns))
+        keys = await asyncio.gather(*(signing_key.ensure_key(c, box) for c in conns))
     finally:
         for c in conns:
             await c.close()
@@ -310,8 +312,8 @@ async def _export(conn: AsyncConn, box: SecretBox, path: Path, since: int | None
 
 
 async def _public(conn: AsyncConn, box: SecretBox) -> Any:
-    return signing.load_public_pem(
-        signing.public_pem((await signing.ensure_key(conn, box)).public_raw).encode()
+    return signing_key.load_public_pem(
+        signing_key.public_pem((await signing_key.ensure_key(conn, box)).public_raw).encode()
     )
 
 

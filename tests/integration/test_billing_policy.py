@@ -7,14 +7,14 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from controlplane import billing, tenants
-from controlplane.db import AsyncConn
-from controlplane.secretbox import load_box
-from controlplane.services import billing_policy
+from controlplane.core import billing_rules as billing
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.settings import Settings
+from controlplane.services import billing_policy, tenants
 from controlplane.services import notifications as notification_service
 from controlplane.services.billing import apply_stripe_event
 from controlplane.services.policy import Policy
-from controlplane.settings import Settings
 from tests.factories import TEST_ACTOR, make_instance, walk
 
 RECONCILER = TEST_ACTOR

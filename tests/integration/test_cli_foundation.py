@@ -12,9 +12,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from controlplane import db, lifecycle, reference
 from controlplane.cli import main
-from controlplane.settings import Settings
+from controlplane.core import lifecycle, reference
+from controlplane.db import connection as db
+from controlplane.runtime.settings import Settings
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "controlplane"
 

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from controlplane.cli import main
-from controlplane.db import AsyncConn
-from controlplane.jobs import NewJob, enqueue
-from controlplane.queue import claim
-from controlplane.transitions import transition
+from controlplane.db.connection import AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.db.transitions import transition
+from controlplane.queue.moves import claim
 from tests.factories import TEST_ACTOR, make_instance
 
 

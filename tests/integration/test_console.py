@@ -12,12 +12,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane import sessions, tenants
 from controlplane.api.console.session import COOKIE
-from controlplane.db import AsyncConn
-from controlplane.secretbox import SecretBox
-from controlplane.sessions import Seal
-from controlplane.settings import Settings
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.secretbox import SecretBox
+from controlplane.runtime.settings import Settings
+from controlplane.services import sessions, tenants
+from controlplane.services.sessions import Seal
 from tests.api_support import Tenant, create, make_ready, make_tenant
 from tests.console_support import PAGE, sign_in, signed_in, text_of, token_of
 
@@ -197,7 +197,7 @@ async def test_another_organisation_sees_none_of_it(
 
 
 def app_state_settings(app: FastAPI) -> Settings:
-    return app.state.controlplane.settings  # type: ignore[no-any-return]
+    return app.state.controlplane.runtime.settings  # type: ignore[no-any-return]
 
 
 # ---- the forms call the use cases ------------------------------------------------------------------

@@ -7,9 +7,9 @@ import uuid
 import psycopg
 import pytest
 
-from controlplane import db
-from controlplane.consumers import Consumer, ConsumerRunner, LogEvent, lag_of
-from controlplane.db import AsyncConn
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.queue.consumers import Consumer, ConsumerRunner, LogEvent, lag_of
 from tests.factories import make_instance, walk
 
 

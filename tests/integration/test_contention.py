@@ -14,11 +14,13 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from controlplane import audit, db, operations
 from controlplane.api.app import create_app
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
-from controlplane.worker import Worker
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.handlers import operations
+from controlplane.queue.worker import Worker
+from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from tests.api_support import Tenant, create, make_ready, make_tenant, serving
 

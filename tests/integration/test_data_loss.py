@@ -15,12 +15,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane import audit, metrics
 from controlplane.api.app import create_app
-from controlplane.db import AsyncConn
-from controlplane.kinds import HEAL, RESTORE
+from controlplane.audit import verify as audit
+from controlplane.core.kinds import HEAL, RESTORE
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime import metrics
+from controlplane.runtime.settings import Settings
 from controlplane.services import backups
-from controlplane.settings import Settings
 from provisioners.base import DataLost, InstanceSpec
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_ready, make_tenant

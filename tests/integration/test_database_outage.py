@@ -14,9 +14,9 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import psycopg
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from tests.api_support import create, make_ready, make_tenant, serving
 from tests.tcp_proxy import Proxy
 

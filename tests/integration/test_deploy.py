@@ -17,11 +17,11 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-import controlplane.metrics
-from controlplane import db
-from controlplane import settings as settings_module
-from controlplane.db import ROOT
-from controlplane.settings import Settings, env_name
+import controlplane.runtime.metrics
+from controlplane.db import connection as db
+from controlplane.db.connection import ROOT
+from controlplane.runtime import settings as settings_module
+from controlplane.runtime.settings import Settings, env_name
 from provisioners import cnpg_schema
 
 DEPLOY = ROOT / "deploy"
@@ -564,10 +564,10 @@ def alert_rules() -> list[Doc]:
 
 def exported_series() -> dict[str, set[str]]:
     """Each series name the control plane's registry exports, with the labels of its metric."""
-    assert controlplane.metrics.TRANSITIONS is not None  # registered on import
+    assert controlplane.runtime.metrics.TRANSITIONS is not None  # registered on import
     labels_of = {
         getattr(metric, "_name", ""): set(getattr(metric, "_labelnames", ()))
-        for metric in vars(controlplane.metrics).values()
+        for metric in vars(controlplane.runtime.metrics).values()
         if hasattr(metric, "_labelnames")
     }
     suffixes = {
@@ -921,7 +921,7 @@ def test_image_has_no_build_tools_at_runtime() -> None:
 
 
 def test_image_keeps_the_migrations_beside_the_package() -> None:
-    # controlplane/db.py finds alembic.ini and alembic/ in the directory above the package.
+    # controlplane/db/connection.py finds alembic.ini and alembic/ in the directory above the package.
     builder = dockerfile_stages()[0]
     sources = {copy.split()[0] for copy in instructions(builder, "COPY") if not copy.startswith("--")}
     assert {"alembic.ini", "alembic", "controlplane", "reconciler", "provisioners"} <= sources

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane import db, dwell, queue
-from controlplane.jobs import NewJob, enqueue_many
-from controlplane.transitions import Actor, transition
+from controlplane.audit import dwell
+from controlplane.db import connection as db
+from controlplane.db.job_rows import NewJob, enqueue_many
+from controlplane.db.transitions import Actor, transition
+from controlplane.queue import moves as queue
 from tests.factories import TEST_ACTOR, append_event, make_instance
 from tests.queue_kinds import WORKER
 

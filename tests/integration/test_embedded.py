@@ -10,10 +10,10 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from controlplane import db
-from controlplane.embedded import FAST_SETTINGS, OWNER_ROLE, RUNTIME_ROLE, open_embedded
-from controlplane.postgres import find_bindir, port_in_use
-from controlplane.settings import Settings, SettingsError, load
+from controlplane.db import connection as db
+from controlplane.runtime.embedded import FAST_SETTINGS, OWNER_ROLE, RUNTIME_ROLE, open_embedded
+from controlplane.runtime.postgres import find_bindir, port_in_use
+from controlplane.runtime.settings import Settings, SettingsError, load
 
 
 def owner_uid(pid: int) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 
-from controlplane.db import AsyncConn
-from controlplane.kinds import SUSPEND
-from controlplane.settings import Settings
+from controlplane.core.kinds import SUSPEND
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from tests.api_support import Tenant, deliver, sign, stripe_event
 from tests.operations_support import instance_in, ready_instance, registry_for, run_until

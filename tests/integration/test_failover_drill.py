@@ -23,11 +23,21 @@ from typing import Any
 import psycopg
 import pytest
 
-from controlplane import audit, db, jobs, sql
-from controlplane.postgres import PostgresError, PostgresServer, free_port, make_owned_dir, server_user, url
-from controlplane.registry import JobRegistry
-from controlplane.settings import Settings
-from controlplane.worker import Worker
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.queue.registry import JobRegistry
+from controlplane.queue.worker import Worker
+from controlplane.runtime.postgres import (
+    PostgresError,
+    PostgresServer,
+    free_port,
+    make_owned_dir,
+    server_user,
+    url,
+)
+from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from reconciler.leader import LeaderElection
 from reconciler.reconciler import PassSummary, Reconciler

@@ -8,9 +8,11 @@ import time
 
 import httpx
 
-from controlplane import audit, billing, tenants
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.core import billing_rules as billing
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
 from tests.api_support import Tenant, create, deliver, make_ready, sign, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from controlplane import audit, db
-from controlplane.db import AsyncConn
-from controlplane.jobs import NewJob, enqueue
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
-from controlplane.worker import Worker
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.queue.supervisor import Supervisor
+from controlplane.queue.worker import Worker
+from controlplane.runtime.settings import Settings
 from tests.api_support import create, make_ready, make_tenant, serving
 from tests.factories import TEST_ACTOR
 from tests.operations_support import scalar

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane.db import AsyncConn
-from controlplane.kinds import RESUME, SUSPEND
+from controlplane.core.kinds import RESUME, SUSPEND
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from controlplane.services.policy import Policy
-from controlplane.settings import Settings
 from provisioners.kubernetes import KubernetesProvisioner
 from tests.api_support import WEBHOOK_SECRET, Tenant, create
 from tests.kubernetes_fake import FakeCluster
@@ -122,7 +122,7 @@ async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
 ) -> None:
     made = await create(client, tenant, "orders")
     local = api_settings.replace(provisioner="local")
-    app.state.controlplane.settings = local
+    app.state.controlplane.runtime.settings = local
     app.state.controlplane.policy = Policy.from_settings(local)
     response = await client.post(
         "/v1/instances",

@@ -8,12 +8,15 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from controlplane import jobs, metering, operations, sql
-from controlplane.db import AsyncConn
+from controlplane.core import metering
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.handlers import operations
+from controlplane.handlers.usage_reports import event_names
+from controlplane.runtime.settings import Settings
 from controlplane.services import usage
 from controlplane.services.usage import REPORT_USAGE
-from controlplane.settings import Settings
-from controlplane.stripe_usage import event_names
 from provisioners.noop import NoopProvisioner
 from tests.factories import TEST_ACTOR, append_event, make_org
 from tests.operations_support import run_until

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from controlplane.db import AsyncConn
-from controlplane.transitions import transition
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import transition
 from tests.factories import TEST_ACTOR, make_instance
 
 

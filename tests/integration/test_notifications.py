@@ -16,14 +16,17 @@ from typing import Any
 import httpx
 import pytest
 
-from controlplane import db, operations, signatures, tenants
 from controlplane.api.app import create_app
-from controlplane.consumers import ConsumerRunner
-from controlplane.db import ROOT, AsyncConn
-from controlplane.notifications import NOTIFIER, consumer
-from controlplane.secretbox import load_box
+from controlplane.core import webhook_signatures as signatures
+from controlplane.db import connection as db
+from controlplane.db.connection import ROOT, AsyncConn
+from controlplane.handlers import operations
+from controlplane.queue.consumers import ConsumerRunner
+from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.settings import Settings
 from controlplane.services import notifications as service
-from controlplane.settings import Settings
+from controlplane.services import tenants
+from controlplane.services.notices import NOTIFIER, consumer
 from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance, walk
 from tests.notify_support import smtp_server, webhook_receiver

@@ -11,12 +11,14 @@ from typing import TypeVar
 import psycopg
 import pytest
 
-from controlplane import audit, db
-from controlplane.db import AsyncConn
-from controlplane.kinds import DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
-from controlplane.settings import Settings
-from controlplane.transitions import Actor, transition
-from provisioners.faults import FaultyProvisioner, parse_faults
+from controlplane.audit import verify as audit
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import DEPROVISION, HEAL, PROVISION, RESTORE, RESUME, SUSPEND, UPDATE
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor, transition
+from controlplane.runtime.settings import Settings
+from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
 from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance

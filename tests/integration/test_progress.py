@@ -12,15 +12,17 @@ import psycopg
 import pytest
 from fastapi import FastAPI
 
-from controlplane import failures, steps
 from controlplane.api import watch
 from controlplane.api.state import AppState
-from controlplane.db import AsyncConn
-from controlplane.kinds import PROVISION, STEP_LABELS
-from controlplane.registry import JobContext
+from controlplane.core import failures
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import PROVISION, STEP_LABELS
+from controlplane.db.connection import AsyncConn
+from controlplane.queue import steps
+from controlplane.queue.registry import JobContext
+from controlplane.runtime.settings import Settings
 from controlplane.services import instances
-from controlplane.settings import Settings
-from provisioners.faults import FaultyProvisioner, parse_faults
+from provisioners.faults import FaultyProvisioner
 from provisioners.noop import NoopProvisioner
 from tests.api_support import Tenant, create, drive
 from tests.integration.test_api_watch import parse_sse

@@ -12,8 +12,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from controlplane.errors import StaleFence, TemporaryError
-from controlplane.postgres import port_in_use
+from controlplane.core.step_errors import StaleFence, TemporaryError
+from controlplane.runtime.postgres import port_in_use
 from provisioners.base import ConnectionInfo, DataLost, InstanceSpec
 from provisioners.local import LocalProvisioner, owner_role
 from tests.provisioning_support import connect, real_instances

@@ -8,10 +8,13 @@ import uuid
 import psycopg
 import pytest
 
-from controlplane import audit, db, lifecycle, queue
-from controlplane.jobs import NewJob, enqueue, enqueue_many, get_job
-from controlplane.retry import Decision
-from controlplane.transitions import Actor, Conflict, transition
+from controlplane.audit import verify as audit
+from controlplane.core import lifecycle
+from controlplane.core.retry import Decision
+from controlplane.db import connection as db
+from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
+from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.queue import moves as queue
 from tests.factories import TEST_ACTOR, make_instance
 from tests.queue_kinds import WORKER, events_of
 

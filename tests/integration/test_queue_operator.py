@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 
-from controlplane import audit, db, exit_codes, queue
+from controlplane.audit import verify as audit
 from controlplane.cli import main as cli_main
-from controlplane.jobs import NewJob, enqueue, get_job
-from controlplane.lifecycle import IllegalTransition
-from controlplane.registry import JobKind, JobRegistry
-from controlplane.retry import Decision
-from controlplane.transitions import Actor
+from controlplane.core import exit_codes
+from controlplane.core.lifecycle import IllegalTransition
+from controlplane.core.retry import Decision
+from controlplane.db import connection as db
+from controlplane.db.job_rows import NewJob, enqueue, get_job
+from controlplane.db.transitions import Actor
+from controlplane.queue import moves as queue
+from controlplane.queue.registry import JobKind, JobRegistry
 from tests.factories import TEST_ACTOR
 from tests.queue_kinds import WORKER, build_registry, running_job
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from controlplane.api.app import create_app
-from controlplane.settings import Settings
+from controlplane.runtime.settings import Settings
 from tests.api_support import Tenant, deliver, sign, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)

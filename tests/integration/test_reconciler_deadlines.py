@@ -12,14 +12,15 @@ from datetime import timedelta
 from prometheus_client import REGISTRY
 from psycopg.rows import DictRow
 
-from controlplane import audit, queue
-from controlplane.db import AsyncConn
-from controlplane.instances import create_instance
-from controlplane.jobs import NewJob, enqueue
-from controlplane.kinds import DEPROVISION, PROVISION, UPDATE
-from controlplane.retry import Decision
-from controlplane.settings import Settings
-from controlplane.transitions import heartbeat
+from controlplane.audit import verify as audit
+from controlplane.core.kinds import DEPROVISION, PROVISION, UPDATE
+from controlplane.core.retry import Decision
+from controlplane.db.connection import AsyncConn
+from controlplane.db.instance_rows import create_instance
+from controlplane.db.job_rows import NewJob, enqueue
+from controlplane.db.transitions import heartbeat
+from controlplane.queue import moves as queue
+from controlplane.runtime.settings import Settings
 from provisioners.base import DeprovisionResult, InstanceSpec
 from provisioners.noop import NoopProvisioner
 from reconciler.reconciler import LIVE_INSTANCE_STATES

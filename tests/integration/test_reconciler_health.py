@@ -8,10 +8,10 @@ import shutil
 import signal
 import uuid
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.kinds import HEAL, RESUME, UPDATE
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.core.kinds import HEAL, RESUME, UPDATE
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner
 from tests.operations_support import (

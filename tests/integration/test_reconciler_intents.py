@@ -13,12 +13,13 @@ from typing import TypeVar
 
 from psycopg.rows import DictRow
 
-from controlplane import audit, db
-from controlplane.db import AsyncConn
-from controlplane.errors import PermanentError
-from controlplane.kinds import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
-from controlplane.registry import JobRegistry
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.core.kinds import DEPROVISION, HEAL, PROVISION, RESUME, SUSPEND, UPDATE
+from controlplane.core.step_errors import PermanentError
+from controlplane.db import connection as db
+from controlplane.db.connection import AsyncConn
+from controlplane.queue.registry import JobRegistry
+from controlplane.runtime.settings import Settings
 from provisioners.base import InstanceSpec, Observation
 from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from controlplane.db import AsyncConn
-from controlplane.kinds import DEPROVISION
-from controlplane.settings import Settings
+from controlplane.core.kinds import DEPROVISION
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from provisioners.base import InstanceSpec, Resource
 from provisioners.local import LocalProvisioner
 from reconciler.leader import LeaderElection

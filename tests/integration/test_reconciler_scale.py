@@ -6,10 +6,10 @@ import time
 import uuid
 from datetime import timedelta
 
-from controlplane import sql
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
-from controlplane.transitions import Move, transition_many
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Move, transition_many
+from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from tests.factories import GONE_WORKER, make_org
 from tests.operations_support import scalar

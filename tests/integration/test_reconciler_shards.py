@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.db import AsyncConn
+from controlplane.db.connection import AsyncConn
 from tests.factories import make_instance, make_org, walk
 from tests.reconciler_support import ROOT, to_ready
 

@@ -13,14 +13,18 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane import audit, failures, operations, tenants
 from controlplane.api.app import create_app
-from controlplane.db import AsyncConn
-from controlplane.kinds import DEPROVISION, OPERATION_STEPS, PROVISION
-from controlplane.postgres import port_in_use
-from controlplane.registry import JobKind, JobRegistry
-from controlplane.settings import Settings
-from provisioners.faults import FaultyProvisioner, parse_faults
+from controlplane.audit import verify as audit
+from controlplane.core import failures
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import DEPROVISION, OPERATION_STEPS, PROVISION
+from controlplane.db.connection import AsyncConn
+from controlplane.handlers import operations
+from controlplane.queue.registry import JobKind, JobRegistry
+from controlplane.runtime.postgres import port_in_use
+from controlplane.runtime.settings import Settings
+from controlplane.services import tenants
+from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner, owner_role
 from tests.api_support import Tenant, make_tenant
 from tests.operations_support import instance, instance_in, job_finished, registry_for, run_until, scalar

@@ -11,10 +11,12 @@ import pytest
 from alembic.config import Config
 
 from alembic import command
-from controlplane import db, lifecycle, sql
-from controlplane.db import AsyncConn
-from controlplane.jobs import NewJob, enqueue, enqueue_many
-from controlplane.transitions import Actor, Move, transition, transition_many
+from controlplane.core import lifecycle
+from controlplane.db import connection as db
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue, enqueue_many
+from controlplane.db.transitions import Actor, Move, transition, transition_many
 from tests.factories import TEST_ACTOR, make_instance, make_org
 
 TABLES = {

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane import audit, billing, kinds
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import (
+from controlplane.audit import verify as audit
+from controlplane.core import billing_rules as billing
+from controlplane.core import kinds
+from controlplane.core.refusals import (
     DeletionProtected,
     InvalidState,
     NameTaken,
     NotFound,
     PreconditionFailed,
 )
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
 from controlplane.services import instances
 from controlplane.services.billing import apply_stripe_event
 from controlplane.services.policy import Policy
-from controlplane.transitions import Actor
 from tests.factories import make_org, walk
 
 CUSTOMER = Actor("customer", "key-1")

@@ -6,11 +6,13 @@ import asyncio
 import time
 from datetime import timedelta
 
-from controlplane import db, queue, sql
-from controlplane.jobs import NewJob, enqueue_many
-from controlplane.retry import Decision
-from controlplane.settings import Settings
-from controlplane.transitions import Actor
+from controlplane.core.retry import Decision
+from controlplane.db import connection as db
+from controlplane.db import sql
+from controlplane.db.job_rows import NewJob, enqueue_many
+from controlplane.db.transitions import Actor
+from controlplane.queue import moves as queue
+from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.queue_kinds import db_now, running_job, states
 

@@ -7,13 +7,15 @@ from typing import Any
 
 import pytest
 
-from controlplane import audit, db, queue
-from controlplane.jobs import NewJob, enqueue, get_job
-from controlplane.registry import JobKind, JobRegistry
-from controlplane.retry import RetryPolicy
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
-from controlplane.transitions import Actor
+from controlplane.audit import verify as audit
+from controlplane.core.retry import RetryPolicy
+from controlplane.db import connection as db
+from controlplane.db.job_rows import NewJob, enqueue, get_job
+from controlplane.db.transitions import Actor
+from controlplane.queue import moves as queue
+from controlplane.queue.registry import JobKind, JobRegistry
+from controlplane.queue.supervisor import Supervisor
+from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.queue_kinds import WORKER, build_registry, db_now, events_of, running_job
 
@@ -52,7 +54,7 @@ async def test_stale_claimed_and_running_jobs_are_reclaimed(conn: db.AsyncConn, 
         assert (await events_of(conn, job_id))[-1] == ("reclaim", "supervisor", "sup-1")
     assert (await sup.run_once(later)).reclaimed == []
     # The old holder's heartbeat now finds nothing it holds.
-    from controlplane.transitions import heartbeat
+    from controlplane.db.transitions import heartbeat
 
     assert await heartbeat(conn, WORKER, {running["id"]: running["fence"]}) == set()
     assert await audit.verify(conn) == []

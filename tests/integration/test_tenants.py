@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from controlplane import tenants
-from controlplane.db import AsyncConn
+from controlplane.db.connection import AsyncConn
+from controlplane.services import tenants
 
 
 def test_keys_have_a_prefix_and_256_random_bits() -> None:

@@ -16,8 +16,8 @@ import pytest
 from cryptography import x509
 
 from controlplane.api.app import create_app
-from controlplane.settings import Settings
-from controlplane.tls import CertificateAuthority, needs_new_certificate
+from controlplane.runtime.settings import Settings
+from controlplane.runtime.tls import CertificateAuthority, needs_new_certificate
 from provisioners.base import InstanceSpec
 from provisioners.local import SERVER_CERT, LocalProvisioner
 from tests.provisioning_support import real_instances

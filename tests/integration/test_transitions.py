@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 from psycopg.rows import DictRow
 
-from controlplane import audit, db, sql
-from controlplane.db import AsyncConn
-from controlplane.jobs import NewJob, enqueue, get_job
-from controlplane.lifecycle import IllegalTransition
-from controlplane.transitions import (
+from controlplane.audit import verify as audit
+from controlplane.core.lifecycle import IllegalTransition
+from controlplane.db import connection as db
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.job_rows import NewJob, enqueue, get_job
+from controlplane.db.transitions import (
     Actor,
     Conflict,
     InvariantViolation,
@@ -153,7 +155,7 @@ async def test_same_version_other_state_is_an_invariant_violation(
     before_events = await events_of(conn, "instance", inst["id"])
 
     with (
-        caplog.at_level(logging.CRITICAL, logger="controlplane.transitions"),
+        caplog.at_level(logging.CRITICAL, logger="controlplane.db.transitions"),
         pytest.raises(InvariantViolation) as caught,
     ):
         await transition(

@@ -10,11 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from controlplane import audit, failures, lifecycle
-from controlplane.db import AsyncConn
-from controlplane.kinds import SUSPEND
-from controlplane.settings import Settings
-from provisioners.faults import FaultyProvisioner, parse_faults
+from controlplane.audit import verify as audit
+from controlplane.core import failures, lifecycle
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import SUSPEND
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
+from provisioners.faults import FaultyProvisioner
 from provisioners.noop import NoopProvisioner
 from tests.api_support import Tenant, create
 from tests.operations_support import enqueue, instance_in, registry_for, run_until, scalar

@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 
-from controlplane import metering, tenants
-from controlplane.db import AsyncConn
-from controlplane.services import usage
+from controlplane.core import metering
+from controlplane.db.connection import AsyncConn
+from controlplane.services import tenants, usage
 from tests.factories import append_event
 
 pytest_plugins = ("tests.api_fixtures",)

@@ -6,9 +6,9 @@ import time
 
 import httpx
 
-from controlplane import audit
-from controlplane.db import AsyncConn
-from controlplane.settings import Settings
+from controlplane.audit import verify as audit
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from tests.api_support import Tenant, create, deliver, drive, make_ready, serving, sign, stripe_event
 
 pytest_plugins = ("tests.api_fixtures",)

@@ -11,14 +11,17 @@ from typing import Any
 
 import pytest
 
-from controlplane import audit, db, queue, transitions
-from controlplane.fencing import FileFences
-from controlplane.jobs import NewJob, enqueue, enqueue_many, get_job
-from controlplane.registry import JobRegistry
-from controlplane.settings import Settings
-from controlplane.supervisor import Supervisor
-from controlplane.transitions import Conflict
-from controlplane.worker import Worker
+from controlplane.audit import verify as audit
+from controlplane.db import connection as db
+from controlplane.db import transitions
+from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
+from controlplane.db.transitions import Conflict
+from controlplane.queue import moves as queue
+from controlplane.queue.registry import JobRegistry
+from controlplane.queue.supervisor import Supervisor
+from controlplane.queue.worker import Worker
+from controlplane.runtime.fencing import FileFences
+from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.queue_kinds import Gates, build_registry, count_in, db_now, events_of, gate_registry, until
 

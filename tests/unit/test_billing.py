@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane import billing
-from controlplane.billing import Action
+from controlplane.core import billing_rules as billing
+from controlplane.core.billing_rules import Action
 
 
 @pytest.mark.parametrize("status", ["unpaid", "canceled", "incomplete_expired", "paused"])

@@ -11,10 +11,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controlplane import plans
 from controlplane.cli import build_parser, common, main
 from controlplane.cli.customer import parse_duration
 from controlplane.cli.shell import complete
+from controlplane.core import plans
 
 
 def leaves(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from types import ModuleType
 
-from controlplane.db import ROOT
+from controlplane.db.connection import ROOT
 
 
 def _dev() -> ModuleType:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from controlplane.api.errors import KINDS
+from controlplane.api.problems import KINDS
 from controlplane.cli import build_parser
-from controlplane.db import ROOT
-from controlplane.reference import reason_table
-from controlplane.settings import SETTINGS, reference_table
+from controlplane.core.reference import reason_table
+from controlplane.db.connection import ROOT
+from controlplane.runtime.settings import SETTINGS, reference_table
 
 DOCS = ROOT / "docs"
 
@@ -22,7 +22,7 @@ def test_every_setting_is_in_the_configuration_reference() -> None:
 
 def test_the_configuration_reference_is_the_table_the_settings_generate() -> None:
     text = (DOCS / "configuration.md").read_text()
-    assert reference_table() in text, "regenerate it: python -m controlplane.settings"
+    assert reference_table() in text, "regenerate it: python -m controlplane.runtime.settings"
 
 
 def test_every_setting_has_its_flag_on_some_command() -> None:
@@ -43,7 +43,7 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_the_failure_reasons_in_the_api_reference_are_the_table_the_code_has() -> None:
     text = (DOCS / "api.md").read_text()
-    assert reason_table() in text, "regenerate it: python -m controlplane.reference"
+    assert reason_table() in text, "regenerate it: python -m controlplane.core.reference"
 
 
 def test_every_problem_type_is_in_the_api_reference() -> None:

@@ -3,10 +3,10 @@ direct paths' domain errors get the codes of their problem types; docs/api.md li
 
 from __future__ import annotations
 
-from controlplane import exit_codes
-from controlplane.api.errors import DOMAIN_KINDS, KINDS
-from controlplane.db import ROOT
-from controlplane.domain_errors import DomainError
+from controlplane.api.problems import DOMAIN_KINDS, KINDS
+from controlplane.core import exit_codes
+from controlplane.core.refusals import DomainError
+from controlplane.db.connection import ROOT
 
 
 def test_every_problem_type_has_an_exit_code() -> None:

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import PermanentError, TemporaryError
-from controlplane.settings import Settings, load
+from controlplane.core.faultspec import Fault, FaultSpecError, parse_faults
+from controlplane.core.step_errors import PermanentError, TemporaryError
+from controlplane.runtime.settings import Settings, load
 from provisioners import build
 from provisioners.base import JOB_ATTEMPT, InstanceSpec
-from provisioners.faults import Fault, FaultSpecError, FaultyProvisioner, parse_faults
+from provisioners.faults import FaultyProvisioner
 from provisioners.local import LocalProvisioner
 from provisioners.noop import NoopProvisioner
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import StaleFence
-from controlplane.fencing import FileFences, admit
+from controlplane.core.step_errors import StaleFence
+from controlplane.runtime.fencing import FileFences, admit
 
 
 def test_admit_keeps_the_highest_and_refuses_lower() -> None:

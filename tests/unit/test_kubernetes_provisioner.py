@@ -13,8 +13,8 @@ import kubernetes
 import kubernetes_validate
 import pytest
 
-from controlplane import plans
-from controlplane.errors import PermanentError, StaleFence, TemporaryError
+from controlplane.core import plans
+from controlplane.core.step_errors import PermanentError, StaleFence, TemporaryError
 from provisioners import cnpg, cnpg_schema
 from provisioners.base import InstanceSpec, RestoreSource
 from provisioners.kubernetes import KubernetesApi, KubernetesProvisioner
@@ -411,7 +411,7 @@ def test_the_fake_counts_only_what_it_serves(tmp_path: Any) -> None:
     ],
 )
 def test_bad_kubernetes_settings_are_refused_in_one_line(environ: dict[str, str], error: str) -> None:
-    from controlplane import settings
+    from controlplane.runtime import settings
 
     with pytest.raises(settings.SettingsError, match=error):
         settings.load(environ)

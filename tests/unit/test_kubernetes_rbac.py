@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from controlplane.errors import PermanentError
+from controlplane.core.step_errors import PermanentError
 from provisioners.base import InstanceSpec
 from tests.kubernetes_support import provisioner_on_fake, role_from, run_lifecycle
 

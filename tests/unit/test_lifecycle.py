@@ -10,11 +10,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from controlplane import lifecycle
-from controlplane.lifecycle import INSTANCE, JOB, IllegalTransition, Lifecycle
+from controlplane.core import lifecycle
+from controlplane.core.lifecycle import INSTANCE, JOB, IllegalTransition, Lifecycle
 
 # The tables of DESIGN.md section 3, written out by hand per state: event -> target.
-# Deliberately a different shape from controlplane.lifecycle so that a slip in one shows up.
+# Deliberately a different shape from controlplane.core.lifecycle so that a slip in one shows up.
 INSTANCE_MODEL: dict[str, dict[str, str]] = {
     "pending": {"start_provisioning": "provisioning", "fail": "failed"},
     "provisioning": {"provisioned": "ready", "fail": "failed"},

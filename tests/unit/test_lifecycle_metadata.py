@@ -10,14 +10,15 @@ from typing import get_args
 
 import pytest
 
-from controlplane import failures, lifecycle, progress, reference
-from controlplane.errors import PermanentError
-from controlplane.kinds import DEPROVISION, OPERATION_STEPS, PROVISION, STEP_LABELS, UPDATE
-from controlplane.lifecycle import INSTANCE, JOB, EdgeInfo, Lifecycle, StateInfo
-from controlplane.records import Instance, StepRecord
-from controlplane.settings import Settings
+from controlplane.core import failures, lifecycle, progress, reference
+from controlplane.core.faultspec import parse_faults
+from controlplane.core.kinds import DEPROVISION, OPERATION_STEPS, PROVISION, STEP_LABELS, UPDATE
+from controlplane.core.lifecycle import INSTANCE, JOB, EdgeInfo, Lifecycle, StateInfo
+from controlplane.core.records import Instance, StepRecord
+from controlplane.core.step_errors import PermanentError
+from controlplane.runtime.settings import Settings
 from provisioners.base import STEPS, InstanceSpec
-from provisioners.faults import FaultyProvisioner, parse_faults
+from provisioners.faults import FaultyProvisioner
 from provisioners.noop import NoopProvisioner
 
 T0 = datetime(2026, 5, 1, 10, 0, tzinfo=UTC)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from controlplane import metering
-from controlplane.metering import UsageEvent
+from controlplane.core import metering
+from controlplane.core.metering import UsageEvent
 
 ORG = uuid.uuid4()
 T0 = datetime(2026, 5, 4, 0, 0, tzinfo=UTC)  # a Monday

@@ -14,7 +14,7 @@ from openapi_spec_validator import validate
 
 from controlplane.api.app import create_app
 from controlplane.api.openapi import COMMON_HEADERS, HEADERS
-from controlplane.settings import Settings
+from controlplane.runtime.settings import Settings
 
 CAMEL = re.compile(r"[a-z]+(?:[A-Z][a-z0-9]*)*")
 PROBLEM_REF = "#/components/schemas/Problem"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from controlplane.postgres import PostgresServer, postmaster_pid
+from controlplane.runtime.postgres import PostgresServer, postmaster_pid
 
 
 @contextmanager

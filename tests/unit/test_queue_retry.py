@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.retry import RetryPolicy
+from controlplane.core.retry import RetryPolicy
 
 
 def policy(rand: float = 0.5) -> RetryPolicy:

@@ -9,11 +9,12 @@ import uuid
 import pytest
 
 import provisioners
-from controlplane import kinds, lifecycle, sql
-from controlplane.errors import PermanentError
-from controlplane.records import KEEP, Instance, InstancePatch, Job, JobPatch
+from controlplane.core import kinds, lifecycle
+from controlplane.core.records import KEEP, Instance, InstancePatch, Job, JobPatch
+from controlplane.core.step_errors import PermanentError
+from controlplane.db import sql
+from controlplane.runtime.settings import Settings
 from controlplane.services.policy import Policy
-from controlplane.settings import Settings
 
 KINDS = ("local", "kubernetes", "noop")
 

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controlplane import signatures
-from controlplane.consumers import LogEvent
-from controlplane.notifications import DEADLINE_CODES, address_allowed, notice_types
+from controlplane.core import webhook_signatures as signatures
+from controlplane.queue.consumers import LogEvent
+from controlplane.services.notices import DEADLINE_CODES, address_allowed, notice_types
 
 SECRET = "whsec_test"
 BODY = b'{"id":"evt_1","type":"instance.ready"}'

@@ -10,7 +10,7 @@ from fastapi.staticfiles import StaticFiles
 from controlplane.api.console import pages
 from controlplane.api.console.session import CsrfRefused, SignInRequired, clear_session_cookie
 from controlplane.api.console.web import HERE, STATIC_URL, FormRefused, redirect, render
-from controlplane.api.errors import problem_response
+from controlplane.api.problems import problem_response
 
 
 def install(app: FastAPI) -> None:

@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from controlplane import lifecycle, plans, sessions, tenants
-from controlplane.api import errors, idempotency, routes_instances, routes_orgs, views
+from controlplane.api import idempotency, views
+from controlplane.api import problems as errors
 from controlplane.api.console import present
 from controlplane.api.console.session import (
     CSRF_FIELD,
@@ -28,14 +28,17 @@ from controlplane.api.console.session import (
     set_session_cookie,
 )
 from controlplane.api.console.web import read_form, redirect, render
-from controlplane.api.errors import ProblemError
 from controlplane.api.models import InstanceCreate, InstanceUpdate, KeyCreate
+from controlplane.api.problems import ProblemError
+from controlplane.api.routes import instances as routes_instances
+from controlplane.api.routes import orgs as routes_orgs
 from controlplane.api.state import AppState, app_state
-from controlplane.db import AsyncConn
-from controlplane.domain_errors import DomainError, LimitReached, NotFound
-from controlplane.records import Instance as InstanceRecord
-from controlplane.services import billing_policy, instances
-from controlplane.settings import BillingSettings
+from controlplane.core import lifecycle, plans
+from controlplane.core.records import Instance as InstanceRecord
+from controlplane.core.refusals import DomainError, LimitReached, NotFound
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import BillingSettings
+from controlplane.services import billing_policy, instances, sessions, tenants
 
 router = APIRouter(include_in_schema=False)
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from controlplane import lifecycle
+from controlplane.core import lifecycle
 
 # The file name the console offers the CA certificate under, and that its commands name.
 CA_FILE = "controlplane-ca.pem"

@@ -11,12 +11,12 @@ from urllib.parse import urlsplit
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
-from controlplane import sessions
 from controlplane.api.auth import Customer
 from controlplane.api.console.web import is_https, read_form
-from controlplane.api.errors import request_id
+from controlplane.api.problems import request_id
 from controlplane.api.state import AppState, app_state
-from controlplane.sessions import Seal, Session
+from controlplane.services import sessions
+from controlplane.services.sessions import Seal, Session
 
 COOKIE = "cp_session"
 # Before a session exists: the sign-in form's nonce (its token is bound to it).

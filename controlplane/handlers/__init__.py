@@ -1,0 +1,3 @@
+"""What the worker runs: the instance operations, abandonment hooks, usage reports and
+notification delivery.
+"""

@@ -1,0 +1,558 @@
+"""The instance operations as job handlers: each drives the instance lifecycle through the transition path."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import PurePath
+from typing import Any, TypeVar
+
+from controlplane.core import actions, kinds, lifecycle
+from controlplane.core.failures import DATA_LOST
+from controlplane.core.kinds import (
+    BACKUP,
+    DEPROVISION,
+    HEAL,
+    INSTANCE_JOB_KINDS,
+    PROVISION,
+    RESTORE,
+    RESUME,
+    SUSPEND,
+    UPDATE,
+)
+from controlplane.core.records import Instance, InstancePatch
+from controlplane.core.refusals import NotFound
+from controlplane.core.step_errors import PermanentError, StaleFence, TemporaryError
+from controlplane.db import sql
+from controlplane.db.instance_rows import transition_instance
+from controlplane.db.transitions import Conflict
+from controlplane.handlers import abandonment, delivery, usage_reports
+from controlplane.queue import steps
+from controlplane.queue.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
+from controlplane.runtime.secretbox import SecretBox, load_box
+from controlplane.services import backups
+from provisioners.base import (
+    JOB_ATTEMPT,
+    PROVISIONING_STEPS,
+    ConnectionInfo,
+    InstanceSpec,
+    Provisioner,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# How often a handler re-reads and decides again when other actors keep moving the instance.
+MAX_DECISIONS = 8
+NOTHING_TO_DO: Verdict = {"result": "nothing to do"}
+
+
+class Moved(Exception):
+    """The instance changed under the handler (a progress write matched nothing): decide again."""
+
+
+def _deferred(inst: Instance) -> Verdict:
+    """Not now: the intent stays recorded on the instance and the reconciler re-enqueues later."""
+    return {"result": "deferred", "state": inst.state}
+
+
+def _not_now(inst: Instance) -> Verdict:
+    """Nothing to do for an instance that is gone or going, else deferred."""
+    return NOTHING_TO_DO if inst.state in lifecycle.GONE_OR_GOING else _deferred(inst)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a heal or a restore brings an instance back to: the declared spec, or the one it last
+    ran when the declared generation was given up (rolled back)."""
+
+    declared: Mapping[str, Any]
+    spec: InstanceSpec
+    rolled_back: bool
+
+
+async def _named(step: str, work: Callable[[], Awaitable[T]]) -> T:
+    """Run one provisioner call; its errors name the step (and keep their code)."""
+    try:
+        return await work()
+    except PermanentError as exc:
+        raise PermanentError(f"{step}: {exc}", code=exc.code) from exc
+    except TemporaryError as exc:
+        raise TemporaryError(f"{step}: {exc}", exc.delay_s, code=exc.code) from exc
+
+
+@dataclass
+class Operations:
+    """The instance operations over one provisioner (their abandonment hooks need none:
+    `controlplane.handlers.abandonment`)."""
+
+    provisioner: Provisioner
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    async def _load(self, ctx: JobContext) -> Instance:
+        async with ctx.pool.connection() as conn:
+            cursor = await conn.execute(sql.INSTANCE_WITH_HOLD, {"id": ctx.instance_id})
+            row = await cursor.fetchone()
+        if row is None:
+            raise PermanentError(f"instance {ctx.instance_id} does not exist")
+        return Instance.from_row(row)
+
+    async def _move(
+        self,
+        ctx: JobContext,
+        inst: Instance,
+        event: str,
+        *,
+        reason: str | None = None,
+        detail: Mapping[str, Any] | None = None,
+        patch: InstancePatch | None = None,
+    ) -> Instance:
+        # The job is named in every move it makes: the audit log finds what its enqueuer caused.
+        detail = {**(detail or {}), "job_id": str(ctx.job["id"])}
+        async with ctx.pool.connection() as conn:
+            return await transition_instance(
+                conn, inst, event, ctx.actor, reason=reason, detail=detail, patch=patch
+            )
+
+    async def _progress(self, ctx: JobContext, inst: Instance, text: str | None) -> None:
+        """Show what runs now on the instance (progress is outside the guarded columns)."""
+        async with ctx.pool.connection() as conn:
+            cursor = await conn.execute(
+                sql.SET_PROGRESS,
+                {"progress": text, "id": inst.id, "state": inst.state, "state_version": inst.state_version},
+            )
+        if cursor.rowcount == 0:
+            raise Moved(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
+
+    async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run one provisioner step, recorded as it starts and as it finishes or fails (and shown on
+        the instance while it runs); its errors name the step."""
+        async with ctx.pool.connection() as conn:
+            try:
+                await steps.started(conn, ctx, inst, step)
+            except steps.InstanceMoved as exc:
+                raise Moved(str(exc)) from None
+        try:
+            result = await _named(step, work)
+        except (asyncio.CancelledError, StaleFence):
+            raise  # the job is no longer this worker's: nothing of it is recorded any more
+        except Exception as exc:
+            await self._record_failure(ctx, inst, step, exc)
+            raise
+        async with ctx.pool.connection() as conn:
+            if not await steps.ended(conn, ctx, inst.id, step):
+                raise steps.NotHeld(ctx.job_id, ctx.fence)
+        return result
+
+    @staticmethod
+    async def _record_failure(ctx: JobContext, inst: Instance, step: str, error: Exception) -> None:
+        """The step's failure on record; if even that fails, the step's own error still goes on."""
+        try:
+            async with ctx.pool.connection() as conn:
+                await steps.ended(conn, ctx, inst.id, step, error)
+        except Exception as exc:  # the job's error is what the worker must report
+            log.warning("job %s: the failure of step %s was not recorded: %s", ctx.job_id, step, exc)
+
+    async def _drive(
+        self, ctx: JobContext, decide: Callable[[JobContext, Instance], Awaitable[Verdict]]
+    ) -> Verdict:
+        """Decide from where the instance is; when someone else moved it, re-read and decide again."""
+        token = JOB_ATTEMPT.set(ctx.attempt)
+        try:
+            for _ in range(MAX_DECISIONS):
+                inst = await self._load(ctx)
+                try:
+                    return await decide(ctx, inst)
+                except (Conflict, Moved) as exc:
+                    log.info("job %s: %s; deciding again", ctx.job_id, exc)
+            raise TemporaryError(f"instance {ctx.instance_id} kept moving under the job")
+        finally:
+            JOB_ATTEMPT.reset(token)
+
+    @staticmethod
+    def _spec(inst: Instance) -> InstanceSpec:
+        return InstanceSpec.from_row(inst.spec, int(inst.spec_generation), org_id=inst.org_id)
+
+    @staticmethod
+    def _box(ctx: JobContext) -> SecretBox:
+        box = ctx.services.get("secretbox")
+        return box if isinstance(box, SecretBox) else load_box(ctx.settings)
+
+    def _credentials_patch(
+        self, ctx: JobContext, inst: Instance, info: ConnectionInfo, patch: InstancePatch
+    ) -> InstancePatch:
+        """`patch` with connection (never the password) and secret, when they differ from what is recorded."""
+        if inst.connection != info.public():
+            patch = replace(patch, connection=info.public())
+        if self._password(ctx, inst) != info.password:
+            patch = replace(patch, secret=base64.b64encode(self._box(ctx).encrypt(info.password)).decode())
+        return patch
+
+    def _password(self, ctx: JobContext, inst: Instance) -> str | None:
+        if inst.secret is None:
+            return None
+        try:
+            return self._box(ctx).decrypt(bytes(inst.secret))
+        except ValueError:
+            log.warning("instance %s: recorded credential cannot be decrypted; issuing a new one", inst.id)
+            return None
+
+    # ---- provision --------------------------------------------------------------------------
+
+    async def provision(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._provision)
+
+    async def _provision(self, ctx: JobContext, inst: Instance) -> Verdict:
+        if inst.state == "pending":
+            inst = await self._move(
+                ctx,
+                inst,
+                "start_provisioning",
+                patch=InstancePatch(
+                    PROVISIONING_STEPS[0], ctx.settings.reconciler.deadline_s("provisioning")
+                ),
+            )
+        if inst.state != "provisioning":
+            return NOTHING_TO_DO
+        spec = self._spec(inst)
+        iid, fence, p = inst.id, ctx.fence, self.provisioner
+        p.refuse_unsupported_restore(spec)
+        await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, spec, fence))
+        await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
+        info = await self._step(
+            ctx, inst, "initialize_database", lambda: p.initialize_database(iid, spec, fence)
+        )
+        await self._move(
+            ctx,
+            inst,
+            "provisioned",
+            reason="provisioned",
+            detail={"endpoint": f"{info.host}:{info.port}", "plan": spec.plan},
+            patch=self._credentials_patch(
+                ctx, inst, info, InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec)
+            ),
+        )
+        return {"result": "ready", "endpoint": f"{info.host}:{info.port}"}
+
+    # ---- update -----------------------------------------------------------------------------
+
+    async def update(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._update)
+
+    async def _update(self, ctx: JobContext, inst: Instance) -> Verdict:
+        if inst.state == "ready":
+            if inst.observed_generation >= inst.spec_generation:
+                return NOTHING_TO_DO
+            inst = await self._move(
+                ctx,
+                inst,
+                "update",
+                patch=InstancePatch("apply_plan", ctx.settings.reconciler.deadline_s("updating")),
+            )
+        if inst.state != "updating":
+            return _not_now(inst)
+        spec = self._spec(inst)
+        changed = await self._step(
+            ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst.id, spec, ctx.fence)
+        )
+        await self._move(
+            ctx,
+            inst,
+            "updated",
+            reason=f"plan {spec.plan} applied",
+            detail={"plan": spec.plan, "generation": spec.generation, "restarted_or_changed": changed},
+            patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
+        )
+        return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
+
+    # ---- suspend and resume -----------------------------------------------------------------
+
+    async def suspend(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._suspend)
+
+    async def _suspend(self, ctx: JobContext, inst: Instance) -> Verdict:
+        """Read-only first, then ready -> suspended: the record never claims more than is true."""
+        payload = ctx.typed_payload(kinds.SuspendPayload)
+        by_billing = inst.suspended_by_billing if payload.billing is None else payload.billing
+        spec = self._spec(inst)
+        if inst.state == "suspended":
+            changed = await self.provisioner.suspend(inst.id, spec, ctx.fence)
+            return {"result": "suspended (repaired)"} if changed else NOTHING_TO_DO
+        if inst.state != "ready":
+            return _not_now(inst)
+        if by_billing and not inst.billing_hold:
+            return {"result": "nothing to do", "why": "the billing hold was released before it ran"}
+        await self._step(ctx, inst, "suspend", lambda: self.provisioner.suspend(inst.id, spec, ctx.fence))
+        await self._move(
+            ctx,
+            inst,
+            "suspend",
+            reason=payload.reason or ("billing hold" if by_billing else "suspended"),
+            patch=InstancePatch(suspended_by_billing=by_billing),
+        )
+        return {"result": "suspended"}
+
+    async def resume(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._resume)
+
+    async def _resume(self, ctx: JobContext, inst: Instance) -> Verdict:
+        """suspended -> ready first, then writes back on: a failure from ready can land in degraded."""
+        spec = self._spec(inst)
+        if inst.state == "suspended":
+            inst = await self._move(
+                ctx,
+                inst,
+                "resume",
+                reason=ctx.typed_payload(kinds.ResumePayload).reason or "resumed",
+                patch=InstancePatch("resume", suspended_by_billing=False),
+            )
+        elif inst.state != "ready":
+            return _not_now(inst)
+        changed = await self._step(
+            ctx, inst, "resume", lambda: self.provisioner.resume(inst.id, spec, ctx.fence)
+        )
+        await self._progress(ctx, inst, None)
+        return {"result": "ready"} if changed else NOTHING_TO_DO
+
+    # ---- heal -------------------------------------------------------------------------------
+
+    async def heal(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._heal)
+
+    async def _heal(self, ctx: JobContext, inst: Instance) -> Verdict:
+        """degraded -> ready after re-running every step: each adopts what is there, repairs the rest.
+
+        Never over lost data: re-running the steps would make an empty database that says ready.
+        """
+        if inst.state != "degraded":
+            return NOTHING_TO_DO
+        iid, fence, p = inst.id, ctx.fence, self.provisioner
+        before = await p.observe(iid)
+        if inst.failure_code == DATA_LOST or before.data_lost:
+            raise PermanentError(
+                "heal: the instance's data is lost; it comes back only with a restore (from a backup, "
+                "or empty once that is accepted)"
+            )
+        target = self._target(inst)
+        await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
+        info = await self._bring_up(ctx, inst, target)
+        rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
+        await self._move(
+            ctx,
+            inst,
+            "recover",
+            reason="repaired" + rolled,
+            detail={
+                "endpoint": f"{info.host}:{info.port}",
+                "plan": target.spec.plan,
+                "rolled_back": target.rolled_back,
+                # What the provisioner saw before (its words may name servers and paths).
+                "sre": {"before": before.as_dict()},
+            },
+            patch=self._recovered(ctx, inst, info, target),
+        )
+        return {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+
+    def _target(self, inst: Instance) -> Target:
+        if inst.observed_spec is not None and inst.failed_generation == inst.spec_generation:
+            # The latest plan change was given up: back to the plan it last ran, not to the one that
+            # may have broken it. The declared spec stays, for the customer to change again.
+            declared = inst.observed_spec
+            spec = InstanceSpec.from_row(declared, int(inst.observed_generation), org_id=inst.org_id)
+            return Target(declared, spec, True)
+        return Target(inst.spec, self._spec(inst), False)
+
+    async def _bring_up(self, ctx: JobContext, inst: Instance, target: Target) -> ConnectionInfo:
+        """The steps after storage, as a heal and a restore both need them; the server healthy."""
+        iid, fence, p, spec = inst.id, ctx.fence, self.provisioner, target.spec
+        await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
+        await self._step(ctx, inst, "resume", lambda: p.resume(iid, spec, fence))
+        info = await self._step(
+            ctx,
+            inst,
+            "initialize_database",
+            lambda: p.initialize_database(iid, spec, fence, password=self._password(ctx, inst)),
+        )
+        await self._step(ctx, inst, "apply_plan", lambda: p.apply_plan(iid, spec, fence))
+        after = await p.observe(iid)
+        if not after.healthy:
+            raise TemporaryError(f"{ctx.job['kind']}: instance still unhealthy: {after.detail}")
+        return info
+
+    def _recovered(
+        self, ctx: JobContext, inst: Instance, info: ConnectionInfo, target: Target
+    ) -> InstancePatch:
+        """The patch of a `recover`: credentials if changed, the spec applied, nothing wrong any more."""
+        return self._credentials_patch(
+            ctx,
+            inst,
+            info,
+            InstancePatch(
+                observed_generation=target.spec.generation,
+                observed_spec=target.declared,
+                failure_reason=None,
+                failure_code=None,
+            ),
+        )
+
+    # ---- backup and restore -----------------------------------------------------------------
+
+    async def backup(self, ctx: JobContext) -> Verdict:
+        """A backup of a running instance (ready or suspended); the record then follows the provisioner's."""
+        inst = await self._load(ctx)
+        if not actions.can_back_up(inst.state):
+            return {"result": "nothing to do", "why": f"instance is {inst.state}"}
+        payload = ctx.typed_payload(kinds.BackupPayload)
+        token = JOB_ATTEMPT.set(ctx.attempt)
+        try:
+            taken = await _named(
+                "take_backup",
+                lambda: self.provisioner.take_backup(
+                    inst.id, self._spec(inst), ctx.fence, kind=payload.backup_kind
+                ),
+            )
+        finally:
+            JOB_ATTEMPT.reset(token)
+        listing = await self.provisioner.list_backups(inst.id)
+        async with ctx.pool.connection() as conn:
+            await backups.record(conn, inst.id, listing)
+        return {"result": "backed up", "backup": taken.name, "held": len(listing)}
+
+    async def restore(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._restore)
+
+    async def _restore(self, ctx: JobContext, inst: Instance) -> Verdict:
+        """degraded (data lost) -> ready with the data of a held backup, or empty once accepted."""
+        if not actions.can_restore(inst.state, inst.failure_code):
+            return {"result": "nothing to do", "why": f"instance is {inst.state}, its data not lost"}
+        payload = ctx.typed_payload(kinds.RestorePayload)
+        async with ctx.pool.connection() as conn:
+            try:
+                source = await backups.backup_to_restore(conn, inst.id, payload)
+            except NotFound as exc:
+                raise PermanentError(f"restore: {exc}") from exc
+        iid, fence, p, target = inst.id, ctx.fence, self.provisioner, self._target(inst)
+        backup_id = None if source is None else source.backup_id
+        await self._step(
+            ctx, inst, "restore", lambda: p.restore(iid, target.spec, fence, backup_id=backup_id)
+        )
+        info = await self._bring_up(ctx, inst, target)
+        accepted_by = payload.accepted_by
+        if source is None:
+            reason = "re-initialised empty: the loss of its data was accepted"
+        else:
+            taken = source.taken_at.isoformat(timespec="seconds")
+            reason = f"restored from backup {backup_id} taken at {taken}; changes made after it are lost"
+        await self._move(
+            ctx,
+            inst,
+            "recover",
+            reason=reason
+            + (f" (decided by {accepted_by})" if accepted_by else " (the newest backup, by policy)"),
+            detail={
+                "code": DATA_LOST,
+                "restored_from": backup_id,
+                "taken_at": None if source is None else source.taken_at.isoformat(),
+                "empty": source is None,
+                "accepted_by": accepted_by,
+                "why": payload.reason,
+                "endpoint": f"{info.host}:{info.port}",
+            },
+            patch=self._recovered(ctx, inst, info, target),
+        )
+        return {"result": "ready", "restored_from": backup_id, "empty": source is None}
+
+    # ---- deprovision ------------------------------------------------------------------------
+
+    async def deprovision(self, ctx: JobContext) -> Verdict:
+        return await self._drive(ctx, self._deprovision)
+
+    async def _deprovision(self, ctx: JobContext, inst: Instance) -> Verdict:
+        state = inst.state
+        payload = ctx.typed_payload(kinds.DeprovisionPayload)
+        asked = payload.skip_final_backup
+        skip_backup = bool(inst.skip_final_backup if asked is None else asked)
+        if state == "failed":
+            return await self._cleanup(ctx, inst, skip_backup)
+        if state in lifecycle.DEPROVISIONABLE:
+            inst = await self._move(
+                ctx,
+                inst,
+                "deprovision",
+                reason=payload.reason or "deletion requested",
+                patch=InstancePatch("deprovision", ctx.settings.reconciler.deadline_s("deprovisioning")),
+            )
+        elif state != "deprovisioning":
+            return NOTHING_TO_DO if state == "deleted" else _deferred(inst)
+        spec, p = self._spec(inst), self.provisioner
+        name = None
+        if not skip_backup:
+            name = await self._step(
+                ctx, inst, "final_backup", lambda: p.final_backup(inst.id, spec, ctx.fence)
+            )
+        result = await self._step(
+            ctx,
+            inst,
+            "deprovision",
+            lambda: p.deprovision(inst.id, spec, ctx.fence, skip_backup=skip_backup),
+        )
+        # The backup's name is shown to the customer, where the provisioner keeps it only to SREs.
+        shown = name or (PurePath(result.backup).name if result.backup else None)
+        await self._move(
+            ctx,
+            inst,
+            "deprovisioned",
+            reason="final backup skipped" if skip_backup else f"final backup {shown}",
+            detail={"backup": shown, "skip_backup": skip_backup, "sre": {"location": result.backup}},
+            patch=InstancePatch(secret=None),
+        )
+        return {"result": "deleted", "backup": result.backup}
+
+    async def _cleanup(self, ctx: JobContext, inst: Instance, skip_backup: bool) -> Verdict:
+        """Remove what a failed instance still has; the instance stays failed."""
+        result = await self.provisioner.deprovision(
+            inst.id,
+            InstanceSpec.for_removal(inst.spec, int(inst.spec_generation)),
+            ctx.fence,
+            skip_backup=skip_backup,
+        )
+        return {"result": "cleaned up", "backup": result.backup, "removed": result.removed}
+
+
+def kind_table(operations: Operations | None) -> list[JobKind]:
+    """The instance job kinds: handlers over `operations` (none without), abandonment hooks."""
+    hooks: dict[str, AbandonHook | None] = {
+        PROVISION: abandonment.provision_abandoned,
+        UPDATE: abandonment.update_abandoned,
+        SUSPEND: abandonment.degrade_abandoned,
+        RESUME: abandonment.degrade_abandoned,
+        HEAL: abandonment.degrade_abandoned,
+        DEPROVISION: abandonment.deprovision_abandoned,
+        BACKUP: None,
+        RESTORE: abandonment.degrade_abandoned,
+    }
+    handlers: dict[str, Handler] = {}
+    if operations is not None:
+        handlers = {
+            PROVISION: operations.provision,
+            UPDATE: operations.update,
+            SUSPEND: operations.suspend,
+            RESUME: operations.resume,
+            HEAL: operations.heal,
+            DEPROVISION: operations.deprovision,
+            BACKUP: operations.backup,
+            RESTORE: operations.restore,
+        }
+    return [JobKind(name, handlers.get(name), on_abandoned=hooks[name]) for name in INSTANCE_JOB_KINDS]
+
+
+def registry(provisioner: Provisioner | None = None) -> JobRegistry:
+    """The job registry of a process: the instance operations over `provisioner`, or, without one
+    (the API, an operator's command), their abandonment hooks only: such a process runs no job."""
+    runs = provisioner is not None
+    instance_kinds = kind_table(Operations(provisioner) if provisioner is not None else None)
+    return JobRegistry([*instance_kinds, *delivery.kinds(runs), *usage_reports.kinds(runs)])

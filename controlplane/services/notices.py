@@ -1,0 +1,215 @@
+"""Notices to customers: which instance events they hear of, the consumer that queues a delivery
+per target and event, and the checks of a target's address (the job that sends a delivery is
+`controlplane.handlers.delivery`).
+
+The `notifier` consumer turns each instance event a customer hears of (`notice_type`) into one
+delivery row per subscribed target (unique per target and event: a replayed event creates
+nothing) and one job per new delivery, in the batch's transaction. The job sends it: a webhook
+as a signed POST (`controlplane.core.webhook_signatures`), an email through the configured SMTP server. A
+failure schedules the next attempt as a new job after a growing delay, until the retry window
+(a day by default) is over; then the delivery is given up and its target disabled. An endpoint's
+address is checked at registration and again before every delivery (server-side request
+forgery: https only, and no private, loopback or link-local address unless the operator allows).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import secrets
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from controlplane.core import failures
+from controlplane.core.refusals import InvalidRequest
+from controlplane.db import job_rows as jobs
+from controlplane.db import sql
+from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
+from controlplane.queue.consumers import Consumer, LogEvent
+from controlplane.runtime.settings import NotificationSettings
+
+NOTIFIER = "notifier"
+DELIVER = "deliver_notification"
+ACTOR = Actor("system", NOTIFIER)
+
+# The events a customer can subscribe to, with what each means.
+EVENT_TYPES: Mapping[str, str] = {
+    "instance.ready": "the database was created and accepts connections",
+    "instance.failed": "the database failed (with the typed reason: code, message, hint)",
+    "instance.degraded": "the database is degraded (with the typed reason)",
+    "instance.recovered": "a degraded database is healthy again",
+    "instance.suspended": "the database is read-only (a billing hold)",
+    "instance.resumed": "a suspended database is writable again",
+    "instance.deleted": "the database was deleted (with its final backup's name)",
+    "instance.deadline_overdue": "an operation missed its deadline and was given up (with the reason)",
+    "billing.past_due": "the subscription is past due: the databases become read-only at `suspends_at`",
+}
+# The first delay after a failed delivery, doubled per attempt up to the largest.
+FIRST_RETRY_S = 30.0
+MAX_RETRY_S = 3600.0
+
+
+def notice_types(event: LogEvent, deadline_codes: frozenset[str]) -> list[str]:
+    """The notification types an instance event raises (none for most moves)."""
+    found: list[str] = []
+    if event.to_state == "ready":
+        by_source = {
+            "provisioning": "instance.ready",
+            "degraded": "instance.recovered",
+            "suspended": "instance.resumed",
+        }
+        if event.from_state in by_source:
+            found.append(by_source[event.from_state])
+    elif event.to_state in ("failed", "degraded", "suspended", "deleted"):
+        found.append(f"instance.{event.to_state}")
+    code = event.detail.get("code")
+    if event.to_state in ("failed", "degraded") and isinstance(code, str) and code in deadline_codes:
+        found.append("instance.deadline_overdue")
+    return found
+
+
+DEADLINE_CODES = frozenset(
+    failures.deadline_missed(state) for state in ("pending", "provisioning", "updating", "deprovisioning")
+) - {failures.UNKNOWN}
+
+
+def event_id(event: LogEvent, notice: str) -> str:
+    """The notification's id: the log event's, so a receiver de-duplicates by it."""
+    return f"evt_{event.id}" if notice != "instance.deadline_overdue" else f"evt_{event.id}_overdue"
+
+
+def body_of(event: LogEvent, notice: str, instance: Mapping[str, Any]) -> dict[str, Any]:
+    code = event.detail.get("code") or instance.get("failure_code")
+    failure = failures.reason(str(code)).as_dict() if event.to_state in ("failed", "degraded") else None
+    return {
+        "id": event_id(event, notice),
+        "type": notice,
+        "created": int(event.at.timestamp()),
+        "organisation_id": str(event.org_id),
+        "data": {
+            "instance": {
+                "id": str(event.instance_id),
+                "name": instance["name"],
+                "plan": instance["plan"],
+                "state": event.to_state,
+                "previous_state": event.from_state,
+                "state_version": event.state_version,
+            },
+            "failure": failure,
+            "backup": event.detail.get("backup") if event.to_state == "deleted" else None,
+        },
+    }
+
+
+async def notify(conn: AsyncConn, event: LogEvent) -> None:
+    """The notifier's effect: one delivery (and its job) per subscribed target, once per event."""
+    types = notice_types(event, DEADLINE_CODES)
+    if not types:
+        return
+    cursor = await conn.execute(sql.INSTANCE_FOR_NOTICE, {"id": event.instance_id})
+    instance = await cursor.fetchone()
+    assert instance is not None
+    for notice in types:
+        body = body_of(event, notice, instance)
+        await queue_notice(conn, event.org_id, event.instance_id, notice, body)
+
+
+async def queue_notice(
+    conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID | None, notice: str, body: Mapping[str, Any]
+) -> int:
+    """One delivery (and its job) per target of the organisation subscribed to `notice`, unless one
+    exists for the body's id already; returns how many were queued."""
+    cursor = await conn.execute(sql.TARGETS_FOR_EVENT, {"org": org_id, "type": notice})
+    queued = 0
+    for target in await cursor.fetchall():
+        cursor = await conn.execute(
+            sql.CREATE_DELIVERY,
+            {
+                "target": target["id"],
+                "org": org_id,
+                "instance": instance_id,
+                "event_id": body["id"],
+                "type": notice,
+                "body": json.dumps(body),
+            },
+        )
+        created = await cursor.fetchone()
+        if created is not None:
+            await jobs.enqueue(conn, deliver_job(created["id"]), ACTOR)
+            queued += 1
+    return queued
+
+
+def deliver_job(delivery_id: uuid.UUID, delay_s: float = 0.0) -> jobs.NewJob:
+    return jobs.NewJob(
+        DELIVER, None, payload={"delivery_id": str(delivery_id)}, max_attempts=20, delay_s=delay_s
+    )
+
+
+def consumer() -> Consumer:
+    return Consumer(NOTIFIER, notify)
+
+
+# ---- endpoint addresses (server-side request forgery) ---------------------------------------------
+
+
+def address_allowed(address: str) -> bool:
+    """A public unicast address: not private, loopback, link-local, multicast, reserved or unspecified."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
+
+
+def check_url(url: str, policy: NotificationSettings) -> None:
+    """Refuse a webhook URL customers may not use (InvalidRequest on the `url` field): its scheme,
+    then every address its host resolves to now (so it is checked again at each delivery)."""
+    allowed = ("https", "http") if policy.allow_http else ("https",)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a bracketed host that is no IPv6 address, a port out of range
+        raise InvalidRequest("url", "the URL is not a valid URL") from None
+    if parts.scheme not in allowed or not parts.hostname:
+        raise InvalidRequest("url", f"the URL must be {' or '.join(allowed)}://host/...")
+    if parts.username or parts.password:
+        raise InvalidRequest("url", "the URL must not carry credentials")
+    if policy.allow_private:
+        return
+    try:
+        infos = socket.getaddrinfo(parts.hostname, port or 443, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError, ValueError):  # no such name, or not a name at all
+        raise InvalidRequest("url", f"the host {parts.hostname[:100]} does not resolve") from None
+    refused = sorted({str(info[4][0]) for info in infos if not address_allowed(str(info[4][0]))})
+    if refused:
+        raise InvalidRequest("url", f"the host {parts.hostname} resolves to an address that is not public")
+
+
+def check_email(address: str) -> None:
+    local, at, domain = address.partition("@")
+    if not at or not local or "." not in domain or any(c.isspace() for c in address) or len(address) > 254:
+        raise InvalidRequest("address", "the address must be an email address, like ops@example.com")
+
+
+def check_event_types(types: list[str]) -> None:
+    unknown = [t for t in types if t not in EVENT_TYPES and t != "*"]
+    if unknown or not types:
+        raise InvalidRequest(
+            "event_types",
+            f"event types must be among {', '.join(EVENT_TYPES)} (or '*'); not {unknown or 'none'}",
+        )
+
+
+def new_secret() -> str:
+    return "whsec_" + secrets.token_urlsafe(32)
