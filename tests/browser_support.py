@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from controlplane.db.connection import ROOT
 from controlplane.runtime.postgres import free_port
 from controlplane.runtime.settings import Settings
 from tests.provisioning_support import QUICK_RETRIES, WORKER_SETTINGS, real_instances, settings_env
+from tests.support import ROOT
 
 CLI = [sys.executable, "-m", "controlplane.cli"]
 CHROMIUM = Path(shutil.which("chromium") or "/usr/bin/chromium")

@@ -12,12 +12,12 @@ from typing import Any
 
 import yaml
 
-from controlplane.db.connection import ROOT
 from controlplane.runtime.settings import Settings
 from provisioners import build
 from provisioners.base import BackupInfo, InstanceSpec, RestoreSource
 from provisioners.kubernetes import KubernetesProvisioner
 from tests.kubernetes_fake import FakeCluster, Role, fake_api
+from tests.support import ROOT
 
 RBAC = ROOT / "deploy" / "kubernetes" / "rbac.yaml"
 NAMESPACE = "controlplane-instances"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from controlplane.db.connection import ROOT
 from controlplane.runtime.postgres import free_port
+from tests.support import ROOT
 
 CLI = [sys.executable, "-m", "controlplane.cli"]
 # The console script pip installed beside the interpreter (pyproject's [project.scripts]).

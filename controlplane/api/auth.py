@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controlplane.api.problems import ProblemError, request_id
-from controlplane.api.state import app_state
+from controlplane.api.state import AppState, app_state
 from controlplane.db.transitions import Actor
 from controlplane.services import tenants
 from controlplane.services.tenants import Principal
@@ -80,3 +80,13 @@ async def admin(request: Request, who: AnyKey) -> Admin:
 
 
 AdminKey = Annotated[Admin, Depends(admin)]
+
+
+async def revoke(state: AppState, key_id: uuid.UUID, org_id: uuid.UUID | None) -> bool:
+    """Revoke a live key of `org_id` (any organisation's: None), trusted by this process no longer
+    (nor its console sessions, which end with it); False if there is no such live key."""
+    async with state.pool.connection() as conn:
+        revoked = await tenants.revoke_key(conn, key_id, org_id)
+    if revoked:
+        state.keys.forget(key_id)
+    return revoked

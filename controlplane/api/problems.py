@@ -26,6 +26,8 @@ from controlplane.core.refusals import (
     Conflict,
     DeletionProtected,
     DomainError,
+    IdempotencyInFlight,
+    IdempotencyMismatch,
     InvalidRequest,
     InvalidState,
     LimitReached,
@@ -83,6 +85,8 @@ DOMAIN_KINDS: tuple[tuple[type[DomainError], str], ...] = (
     (NameTaken, "name-taken"),
     (LimitReached, "limit-reached"),
     (AlreadyReplaced, "already-replaced"),
+    (IdempotencyInFlight, "idempotency-in-flight"),
+    (IdempotencyMismatch, "idempotency-mismatch"),
     (Conflict, "conflict"),
     (PreconditionFailed, "precondition-failed"),
     (InvalidRequest, "validation"),
@@ -214,7 +218,7 @@ def domain_problem(exc: DomainError) -> ProblemError:
     if isinstance(exc, PreconditionFailed):
         return ProblemError(kind, exc.detail, current_state=exc.current_state)
     if isinstance(exc, InvalidRequest):
-        field = f"body.{exc.field}"
+        field = f"{exc.location}.{exc.field}"
         return ProblemError(kind, f"{field}: {exc}", errors=[{"field": field, "message": str(exc)}])
     return ProblemError(kind, exc.detail)
 

@@ -17,17 +17,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from controlplane.api import views
 from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved, Stepped
-from controlplane.api.state import AppState
+from controlplane.api.state import AppState, app_state
 from controlplane.core import failures, lifecycle
 from controlplane.core.kinds import STEP_LABELS
 from controlplane.core.records import Instance, StepRecord
 from controlplane.db import sql
 from controlplane.queue import steps
+from controlplane.services import instances
 
-__all__ = ["APPLICATION_NAME", "instance_stream", "last_event_id", "sse"]
+__all__ = ["APPLICATION_NAME", "instance_stream", "parse_last_event_id", "response", "sse"]
 
 KEEPALIVE_S = 15.0
 # How a client waits before it reconnects after a stream ended without a terminal state (ms).
@@ -42,7 +44,7 @@ def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
     return ("\n".join(lines) + "\n\n").encode()
 
 
-def last_event_id(header: str | None) -> int | None:
+def parse_last_event_id(header: str | None) -> int | None:
     """The state_version a reconnecting client saw last (its Last-Event-ID), if it is one."""
     value = (header or "").strip()
     return int(value) if value.isdigit() and len(value) < 19 else None
@@ -171,3 +173,20 @@ async def _catch_up(
         state, last = moved.state, moved.state_version
         chunks.append(_transition(instance_id, moved))
     return state, last, chunks
+
+
+async def response(
+    request: Request, org_id: uuid.UUID, instance_id: uuid.UUID, last_event_id: str | None = None
+) -> StreamingResponse:
+    """The watch stream of an organisation's instance (NotFound if it has none of that id), from
+    after `last_event_id` when a client resumes."""
+    app = app_state(request)
+    async with app.pool.connection() as conn:
+        await instances.load(conn, org_id, instance_id)
+    resume_after = parse_last_event_id(last_event_id)
+    stream = instance_stream(app, request, instance_id, org_id, resume_after=resume_after)
+    return StreamingResponse(
+        stream,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

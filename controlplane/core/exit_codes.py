@@ -95,6 +95,6 @@ def for_domain_error(exc: Exception) -> int:
         return NOT_FOUND
     if isinstance(exc, d.InvalidState | d.Conflict | d.PreconditionFailed):
         return CONFLICT
-    if isinstance(exc, d.InvalidRequest | d.Unsupported):
+    if isinstance(exc, d.InvalidRequest | d.Unsupported | d.IdempotencyMismatch):
         return USAGE
     return OTHER

@@ -95,8 +95,17 @@ class Unsupported(DomainError):
 
 
 class InvalidRequest(DomainError, ValueError):
-    """A field of the request cannot be used as given."""
+    """A field of the request cannot be used as given (`location`: body, query or header)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, location: str = "body") -> None:
         super().__init__(message)
         self.field = field
+        self.location = location
+
+
+class IdempotencyInFlight(Conflict):
+    """A request with the same Idempotency-Key is still being processed."""
+
+
+class IdempotencyMismatch(DomainError):
+    """An Idempotency-Key used again with a different request."""

@@ -29,8 +29,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-ALEMBIC_INI = ROOT / "alembic.ini"
+# The migrations: inside the package when installed from a wheel (its build copies them there:
+# deploy/packaging/shipped_migrations.py), else the checkout's top-level alembic/ and alembic.ini.
+_SHIPPED = Path(__file__).resolve().parent / "migrations"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+MIGRATIONS, ALEMBIC_INI = (
+    (_SHIPPED, _SHIPPED / "alembic.ini")
+    if (_SHIPPED / "env.py").is_file()
+    else (_CHECKOUT / "alembic", _CHECKOUT / "alembic.ini")
+)
 
 AsyncConn = psycopg.AsyncConnection[DictRow]
 T = TypeVar("T")
@@ -55,7 +62,7 @@ def alembic_config(url: str) -> object:
     from alembic.config import Config
 
     config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(ROOT / "alembic"))
+    config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["database_url"] = url
     return config
 

@@ -1,5 +1,6 @@
 """The instance use cases: create, change (plan, deletion protection), request deletion (of a failed
-instance: archive it and remove what it left), and retry a failed instance.
+instance: archive it and remove what it left), retry a failed instance, and the pages an
+organisation reads (its instances, an instance's audit log).
 
 Each runs in one transaction: the instance row, its audit row and the job that carries the
 request out commit together or not at all. A request that cannot run now is recorded on the
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from controlplane.core import actions, failures, kinds, lifecycle
+from psycopg.rows import DictRow
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane.core import actions, cursors, failures, kinds, lifecycle
 from controlplane.core.records import Instance
 from controlplane.core.refusals import (
     AlreadyReplaced,
@@ -31,6 +36,7 @@ from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.db.constraints import unique_violations
 from controlplane.db.transitions import Actor
+from controlplane.services import idempotency
 from controlplane.services.policy import Policy
 from provisioners.base import RestoreSource
 
@@ -345,3 +351,78 @@ async def _load_to_change(
             current_version=inst.state_version,
         )
     return inst
+
+
+# ---- behind an Idempotency-Key (the API's and the console's creating requests) --------------------
+
+# How an entry point answers a creating request with the instance it made (stored for its key).
+Render = Callable[[AsyncConn, Instance], Awaitable[idempotency.StoredResponse]]
+
+
+async def once(
+    pool: AsyncConnectionPool[AsyncConn],
+    org_id: uuid.UUID,
+    keyed: idempotency.Keyed,
+    use_case: Callable[[AsyncConn], Awaitable[InstanceResult]],
+    render: Render,
+) -> idempotency.Answer:
+    """A creating use case (`create`, `retry`) once per Idempotency-Key, answered by `render`: the
+    same key and request again answers what the first one answered."""
+
+    async def run(conn: AsyncConn) -> idempotency.StoredResponse:
+        return await render(conn, (await use_case(conn)).instance)
+
+    return await idempotency.once_per_key(pool, org_id, keyed, run)
+
+
+# ---- the pages an organisation reads --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ListInstances:
+    """Which of an organisation's instances a page lists (archived ones only when asked for)."""
+
+    org_id: uuid.UUID
+    state: str | None = None
+    name: str | None = None
+    archived: bool = False
+    live: bool = False
+
+
+async def list_page(
+    conn: AsyncConn, asked: ListInstances, *, limit: int, cursor: str | None
+) -> tuple[Sequence[Instance], str | None]:
+    """A page of an organisation's instances, oldest first, and the cursor of the next page."""
+    after_created, after_id = cursors.after_created(cursor) or (None, None)
+    rows = await (
+        await conn.execute(
+            sql.LIST_ORG_INSTANCES,
+            {
+                "org": asked.org_id,
+                "state": asked.state,
+                "name": asked.name,
+                "archived": asked.archived,
+                "live": asked.live,
+                "after_created": after_created,
+                "after_id": after_id,
+                "limit": limit + 1,
+            },
+        )
+    ).fetchall()
+    found = [Instance.from_row(row) for row in rows]
+    return cursors.page_of(found, limit, lambda last: cursors.created_cursor(last.created_at, last.id))
+
+
+async def events_page(
+    conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID, *, limit: int, cursor: str | None
+) -> tuple[Sequence[DictRow], str | None]:
+    """A page of an organisation's instance's audit log, oldest first (NotFound if it has none of
+    that id), and the cursor of the next page."""
+    after = cursors.after_id(cursor)
+    await load(conn, org_id, instance_id)
+    rows = await (
+        await conn.execute(
+            sql.ORG_INSTANCE_EVENTS, {"id": instance_id, "org": org_id, "after": after, "limit": limit + 1}
+        )
+    ).fetchall()
+    return cursors.page_of(rows, limit, cursors.id_cursor)

@@ -14,13 +14,14 @@ import pytest
 
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
-from controlplane.db.connection import ROOT, AsyncConn
+from controlplane.db.connection import AsyncConn
 from controlplane.db.job_rows import NewJob, enqueue
 from controlplane.queue.supervisor import Supervisor
 from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.operations_support import scalar
 from tests.queue_kinds import build_registry, create_tables
+from tests.support import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,14 +8,13 @@ import json
 import os
 import signal
 import socket
-import time
-from collections.abc import Callable
 
 import psycopg
 import pytest
 
 from controlplane.core import exit_codes
 from controlplane.runtime.postgres import free_port
+from tests.support import eventually_sync
 from tests.up_support import (
     clean_env,
     org_client,
@@ -35,15 +34,6 @@ def one_line(text: str) -> str:
     assert len(lines) == 1, text
     assert "Traceback" not in text
     return lines[0]
-
-
-def until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def test_up_restarts_its_killed_postgres_and_requests_fail_fast_meanwhile() -> None:
@@ -68,8 +58,10 @@ def test_up_restarts_its_killed_postgres_and_requests_fail_fast_meanwhile() -> N
 
             # `up` restarts its server by itself; the pools reconnect; service returns.
             read_until(up, r"embedded PostgreSQL is back", timeout=60, seen=output)
-            until(lambda: client.get("/readyz").status_code == 200, 30, "/readyz is 200 again")
-            until(lambda: client.get("/v1/instances").status_code == 200, 30, "the API serves again")
+            eventually_sync(lambda: client.get("/readyz").status_code == 200, "/readyz is 200 again", 30)
+            eventually_sync(
+                lambda: client.get("/v1/instances").status_code == 200, "the API serves again", 30
+            )
             assert client.post("/v1/instances", json={"name": "after", "plan": "dev"}).status_code == 202
 
             # And it still stops promptly (the 30 s bound is the context manager's wait).
@@ -91,10 +83,10 @@ def test_a_second_up_is_refused_and_sigterm_to_the_launcher_stops_everything() -
         ):
             created = client.post("/v1/instances", json={"name": "orders", "plan": "dev"}).json()
             instance_dir = data_dir / "instances" / created["id"] / "pgdata"
-            until(
+            eventually_sync(
                 lambda: client.get(f"/v1/instances/{created['id']}").json()["state"] == "ready",
-                120,
                 "the instance is ready",
+                120,
             )
             servers = (postmaster_pid(data_dir / "db" / "pg"), postmaster_pid(instance_dir))
 

@@ -16,13 +16,13 @@ import pytest
 
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
-from controlplane.db.connection import ROOT
 from controlplane.db.job_rows import NewJob, enqueue_many
 from controlplane.queue.supervisor import Supervisor
 from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
 from tests.operations_support import scalar
 from tests.queue_kinds import build_registry, count_in, create_tables, events_of, until
+from tests.support import ROOT
 
 if TYPE_CHECKING:
     from tests.conftest import TestServer

@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 
-from controlplane.api import idempotency
 from controlplane.db import connection as db
 from controlplane.db.connection import AsyncConn
+from controlplane.services import idempotency
 from tests.api_support import Tenant
 
 pytest_plugins = ("tests.api_fixtures",)

@@ -12,10 +12,11 @@ from psycopg.rows import DictRow
 
 from controlplane.audit import verify as audit
 from controlplane.db import sql
-from controlplane.db.connection import ROOT, AsyncConn
+from controlplane.db.connection import AsyncConn
 from controlplane.db.job_rows import NewJob, enqueue
 from controlplane.db.transitions import Actor, transition
 from tests.factories import TEST_ACTOR, append_event, make_instance
+from tests.support import ROOT
 
 
 async def walk(conn: AsyncConn, entity: str, row: DictRow, *events: str) -> DictRow:

@@ -197,7 +197,7 @@ async def test_another_organisation_sees_none_of_it(
 
 
 def app_state_settings(app: FastAPI) -> Settings:
-    return app.state.controlplane.runtime.settings  # type: ignore[no-any-return]
+    return app.state.controlplane.settings  # type: ignore[no-any-return]
 
 
 # ---- the forms call the use cases ------------------------------------------------------------------

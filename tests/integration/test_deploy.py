@@ -19,10 +19,10 @@ from prometheus_client import REGISTRY
 
 import controlplane.runtime.metrics
 from controlplane.db import connection as db
-from controlplane.db.connection import ROOT
 from controlplane.runtime import settings as settings_module
 from controlplane.runtime.settings import Settings, env_name
 from provisioners import cnpg_schema
+from tests.support import ROOT
 
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"

@@ -43,6 +43,7 @@ from reconciler.leader import LeaderElection
 from reconciler.reconciler import PassSummary, Reconciler
 from tests.factories import TEST_ACTOR
 from tests.queue_kinds import build_registry, create_tables
+from tests.support import eventually
 from tests.tcp_proxy import Proxy
 
 SUPERUSER = "drill"
@@ -95,13 +96,6 @@ def pair(pg_root: Path) -> Iterator[Pair]:
             server.stop("immediate")
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.05)
-
-
 async def scalar(target: str, query: str, params: tuple[object, ...] = ()) -> Any:
     async with await db.connect(target) as conn:
         row = await (await conn.execute(query, params)).fetchone()
@@ -114,7 +108,7 @@ async def test_the_control_plane_rides_a_failover_of_its_database(pair: Pair) ->
     db.migrate(pair.url(pair.primary.port))
     async with await db.connect(pair.url(pair.primary.port)) as conn:
         await create_tables(conn)
-    await until(
+    await eventually(
         lambda: _sync_standby(pair.url(pair.primary.port, "postgres")), "the standby streams synchronously"
     )
 
@@ -150,12 +144,12 @@ async def test_the_control_plane_rides_a_failover_of_its_database(pair: Pair) ->
     acknowledged: list[uuid.UUID] = []
     try:
         await enqueue(pool, acknowledged, 20)
-        await until(lambda: _completed_at_least(through, 5), "jobs run before the failover")
-        await until(_async(lambda: election.is_leader), "a reconciler leads")
+        await eventually(lambda: _completed_at_least(through, 5), "jobs run before the failover")
+        await eventually(_async(lambda: election.is_leader), "a reconciler leads")
 
         # Jobs that take a while: some are running (claimed, started) when the primary dies.
         load = asyncio.create_task(enqueue(pool, acknowledged, 30, pause_s=0.02, seconds=0.3))
-        await until(lambda: _running(pair.url(pair.primary.port)), "a job runs when the primary dies")
+        await eventually(lambda: _running(pair.url(pair.primary.port)), "a job runs when the primary dies")
         os.kill(pair.primary.pid() or 0, signal.SIGKILL)
         pair.primary.wait_until_down()
         promoted = pair.standby.run_tool("pg_ctl", ["-D", str(pair.standby.datadir), "promote", "-w"])
@@ -171,20 +165,24 @@ async def test_the_control_plane_rides_a_failover_of_its_database(pair: Pair) ->
         new_primary = pair.url(pair.standby.port)
         assert await scalar(new_primary, "SELECT NOT pg_is_in_recovery()") is True
         # Every acknowledged job is on the new primary and runs to completion there.
-        await until(lambda: _all_completed(new_primary, acknowledged), "every acknowledged job completed", 60)
+        await eventually(
+            lambda: _all_completed(new_primary, acknowledged), "every acknowledged job completed", 60
+        )
         # The reconciler is re-elected: passes run again after the failover, on the new primary.
-        await until(_async(lambda: bool(passes) and passes[-1] > failed_over_at), "a pass after the failover")
+        await eventually(
+            _async(lambda: bool(passes) and passes[-1] > failed_over_at), "a pass after the failover"
+        )
         assert election.is_leader
         holder = await scalar(
             new_primary, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
         )
         assert holder == 1
         # The worker listens again; a job queued now is picked up by its NOTIFY, not by polling.
-        await until(lambda: _listening(new_primary), "the worker's LISTEN is back on the new primary")
+        await eventually(lambda: _listening(new_primary), "the worker's LISTEN is back on the new primary")
         probe: list[uuid.UUID] = []
         await enqueue(pool, probe, 1)
         started = time.monotonic()
-        await until(lambda: _all_completed(new_primary, probe), "the probe job, woken by NOTIFY", 10)
+        await eventually(lambda: _all_completed(new_primary, probe), "the probe job, woken by NOTIFY", 10)
         assert time.monotonic() - started < settings.worker.poll_interval_s / 3
         # The pool serves again (the worker's and reconciler's connections came through it).
         async with pool.connection() as conn:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,18 +21,10 @@ from tests.api_support import create, make_ready, make_tenant, serving
 from tests.factories import TEST_ACTOR
 from tests.operations_support import scalar
 from tests.queue_kinds import build_registry, create_tables
+from tests.support import eventually
 from tests.tcp_proxy import Proxy
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    """Wait until `check()` holds (polling), or fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -72,20 +63,20 @@ async def test_f5_partition_longer_than_the_lease(
         async with pool_a, pool_b:
             worker_a = Worker("worker-a", tuned.replace(database_url=through_proxy), pool_a, build_registry())
             async with running(worker_a):
-                await eventually(lambda: _executions(conn, "worker-a", 1), 20, "A runs the job")
+                await eventually(lambda: _executions(conn, "worker-a", 1), "A runs the job", 20)
                 proxy.blackhole()  # A's handler now sleeps; its heartbeats cannot get through
                 await eventually(
-                    lambda: _true(worker_a.counts["lease_expired"] == 1), 10, "A stops by its clock"
+                    lambda: _true(worker_a.counts["lease_expired"] == 1), "A stops by its clock", 10
                 )
                 assert worker_a.counts["lost"] == 1 and not worker_a.held_ids()
                 supervisor = Supervisor(pool_b, tuned, build_registry(), supervisor_id="sup")
-                await eventually(lambda: _reclaimed(conn, supervisor, job["id"]), 10, "the job is reclaimed")
+                await eventually(lambda: _reclaimed(conn, supervisor, job["id"]), "the job is reclaimed", 10)
                 worker_b = Worker("worker-b", tuned, pool_b, build_registry())
                 async with running(worker_b):
-                    await eventually(lambda: _state(conn, job["id"], "completed"), 20, "B finishes the job")
+                    await eventually(lambda: _state(conn, job["id"], "completed"), "B finishes the job", 20)
                 beats = worker_a.counts["heartbeats"]
                 proxy.heal()  # what A had sent is delivered now, for a job it no longer holds
-                await eventually(lambda: _executions(conn, "worker-b", 1), 5, "B's effect recorded")
+                await eventually(lambda: _executions(conn, "worker-b", 1), "B's effect recorded", 5)
     assert beats == worker_a.counts["heartbeats"] or not worker_a.held_ids()
     row = await _job(conn, job["id"])
     assert (row["state"], row["attempt"], row["claimed_by"]) == ("completed", 2, "worker-b")

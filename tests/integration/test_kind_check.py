@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from controlplane.db.connection import ROOT
+from tests.support import ROOT
 
 SCRIPT = ROOT / "deploy" / "kind_check.py"
 

@@ -122,7 +122,7 @@ async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
 ) -> None:
     made = await create(client, tenant, "orders")
     local = api_settings.replace(provisioner="local")
-    app.state.controlplane.runtime.settings = local
+    app.state.controlplane.settings = local
     app.state.controlplane.policy = Policy.from_settings(local)
     response = await client.post(
         "/v1/instances",

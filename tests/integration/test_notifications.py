@@ -19,7 +19,7 @@ import pytest
 from controlplane.api.app import create_app
 from controlplane.core import webhook_signatures as signatures
 from controlplane.db import connection as db
-from controlplane.db.connection import ROOT, AsyncConn
+from controlplane.db.connection import AsyncConn
 from controlplane.handlers import operations
 from controlplane.queue.consumers import ConsumerRunner
 from controlplane.runtime.secretbox import load_box
@@ -31,6 +31,7 @@ from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance, walk
 from tests.notify_support import smtp_server, webhook_receiver
 from tests.operations_support import run_until
+from tests.support import ROOT
 
 pytest_plugins = ("tests.api_fixtures",)
 

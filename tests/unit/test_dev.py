@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from types import ModuleType
 
-from controlplane.db.connection import ROOT
+from tests.support import ROOT
 
 
 def _dev() -> ModuleType:

@@ -7,8 +7,8 @@ import argparse
 from controlplane.api.problems import KINDS
 from controlplane.cli import build_parser
 from controlplane.core.reference import reason_table
-from controlplane.db.connection import ROOT
 from controlplane.runtime.settings import SETTINGS, reference_table
+from tests.support import ROOT
 
 DOCS = ROOT / "docs"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from controlplane.api.problems import DOMAIN_KINDS, KINDS
 from controlplane.core import exit_codes
 from controlplane.core.refusals import DomainError
-from controlplane.db.connection import ROOT
+from tests.support import ROOT
 
 
 def test_every_problem_type_has_an_exit_code() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from controlplane.db.connection import ROOT
+from tests.support import ROOT
 
 ROW = re.compile(r"^\| (F\d+) \|.*\| `(test_\w+)` \|$", re.M)
 

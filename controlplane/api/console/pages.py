@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from controlplane.api import idempotency, views
+from controlplane.api import auth, views, watch
 from controlplane.api import problems as errors
 from controlplane.api.console import present
 from controlplane.api.console.session import (
@@ -30,15 +30,13 @@ from controlplane.api.console.session import (
 from controlplane.api.console.web import read_form, redirect, render
 from controlplane.api.models import InstanceCreate, InstanceUpdate, KeyCreate
 from controlplane.api.problems import ProblemError
-from controlplane.api.routes import instances as routes_instances
-from controlplane.api.routes import orgs as routes_orgs
 from controlplane.api.state import AppState, app_state
 from controlplane.core import lifecycle, plans
 from controlplane.core.records import Instance as InstanceRecord
-from controlplane.core.refusals import DomainError, LimitReached, NotFound
+from controlplane.core.refusals import DomainError, InvalidRequest, LimitReached, NotFound
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import BillingSettings
-from controlplane.services import billing_policy, instances, sessions, tenants
+from controlplane.services import billing_policy, idempotency, instances, sessions, tenants
 
 router = APIRouter(include_in_schema=False)
 
@@ -144,13 +142,14 @@ async def instance_list(
 ) -> Response:
     app = app_state(request)
     archived = include == "archived"
-    try:
-        docs, next_cursor = await routes_instances.instances_page(
-            app, who.org_id, archived=archived, limit=PAGE, cursor=cursor
-        )
-    except ProblemError:  # a cursor that is not one of ours: the first page
-        return redirect("/")
     async with app.pool.connection() as conn:
+        try:
+            page, next_cursor = await instances.list_page(
+                conn, instances.ListInstances(who.org_id, archived=archived), limit=PAGE, cursor=cursor
+            )
+        except InvalidRequest:  # a cursor that is not one of ours: the first page
+            return redirect("/")
+        docs = await views.instances(conn, page, app.box)
         org = await _org(conn, who, app.settings.billing)
     groups: dict[str, list[dict[str, Any]]] = {"live": [], "failed": [], "ended": []}
     for doc in docs:
@@ -192,13 +191,21 @@ async def create_instance(request: Request, who: SignedIn, form: Form) -> Respon
     else:
         try:
             # The form's own key: a double submit (or a reload of the answer) creates one database.
-            created = await routes_instances.create_instance(
-                app, who.customer, body, f"console:{form.get('request_key', '')}"[:255]
+            customer = who.customer
+            asked = instances.CreateInstance(
+                who.org_id, body.name, body.plan, body.region, deletion_protection=body.deletion_protection
+            )
+            created = await instances.once(
+                app.pool,
+                who.org_id,
+                _keyed(form, "console", "/v1/instances", body.model_dump(mode="json")),
+                lambda conn: instances.create(conn, customer.actor, customer.request_id, asked, app.policy),
+                _made,
             )
         except (DomainError, ProblemError) as exc:
             field_errors = _refusal_fields(exc, default_field="name")
         else:
-            return redirect(f"/instances/{created.body['id']}")
+            return redirect(f"/instances/{created.response.body['id']}")
     async with app.pool.connection() as conn:
         org = await _org(conn, who, app.settings.billing)
     return _new_instance_form(who, org, values, field_errors, status=422)
@@ -242,7 +249,7 @@ async def instance_live(request: Request, instance_id: uuid.UUID, who: SignedIn)
 async def instance_watch(request: Request, instance_id: uuid.UUID, who: SignedIn) -> StreamingResponse:
     """The instance's watch stream (the REST API's, for the session): its events drive the page."""
     try:
-        return await routes_instances.watch_response(request, who.org_id, instance_id)
+        return await watch.response(request, who.org_id, instance_id)
     except NotFound:
         raise Missing() from None
 
@@ -307,12 +314,20 @@ async def retry(request: Request, instance_id: uuid.UUID, who: SignedIn, _: Form
     app = app_state(request)
     try:
         # Keyed by the failed instance: a double submit answers with the same replacement.
-        created = await routes_instances.retry(app, who.customer, instance_id, f"console:retry:{instance_id}")
+        customer, asked = who.customer, instances.RetryInstance(who.org_id, instance_id)
+        path = f"/v1/instances/{instance_id}/retry"
+        created = await instances.once(
+            app.pool,
+            who.org_id,
+            idempotency.Keyed(f"console:retry:{instance_id}", idempotency.request_hash("POST", path, {})),
+            lambda conn: instances.retry(conn, customer.actor, customer.request_id, asked, app.policy),
+            _made,
+        )
     except NotFound:
         raise Missing() from None
     except DomainError as exc:
         return await _instance_view(request, who, instance_id, failed={"retry": exc.detail}, status=409)
-    return redirect(f"/instances/{created.body['id']}?done=retry")
+    return redirect(f"/instances/{created.response.body['id']}?done=retry")
 
 
 async def _change(
@@ -378,15 +393,15 @@ async def history(
     request: Request, instance_id: uuid.UUID, who: SignedIn, cursor: str | None = None
 ) -> Response:
     app = app_state(request)
-    try:
-        rows, next_cursor = await routes_instances.events_page(
-            app, who.org_id, instance_id, limit=HISTORY_PAGE, cursor=cursor
-        )
-    except NotFound:
-        raise Missing() from None
-    except ProblemError:  # a cursor that is not one of ours: the first page
-        return redirect(f"/instances/{instance_id}/history")
     async with app.pool.connection() as conn:
+        try:
+            rows, next_cursor = await instances.events_page(
+                conn, who.org_id, instance_id, limit=HISTORY_PAGE, cursor=cursor
+            )
+        except NotFound:
+            raise Missing() from None
+        except InvalidRequest:  # a cursor that is not one of ours: the first page
+            return redirect(f"/instances/{instance_id}/history")
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who, app.settings.billing)
         keys = {row["id"]: row for row in await tenants.list_keys(conn, who.org_id, limit=KEYS_SHOWN)}
@@ -449,31 +464,33 @@ async def create_key(request: Request, who: SignedIn, form: Form) -> Response:
     except ValidationError as exc:
         message = "; ".join(e["message"] for e in errors.validation_errors(exc.errors()))
         return await _keys_view(request, who, error=message, status=422)
-    request_key = f"console-key:{form.get('request_key', '')}"[: idempotency.MAX_KEY_LENGTH]
-    digest = idempotency.request_hash("POST", "/keys", {"name": body.name})
     state = app_state(request)
+    made: list[tenants.NewKey] = []
+
+    async def run(conn: AsyncConn) -> idempotency.StoredResponse:
+        key = await tenants.create_key(
+            conn, who.org_id, name=body.name, max_per_org=state.settings.api.max_keys_per_org
+        )
+        made.append(key)
+        return idempotency.StoredResponse(201, {"id": str(key.id)}, {})
+
     try:
-        async with state.pool.connection() as conn, conn.transaction():
-            # The form's own key: posting it again (a reload of the answer) makes no second key,
-            # and the first is not shown again (it is kept only hashed).
-            if await idempotency.begin(conn, who.org_id, request_key, digest) is not None:
-                notice = (
-                    "That key was made already and is shown only once: make another if it was not copied."
-                )
-                return await _keys_view(request, who, notice=notice)
-            key = await tenants.create_key(
-                conn, who.org_id, name=body.name, max_per_org=state.settings.api.max_keys_per_org
-            )
-            stored = idempotency.StoredResponse(201, {"id": str(key.id)}, {})
-            await idempotency.save(conn, who.org_id, request_key, digest, stored)
+        # The form's own key: posting it again (a reload of the answer) makes no second key, and
+        # the first is not shown again (it is kept only hashed).
+        answer = await idempotency.once_per_key(
+            state.pool, who.org_id, _keyed(form, "console-key", "/keys", {"name": body.name}), run
+        )
     except LimitReached as exc:
         return await _keys_view(request, who, error=str(exc), status=409)
-    return await _keys_view(request, who, new_key={"name": body.name, "key": key.plaintext}, status=201)
+    if answer.replayed:
+        notice = "That key was made already and is shown only once: make another if it was not copied."
+        return await _keys_view(request, who, notice=notice)
+    return await _keys_view(request, who, new_key={"name": body.name, "key": made[-1].plaintext}, status=201)
 
 
 @router.post("/keys/{key_id}/revoke", response_class=HTMLResponse)
 async def revoke_key(request: Request, key_id: uuid.UUID, who: SignedIn, _: Form) -> Response:
-    if not await routes_orgs.revoke(app_state(request), key_id, who.org_id):
+    if not await auth.revoke(app_state(request), key_id, who.org_id):
         return await _keys_view(
             request, who, error="That key is already revoked, or not one of yours.", status=404
         )
@@ -559,6 +576,17 @@ def _field_errors(found: list[dict[str, Any]]) -> dict[str, str]:
         name = field if field in ("name", "plan", "deletion_protection") else "form"
         by_field.setdefault(name, str(error["message"]))
     return by_field
+
+
+def _keyed(form: Mapping[str, str], scope: str, path: str, asked: Mapping[str, Any]) -> idempotency.Keyed:
+    """The form's own Idempotency-Key: a double submit (or a reload of the answer) creates once."""
+    key = f"{scope}:{form.get('request_key', '')}"[: idempotency.MAX_KEY_LENGTH]
+    return idempotency.Keyed(key, idempotency.request_hash("POST", path, asked))
+
+
+async def _made(_conn: AsyncConn, inst: InstanceRecord) -> idempotency.StoredResponse:
+    """What a console form stores for its key: the id of the instance it made (to show it)."""
+    return idempotency.StoredResponse(202, {"id": str(inst.id)}, {})
 
 
 def _refusal_fields(exc: DomainError | ProblemError, *, default_field: str) -> dict[str, str]:

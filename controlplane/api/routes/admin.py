@@ -26,6 +26,7 @@ from controlplane.api.models import (
 )
 from controlplane.api.state import app_state
 from controlplane.audit import dwell, search
+from controlplane.core import cursors
 from controlplane.db import sql
 from controlplane.queue import moves as queue
 from controlplane.services import instances
@@ -90,11 +91,11 @@ async def admin_events(
     ),
 ) -> dict[str, Any]:
     limit = min(limit, MAX_LIMIT)
-    after = views.after_id(cursor)
+    after = cursors.after_id(cursor)
     where = search.EventFilter(instance, org, actor, event, to_state, since, until)
     async with app_state(request).pool.connection() as conn:
         rows = await search.search(conn, where, after=after, limit=limit + 1)
-    page, next_cursor = views.page_of(rows, limit, views.id_cursor)
+    page, next_cursor = cursors.page_of(rows, limit, cursors.id_cursor)
     items = [
         {
             **views.sre_event(r),

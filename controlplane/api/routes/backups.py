@@ -24,6 +24,7 @@ from controlplane.api.models import (
 )
 from controlplane.api.routes.instances import InstanceRef
 from controlplane.api.state import app_state
+from controlplane.core import cursors
 from controlplane.core.records import Backup as BackupRecord
 from controlplane.db import connection as db
 from controlplane.db.transitions import Actor
@@ -45,17 +46,17 @@ async def _page(
 ) -> dict[str, Any]:
     before = None
     if paging.cursor:
-        taken_s, backup_id = views.decode_cursor(paging.cursor, 2)
+        taken_s, backup_id = cursors.decode_cursor(paging.cursor, 2)
         try:
             before = (datetime.fromisoformat(taken_s), backup_id)
         except ValueError:
-            raise views.bad_cursor() from None
+            raise cursors.bad_cursor() from None
     limit = paging.size
     asked = backups.ListBackups(instance_id, org_id, limit=limit + 1, before=before)
     async with app_state(request).pool.connection() as conn:
         rows = await backups.list_backups(conn, asked)
-    page, next_cursor = views.page_of(
-        rows, limit, lambda last: views.encode_cursor(last.taken_at.isoformat(), last.backup_id)
+    page, next_cursor = cursors.page_of(
+        rows, limit, lambda last: cursors.encode_cursor(last.taken_at.isoformat(), last.backup_id)
     )
     return {"items": [_backup(backup, sre=sre) for backup in page], "next_cursor": next_cursor}
 

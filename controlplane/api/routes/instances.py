@@ -7,15 +7,12 @@ the result; a refusal is a DomainError, rendered as problem+json by `controlplan
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from psycopg.rows import DictRow
 
-from controlplane.api import idempotency, openapi, views, watch
+from controlplane.api import openapi, views, watch
 from controlplane.api import problems as errors
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import (
@@ -27,13 +24,13 @@ from controlplane.api.models import (
     InstanceState,
     InstanceUpdate,
 )
-from controlplane.api.state import AppState, app_state
+from controlplane.api.state import app_state
 from controlplane.core.records import Instance as InstanceRecord
 from controlplane.db import connection as db
-from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime import crashpoints
-from controlplane.services import instances
+from controlplane.runtime.secretbox import SecretBox
+from controlplane.services import idempotency, instances
 from provisioners.base import RestoreSource
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
@@ -91,53 +88,12 @@ def _json(inst: InstanceRecord, doc: dict[str, Any], status: int) -> JSONRespons
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-@dataclass(frozen=True)
-class Created:
-    """The answer to a creating request: the instance document (or the one stored for its
-    Idempotency-Key, then `replayed`)."""
-
-    status_code: int
-    body: dict[str, Any]
-    headers: dict[str, str]
-    replayed: bool
-
-    def response(self) -> JSONResponse:
-        headers = {**self.headers, "Idempotent-Replayed": "true"} if self.replayed else self.headers
-        return JSONResponse(self.body, status_code=self.status_code, headers=headers)
-
-
-async def _accepted(
-    state: AppState,
-    who: Customer,
-    idempotency_key: str | None,
-    digest: str,
-    run: Callable[[AsyncConn], Awaitable[InstanceRecord]],
-) -> Created:
-    """202 with the instance a creating use case made, in one transaction with its Idempotency-Key
-    record: the same key and request again replays the stored answer. The transaction runs again
-    if it loses a race."""
-    if idempotency_key is not None:
-        idempotency.check_key(idempotency_key)
-
-    async def once(conn: AsyncConn) -> Created:
-        if idempotency_key is not None:
-            stored = await idempotency.begin(conn, who.org_id, idempotency_key, digest)
-            if stored is not None:
-                return Created(stored.status_code, stored.body, stored.headers, replayed=True)
-        inst = await run(conn)
-        doc = await views.one_instance(conn, inst, state.box)
-        headers = _headers(inst, location=True)
-        body_json = Instance.model_validate(doc).model_dump(mode="json")
-        if idempotency_key is not None:
-            await idempotency.save(
-                conn, who.org_id, idempotency_key, digest, idempotency.StoredResponse(202, body_json, headers)
-            )
-        crashpoints.reached("api.create.before_commit")
-        return Created(202, body_json, headers, replayed=False)
-
-    created = await db.in_transaction(state.pool, once)
-    crashpoints.reached("api.create.after_commit")
-    return created
+async def accepted(conn: AsyncConn, inst: InstanceRecord, box: SecretBox) -> idempotency.StoredResponse:
+    """202 with the instance a creating use case made (what its Idempotency-Key stores)."""
+    doc = await views.one_instance(conn, inst, box)
+    body = Instance.model_validate(doc).model_dump(mode="json")
+    crashpoints.reached("api.create.before_commit")
+    return idempotency.StoredResponse(202, body, _headers(inst, location=True))
 
 
 @router.post(
@@ -163,13 +119,7 @@ async def create(
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
-    return (await create_instance(app_state(request), who, body, idempotency_key)).response()
-
-
-async def create_instance(
-    state: AppState, who: Customer, body: InstanceCreate, idempotency_key: str | None
-) -> Created:
-    """The create use case behind an Idempotency-Key (the API's and the console's)."""
+    state = app_state(request)
     restore_from = None
     if body.restore_from is not None:
         restore_from = RestoreSource.from_spec(body.restore_from.model_dump(mode="json"))
@@ -181,12 +131,18 @@ async def create_instance(
         deletion_protection=body.deletion_protection,
         restore_from=restore_from,
     )
-    digest = idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
-
-    async def run(conn: AsyncConn) -> InstanceRecord:
-        return (await instances.create(conn, who.actor, who.request_id, asked, state.policy)).instance
-
-    return await _accepted(state, who, idempotency_key, digest, run)
+    keyed = idempotency.Keyed(
+        idempotency_key, idempotency.request_hash("POST", "/v1/instances", body.model_dump(mode="json"))
+    )
+    answer = await instances.once(
+        state.pool,
+        who.org_id,
+        keyed,
+        lambda conn: instances.create(conn, who.actor, who.request_id, asked, state.policy),
+        lambda conn, inst: accepted(conn, inst, state.box),
+    )
+    crashpoints.reached("api.create.after_commit")
+    return views.answered(answer)
 
 
 @router.get(
@@ -218,56 +174,11 @@ async def list_instances(
     cursor: str | None = None,
 ) -> dict[str, Any]:
     app = app_state(request)
-    items, next_cursor = await instances_page(
-        app,
-        who.org_id,
-        state=state,
-        name=name,
-        archived=include == "archived",
-        live=live,
-        limit=limit,
-        cursor=cursor,
-    )
-    return {"items": items, "next_cursor": next_cursor}
-
-
-async def instances_page(
-    app: AppState,
-    org_id: uuid.UUID,
-    *,
-    state: str | None = None,
-    name: str | None = None,
-    archived: bool = False,
-    live: bool = False,
-    limit: int = DEFAULT_LIMIT,
-    cursor: str | None = None,
-) -> tuple[list[dict[str, Any]], str | None]:
-    """A page of an organisation's instances (their documents), oldest first, and the cursor of
-    the next page; archived ones only when asked for."""
-    limit = min(limit, MAX_LIMIT)
-    after_created, after_id = views.after_created(cursor) or (None, None)
+    asked = instances.ListInstances(who.org_id, state, name, archived=include == "archived", live=live)
     async with app.pool.connection() as conn:
-        rows = await (
-            await conn.execute(
-                sql.LIST_ORG_INSTANCES,
-                {
-                    "org": org_id,
-                    "state": state,
-                    "name": name,
-                    "archived": archived,
-                    "live": live,
-                    "after_created": after_created,
-                    "after_id": after_id,
-                    "limit": limit + 1,
-                },
-            )
-        ).fetchall()
-        found = [InstanceRecord.from_row(row) for row in rows]
-        page, next_cursor = views.page_of(
-            found, limit, lambda last: views.created_cursor(last.created_at, last.id)
-        )
+        page, next_cursor = await instances.list_page(conn, asked, limit=min(limit, MAX_LIMIT), cursor=cursor)
         items = await views.instances(conn, page, app.box)
-    return items, next_cursor
+    return {"items": items, "next_cursor": next_cursor}
 
 
 @router.get(
@@ -398,21 +309,19 @@ async def retry_instance(
     who: Caller,
     idempotency_key: Annotated[str | None, Header(max_length=idempotency.MAX_KEY_LENGTH)] = None,
 ) -> JSONResponse:
-    return (await retry(app_state(request), who, instance_id, idempotency_key)).response()
-
-
-async def retry(
-    state: AppState, who: Customer, instance_id: uuid.UUID, idempotency_key: str | None
-) -> Created:
-    """The retry use case behind an Idempotency-Key (the API's and the console's)."""
+    state = app_state(request)
     asked = instances.RetryInstance(who.org_id, instance_id)
-    path = f"/v1/instances/{instance_id}/retry"
-    digest = idempotency.request_hash("POST", path, {})
-
-    async def run(conn: AsyncConn) -> InstanceRecord:
-        return (await instances.retry(conn, who.actor, who.request_id, asked, state.policy)).instance
-
-    return await _accepted(state, who, idempotency_key, digest, run)
+    keyed = idempotency.Keyed(
+        idempotency_key, idempotency.request_hash("POST", f"/v1/instances/{instance_id}/retry", {})
+    )
+    answer = await instances.once(
+        state.pool,
+        who.org_id,
+        keyed,
+        lambda conn: instances.retry(conn, who.actor, who.request_id, asked, state.policy),
+        lambda conn, inst: accepted(conn, inst, state.box),
+    )
+    return views.answered(answer)
 
 
 @router.get(
@@ -433,26 +342,11 @@ async def instance_events(
     limit: Annotated[int, Query(ge=1)] = DEFAULT_LIMIT,
 ) -> dict[str, Any]:
     app = app_state(request)
-    rows, next_cursor = await events_page(app, who.org_id, instance_id, limit=limit, cursor=cursor)
-    return {"items": [views.event(r) for r in rows], "next_cursor": next_cursor}
-
-
-async def events_page(
-    app: AppState, org_id: uuid.UUID, instance_id: uuid.UUID, *, limit: int, cursor: str | None
-) -> tuple[Sequence[DictRow], str | None]:
-    """A page of an organisation's instance's audit log, oldest first (NotFound if it has none of
-    that id), and the cursor of the next page."""
-    limit = min(limit, MAX_LIMIT)
-    after = views.after_id(cursor)
     async with app.pool.connection() as conn:
-        await instances.load(conn, org_id, instance_id)
-        rows = await (
-            await conn.execute(
-                sql.ORG_INSTANCE_EVENTS,
-                {"id": instance_id, "org": org_id, "after": after, "limit": limit + 1},
-            )
-        ).fetchall()
-    return views.page_of(rows, limit, views.id_cursor)
+        rows, next_cursor = await instances.events_page(
+            conn, who.org_id, instance_id, limit=min(limit, MAX_LIMIT), cursor=cursor
+        )
+    return {"items": [views.event(r) for r in rows], "next_cursor": next_cursor}
 
 
 @router.get(
@@ -496,21 +390,4 @@ async def watch_instance(
         str | None, Header(description="the last event id a client saw: resume after it")
     ] = None,
 ) -> StreamingResponse:
-    return await watch_response(request, who.org_id, instance_id, last_event_id)
-
-
-async def watch_response(
-    request: Request, org_id: uuid.UUID, instance_id: uuid.UUID, last_event_id: str | None = None
-) -> StreamingResponse:
-    """The watch stream of an organisation's instance (NotFound if it has none of that id), from
-    after `last_event_id` when a client resumes."""
-    app: AppState = app_state(request)
-    async with app.pool.connection() as conn:
-        await instances.load(conn, org_id, instance_id)
-    resume_after = watch.last_event_id(last_event_id)
-    stream = watch.instance_stream(app, request, instance_id, org_id, resume_after=resume_after)
-    return StreamingResponse(
-        stream,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return await watch.response(request, who.org_id, instance_id, last_event_id)

@@ -13,14 +13,15 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from controlplane.api import idempotency, views
 from controlplane.api import problems as errors
+from controlplane.api import views
 from controlplane.api.auth import Customer, customer
 from controlplane.api.models import Strict
 from controlplane.api.state import app_state
-from controlplane.core import metering
+from controlplane.core import cursors, metering
 from controlplane.db import sql
-from controlplane.services import billing_policy, notices, usage
+from controlplane.db.connection import AsyncConn
+from controlplane.services import billing_policy, idempotency, notices, usage
 from controlplane.services import notifications as service
 
 router = APIRouter(tags=["notifications"])
@@ -187,11 +188,11 @@ def _email(row: Any) -> dict[str, Any]:
 def _after(cursor: str | None) -> tuple[datetime, uuid.UUID] | None:
     if not cursor:
         return None
-    created_s, id_s = views.decode_cursor(cursor, 2)
+    created_s, id_s = cursors.decode_cursor(cursor, 2)
     try:
         return datetime.fromisoformat(created_s), uuid.UUID(id_s)
     except ValueError:
-        raise views.bad_cursor() from None
+        raise cursors.bad_cursor() from None
 
 
 Limit = Annotated[int, Query(ge=1, description=f"page size; values above {MAX_LIMIT} are capped")]
@@ -208,26 +209,18 @@ async def _register(
         request.url.path,
         {"address": asked.address, "types": sorted(asked.event_types), "d": asked.description},
     )
-    async with state.pool.connection() as conn, conn.transaction():
-        if key is not None:
-            idempotency.check_key(key)
-            stored = await idempotency.begin(conn, who.org_id, key, digest)
-            if stored is not None:
-                return JSONResponse(
-                    stored.body,
-                    status_code=stored.status_code,
-                    headers={**stored.headers, "Idempotent-Replayed": "true"},
-                )
+    once_shown: list[str] = []
+
+    async def run(conn: AsyncConn) -> idempotency.StoredResponse:
         registered = await service.register(conn, asked, state.box, state.settings.notifications)
+        if registered.secret is not None:
+            once_shown.append(registered.secret)
         body = shown(registered.target)
-        headers = {"Location": f"{request.url.path}/{registered.target['id']}"}
-        if key is not None:
-            await idempotency.save(
-                conn, who.org_id, key, digest, idempotency.StoredResponse(201, body, headers)
-            )
-    if registered.secret is not None:
-        body = {**body, "secret": registered.secret}
-    return JSONResponse(body, status_code=201, headers=headers)
+        location = f"{request.url.path}/{registered.target['id']}"
+        return idempotency.StoredResponse(201, body, {"Location": location})
+
+    answer = await idempotency.once_per_key(state.pool, who.org_id, idempotency.Keyed(key, digest), run)
+    return views.answered(answer, {"secret": once_shown[-1]} if once_shown else None)
 
 
 @router.post(
@@ -288,7 +281,7 @@ async def _targets(
 
 
 def _page_of(rows: Any, limit: int) -> tuple[Any, str | None]:
-    return views.page_of(rows, limit, lambda r: views.encode_cursor(r["created_at"].isoformat(), r["id"]))
+    return cursors.page_of(rows, limit, lambda r: cursors.encode_cursor(r["created_at"].isoformat(), r["id"]))
 
 
 @router.get(
@@ -345,8 +338,8 @@ async def list_webhook_deliveries(
     limit = min(limit, MAX_LIMIT)
     async with app_state(request).pool.connection() as conn:
         rows = await service.deliveries(conn, who.org_id, endpoint_id, limit + 1, _after(cursor))
-    page, next_cursor = views.page_of(
-        rows, limit, lambda r: views.encode_cursor(r["created_at"].isoformat(), r["id"])
+    page, next_cursor = cursors.page_of(
+        rows, limit, lambda r: cursors.encode_cursor(r["created_at"].isoformat(), r["id"])
     )
     return {"items": list(page), "next_cursor": next_cursor}
 

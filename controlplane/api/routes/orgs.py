@@ -7,12 +7,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 
+from controlplane.api import auth, views
 from controlplane.api import problems as errors
-from controlplane.api import views
 from controlplane.api.auth import AdminKey, AnyKey
 from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated, OrgList
 from controlplane.api.problems import ProblemError
-from controlplane.api.state import AppState, app_state
+from controlplane.api.state import app_state
+from controlplane.core import cursors
 from controlplane.services import tenants
 from controlplane.services.tenants import Principal
 
@@ -141,11 +142,11 @@ async def list_keys(request: Request, who: AnyKey, paging: views.Page) -> Any:
 
 async def _keys_page(request: Request, org_id: uuid.UUID, paging: views.Paging) -> dict[str, Any]:
     """A page of an organisation's keys (revoked ones too), oldest first."""
-    after = views.after_created(paging.cursor)
+    after = cursors.after_created(paging.cursor)
     async with app_state(request).pool.connection() as conn:
         rows = await tenants.list_keys(conn, org_id, limit=paging.size + 1, after=after)
-    page, next_cursor = views.page_of(
-        rows, paging.size, lambda last: views.created_cursor(last["created_at"], last["id"])
+    page, next_cursor = cursors.page_of(
+        rows, paging.size, lambda last: cursors.created_cursor(last["created_at"], last["id"])
     )
     return {"items": [dict(r) for r in page], "next_cursor": next_cursor}
 
@@ -177,16 +178,6 @@ async def create_own_key(body: KeyCreate, request: Request, response: Response, 
     ),
 )
 async def revoke_key(key_id: uuid.UUID, request: Request, who: AnyKey) -> Response:
-    if not await revoke(app_state(request), key_id, None if who.is_admin else who.org_id):
+    if not await auth.revoke(app_state(request), key_id, None if who.is_admin else who.org_id):
         raise ProblemError("not-found", f"no live key {key_id}")
     return Response(status_code=204)
-
-
-async def revoke(state: AppState, key_id: uuid.UUID, org_id: uuid.UUID | None) -> bool:
-    """Revoke a live key of `org_id` (any organisation's: None), trusted by this process no longer
-    (nor its console sessions, which end with it); False if there is no such live key."""
-    async with state.pool.connection() as conn:
-        revoked = await tenants.revoke_key(conn, key_id, org_id)
-    if revoked:
-        state.keys.forget(key_id)
-    return revoked
