@@ -1,57 +1,18 @@
-"""The audit log's signing key (Ed25519): made on first use, its private half stored encrypted by
-the secret box, its public half exportable for auditors."""
+"""The audit log's signing key (Ed25519) as stored: made on first use, its private half encrypted by
+the secret box; the public halves stored, by fingerprint (checking with one: `public_key`)."""
 
 from __future__ import annotations
 
 import base64
-import hashlib
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from controlplane.audit.public_key import fingerprint, raw_public
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.secretbox import SecretBox
-
-
-class BadPublicKey(ValueError):
-    """A public key file that is not an Ed25519 public key."""
-
-
-def fingerprint(public_raw: bytes) -> str:
-    """How checkpoints and exports name the key: the first 16 bytes of SHA-256 of its raw bytes, hex."""
-    return hashlib.sha256(public_raw).hexdigest()[:32]
-
-
-def raw_public(key: Ed25519PublicKey) -> bytes:
-    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def public_pem(public_raw: bytes) -> str:
-    key = Ed25519PublicKey.from_public_bytes(public_raw)
-    return key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode()
-
-
-def load_public_pem(data: bytes) -> Ed25519PublicKey:
-    try:
-        key = serialization.load_pem_public_key(data)
-    except ValueError as exc:
-        raise BadPublicKey(f"not a PEM public key: {exc}") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise BadPublicKey("not an Ed25519 public key")
-    return key
-
-
-def verifies(key: Ed25519PublicKey, signature: bytes, message: bytes) -> bool:
-    try:
-        key.verify(bytes(signature), message)
-    except InvalidSignature:
-        return False
-    return True
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from controlplane.audit import chain, checkpoints, signing_key
+from controlplane.audit import chain, checkpoints, public_key
 from controlplane.core import lifecycle
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
@@ -350,7 +350,7 @@ async def check_checkpoints(
                 result.problems.append(
                     f"checkpoint {number}: signed by key {row['key_fingerprint']}, not a trusted key"
                 )
-            elif not signing_key.verifies(key, bytes(row["signature"]), body.body()):
+            elif not public_key.verifies(key, bytes(row["signature"]), body.body()):
                 result.problems.append(f"checkpoint {number}: the signature does not verify")
             else:
                 result.keys.add(row["key_fingerprint"])

@@ -7,13 +7,13 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-from controlplane.cli import account, common, customer, jobs, orgs, server, shell, sre
+from controlplane.cli import account, common, customer_parser, jobs, orgs, server, shell, sre
 from controlplane.core import exit_codes
 from controlplane.core.refusals import DomainError
 from controlplane.runtime.postgres import PostgresError
 from controlplane.runtime.settings import NotAvailable, SettingsError
 
-COMMAND_MODULES = (server, customer, account, sre, jobs, orgs, shell)
+COMMAND_MODULES = (server, customer_parser, account, sre, jobs, orgs, shell)
 
 
 def build_parser() -> argparse.ArgumentParser:

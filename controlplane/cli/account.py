@@ -9,7 +9,7 @@ from typing import Any
 
 from controlplane.cli.client import Api
 from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
-from controlplane.cli.customer import _action, api_flags
+from controlplane.cli.customer_parser import _action, api_flags
 
 
 def register(commands: Any) -> None:

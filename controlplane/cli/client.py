@@ -1,10 +1,11 @@
 """The CLI's client of the REST API: where it is and which key to use (flags, environment, the
 profile), and its answers turned into results or one-line errors with the exit code of their
-problem type (`controlplane.core.exit_codes`)."""
+problem type (`controlplane.core.exit_codes`); the CA it publishes, in a file for libpq."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -304,3 +305,28 @@ def api_error(response: httpx.Response) -> ApiError:
     except ValueError:
         kind = None
     return ApiError(problem_line(response), kind, response.status_code)
+
+
+def ca_file(api: Api, pem: str | None = None) -> Path:
+    """A CA certificate (`pem`, else the API's) in a file of this user's: CONTROLPLANE_CA_FILE, else
+    one per certificate under $XDG_CONFIG_HOME/controlplane; written when missing or different."""
+    pem = pem or api.ca_pem()
+    configured = os.environ.get("CONTROLPLANE_CA_FILE")
+    if configured:
+        path = Path(configured).expanduser()
+    else:
+        path = config_dir() / f"ca-{hashlib.sha256(pem.encode()).hexdigest()[:16]}.pem"
+    if not path.exists() or path.read_text() != pem:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(pem)
+    return path
+
+
+def connection_uri(api: Api, connection: dict[str, Any]) -> str:
+    """The URI to give libpq (psql): with `sslrootcert` naming the CA when the server is verified
+    (the instance's own CA when its connection names one, else the API's)."""
+    uri = str(connection["uri"])
+    if connection.get("sslmode") not in ("verify-full", "verify-ca"):
+        return uri
+    path = ca_file(api, connection.get("ca_certificate"))
+    return f"{uri}&sslrootcert={quote(str(path), safe='/')}"

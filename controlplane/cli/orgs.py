@@ -10,7 +10,7 @@ from typing import Any
 
 from controlplane.cli.client import Api
 from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
-from controlplane.cli.customer import api_flags
+from controlplane.cli.customer_parser import api_flags
 from controlplane.core import exit_codes
 
 EXAMPLE = "example:\n  {}"

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from controlplane.audit import checkpoints, export, search, signing_key
+from controlplane.audit import checkpoints, export, export_verify, public_key, search, signing_key
 from controlplane.audit import verify as audit
 from controlplane.cli import jobs as jobs_cli
 from controlplane.cli.client import Api
@@ -66,10 +66,10 @@ def register(commands: Any) -> None:
     add_settings_flags(checkpoint, SIGNING_FLAGS)
     checkpoint.set_defaults(handler=cmd_audit_checkpoint)
 
-    public_key = audit_commands.add_parser("public-key", help="print the checkpoints' public key (PEM)")
-    public_key.add_argument("--output", type=Path, help="write it to this file instead")
-    add_settings_flags(public_key, SIGNING_FLAGS)
-    public_key.set_defaults(handler=cmd_audit_public_key)
+    public = audit_commands.add_parser("public-key", help="print the checkpoints' public key (PEM)")
+    public.add_argument("--output", type=Path, help="write it to this file instead")
+    add_settings_flags(public, SIGNING_FLAGS)
+    public.set_defaults(handler=cmd_audit_public_key)
 
     exporting = audit_commands.add_parser(
         "export", help="write the events and checkpoints (after recording one) for offline verification"
@@ -190,12 +190,12 @@ def _trusted_keys(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
     try:
-        key = signing_key.load_public_pem(path.read_bytes())
+        key = public_key.load_public_pem(path.read_bytes())
     except OSError as exc:
         raise CommandError(f"cannot read the key {path}: {exc.strerror}") from None
-    except signing_key.BadPublicKey as exc:
+    except public_key.BadPublicKey as exc:
         raise CommandError(f"{path}: {exc}") from None
-    return {signing_key.fingerprint(signing_key.raw_public(key)): key}
+    return {public_key.fingerprint(public_key.raw_public(key)): key}
 
 
 async def _verify(conn: AsyncConn, since: str | None, keys: dict[str, Any] | None) -> tuple[list[str], str]:
@@ -262,7 +262,7 @@ def cmd_audit_public_key(args: argparse.Namespace) -> int:
     box = load_box(settings_from(args))
 
     async def key(conn: AsyncConn) -> str:
-        return signing_key.public_pem((await signing_key.ensure_key(conn, box)).public_raw)
+        return public_key.public_pem((await signing_key.ensure_key(conn, box)).public_raw)
 
     pem = run_with_db(args, key)
     if args.output:
@@ -300,7 +300,7 @@ def cmd_audit_verify_export(args: argparse.Namespace) -> int:
     (key,) = keys.values()
     try:
         with args.file.open("rb") as handle:
-            report = export.verify_export(handle, key)
+            report = export_verify.verify_export(handle, key)
     except OSError as exc:
         raise CommandError(f"cannot read {args.file}: {exc.strerror}") from None
     print(report)

@@ -16,7 +16,7 @@ import pytest
 from cryptography.fernet import Fernet
 
 from alembic import command
-from controlplane.audit import chain, checkpoints, export, signing_key
+from controlplane.audit import chain, checkpoints, export, export_verify, public_key, signing_key
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db.connection import AsyncConn
@@ -237,7 +237,7 @@ async def test_checkpoints_are_signed_chained_and_checked(
 
     # Another key (one the auditor holds from elsewhere) does not verify them.
     stranger = _other_key()
-    other = {signing_key.fingerprint(signing_key.raw_public(stranger)): stranger}
+    other = {public_key.fingerprint(public_key.raw_public(stranger)): stranger}
     problems = (await audit.check_checkpoints(conn, other)).problems
     assert problems[:2] == [
         f"checkpoint 1: signed by key {first['key_fingerprint']}, not a trusted key",
@@ -312,8 +312,8 @@ async def _export(conn: AsyncConn, box: SecretBox, path: Path, since: int | None
 
 
 async def _public(conn: AsyncConn, box: SecretBox) -> Any:
-    return signing_key.load_public_pem(
-        signing_key.public_pem((await signing_key.ensure_key(conn, box)).public_raw).encode()
+    return public_key.load_public_pem(
+        public_key.public_pem((await signing_key.ensure_key(conn, box)).public_raw).encode()
     )
 
 
@@ -327,7 +327,7 @@ def _line_of(lines: list[bytes], **fields: Any) -> int:
 
 
 def _problems(lines: list[bytes], key: Any) -> list[str]:
-    report = export.verify_export(lines, key)
+    report = export_verify.verify_export(lines, key)
     assert not report.ok
     return report.problems
 
@@ -340,7 +340,7 @@ async def test_an_export_verifies_offline_and_every_edit_fails(
     await walk(conn, rows["ready"]["id"], "suspend")
     lines = await _export(conn, box, tmp_path / "audit.ndjson")
     key = await _public(conn, box)
-    report = export.verify_export(lines, key)
+    report = export_verify.verify_export(lines, key)
     assert report.ok, report.problems
     assert (report.events, report.chains, report.checkpoints) == (30, 6, (1, 2))
     assert str(report).startswith("export verified: 30 events in 6 chains, checkpoints 1..2")
@@ -405,7 +405,7 @@ async def test_an_export_since_a_checkpoint_covers_what_came_after(
     await walk(conn, rows["ready"]["id"], "suspend", "resume")
     second = await make_instance(conn)
     lines = await _export(conn, box, tmp_path / "since.ndjson", since=first["number"])
-    report = export.verify_export(lines, await _public(conn, box))
+    report = export_verify.verify_export(lines, await _public(conn, box))
     assert report.ok, report.problems
     # The window starts at checkpoint 1's cut: the two moves and the new instance's creation.
     assert (report.events, report.chains, report.since) == (3, 2, 1)

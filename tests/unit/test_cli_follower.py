@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.cli.customer import Follower
+from controlplane.cli.follow import Follower
 
 
 def _event(event: str, attempt: int = 1, duration_s: float | None = None) -> dict[str, object]:

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 
 from controlplane.cli import build_parser, common, main
-from controlplane.cli.customer import parse_duration
+from controlplane.cli.customer_parser import parse_duration
 from controlplane.cli.shell import complete
 from controlplane.core import plans
 
