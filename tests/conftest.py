@@ -33,12 +33,19 @@ _counter = itertools.count()
 GROUPS = ("unit", "integration", "e2e")
 
 
+# A unit test runs in milliseconds: one that hangs fails after this many seconds, not pyproject's
+# 300 (which bounds the tests that start servers). Generous, so a slow machine never trips it.
+UNIT_TIMEOUT_S = 60
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its group, the directory it lives in."""
+    """Mark every test with its group, the directory it lives in (unit tests with a short timeout)."""
     for item in items:
         group = item.path.parent.name
         if group in GROUPS:
             item.add_marker(getattr(pytest.mark, group))
+        if group == "unit" and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
 
 
 class TestServer:
