@@ -79,7 +79,7 @@ def connect(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:
 def stop_all_servers(data_dir: Path) -> None:
     """Stop every instance server a test left running under `data_dir` (teardown)."""
     from controlplane.runtime.postgres import server_user
-    from provisioners.local import InstanceServer, _postmaster_pids_for
+    from provisioners.local import InstanceServer, postmaster_pids_for
 
     instances = Path(data_dir).resolve() / "instances"
     if not instances.exists():
@@ -92,7 +92,7 @@ def stop_all_servers(data_dir: Path) -> None:
             )
             if server.is_running():
                 server.stop("immediate")
-        for pid in _postmaster_pids_for(datadir):
+        for pid in postmaster_pids_for(datadir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGQUIT)
 
