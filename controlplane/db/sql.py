@@ -4,7 +4,7 @@ The transition statements are built from one template so that instances and jobs
 guarded UPDATE (id + state_version + state), version bump, event row, pg_notify, in one statement.
 Every write to `instances` and `jobs` is here. (The servers the control plane runs, its embedded
 database and the local provisioner's instances, are administered in `postgres.py`, `embedded.py`
-and `provisioners/local.py`.)
+and `provisioners/local/`.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""Backups and restores: pg_basebackup into each instance's backup directory (listed, pruned by the
-plan's retention), a restore in place from one, and the final pg_dump a deletion keeps."""
+"""Backups and restores: base backups (pg_basebackup), their retention, restore, the final pg_dump.
+
+Each instance's backups are directories under its backup directory, listed and pruned by the plan's
+retention; a restore puts one in place of the data directory; a deletion keeps a final dump.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""The databases inside the servers: the control plane's admin role (its sessions and the client
-tools it runs, over TLS) and the customer's owner role and database."""
+"""Databases: the control plane's admin role on each server, and the customer's owner role and database.
+
+The admin's sessions and the client tools it runs (pg_dump, pg_basebackup) go over TLS, the
+server's certificate verified against the control plane's CA.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Network: the hosts the instance servers listen on and are reached by, each instance's port, and
-the access rules (`pg_hba.conf`) every server gets."""
+"""Network: the servers' hosts, each instance's port, and the access rules (`pg_hba.conf`).
+
+Hosts: the one the servers listen on, the one the control plane connects to, the one customers are
+given. Ports come from the configured range, recorded in `ports.json` under an exclusive flock.
+"""
 
 from __future__ import annotations
 

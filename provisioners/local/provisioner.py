@@ -1,5 +1,7 @@
-"""The local provisioner: the interface's steps, each one synchronous body run by the seam, composed
-of the package's parts (storage, network, TLS, databases, servers, backups)."""
+"""`LocalProvisioner`: the interface's steps, each one synchronous body composed of the package's parts.
+
+The parts are storage, network, TLS, databases, servers and backups; `steps` runs each body.
+"""
 
 from __future__ import annotations
 

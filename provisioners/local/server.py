@@ -1,5 +1,8 @@
-"""Server lifecycle: each instance's PostgreSQL server — initdb, its managed configuration, start,
-stop, standby mode (suspend, resume) — and the server processes found by their data directory."""
+"""Server lifecycle: initdb, managed settings, start, stop, standby mode, and processes by data directory.
+
+Each instance's PostgreSQL server runs from its data directory, as the server user, on its port; a
+suspended one runs in standby mode (read-only that no session can undo).
+"""
 
 from __future__ import annotations
 

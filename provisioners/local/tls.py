@@ -1,5 +1,7 @@
-"""TLS: the control plane's CA (made on first use) and each instance server's certificate, which it
-issues for the names clients reach the servers by."""
+"""TLS: the control plane's CA and each instance server's certificate, issued by it.
+
+The CA is made on first use; a server's certificate names the hosts clients reach the servers by.
+"""
 
 from __future__ import annotations
 
