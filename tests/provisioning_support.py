@@ -137,7 +137,9 @@ def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str
 WORKER_SCRIPT = (
     "import asyncio\n"
     "import provisioners\n"
-    "from controlplane import operations, settings, worker\n"
+    "from controlplane.handlers import operations\n"
+    "from controlplane.queue import worker\n"
+    "from controlplane.runtime import settings\n"
     "configured = settings.load()\n"
     "registry = operations.registry(provisioners.build(configured))\n"
     "asyncio.run(worker.run_worker(configured, registry))\n"
