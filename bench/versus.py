@@ -27,7 +27,7 @@ from bench.cluster import Cluster
 from bench.workloads.transitions import CLIENTS, PGBENCH_VARIABLES, THREADS
 
 HERE = Path(__file__).resolve().parent.parent
-MIGRATE = "import sys\nfrom controlplane import db\ndb.migrate(sys.argv[1])\nprint('ok')"
+MIGRATE = "import sys\nfrom controlplane.db import connection\nconnection.migrate(sys.argv[1])\nprint('ok')"
 SEED = (
     "import asyncio, sys\nfrom bench.seed import ready_instances\n"
     "print(','.join(str(i) for i in asyncio.run(ready_instances(sys.argv[1], 8))))"

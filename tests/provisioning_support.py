@@ -79,7 +79,7 @@ def connect(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:
 def stop_all_servers(data_dir: Path) -> None:
     """Stop every instance server a test left running under `data_dir` (teardown)."""
     from controlplane.runtime.postgres import server_user
-    from provisioners.local import InstanceServer, _postmaster_pids_for
+    from provisioners.local import InstanceServer, postmaster_pids_for
 
     instances = Path(data_dir).resolve() / "instances"
     if not instances.exists():
@@ -92,7 +92,7 @@ def stop_all_servers(data_dir: Path) -> None:
             )
             if server.is_running():
                 server.stop("immediate")
-        for pid in _postmaster_pids_for(datadir):
+        for pid in postmaster_pids_for(datadir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGQUIT)
 
@@ -137,7 +137,9 @@ def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str
 WORKER_SCRIPT = (
     "import asyncio\n"
     "import provisioners\n"
-    "from controlplane import operations, settings, worker\n"
+    "from controlplane.handlers import operations\n"
+    "from controlplane.queue import worker\n"
+    "from controlplane.runtime import settings\n"
     "configured = settings.load()\n"
     "registry = operations.registry(provisioners.build(configured))\n"
     "asyncio.run(worker.run_worker(configured, registry))\n"

@@ -10,7 +10,7 @@ its first job in `instances`, a step's start shown on its instance in `steps`), 
 columns of `organisations` are written in `billing`. Every write to `instances` and `jobs` is in
 this package. (The servers the control plane runs, its embedded database and the local
 provisioner's instances, are administered in `postgres.py`, `embedded.py` and
-`provisioners/local.py`.)
+`provisioners/local/`.)
 
 This module re-exports every public name of those modules: callers write `sql.NAME`.
 """

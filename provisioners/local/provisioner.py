@@ -1,0 +1,334 @@
+"""`LocalProvisioner`: the interface's steps, each one synchronous body composed of the package's parts.
+
+The parts are storage, network, TLS, databases, servers and backups; `steps` runs each body.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import uuid
+from collections.abc import Collection
+from pathlib import Path
+
+import psycopg
+
+from controlplane.core.step_errors import TemporaryError
+from controlplane.runtime.postgres import RunAs
+from controlplane.runtime.secretbox import SecretBox
+from controlplane.runtime.settings import Settings
+from controlplane.runtime.tls import CaStore
+from provisioners.base import (
+    BackupInfo,
+    ConnectionInfo,
+    DataLost,
+    DeprovisionResult,
+    InstanceSpec,
+    Observation,
+    Provisioner,
+    Resource,
+    fences_for,
+)
+from provisioners.local.backups import Backups
+from provisioners.local.database import ADMIN_USER, DBNAME, Admin, ensure_owner, owner_role, show
+from provisioners.local.network import Network
+from provisioners.local.server import InstanceServer, Servers, managed_settings, settings_text, stop_strays
+from provisioners.local.steps import in_thread, step
+from provisioners.local.storage import Storage
+from provisioners.local.tls import SSLMODE, InstanceTls
+
+
+class LocalProvisioner(Provisioner):
+    """Instances as PostgreSQL servers under data_dir/instances/<id>/, on ports of the configured range."""
+
+    name = "local"
+    supports_backups = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LocalProvisioner:
+        return cls(settings)
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        run_as: RunAs | None = None,
+        box: SecretBox | None = None,
+    ) -> None:
+        self.settings = settings
+        self.storage = Storage(settings, run_as=run_as, box=box)
+        self.network = Network(settings, self.storage.root)
+        self.tls = InstanceTls(self.storage.data_dir / "tls", self.storage, self.network.names())
+        self.admin = Admin(self.storage, self.tls, self.network.connect_host)
+        self.servers = Servers(self.storage, self.network, self.tls, self.admin, settings.database.pg_bindir)
+        self.backups = Backups(self.storage, self.network, self.servers, self.admin)
+        self.fences = fences_for(self.storage.data_dir)
+        # What tests, the bench and the chaos soak look at.
+        self.root = self.storage.root
+        self.ports = self.network.ports
+        self.advertise_host = self.network.advertise_host
+
+    @property
+    def run_as(self) -> RunAs:
+        return self.storage.run_as
+
+    @property
+    def box(self) -> SecretBox:
+        return self.storage.box
+
+    @property
+    def ca_store(self) -> CaStore:
+        return self.tls.store
+
+    def instance_dir(self, instance_id: uuid.UUID) -> Path:
+        return self.storage.instance_dir(instance_id)
+
+    def backup_dir(self, instance_id: uuid.UUID) -> Path:
+        return self.storage.backup_dir(instance_id)
+
+    def datadir(self, instance_id: uuid.UUID) -> Path:
+        return self.storage.datadir(instance_id)
+
+    def _server(self, instance_id: uuid.UUID, port: int | None = None) -> InstanceServer:
+        return self.servers.server(instance_id, port)
+
+    def _had_cluster(self, instance_id: uuid.UUID) -> bool:
+        """Whether a cluster was made for the instance once: if it is not there, it was lost."""
+        return bool(self.storage.load_state(instance_id).get("cluster_created_at")) or (
+            self.ports.port_of(instance_id) is not None
+        )
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    @step
+    def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        state = self.storage.prepare_instance(instance_id, self.storage.load_state(instance_id))
+        if (self.datadir(instance_id) / "PG_VERSION").exists():
+            return
+        if self._had_cluster(instance_id):
+            raise DataLost(
+                f"the data directory of instance {instance_id} is gone: restore a backup, or accept "
+                "an empty re-initialisation"
+            )
+        self.servers.build_cluster(instance_id, spec, fence, state)
+
+    @step
+    def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        server = self.servers.require_storage(instance_id)
+        self.network.port_to_start_on(instance_id, server)
+        self.servers.conform(server, spec)
+
+    @step
+    def initialize_database(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, password: str | None = None
+    ) -> ConnectionInfo:
+        current = self.servers.require_storage(instance_id)
+        self.network.require_port(instance_id)  # configure_network ran
+        # A port taken since configure_network ran is left for another: these details carry it.
+        port = self.network.port_to_start_on(instance_id, current)
+        server = self._server(instance_id, port)
+        self.servers.ensure_started(server)
+        state = self.storage.load_state(instance_id)
+        if password is None:
+            password = self.storage.unseal(state["owner_password"]) if "owner_password" in state else None
+        if password is None:
+            password = secrets.token_urlsafe(24)
+        if state.get("owner_password") is None or self.storage.unseal(state["owner_password"]) != password:
+            state["owner_password"] = self.storage.seal(password)  # recorded before the role gets it
+            self.storage.save_state(instance_id, state)
+        role = owner_role(instance_id)
+        with self.admin.connect(instance_id, port) as admin:
+            in_recovery = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+            if in_recovery and in_recovery[0]:
+                raise TemporaryError(f"instance {instance_id} is read-only; resume runs first")
+            ensure_owner(admin, role, password)
+        if "plan" not in state:
+            state.update(plan=spec.plan, generation=spec.generation)
+            self.storage.save_state(instance_id, state)
+        ca = self.tls.authority().cert_pem.decode()
+        return ConnectionInfo(
+            self.advertise_host, port, DBNAME, role, password, sslmode=SSLMODE, ca_certificate=ca
+        )
+
+    @step
+    def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        server = self.servers.require_storage(instance_id)
+        desired = managed_settings(spec)
+        managed = server.datadir / "controlplane.conf"
+        changed = False
+        if managed.read_text() != settings_text(desired):
+            server.write_settings(desired)
+            changed = True
+        if server.is_running():
+            with self.admin.connect(instance_id, server.port) as admin:
+                live = {key: show(admin, key) for key in spec.server_settings()}
+            if live != spec.server_settings():
+                server.restart()
+                changed = True
+        state = self.storage.load_state(instance_id)
+        if (state.get("plan"), state.get("generation")) != (spec.plan, spec.generation):
+            state.update(plan=spec.plan, generation=spec.generation)
+            self.storage.save_state(instance_id, state)
+        return changed
+
+    @step
+    def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return self.servers.suspend(instance_id)
+
+    @step
+    def resume(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return self.servers.resume(instance_id)
+
+    @step
+    def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        taken = self.backups.take_final(instance_id)
+        return None if taken is None else Path(taken).name
+
+    @step
+    def deprovision(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, skip_backup: bool = False
+    ) -> DeprovisionResult:
+        directory = self.instance_dir(instance_id)
+        server = self._server(instance_id)
+        existed = directory.exists() or self.ports.port_of(instance_id) is not None
+        backup = None if skip_backup else self.backups.take_final(instance_id)
+        held = self.backups.held(instance_id)
+        if backup is not None or skip_backup:
+            shutil.rmtree(self.backup_dir(instance_id), ignore_errors=True)
+        elif held:
+            # No data left to dump (it was lost): the newest backup is what remains, and is kept.
+            backup = held[-1].location
+        if server.initialised:
+            server.stop("fast")
+        stop_strays(server.datadir)
+        if directory.exists():
+            shutil.rmtree(directory)
+        self.ports.release(instance_id)
+        return DeprovisionResult(backup=None if skip_backup else backup, removed=existed)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    @in_thread
+    def observe(self, instance_id: uuid.UUID) -> Observation:
+        server = self._server(instance_id)
+        state = self.storage.load_state(instance_id)
+        port = server.port or None
+        endpoint = None if port is None else (self.advertise_host, port)
+        plan, generation = state.get("plan"), state.get("generation")
+        if not server.initialised:
+            return Observation(
+                False,
+                endpoint=endpoint,
+                detail="data directory missing",
+                data_lost=self._had_cluster(instance_id),
+            )
+        if not server.is_running():
+            return Observation(
+                True, endpoint=endpoint, plan_applied=plan, generation=generation, detail="server not running"
+            )
+        try:
+            with self.admin.connect(instance_id, server.port, timeout=3) as admin:
+                row = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+        except psycopg.Error as exc:
+            return Observation(
+                True,
+                running=True,
+                endpoint=endpoint,
+                plan_applied=plan,
+                generation=generation,
+                detail=f"not accepting connections: {str(exc).strip()[:200]}",
+            )
+        read_only = bool(row and row[0])
+        return Observation(
+            True,
+            running=True,
+            healthy=True,
+            read_only=read_only,
+            endpoint=endpoint,
+            plan_applied=plan,
+            generation=generation,
+            detail="read-only (standby mode)" if read_only else "accepting writes",
+        )
+
+    @in_thread
+    def inventory(self) -> list[Resource]:
+        found: list[Resource] = []
+        if self.root.exists():
+            for entry in sorted(self.root.iterdir()):
+                instance_id = _as_uuid(entry.name)
+                if instance_id is None or not entry.is_dir():
+                    continue
+                found.append(Resource("data_directory", str(entry), instance_id))
+                pid = self._server(instance_id, 0).pid()
+                if pid is not None:
+                    found.append(Resource("server", f"pid {pid}", instance_id))
+        for owner, port in sorted(self.ports.table().items(), key=lambda item: item[1]):
+            found.append(Resource("port", str(port), _as_uuid(owner)))
+        return found
+
+    @in_thread
+    def start_all(self, instance_ids: Collection[uuid.UUID]) -> list[uuid.UUID]:
+        started = []
+        for instance_id in instance_ids:
+            server = self._server(instance_id)
+            if server.port and server.initialised and not server.is_running():
+                state = self.storage.load_state(instance_id)
+                applied = InstanceSpec.for_removal(
+                    {"plan": state.get("plan", "dev")}, int(state.get("generation", 1))
+                )
+                self.servers.conform(server, applied)  # servers made before a change of the rules get them
+                self.servers.ensure_started(server)
+                started.append(instance_id)
+        return started
+
+    @in_thread
+    def stop_all(self) -> list[uuid.UUID]:
+        stopped = []
+        if self.root.exists():
+            for entry in sorted(self.root.iterdir()):
+                instance_id = _as_uuid(entry.name)
+                if instance_id is None:
+                    continue
+                server = self._server(instance_id)
+                if server.is_running():
+                    server.stop()
+                    stopped.append(instance_id)
+        return stopped
+
+    # ---- backups, restore, the CA -----------------------------------------------------------
+
+    @step
+    def take_backup(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
+    ) -> BackupInfo:
+        return self.backups.take(instance_id, spec, kind)
+
+    @in_thread
+    def list_backups(self, instance_id: uuid.UUID) -> list[BackupInfo]:
+        return self.backups.held(instance_id)
+
+    @step
+    def restore(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
+    ) -> None:
+        self.backups.restore(instance_id, spec, fence, backup_id)
+
+    @in_thread
+    def ca_certificate(self) -> str | None:
+        return self.tls.authority().cert_pem.decode()
+
+    def roles(self, instance_id: uuid.UUID) -> list[str]:
+        """Login roles of the instance's server other than the control plane's own (for checks)."""
+        port = self.network.require_port(instance_id)
+        with self.admin.connect(instance_id, port) as admin:
+            rows = admin.execute(
+                "SELECT rolname FROM pg_roles WHERE rolcanlogin AND rolname <> %s ORDER BY 1", (ADMIN_USER,)
+            ).fetchall()
+        return [row[0] for row in rows]
+
+
+def _as_uuid(text: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        return None
