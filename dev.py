@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -57,12 +58,22 @@ def ensure_venv() -> None:
     stamp.write_text(digest)
 
 
-# Debian packages the tests need, each found by a file it installs: installed when missing (one
-# apt-get as root, else one line saying how). Chromium: the console's browser tests drive it;
-# libfaketime: the clock-skew tests LD_PRELOAD it into a worker.
+# Debian packages, each found by a file it installs: installed when missing (one apt-get as root,
+# else one line saying how). pgBackRest: every local instance archives its WAL and keeps its
+# backups with it (`up`, the tests, the chaos soak and the bench all run local instances).
+# Chromium: the console's browser tests drive it; libfaketime: the clock-skew tests LD_PRELOAD it
+# into a worker.
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_PACKAGES = ("chromium", "fonts-liberation")
 LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
+PGBACKREST = Path("/usr/bin/pgbackrest")
+# What each command needs: (package names, the file that says they are installed).
+RUNTIME_PACKAGES = ((("pgbackrest",), str(PGBACKREST)),)
+TEST_PACKAGES = (
+    *RUNTIME_PACKAGES,
+    (BROWSER_PACKAGES, str(CHROMIUM)),
+    (("libfaketime",), "/" + LIBFAKETIME),
+)
 
 
 def debian_install(missing: tuple[str, ...], is_root: bool, why: str) -> list[list[str]] | str | None:
@@ -81,11 +92,20 @@ def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | 
     return debian_install(missing, is_root, f"{CHROMIUM} is missing and the console's browser tests need it")
 
 
-def ensure_debian_packages() -> None:
-    missing = () if CHROMIUM.exists() else BROWSER_PACKAGES
-    if not any(Path("/").glob(LIBFAKETIME)):
-        missing = (*missing, "libfaketime")
-    plan = debian_install(missing, os.geteuid() == 0, "Debian packages the tests need are missing")
+def missing_packages(
+    needed: tuple[tuple[tuple[str, ...], str], ...], present: Callable[[str], bool]
+) -> tuple[str, ...]:
+    """The packages of `needed` whose file (a path, or a glob from /) `present` does not find."""
+    return tuple(name for packages, found_by in needed if not present(found_by) for name in packages)
+
+
+def _present(found_by: str) -> bool:
+    return any(Path("/").glob(found_by.lstrip("/"))) if "*" in found_by else Path(found_by).exists()
+
+
+def ensure_debian_packages(needed: tuple[tuple[tuple[str, ...], str], ...]) -> None:
+    missing = missing_packages(needed, _present)
+    plan = debian_install(missing, os.geteuid() == 0, "Debian packages the control plane needs are missing")
     if isinstance(plan, str):
         print(plan, file=sys.stderr)
         return
@@ -133,10 +153,12 @@ def main() -> int:
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
     ensure_venv()
+    if command in {"up", "chaos", "bench"}:
+        ensure_debian_packages(RUNTIME_PACKAGES)
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":
-        ensure_debian_packages()
+        ensure_debian_packages(TEST_PACKAGES)
         code = run([venv_bin("python"), "-m", "pytest", *rest])
         return code or checks()
     if command == "check":
