@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from controlplane.core import failures, lifecycle
-from controlplane.core.failures import DATA_LOST, UNHEALTHY
+from controlplane.core.failures import ARCHIVE_FAILING, DATA_LOST, UNHEALTHY
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
 assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
@@ -19,8 +19,9 @@ OBSERVED_STATES = frozenset(lifecycle.SETTLED)
 # degrades) decides. Degrading under it would defer it, and the heal would undo it.
 WORKING_ON_READY = frozenset({SUSPEND, RESUME})
 DEPROVISIONABLE = frozenset(lifecycle.DEPROVISIONABLE)
-# States in which an instance is backed up by its plan's schedule (its server runs).
-BACKED_UP_STATES = frozenset(lifecycle.BACKED_UP)
+# States in which an instance is backed up by its plan's schedule: its server runs and takes writes
+# (a suspended one changes nothing: its newest backup and archive hold it).
+BACKED_UP_STATES = frozenset(lifecycle.INSTANCE.states_allowing("suspend"))
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Observed:
     detail: str = ""
     # The instance had storage and it is gone: nothing but a restore may bring it back.
     data_lost: bool = False
+    # Its continuous archive fails (what fails: `archive_detail`): its newest writes are unprotected.
+    archive_failing: bool = False
+    archive_detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,12 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
         return [Transition("degrade", f"observed {why}", code=UNHEALTHY), Enqueue(HEAL, f"heal: {why}")]
+    if view.state == "ready" and seen.archive_failing and not view.live_jobs:
+        # Never silently ready: the database serves, its newest writes are not protected.
+        why = f"archive failing: {seen.archive_detail or 'archive-push fails'}"
+        return [Transition("degrade", why, code=ARCHIVE_FAILING), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
+        broken = broken or seen.archive_failing
         if broken:
             backing_off = view.heal_not_before is not None and now < view.heal_not_before
             return [] if HEAL in view.live_jobs or backing_off else [Enqueue(HEAL, f"heal: {why}")]
@@ -168,11 +177,13 @@ def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
 
 
 def plan_backup(view: InstanceView, now: datetime) -> list[Action]:
-    """A scheduled backup once the newest one (or, before the first, the creation) is an interval old."""
+    """The first backup at once, then one whenever the newest is a plan interval old."""
     if view.backup_interval_s is None or view.state not in BACKED_UP_STATES or view.live_jobs:
         return []
-    since = view.newest_backup_at or view.created_at
-    if since is not None and now < since + timedelta(seconds=view.backup_interval_s):
+    if view.newest_backup_at is None:
+        # The first, at once: a point-in-time restore (or a lost data directory) starts from one.
+        return [Enqueue(BACKUP, "first backup")]
+    if now < view.newest_backup_at + timedelta(seconds=view.backup_interval_s):
         return []
     return [Enqueue(BACKUP, "scheduled backup")]
 

@@ -27,9 +27,9 @@ from controlplane.queue.supervisor import PassResult, Supervisor
 from controlplane.runtime import metrics
 from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
-from controlplane.services import billing_policy, usage
+from controlplane.services import backups, billing_policy, usage
 from controlplane.services.policy import Policy
-from provisioners.base import InstanceSpec, Provisioner
+from provisioners.base import InstanceSpec, Provisioner, RecoveryWindow
 from reconciler import planning
 from reconciler.leader import LeaderElection, ShardLeases
 
@@ -133,6 +133,8 @@ class Reconciler:
         self.dry_run_orphans = dry_run_orphans
         # Partitions of the event tables ahead, signed checkpoints of the audit log.
         self.audit = AuditMaintenance(settings, pool, load_box(settings)) if audit else None
+        # The check of one instance's backups running in the background, if any.
+        self._verifying: asyncio.Task[str | None] | None = None
 
     async def run_once(
         self, now: datetime | None = None, *, shards: ShardLeases | None = None, duties: bool = True
@@ -184,6 +186,11 @@ class Reconciler:
                 log.exception("audit step failed (partitions ahead, checkpoint)")
         if duties:
             try:
+                await self._backup_upkeep(now)
+            except Exception:  # the next pass tries again
+                log.exception("backup upkeep failed (verification, expiry of deleted instances' archives)")
+        if duties:
+            try:
                 summary.usage_reports = await self._billing_step(now)
             except Exception:  # the next pass tries again; nothing is lost (periods are kept by start)
                 log.exception("billing step failed (usage reports, grace periods, long suspensions)")
@@ -222,6 +229,8 @@ class Reconciler:
                     log.warning("observe of %s failed: %s", instance_id, exc)
                     summary.observe_failures += 1
                     return instance_id, None
+            if seen.recovery is not None:
+                windows[instance_id] = seen.recovery
             return instance_id, planning.Observed(
                 exists=seen.exists,
                 running=seen.running,
@@ -229,11 +238,59 @@ class Reconciler:
                 read_only=bool(seen.read_only),
                 detail=seen.detail,
                 data_lost=seen.data_lost,
+                archive_failing=seen.archive_failing,
+                archive_detail=seen.recovery.archive_detail if seen.recovery is not None else "",
             )
 
+        windows: dict[uuid.UUID, RecoveryWindow] = {}
         results = await asyncio.gather(*(observe(i) for i in targets))
         summary.observed = sum(1 for _, seen in results if seen is not None)
+        await self._record_windows(windows)
         return {instance_id: seen for instance_id, seen in results if seen is not None}
+
+    async def _record_windows(self, windows: dict[uuid.UUID, RecoveryWindow]) -> None:
+        """The recoverable windows the observations reported, recorded in one statement."""
+        if not windows:
+            return
+        async with self.pool.connection() as conn:
+            await backups.record_windows(conn, windows)
+        metrics.ARCHIVE_FAILING.set(sum(1 for w in windows.values() if w.archive_healthy is False))
+        metrics.ARCHIVE_LAG_SECONDS.set(max((w.lag_s or 0.0) for w in windows.values()))
+
+    async def _backup_upkeep(self, now: datetime | None) -> None:
+        """The leader's backup duties: one instance's backups and archive read back and checked at a
+        time (in the background: a pass never waits for it), and the archives of deleted instances
+        whose retention ran out removed."""
+        if not self.provisioner.supports_backups:
+            return
+        async with self.pool.connection() as conn:
+            moment = now or await usage.db_now(conn)
+            interval = self.settings.reconciler.backup_verify_interval_s
+            if interval > 0 and (self._verifying is None or self._verifying.done()):
+                before = moment - timedelta(seconds=interval)
+                cursor = await conn.execute(sql.DUE_VERIFICATIONS, {"before": before, "limit": 1})
+                due = [row["instance_id"] for row in await cursor.fetchall()]
+                if due:
+                    self._verifying = asyncio.create_task(self._verify(due[0]))
+            cursor = await conn.execute(sql.EXPIRED_WINDOWS, {"now": moment, "limit": 10})
+            expired = [row["instance_id"] for row in await cursor.fetchall()]
+        for instance_id in expired:
+            await self.provisioner.expire(instance_id)
+            async with self.pool.connection() as conn:
+                await conn.execute(sql.MARK_EXPIRED, {"instance_id": instance_id})
+            log.info("instance %s: its archive and backups removed (retention over)", instance_id)
+
+    async def _verify(self, instance_id: uuid.UUID) -> str | None:
+        try:
+            problem = await self.provisioner.verify_backups(instance_id)
+        except Exception as exc:  # recorded as a problem: the next check tries again
+            problem = f"verification failed: {exc}"
+        async with self.pool.connection() as conn:
+            await conn.execute(sql.RECORD_VERIFICATION, {"instance_id": instance_id, "problem": problem})
+        metrics.BACKUP_VERIFICATIONS.labels("broken" if problem else "sound").inc()
+        if problem:
+            log.error("instance %s: its backups or archive do not verify: %s", instance_id, problem)
+        return problem
 
     async def _apply(
         self,

@@ -112,6 +112,7 @@ WORKER_SETTINGS = (
     "heartbeat_interval_s",
     "poll_interval_s",
     "provisioner",
+    "local_archive_timeout_s",
 )
 
 

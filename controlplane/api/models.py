@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -438,7 +439,10 @@ class Plan(BaseModel):
 
 class Backup(BaseModel):
     id: str = Field(description="the backup's name, unique per instance: what a restore names")
-    kind: Literal["scheduled", "on_demand"]
+    kind: Literal["scheduled", "on_demand", "final"]
+    type: Literal["full", "diff", "incr"] | None = Field(
+        None, description="full: everything; diff: what changed since the full one; incr: since the last one"
+    )
     taken_at: datetime
     size_bytes: int | None
 
@@ -456,6 +460,50 @@ class BackupPage(BaseModel):
 class AdminBackupPage(BaseModel):
     items: list[AdminBackup]
     next_cursor: str | None
+
+
+class ArchiveHealth(BaseModel):
+    healthy: bool | None = Field(
+        description="whether the last attempt to archive WAL succeeded (null: not known)"
+    )
+    failing_since: datetime | None = Field(description="when it started failing, while it fails")
+    lag_s: float | None = Field(
+        description="how far the latest restorable moment trails the last observation"
+    )
+    lag_bytes: int | None = Field(description="WAL written and not archived yet, as last observed")
+    last_archived_at: datetime | None
+
+
+class AdminArchiveHealth(ArchiveHealth):
+    detail: str = Field(description="what fails, in the provider's words")
+
+
+class RecoverableWindow(BaseModel):
+    """The moments an instance can be restored to (into a new instance, `restore_from`)."""
+
+    instance_id: uuid.UUID
+    earliest: datetime | None = Field(
+        description="the end of the oldest backup held; null: nothing restorable"
+    )
+    latest: datetime | None = Field(
+        description="every transaction committed before this moment is archived; null: not known yet"
+    )
+    archive: ArchiveHealth | None = Field(description="the continuous archive of the instance's WAL")
+    observed_at: datetime | None = Field(description="when the provider last reported the window")
+    retained_until: datetime | None = Field(
+        description="a deleted instance's: when its archive and backups go"
+    )
+    verified_at: datetime | None = Field(
+        description="when its backups and archive were last read back and checked"
+    )
+    verified: bool | None = Field(description="whether that check found everything sound")
+    backups: Sequence[Backup] = Field(description="the backups held, newest first")
+
+
+class AdminRecoverableWindow(RecoverableWindow):
+    archive: AdminArchiveHealth | None
+    verify_problem: str | None
+    backups: Sequence[AdminBackup]
 
 
 class BackupRequested(BaseModel):

@@ -5,13 +5,17 @@ The parts are storage, network, TLS, databases, servers and backups; `steps` run
 
 from __future__ import annotations
 
+import datetime as dt
 import secrets
 import shutil
 import uuid
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psycopg
+import psycopg.sql
 
 from controlplane.core.step_errors import TemporaryError
 from controlplane.runtime.postgres import RunAs
@@ -26,13 +30,26 @@ from provisioners.base import (
     InstanceSpec,
     Observation,
     Provisioner,
+    RecoveryWindow,
     Resource,
+    Restored,
+    RestorePoint,
     fences_for,
 )
 from provisioners.local.backups import Backups
-from provisioners.local.database import ADMIN_USER, DBNAME, Admin, ensure_owner, owner_role, show
+from provisioners.local.database import (
+    ADMIN_USER,
+    DBNAME,
+    Admin,
+    ensure_owner,
+    former_owners,
+    owner_role,
+    show,
+    take_over,
+)
 from provisioners.local.network import Network
-from provisioners.local.server import InstanceServer, Servers, managed_settings, settings_text, stop_strays
+from provisioners.local.repository import Repository
+from provisioners.local.server import InstanceServer, Servers, settings_text, stop_strays
 from provisioners.local.steps import in_thread, step
 from provisioners.local.storage import Storage
 from provisioners.local.tls import SSLMODE, InstanceTls
@@ -43,6 +60,8 @@ class LocalProvisioner(Provisioner):
 
     name = "local"
     supports_backups = True
+    supports_restore = True
+    reports_windows = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalProvisioner:
@@ -60,8 +79,11 @@ class LocalProvisioner(Provisioner):
         self.network = Network(settings, self.storage.root)
         self.tls = InstanceTls(self.storage.data_dir / "tls", self.storage, self.network.names())
         self.admin = Admin(self.storage, self.tls, self.network.connect_host)
-        self.servers = Servers(self.storage, self.network, self.tls, self.admin, settings.database.pg_bindir)
-        self.backups = Backups(self.storage, self.network, self.servers, self.admin)
+        self.repository = Repository(self.storage, settings.provisioner.local_archive_timeout_s)
+        self.servers = Servers(
+            self.storage, self.network, self.tls, self.admin, self.repository, settings.database.pg_bindir
+        )
+        self.backups = Backups(self.storage, self.network, self.servers, self.admin, self.repository)
         self.fences = fences_for(self.storage.data_dir)
         # What tests, the bench and the chaos soak look at.
         self.root = self.storage.root
@@ -110,13 +132,16 @@ class LocalProvisioner(Provisioner):
                 f"the data directory of instance {instance_id} is gone: restore a backup, or accept "
                 "an empty re-initialisation"
             )
+        if spec.restore_from is not None:
+            self.backups.restore_new(instance_id, spec, fence, spec.restore_from)
+            return
         self.servers.build_cluster(instance_id, spec, fence, state)
 
     @step
     def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         server = self.servers.require_storage(instance_id)
         self.network.port_to_start_on(instance_id, server)
-        self.servers.conform(server, spec)
+        self.servers.conform(instance_id, server, spec)
 
     @step
     def initialize_database(
@@ -142,6 +167,13 @@ class LocalProvisioner(Provisioner):
             if in_recovery and in_recovery[0]:
                 raise TemporaryError(f"instance {instance_id} is read-only; resume runs first")
             ensure_owner(admin, role, password)
+            former = former_owners(admin, role)
+        for name in former:  # restored from another instance: its owner's tables become ours
+            with self.admin.connect(instance_id, port, dbname=DBNAME) as app:
+                take_over(app, name, role)
+            with self.admin.connect(instance_id, port) as admin:
+                take_over(admin, name, role)
+                admin.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(name)))
         if "plan" not in state:
             state.update(plan=spec.plan, generation=spec.generation)
             self.storage.save_state(instance_id, state)
@@ -153,7 +185,7 @@ class LocalProvisioner(Provisioner):
     @step
     def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         server = self.servers.require_storage(instance_id)
-        desired = managed_settings(spec)
+        desired = self.servers.settings_for(instance_id, spec)
         managed = server.datadir / "controlplane.conf"
         changed = False
         if managed.read_text() != settings_text(desired):
@@ -172,6 +204,10 @@ class LocalProvisioner(Provisioner):
         return changed
 
     @step
+    def configure_archive(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        self.backups.configure_archive(instance_id)
+
+    @step
     def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return self.servers.suspend(instance_id)
 
@@ -181,8 +217,7 @@ class LocalProvisioner(Provisioner):
 
     @step
     def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
-        taken = self.backups.take_final(instance_id)
-        return None if taken is None else Path(taken).name
+        return self.backups.take_final(instance_id, spec)
 
     @step
     def deprovision(
@@ -191,13 +226,14 @@ class LocalProvisioner(Provisioner):
         directory = self.instance_dir(instance_id)
         server = self._server(instance_id)
         existed = directory.exists() or self.ports.port_of(instance_id) is not None
-        backup = None if skip_backup else self.backups.take_final(instance_id)
-        held = self.backups.held(instance_id)
-        if backup is not None or skip_backup:
-            shutil.rmtree(self.backup_dir(instance_id), ignore_errors=True)
-        elif held:
-            # No data left to dump (it was lost): the newest backup is what remains, and is kept.
-            backup = held[-1].location
+        backup = None if skip_backup else self.backups.take_final(instance_id, spec)
+        held = [] if skip_backup else self.backups.held(instance_id)
+        if backup is None and held:
+            # No data left to back up (it was lost): the newest backup is what remains, and is kept.
+            backup = held[-1].name
+        # The archive and backups stay for the plan's retention (a restore of the deleted instance
+        # into a new one), unless the deletion skipped the final backup: then nothing is kept.
+        self.backups.forget_deleted(instance_id, spec, kept=bool(held))
         if server.initialised:
             server.stop("fast")
         stop_strays(server.datadir)
@@ -207,6 +243,18 @@ class LocalProvisioner(Provisioner):
         return DeprovisionResult(backup=None if skip_backup else backup, removed=existed)
 
     # ---- reading ---------------------------------------------------------------------------
+
+    @in_thread
+    def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
+        return self.backups.window(instance_id)
+
+    @in_thread
+    def verify_backups(self, instance_id: uuid.UUID) -> str | None:
+        return self.backups.verify(instance_id)
+
+    @in_thread
+    def expire(self, instance_id: uuid.UUID) -> bool:
+        return self.backups.expire(instance_id, dt.datetime.now(dt.UTC))
 
     @in_thread
     def observe(self, instance_id: uuid.UUID) -> Observation:
@@ -221,6 +269,7 @@ class LocalProvisioner(Provisioner):
                 endpoint=endpoint,
                 detail="data directory missing",
                 data_lost=self._had_cluster(instance_id),
+                recovery=self.backups.window(instance_id),
             )
         if not server.is_running():
             return Observation(
@@ -229,6 +278,7 @@ class LocalProvisioner(Provisioner):
         try:
             with self.admin.connect(instance_id, server.port, timeout=3) as admin:
                 row = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+                recovery = self._archive_window(instance_id, admin)
         except psycopg.Error as exc:
             return Observation(
                 True,
@@ -248,7 +298,16 @@ class LocalProvisioner(Provisioner):
             plan_applied=plan,
             generation=generation,
             detail="read-only (standby mode)" if read_only else "accepting writes",
+            recovery=recovery,
         )
+
+    def _archive_window(self, instance_id: uuid.UUID, admin: psycopg.Connection[Any]) -> RecoveryWindow:
+        window = self.backups.observe_archive(instance_id, admin)
+        if not self.repository.has_stanza(instance_id):
+            return replace(
+                window, archive_healthy=False, archive_detail="no archive yet: its stanza is not made"
+            )
+        return window
 
     @in_thread
     def inventory(self) -> list[Resource]:
@@ -276,7 +335,9 @@ class LocalProvisioner(Provisioner):
                 applied = InstanceSpec.for_removal(
                     {"plan": state.get("plan", "dev")}, int(state.get("generation", 1))
                 )
-                self.servers.conform(server, applied)  # servers made before a change of the rules get them
+                self.servers.conform(
+                    instance_id, server, applied
+                )  # servers made before a change of the rules get them
                 self.servers.ensure_started(server)
                 started.append(instance_id)
         return started
@@ -309,9 +370,9 @@ class LocalProvisioner(Provisioner):
 
     @step
     def restore(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
-    ) -> None:
-        self.backups.restore(instance_id, spec, fence, backup_id)
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, point: RestorePoint
+    ) -> Restored:
+        return self.backups.restore(instance_id, spec, fence, point)
 
     @in_thread
     def ca_certificate(self) -> str | None:

@@ -14,7 +14,7 @@ import pytest
 
 from controlplane.core.step_errors import StaleFence, TemporaryError
 from controlplane.runtime.postgres import port_in_use
-from provisioners.base import ConnectionInfo, DataLost, InstanceSpec
+from provisioners.base import ConnectionInfo, DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner, owner_role
 from tests.provisioning_support import connect, real_instances
 
@@ -108,17 +108,20 @@ async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> N
     with pytest.raises(StaleFence):
         await local.deprovision(iid, DEV, fence=3)
 
-    # Deprovision: final dump, server stopped, directory and port gone; again is a no-op.
+    # Deprovision: a final pgBackRest backup (kept with the archive for the plan's retention), server
+    # stopped, directory and port gone; again is a no-op that adopts the same final backup.
     result = await local.deprovision(iid, small, fence=14)
-    assert result.backup is not None and Path(result.backup).stat().st_size > 0
-    assert Path(result.backup).parent == Path(local.settings.data_dir).resolve() / "backups"
+    kept = await local.list_backups(iid)
+    assert [(b.name, b.kind) for b in kept] == [(result.backup, "final")]
+    window = await local.recovery_window(iid)
+    assert window is not None and window.retained_until is not None and window.earliest is not None
     assert not local.instance_dir(iid).exists()
     assert local.ports.port_of(iid) is None and not port_in_use(info.port)
     assert await local.inventory() == []
     assert (await local.observe(iid)).exists is False
     again_result = await local.deprovision(iid, small, fence=14)
-    assert again_result.removed is False and again_result.backup is None
-    assert list(Path(result.backup).parent.iterdir()) == [Path(result.backup)]
+    assert again_result.removed is False and again_result.backup == result.backup
+    assert await local.list_backups(iid) == kept
 
 
 def occupy(port: int) -> socket.socket:
@@ -235,7 +238,7 @@ async def test_observe_sees_a_killed_server_and_a_removed_directory(local: Local
     # Lost data is never re-created empty by re-running the steps: only an explicit restore does.
     with pytest.raises(DataLost):
         await provision(local, iid, fence=3)
-    await local.restore(iid, DEV, fence=3, backup_id=None)
+    await local.restore(iid, DEV, fence=3, point=RestorePoint(empty=True))
     repaired = await provision(local, iid, fence=3)
     assert repaired.port == info.port and repaired.user == info.user
     with connect(repaired) as conn:
