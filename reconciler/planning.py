@@ -135,7 +135,7 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
         return [Transition("degrade", f"observed {why}", code=UNHEALTHY), Enqueue(HEAL, f"heal: {why}")]
-    if view.state == "ready" and seen.archive_failing and not view.live_jobs:
+    if view.state == "ready" and seen.archive_failing and not WORKING_ON_READY.intersection(view.live_jobs):
         # Never silently ready: the database serves, its newest writes are not protected.
         why = f"archive failing: {seen.archive_detail or 'archive-push fails'}"
         return [Transition("degrade", why, code=ARCHIVE_FAILING), Enqueue(HEAL, f"heal: {why}")]

@@ -280,6 +280,12 @@ class Reconciler:
                 await conn.execute(sql.MARK_EXPIRED, {"instance_id": instance_id})
             log.info("instance %s: its archive and backups removed (retention over)", instance_id)
 
+    async def close(self) -> None:
+        """Wait for the check of backups under way, if any (before the pool closes)."""
+        if self._verifying is not None:
+            await asyncio.gather(self._verifying, return_exceptions=True)
+            self._verifying = None
+
     async def _verify(self, instance_id: uuid.UUID) -> str | None:
         try:
             problem = await self.provisioner.verify_backups(instance_id)
@@ -499,3 +505,4 @@ class Reconciler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await stop.wait()
+        await self.close()

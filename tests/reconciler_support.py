@@ -56,16 +56,18 @@ async def reconciling(
         name=reconciler_id,
     )
     await pool.open(wait=True)
+    reconciler = Reconciler(
+        settings,
+        pool,
+        provisioner,
+        registry or registry_for(provisioner),
+        reconciler_id=reconciler_id,
+        **options,
+    )
     try:
-        yield Reconciler(
-            settings,
-            pool,
-            provisioner,
-            registry or registry_for(provisioner),
-            reconciler_id=reconciler_id,
-            **options,
-        )
+        yield reconciler
     finally:
+        await reconciler.close()
         await pool.close()
 
 

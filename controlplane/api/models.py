@@ -62,7 +62,7 @@ class RestoreFrom(Strict):
         None,
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9._]*[A-Za-z0-9])?$",
         description="one of that instance's backups (its final backup is named in the audit log);"
         " with point_in_time, the base the replay starts from",
     )

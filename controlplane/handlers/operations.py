@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import PurePath
@@ -421,13 +422,18 @@ class Operations:
             )
         finally:
             JOB_ATTEMPT.reset(token)
-        listing = await self.provisioner.list_backups(inst.id)
-        window = await self.provisioner.recovery_window(inst.id)
+        held = await self._record_backups(ctx, inst.id)
+        return {"result": "backed up", "backup": taken.name, "held": held}
+
+    async def _record_backups(self, ctx: JobContext, instance_id: uuid.UUID) -> int:
+        """The record made what the provisioner holds now: the backups and the recoverable window."""
+        listing = await self.provisioner.list_backups(instance_id)
+        window = await self.provisioner.recovery_window(instance_id)
         async with ctx.pool.connection() as conn:
-            await backups.record(conn, inst.id, listing)
+            await backups.record(conn, instance_id, listing)
             if window is not None:
-                await backups.record_windows(conn, {inst.id: window})
-        return {"result": "backed up", "backup": taken.name, "held": len(listing)}
+                await backups.record_windows(conn, {instance_id: window})
+        return len(listing)
 
     async def restore(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._restore)
@@ -513,10 +519,7 @@ class Operations:
         )
         # The backup's name is shown to the customer, where the provisioner keeps it only to SREs.
         shown = name or (PurePath(result.backup).name if result.backup else None)
-        window = await p.recovery_window(inst.id)
-        if window is not None:
-            async with ctx.pool.connection() as conn:
-                await backups.record_windows(conn, {inst.id: window})
+        await self._record_backups(ctx, inst.id)
         await self._move(
             ctx,
             inst,

@@ -113,6 +113,10 @@ class Backups:
                 record["last_seen_at"] = at.isoformat()
             earliest = record.get("earliest")
         failing = failed_at is not None and (archived_at is None or failed_at > archived_at)
+        if not failing and _overdue(coverage, at, self.repository.archive_timeout_s):
+            # Writes older than archive_timeout are still in an open segment (the server's own timer
+            # was seen to skip switches): closed here, so the archive's lag stays bounded.
+            admin.execute("SELECT pg_switch_wal()")
         detail = ""
         if in_recovery:
             pass  # a standby (suspended) archives nothing; its primary run's archive is what counts
@@ -424,6 +428,13 @@ def _archive_error(datadir: Path) -> str:
     said = _since(log_file, max(0, _size(log_file) - 65536))
     errors = [line for line in said.splitlines() if " ERROR: [" in line]
     return errors[-1].split(" ERROR: ", 1)[1].strip()[:500] if errors else ""
+
+
+def _overdue(coverage: Coverage, now: dt.datetime, archive_timeout_s: float) -> bool:
+    """Whether writes waiting for the archive are older than archive_timeout (with some slack)."""
+    return bool(coverage.waiting) and coverage.waiting[0].at < now - dt.timedelta(
+        seconds=archive_timeout_s * 1.5
+    )
 
 
 def _size(path: Path) -> int:

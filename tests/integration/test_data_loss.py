@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from controlplane.api.app import create_app
 from controlplane.audit import verify as audit
@@ -31,17 +29,9 @@ from tests.operations_support import Condition, instance, instance_in, ready_ins
 from tests.provisioning_support import connect, credentials, real_instances
 from tests.reconciler_support import instance_events, live_jobs, passes_until, reconciling, working
 
+pytest_plugins = ("tests.api_fixtures",)
+
 DEV = InstanceSpec("dev", 1)
-
-
-@pytest.fixture
-async def local_app(local_settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The API over the same database, data directory and secret key as the worker's."""
-    application: FastAPI = create_app(local_settings)
-    async with application.router.lifespan_context(application):
-        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
-            yield http
 
 
 def recovered(instance_id: uuid.UUID) -> Condition:
@@ -116,7 +106,7 @@ async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
             customer.execute("INSERT INTO kept VALUES (3)")  # B
             customer.execute("CREATE TABLE written_after_the_backups (x int)")
             customer.execute("INSERT INTO written_after_the_backups VALUES (4)")  # C
-            (written,) = customer.execute("SELECT clock_timestamp()").fetchone() or (None,)
+            written: datetime = customer.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
         # The archive catches up with C (a segment is closed within a second of a write).
         await passes_until(rec, window_covers(iid, written))
 
