@@ -49,9 +49,9 @@ def settled(instance_id: uuid.UUID, state: str) -> Condition:
     return check
 
 
-def rows(local_settings: Settings, row: Any, table: str = "orders") -> list[int]:
+def rows(local_settings: Settings, row: Any) -> list[int]:
     with connect(credentials(local_settings, row)) as customer:
-        found = customer.execute(f"SELECT id FROM {table} ORDER BY id").fetchall()  # noqa: S608 (a test's table)
+        found = customer.execute("SELECT id FROM orders ORDER BY id").fetchall()
     return [r[0] for r in found]
 
 
