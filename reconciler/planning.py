@@ -135,12 +135,12 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
         return [Transition("degrade", f"observed {why}", code=UNHEALTHY), Enqueue(HEAL, f"heal: {why}")]
-    if view.state == "ready" and seen.archive_failing and not WORKING_ON_READY.intersection(view.live_jobs):
-        # Never silently ready: the database serves, its newest writes are not protected.
-        why = f"archive failing: {seen.archive_detail or 'archive-push fails'}"
-        return [Transition("degrade", why, code=ARCHIVE_FAILING), Enqueue(HEAL, f"heal: {why}")]
+    if seen.archive_failing and not broken:
+        broken, why = True, f"archive failing: {seen.archive_detail or 'archive-push fails'}"
+        if view.state == "ready" and not WORKING_ON_READY.intersection(view.live_jobs):
+            # Never silently ready: the database serves, its newest writes are not protected.
+            return [Transition("degrade", why, code=ARCHIVE_FAILING), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
-        broken = broken or seen.archive_failing
         if broken:
             backing_off = view.heal_not_before is not None and now < view.heal_not_before
             return [] if HEAL in view.live_jobs or backing_off else [Enqueue(HEAL, f"heal: {why}")]

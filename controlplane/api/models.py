@@ -471,7 +471,7 @@ class ArchiveHealth(BaseModel):
         description="how far the latest restorable moment trails the last observation"
     )
     lag_bytes: int | None = Field(description="WAL written and not archived yet, as last observed")
-    last_archived_at: datetime | None
+    last_archived_at: datetime | None = Field(description="when a WAL segment last reached the archive")
 
 
 class AdminArchiveHealth(ArchiveHealth):
@@ -501,8 +501,8 @@ class RecoverableWindow(BaseModel):
 
 
 class AdminRecoverableWindow(RecoverableWindow):
-    archive: AdminArchiveHealth | None
-    verify_problem: str | None
+    archive: AdminArchiveHealth | None = Field(description="the continuous archive, with what fails")
+    verify_problem: str | None = Field(description="what the last check of the backups found wrong")
     backups: Sequence[AdminBackup]
 
 
