@@ -424,7 +424,11 @@ class DwellStats(BaseModel):
 
 class BackupSchedule(BaseModel):
     interval_s: float = Field(description="a backup every this many seconds")
-    keep: int = Field(description="how many backups are kept (the newest)")
+    keep: int = Field(
+        description="how many full backups are kept (the newest), with the differential ones between them and"
+        " the WAL archived since the oldest: any moment since then can be restored"
+    )
+    full_every: int = Field(description="a full backup every this many backups; the others are differential")
 
 
 class Plan(BaseModel):

@@ -15,7 +15,14 @@ from typing import Any
 from controlplane.cli.client import Api, connection_uri, instance_path
 from controlplane.cli.common import CommandError, output_format, print_data
 from controlplane.cli.follow import follow, wait_for_generation
-from controlplane.cli.render import failure_rows, show_backups, show_events, show_instance, show_instances
+from controlplane.cli.render import (
+    failure_rows,
+    show_backups,
+    show_events,
+    show_instance,
+    show_instances,
+    window_rows,
+)
 from controlplane.core import exit_codes
 
 # `resize --wait` on a suspended instance: the change is recorded, and applied once it resumes.
@@ -65,6 +72,10 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["region"] = args.region
     if args.deletion_protection:
         body["deletion_protection"] = True
+    if args.restore_from:
+        body["restore_from"] = _restore_from(api, args)
+    elif args.at or args.from_backup:
+        raise CommandError("--at and --from-backup need --restore-from SOURCE", exit_codes.USAGE)
     instance = api.request("POST", "/v1/instances", json=body)
     if not args.wait:
         show_instance(instance, fmt)
@@ -72,6 +83,18 @@ def cmd_create(args: argparse.Namespace) -> int:
     if fmt == "table":
         print(f"{instance['name']}: created as {instance['id']}")
     return wait_until_ready(api, instance, fmt, _deadline(args))
+
+
+def _restore_from(api: Api, args: argparse.Namespace) -> dict[str, Any]:
+    """The `restore_from` of a new instance: the source by name or id (a deleted one too), and a
+    moment of its window (`--at`), one of its backups (`--from-backup`), or its latest state."""
+    source = api.request("GET", f"/v1/instances/{instance_path(args.restore_from)}")
+    restore: dict[str, Any] = {"instance_id": source["id"]}
+    if args.at:
+        restore["point_in_time"] = args.at
+    if args.from_backup:
+        restore["backup"] = args.from_backup
+    return restore
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
@@ -208,7 +231,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_backups(args: argparse.Namespace) -> int:
-    return _show_all(args, "backups", show_backups)
+    """The recoverable window (earliest and latest restorable moment, the archive's health and lag),
+    then the backups, newest first."""
+    recovery = Api(args).request("GET", f"/v1/instances/{instance_path(args.ref)}/recovery")
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(recovery, fmt)
+        return 0
+    for label, value in window_rows(recovery):
+        print(f"{label + ':':<18}{value}")
+    print()
+    show_backups(recovery["backups"], fmt)
+    return 0
 
 
 def _show_all(args: argparse.Namespace, what: str, show: Callable[[list[dict[str, Any]], str], None]) -> int:

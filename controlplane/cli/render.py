@@ -111,5 +111,33 @@ def _actor(event: dict[str, Any]) -> str:
 
 
 def show_backups(items: list[dict[str, Any]], fmt: str) -> None:
-    columns = ("id", "kind", "taken_at", "size_bytes")
-    show_items(items, fmt, columns, lambda b: (b["id"], b["kind"], b["taken_at"], b["size_bytes"]))
+    columns = ("id", "kind", "type", "taken_at", "size_bytes")
+    show_items(
+        items,
+        fmt,
+        columns,
+        lambda b: (b["id"], b["kind"], b.get("type") or "", b["taken_at"], b["size_bytes"]),
+    )
+
+
+def window_rows(recovery: dict[str, Any]) -> list[tuple[str, str]]:
+    """The recoverable window of an instance, as label and value lines (what `backups` prints above
+    the list)."""
+    archive = recovery.get("archive") or {}
+    if archive.get("healthy") is False:
+        health = f"FAILING since {archive.get('failing_since') or '?'}"
+    else:
+        health = {True: "healthy", None: "not known"}[archive.get("healthy")]
+    rows = [
+        ("restorable from", recovery.get("earliest") or "nothing yet (no backup held)"),
+        ("restorable until", recovery.get("latest") or "not known yet"),
+        ("archive", health),
+    ]
+    if archive.get("lag_s") is not None:
+        rows.append(("archive lag", f"{archive['lag_s']:.1f} s, {archive.get('lag_bytes') or 0} bytes"))
+    if recovery.get("retained_until"):
+        rows.append(("kept until", str(recovery["retained_until"])))
+    if recovery.get("verified_at"):
+        verdict = "sound" if recovery.get("verified") else "PROBLEMS FOUND"
+        rows.append(("last verified", f"{recovery['verified_at']} ({verdict})"))
+    return rows

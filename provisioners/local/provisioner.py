@@ -105,9 +105,6 @@ class LocalProvisioner(Provisioner):
     def instance_dir(self, instance_id: uuid.UUID) -> Path:
         return self.storage.instance_dir(instance_id)
 
-    def backup_dir(self, instance_id: uuid.UUID) -> Path:
-        return self.storage.backup_dir(instance_id)
-
     def datadir(self, instance_id: uuid.UUID) -> Path:
         return self.storage.datadir(instance_id)
 

@@ -2,7 +2,7 @@
 
 `data_dir/instances/<id>/` holds the data directory (`pgdata/`, built by the server's initdb), its
 log and `state.json` (the provisioner's own record, its secrets sealed with the control plane's
-key); `data_dir/backups/<id>/` holds the instance's backups, which outlive it.
+key); the archive and backups, which outlive it, are in the pgBackRest repository (`repository`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class Storage:
         self.settings = settings
         self.data_dir = Path(settings.data_dir).resolve()
         self.root = self.data_dir / "instances"
-        self.backups = self.data_dir / "backups"
         self._run_as = run_as
         self._box = box
 
@@ -55,10 +54,6 @@ class Storage:
 
     def instance_dir(self, instance_id: uuid.UUID) -> Path:
         return self.root / str(instance_id)
-
-    def backup_dir(self, instance_id: uuid.UUID) -> Path:
-        """The instance's periodic and on-demand backups (outside its directory: they outlive it)."""
-        return self.backups / str(instance_id)
 
     def datadir(self, instance_id: uuid.UUID) -> Path:
         return self.instance_dir(instance_id) / "pgdata"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from controlplane.runtime.settings import Settings
 from controlplane.services import backups
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_tenant
+from tests.console_support import PAGE, signed_in, text_of
 from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
 from tests.provisioning_support import connect, credentials
 from tests.reconciler_support import live_jobs, passes_until, reconciling, working
@@ -171,8 +172,24 @@ async def test_a_deleted_instance_is_restored_into_a_new_one_within_its_retentio
             unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "body.restore_from.backup"
         )
 
+        # The console's page of the deleted database shows its window and restores it the same way.
+        csrf = await signed_in(local_app, who.key)
+        page = await local_app.get(f"/instances/{gone}", headers=PAGE)
+        words = text_of(page.text)
+        assert "Restorable from" in words and "Restore to a point in time" in words and final in words
+        form = {"csrf_token": csrf, "request_key": "k1", "name": "console-copy", "plan": "dev"}
+        too_late = {**form, "point_in_time": (datetime.now(UTC) + timedelta(days=1)).isoformat()}
+        refused = await local_app.post(f"/instances/{gone}/restore-to-new", data=too_late, headers=PAGE)
+        assert refused.status_code == 422 and "outside the recoverable window" in text_of(refused.text)
+        again = {**form, "request_key": "k2"}
+        made = await local_app.post(f"/instances/{gone}/restore-to-new", data=again, headers=PAGE)
+        assert made.status_code == 303, made.text
+        console_copy = uuid.UUID(made.headers["location"].split("/")[2].split("?")[0])
+        await passes_until(rec, settled(console_copy, "ready"), timeout_s=180)
+
     assert rows(local_settings, await instance(conn, back)) == [1, 2, 3]
     assert rows(local_settings, await instance(conn, uuid.UUID(named.json()["id"]))) == [1, 2, 3]
+    assert rows(local_settings, await instance(conn, console_copy)) == [1, 2, 3]
 
 
 async def test_an_archive_that_fails_makes_the_instance_degraded_until_it_works_again(
