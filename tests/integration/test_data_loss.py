@@ -24,6 +24,7 @@ from controlplane.services import backups
 from provisioners.base import DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_ready, make_tenant
+from tests.archive_support import clock, window_covers
 from tests.factories import make_instance
 from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
 from tests.provisioning_support import connect, credentials, real_instances
@@ -37,16 +38,6 @@ DEV = InstanceSpec("dev", 1)
 def recovered(instance_id: uuid.UUID) -> Condition:
     async def check(conn: AsyncConn) -> bool:
         return await instance_in(instance_id, "ready")(conn) and not await live_jobs(conn, instance_id)
-
-    return check
-
-
-def window_covers(instance_id: uuid.UUID, moment: datetime) -> Condition:
-    """The recorded recoverable window of the instance reaches `moment`."""
-
-    async def check(conn: AsyncConn) -> bool:
-        window = await backups.window(conn, instance_id)
-        return window is not None and window.covers(moment)
 
     return check
 
@@ -106,7 +97,7 @@ async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
             customer.execute("INSERT INTO kept VALUES (3)")  # B
             customer.execute("CREATE TABLE written_after_the_backups (x int)")
             customer.execute("INSERT INTO written_after_the_backups VALUES (4)")  # C
-            written: datetime = customer.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+            written = clock(customer)
         # The archive catches up with C (a segment is closed within a second of a write).
         await passes_until(rec, window_covers(iid, written))
 

@@ -18,6 +18,7 @@ from controlplane.runtime.settings import Settings
 from controlplane.services import backups
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_tenant
+from tests.archive_support import clock, has_backup, window_covers
 from tests.console_support import PAGE, signed_in, text_of
 from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
 from tests.provisioning_support import connect, credentials
@@ -25,22 +26,6 @@ from tests.reconciler_support import live_jobs, passes_until, reconciling, worki
 from tests.support import eventually
 
 pytest_plugins = ("tests.api_fixtures",)
-
-
-def clock(customer: psycopg.Connection[Any]) -> datetime:
-    """The server's time now (after what the session committed)."""
-    row = customer.execute("SELECT clock_timestamp()").fetchone()
-    assert row is not None
-    moment: datetime = row[0]
-    return moment
-
-
-def covers(instance_id: uuid.UUID, moment: datetime) -> Condition:
-    async def check(conn: AsyncConn) -> bool:
-        window = await backups.window(conn, instance_id)
-        return window is not None and window.covers(moment)
-
-    return check
 
 
 def settled(instance_id: uuid.UUID, state: str) -> Condition:
@@ -74,7 +59,7 @@ async def test_a_moment_of_the_archive_is_restored_into_a_new_instance_exactly(
     source = await ready_instance(conn, local_settings, registry, who.org_id)
     path = f"/v1/instances/{source}/recovery"
     async with reconciling(local_settings, local) as rec, working(local_settings, registry):
-        await passes_until(rec, lambda c: _has_backup(c, source))
+        await passes_until(rec, lambda c: has_backup(c, source))
         info = credentials(local_settings, await instance(conn, source))
         with connect(info) as customer:
             # The window opens a second after the first backup ended (its stop time has seconds only).
@@ -84,7 +69,7 @@ async def test_a_moment_of_the_archive_is_restored_into_a_new_instance_exactly(
             customer.execute("INSERT INTO orders SELECT generate_series(1, 5)")  # A
             noted = clock(customer)
             customer.execute("INSERT INTO orders SELECT generate_series(6, 10)")  # B
-        await passes_until(rec, covers(source, noted))
+        await passes_until(rec, window_covers(source, noted))
 
         shown = (await local_app.get(path, headers=who.headers)).json()
         earliest, latest = datetime.fromisoformat(shown["earliest"]), datetime.fromisoformat(shown["latest"])
@@ -117,7 +102,7 @@ async def test_a_moment_of_the_archive_is_restored_into_a_new_instance_exactly(
         assert created.json()["restore_from"]["point_in_time"] is not None
         await passes_until(rec, settled(copy, "ready"), timeout_s=180)
         # Its own archive runs at once: its first backup is taken, its window opens.
-        await passes_until(rec, lambda c: _has_backup(c, copy), timeout_s=120)
+        await passes_until(rec, lambda c: has_backup(c, copy), timeout_s=120)
 
     assert rows(local_settings, await instance(conn, copy)) == [1, 2, 3, 4, 5]
     assert rows(local_settings, await instance(conn, source)) == list(range(1, 11))
@@ -129,11 +114,6 @@ async def test_a_moment_of_the_archive_is_restored_into_a_new_instance_exactly(
 
 async def _after(customer: psycopg.Connection[Any], moment: datetime | None) -> bool:
     return moment is not None and clock(customer) > moment
-
-
-async def _has_backup(conn: AsyncConn, instance_id: uuid.UUID) -> bool:
-    window = await backups.window(conn, instance_id)
-    return window is not None and window.earliest_at is not None
 
 
 async def test_a_deleted_instance_is_restored_into_a_new_one_within_its_retention(
