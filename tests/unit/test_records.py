@@ -40,7 +40,7 @@ def test_what_a_provisioner_can_do_is_known_by_name_from_its_class() -> None:
         for k in KINDS
     ] == [
         (True, True, True),
-        (True, False, False),
+        (True, False, True),
         (False, False, False),
     ]
     policy = Policy.from_settings(Settings(provisioner="kubernetes"))
