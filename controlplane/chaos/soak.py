@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,8 +41,10 @@ from controlplane.chaos import plan
 from controlplane.db import connection as db
 from controlplane.runtime.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
 from controlplane.runtime.postgres import free_port, postmaster_pid
+from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
 from controlplane.services import tenants
+from provisioners.base import ConnectionInfo
 from provisioners.local import LocalProvisioner
 from reconciler.leader import RECONCILER_LOCK_KEY
 
@@ -207,6 +210,7 @@ def _environment(root: Path, url: str, options: Options) -> tuple[dict[str, str]
         "deadline_deprovisioning_s": "120",
         "heal_backoff_base_s": "2",
         "heal_backoff_max_s": "10",
+        "local_archive_timeout_s": str(int(ARCHIVE_TIMEOUT_S)),
         "log_format": "text",
     }
     if options.pg_bindir is not None:
@@ -222,6 +226,7 @@ def _environment(root: Path, url: str, options: Options) -> tuple[dict[str, str]
         local_port_max=port_min + 4 * options.max_instances + 20,
         secret_key=values["secret_key"],
         pg_bindir=options.pg_bindir,
+        local_archive_timeout_s=ARCHIVE_TIMEOUT_S,
     )
     return env, settings
 
@@ -673,8 +678,95 @@ class Faults:
 
         return f"instance {iid} (pid {pid})", recovered
 
+    async def _data_directory(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        """Remove a ready instance's data directory once it has a backup: a row written more than
+        the archive timeout before must survive its restore to the end of the archive."""
+        rows = await _query(
+            self.cluster.url,
+            "SELECT i.id, i.connection, i.secret FROM instances i"
+            " JOIN recovery_windows w ON w.instance_id = i.id"
+            " WHERE i.state = 'ready' AND w.earliest_at IS NOT NULL",
+        )
+        if not rows:
+            return None
+        row = self.rng.choice(rows)
+        iid, info = row["id"], customer_info(self.cluster.settings, row)
+        local = LocalProvisioner(self.cluster.settings)
+        try:
+            kept_at = await asyncio.to_thread(write_row, info, "kept")
+            await asyncio.sleep(KEPT_AGE_S)
+            await asyncio.to_thread(write_row, info, "late")
+        except psycopg.Error:
+            return None  # suspended or moved meanwhile: another target next time
+        lost = DataLossProbe(plan.DataLoss(str(iid), round(time.time() - kept_at, 1)))
+        self.report.data_losses.append(lost.record)
+        await asyncio.to_thread(shutil.rmtree, local.datadir(iid), True)
+
+        async def recovered() -> bool:
+            state = await _query(
+                self.cluster.url, "SELECT state FROM instances WHERE id = %(id)s", {"id": iid}
+            )
+            if state[0]["state"] in {"deprovisioning", "deleted"}:
+                return True  # deleted meanwhile: nothing left to look at
+            if state[0]["state"] != "ready":
+                return False
+            return await asyncio.to_thread(lost.look, info)
+
+        return f"instance {iid} (data directory removed)", recovered
+
     async def close(self) -> None:
         await self.http.aclose()
+
+
+# How old the row that must survive a removed data directory is (more than the soak's archive
+# timeout, plus a reconciler interval: the observation closes a segment whose writes waited).
+ARCHIVE_TIMEOUT_S = 5.0
+KEPT_AGE_S = 2 * ARCHIVE_TIMEOUT_S
+
+
+def customer_info(settings: Settings, row: dict[str, Any]) -> ConnectionInfo:
+    password = load_box(settings).decrypt(bytes(row["secret"]))
+    return ConnectionInfo(password=password, **row["connection"])
+
+
+def customer_session(info: ConnectionInfo) -> psycopg.Connection[Any]:
+    return psycopg.connect(
+        host=info.host,
+        port=info.port,
+        user=info.user,
+        password=info.password,
+        dbname=info.dbname,
+        sslmode="require",
+        autocommit=True,
+        connect_timeout=5,
+    )
+
+
+def write_row(info: ConnectionInfo, what: str) -> float:
+    """A row committed (and acknowledged) now; when it was acknowledged."""
+    with customer_session(info) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS chaos_durability (what text, at timestamptz)")
+        conn.execute("INSERT INTO chaos_durability VALUES (%s, clock_timestamp())", (what,))
+    return time.time()
+
+
+@dataclass
+class DataLossProbe:
+    """Looks, once the instance is ready again, at which of the two rows survived."""
+
+    record: plan.DataLoss
+
+    def look(self, info: ConnectionInfo) -> bool:
+        try:
+            with customer_session(info) as conn:
+                present = {r[0] for r in conn.execute("SELECT what FROM chaos_durability").fetchall()}
+        except psycopg.errors.UndefinedTable:
+            present = set()
+        except psycopg.Error:
+            return False  # not serving yet
+        self.record.kept_present = "kept" in present
+        self.record.late_present = "late" in present
+        return True
 
 
 async def supervise(cluster: Cluster, stop: asyncio.Event) -> None:
@@ -797,6 +889,7 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
         await asyncio.gather(*faults.recoveries)
         taken, report.convergence_s = await wait_converged(cluster, options.converge_timeout_s)
         report.violations = plan.violations(workload.ledger, taken)
+        report.violations += plan.durability_violations(report.data_losses, taken.instances)
         report.violations += [
             f"{f.kind} ({f.target}) not recovered within {RECOVERY_BOUND_S:.0f}s"
             for f in report.faults
