@@ -192,7 +192,11 @@ def test_not_converged_while_an_intent_waits_for_the_reconciler() -> None:
 
 
 def test_a_row_older_than_the_archive_timeout_must_survive_a_removed_data_directory() -> None:
-    instances = [{"id": "a", "state": "ready"}, {"id": "b", "state": "ready"}, {"id": "c", "state": "deleted"}]
+    instances = [
+        {"id": "a", "state": "ready"},
+        {"id": "b", "state": "ready"},
+        {"id": "c", "state": "deleted"},
+    ]
     losses = [
         plan.DataLoss("a", 10.2, kept_present=True, late_present=False),  # the late row may go
         plan.DataLoss("b", 10.4, kept_present=False, late_present=False),
