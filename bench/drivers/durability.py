@@ -114,7 +114,11 @@ async def until(check: Any, what: str, timeout_s: float) -> None:
 
 
 async def state_is(conn: db.AsyncConn, iid: uuid.UUID, state: str) -> bool:
-    row = await (await conn.execute("SELECT state FROM instances WHERE id = %s", (iid,))).fetchone()
+    row = await (
+        await conn.execute("SELECT state, failure_reason FROM instances WHERE id = %s", (iid,))
+    ).fetchone()
+    if row is not None and row["state"] == "failed":
+        raise RuntimeError(f"instance {iid} failed: {row['failure_reason']}")
     return row is not None and row["state"] == state
 
 

@@ -4,7 +4,10 @@ ratio to `pgbackrest restore` alone on the same data."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
+from pathlib import Path
 
 from bench.core import Context, Metric, NotAvailable, Target, Workload
 
@@ -67,7 +70,9 @@ class DurabilityWorkload(Workload):
     def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
         if variant == "ours":
             name, url = ctx.fresh_database("w10_durability")
-            data_dir = ctx.work_dir / f"w10-{repetition}"
+            # The servers' user must traverse it (the work directory is private).
+            data_dir = Path(tempfile.mkdtemp(prefix=f"cp-bench-w10-{repetition}-"))
+            os.chmod(data_dir, 0o755)
             try:
                 self.sample = ctx.procs.run_json(
                     [

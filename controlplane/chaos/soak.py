@@ -75,6 +75,7 @@ class Options:
     out: Path | None = None  # where the report goes (<out>.md and <out>.json)
     root: Path | None = None  # a scratch directory by default (removed after)
     pg_bindir: Path | None = None
+    kinds: tuple[str, ...] = plan.FAULT_KINDS  # the faults injected (a targeted soak: some of them)
 
 
 @dataclass
@@ -876,7 +877,9 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
     try:
         await _wait_serving(cluster, faults.http)
         duration = options.minutes * 60
-        schedule = plan.schedule(options.seed, duration, options.min_interval_s, options.max_interval_s)
+        schedule = plan.schedule(
+            options.seed, duration, options.min_interval_s, options.max_interval_s, kinds=options.kinds
+        )
         clients = [asyncio.create_task(workload.client()) for _ in range(3)]
         faults.started = time.monotonic()
         for fault in schedule:
