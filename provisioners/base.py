@@ -165,6 +165,17 @@ class ConnectionInfo:
     sslmode: str | None = None
     ca_certificate: str | None = None
 
+    def libpq(self) -> dict[str, Any]:
+        """The keywords a libpq connection takes (psycopg.connect(**info.libpq(), ...)), without TLS
+        options: the caller says how it checks the server."""
+        return {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "dbname": self.dbname,
+        }
+
     def public(self) -> dict[str, Any]:
         """The connection details that may be stored in the clear and shown (no password)."""
         shown: dict[str, Any] = {

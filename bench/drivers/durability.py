@@ -128,16 +128,7 @@ async def has_backup(conn: db.AsyncConn, iid: uuid.UUID) -> bool:
 
 
 def connect(info: ConnectionInfo) -> psycopg.Connection[Any]:
-    return psycopg.connect(
-        host=info.host,
-        port=info.port,
-        user=info.user,
-        password=info.password,
-        dbname=info.dbname,
-        sslmode="require",
-        autocommit=True,
-        connect_timeout=5,
-    )
+    return psycopg.connect(**info.libpq(), sslmode="require", autocommit=True, connect_timeout=5)
 
 
 class Writer(threading.Thread):

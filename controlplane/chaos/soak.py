@@ -731,16 +731,7 @@ def customer_info(settings: Settings, row: dict[str, Any]) -> ConnectionInfo:
 
 
 def customer_session(info: ConnectionInfo) -> psycopg.Connection[Any]:
-    return psycopg.connect(
-        host=info.host,
-        port=info.port,
-        user=info.user,
-        password=info.password,
-        dbname=info.dbname,
-        sslmode="require",
-        autocommit=True,
-        connect_timeout=5,
-    )
+    return psycopg.connect(**info.libpq(), sslmode="require", autocommit=True, connect_timeout=5)
 
 
 def write_row(info: ConnectionInfo, what: str) -> float:

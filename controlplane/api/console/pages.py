@@ -192,22 +192,14 @@ async def create_instance(request: Request, who: SignedIn, form: Form) -> Respon
         field_errors = _field_errors(errors.validation_errors(exc.errors()))
     else:
         try:
-            # The form's own key: a double submit (or a reload of the answer) creates one database.
-            customer = who.customer
             asked = instances.CreateInstance(
                 who.org_id, body.name, body.plan, body.region, deletion_protection=body.deletion_protection
             )
-            created = await instances.once(
-                app.pool,
-                who.org_id,
-                _keyed(form, "console", "/v1/instances", body.model_dump(mode="json")),
-                lambda conn: instances.create(conn, customer.actor, customer.request_id, asked, app.policy),
-                _made,
-            )
+            made = await _create_once(app, who, form, body, asked)
         except (DomainError, ProblemError) as exc:
             field_errors = _refusal_fields(exc, default_field="name")
         else:
-            return redirect(f"/instances/{created.response.body['id']}")
+            return redirect(f"/instances/{made}")
     async with app.pool.connection() as conn:
         org = await _org(conn, who, app.settings.billing)
     return _new_instance_form(who, org, values, field_errors, status=422)
@@ -349,7 +341,6 @@ async def restore_to_new(request: Request, instance_id: uuid.UUID, who: SignedIn
         message = "; ".join(f"{e['field']}: {e['message']}" for e in errors.validation_errors(exc.errors()))
         return await _instance_view(request, who, instance_id, failed={"restore": message}, status=422)
     assert body.restore_from is not None
-    customer = who.customer
     asked = instances.CreateInstance(
         who.org_id,
         body.name,
@@ -358,17 +349,31 @@ async def restore_to_new(request: Request, instance_id: uuid.UUID, who: SignedIn
         restore_from=RestoreSource.from_spec(body.restore_from.model_dump(mode="json")),
     )
     try:
-        created = await instances.once(
-            app.pool,
-            who.org_id,
-            _keyed(form, "console", "/v1/instances", body.model_dump(mode="json")),
-            lambda conn: instances.create(conn, customer.actor, customer.request_id, asked, app.policy),
-            _made,
-        )
+        made = await _create_once(app, who, form, body, asked)
     except (DomainError, ProblemError) as exc:
         message = exc.detail if isinstance(exc, DomainError) else str(exc)
         return await _instance_view(request, who, instance_id, failed={"restore": message}, status=422)
-    return redirect(f"/instances/{created.response.body['id']}?done=restored")
+    return redirect(f"/instances/{made}?done=restored")
+
+
+async def _create_once(
+    app: AppState,
+    who: Visitor,
+    form: Mapping[str, str],
+    body: InstanceCreate,
+    asked: instances.CreateInstance,
+) -> str:
+    """The create use case behind the form's own key (a double submit, or a reload of the answer,
+    creates one database); the new instance's id."""
+    customer = who.customer
+    created = await instances.once(
+        app.pool,
+        who.org_id,
+        _keyed(form, "console", "/v1/instances", body.model_dump(mode="json")),
+        lambda conn: instances.create(conn, customer.actor, customer.request_id, asked, app.policy),
+        _made,
+    )
+    return str(created.response.body["id"])
 
 
 async def _change(
