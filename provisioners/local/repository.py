@@ -262,9 +262,10 @@ class Repository:
         stanza = self.stanza(instance_id)
         if (self.repo / "backup" / stanza).exists() or (self.repo / "archive" / stanza).exists():
             self.run(instance_id, "stop", timeout=60)
-            result = self.run(instance_id, "stanza-delete", ["--force"], timeout=600)
+            # pgBackRest wants the cluster's path, which need not exist any more (--force).
+            datadir = PgTarget(self.storage.datadir(instance_id))
+            result = self.run(instance_id, "stanza-delete", ["--force"], target=datadir, timeout=600)
             self.must(result, f"the removal of the stanza of {instance_id}")
-            self.run(instance_id, "start", timeout=60)
         self.forget(instance_id)
 
     def has_stanza(self, instance_id: uuid.UUID) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -258,6 +258,19 @@ async def test_the_local_provisioner_backs_up_expires_and_restores_a_lost_instan
         window = await local.recovery_window(iid)
         assert window is not None and window.retained_until is not None
         assert await local.expire(iid) is False  # not yet
+        # Once the retention ran out, the maintenance removes the stanza: nothing is left.
+        assert local.backups.expire(iid, datetime.now(UTC) + timedelta(days=30)) is True
+        assert await local.list_backups(iid) == [] and await local.recovery_window(iid) is None
+
+        # A deletion that skips its final backup keeps nothing.
+        other = uuid.uuid4()
+        await local.allocate_storage(other, DEV, 5)
+        await local.configure_network(other, DEV, 5)
+        await local.initialize_database(other, DEV, 5)
+        await local.configure_archive(other, DEV, 5)
+        assert local.repository.has_stanza(other)
+        await local.deprovision(other, DEV, 6, skip_backup=True)
+        assert not local.repository.has_stanza(other) and await local.recovery_window(other) is None
 
 
 async def test_backups_are_refused_where_the_provisioner_takes_none(
