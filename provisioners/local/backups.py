@@ -113,7 +113,7 @@ class Backups:
                 record["last_seen_at"] = at.isoformat()
             earliest = record.get("earliest")
         failing = failed_at is not None and (archived_at is None or failed_at > archived_at)
-        if not failing and _overdue(coverage, at, self.repository.archive_timeout_s):
+        if not (failing or in_recovery) and _overdue(coverage, at, self.repository.archive_timeout_s):
             # Writes older than archive_timeout are still in an open segment (the server's own timer
             # was seen to skip switches): closed here, so the archive's lag stays bounded.
             admin.execute("SELECT pg_switch_wal()")
