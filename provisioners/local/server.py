@@ -255,6 +255,11 @@ class Servers:
         signal_file = server.datadir / STANDBY_SIGNAL
         if server.is_running() and signal_file.exists() and self.admin.in_recovery(instance_id, server.port):
             return False
+        if server.is_running() and not self.admin.in_recovery(instance_id, server.port):
+            # The last writes close their segment: the archiver pushes it before the server stops,
+            # so the suspended data is all in the archive.
+            with self.admin.connect(instance_id, server.port) as admin:
+                admin.execute("SELECT pg_switch_wal()")
         signal_file.touch()
         self.storage.chown(signal_file)
         server.stop("fast")  # a fast shutdown ends every session, as pg_terminate_backend does
