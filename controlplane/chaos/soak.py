@@ -686,7 +686,7 @@ class Faults:
             self.cluster.url,
             "SELECT i.id, i.connection, i.secret FROM instances i"
             " JOIN recovery_windows w ON w.instance_id = i.id"
-            " WHERE i.state = 'ready' AND w.earliest_at IS NOT NULL",
+            " WHERE i.state = 'ready' AND i.deletion_requested_at IS NULL AND w.earliest_at IS NOT NULL",
         )
         if not rows:
             return None
@@ -699,17 +699,19 @@ class Faults:
             await asyncio.to_thread(write_row, info, "late")
         except psycopg.Error:
             return None  # suspended or moved meanwhile: another target next time
+        before = await _query(self.cluster.url, STATE_OF, {"id": iid})
         lost = DataLossProbe(plan.DataLoss(str(iid), round(time.time() - kept_at, 1)))
         self.report.data_losses.append(lost.record)
         await asyncio.to_thread(shutil.rmtree, local.datadir(iid), True)
 
         async def recovered() -> bool:
-            state = await _query(
-                self.cluster.url, "SELECT state FROM instances WHERE id = %(id)s", {"id": iid}
-            )
+            state = await _query(self.cluster.url, STATE_OF, {"id": iid})
             if state[0]["state"] in {"deprovisioning", "deleted"}:
                 return True  # deleted meanwhile: nothing left to look at
-            if state[0]["state"] != "ready":
+            # Back once the loss was seen (degraded, then recovered): not the server still running
+            # from the removed directory.
+            back = state[0]["state"] in {"ready", "suspended"}  # suspended: readable, by a hold since
+            if not back or state[0]["state_version"] < before[0]["state_version"] + 2:
                 return False
             return await asyncio.to_thread(lost.look, info)
 
@@ -719,6 +721,7 @@ class Faults:
         await self.http.aclose()
 
 
+STATE_OF = "SELECT state, state_version FROM instances WHERE id = %(id)s"
 # How old the row that must survive a removed data directory is (more than the soak's archive
 # timeout, plus a reconciler interval: the observation closes a segment whose writes waited).
 ARCHIVE_TIMEOUT_S = 5.0

@@ -218,11 +218,15 @@ class PostgresServer:
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
 
-    def start_private(self, directory: Path, timeout: float = 60) -> None:
+    def start_private(
+        self, directory: Path, timeout: float = 60, settings: Mapping[str, str] | None = None
+    ) -> None:
         """Start the server with no TCP listener, its only socket in `directory` (made for the
-        server's user alone): only that user, or root, can connect."""
+        server's user alone): only that user, or root, can connect. `settings` override the
+        configuration files' for this run."""
         make_owned_dir(directory, self.run_as)
-        self._start(f"-p {self.port} -c listen_addresses='' -k {directory}", timeout)
+        extra = "".join(f" -c {name}={value}" for name, value in (settings or {}).items())
+        self._start(f"-p {self.port} -c listen_addresses='' -k {directory}{extra}", timeout)
 
     def _start(self, options: str, timeout: float) -> None:
         if not self.initialised:

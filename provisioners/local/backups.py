@@ -394,9 +394,10 @@ class Backups:
         return self._replay(instance_id)
 
     def _replay(self, instance_id: uuid.UUID) -> str | None:
-        """Start the restored cluster where no client can reach it, until it is promoted; a target
-        after the archive's last commit replays everything archived instead (it holds nothing later
-        than the target). Stopped again; returns the time of the last transaction replayed."""
+        """Start the restored cluster where no client can reach it (nor, as it is no hot standby,
+        connect before it is promoted), until it is promoted; a target after the archive's last
+        commit replays everything archived instead (it holds nothing later than the target).
+        Stopped again; returns the time of the last transaction replayed."""
         server = self.servers.server(instance_id, port=self.network.ports.port_of(instance_id) or 5432)
         sockets = self.storage.socket_dir(instance_id)
         password = self.storage.unseal(self.repository.admin_password(instance_id))
@@ -405,7 +406,10 @@ class Backups:
             for to_target in (True, False):
                 offset = _size(server.logfile)
                 with contextlib.suppress(PostgresError):
-                    server.start_private(sockets)
+                    # No hot standby while it replays: a hot standby may not run with fewer
+                    # connections (or workers, locks) than the WAL's primary had, and the plan
+                    # written for this instance may be smaller than the one its backup ran.
+                    server.start_private(sockets, settings={"hot_standby": "off"})
                 while server.is_running():
                     promoted = _promoted(sockets, server.port, password)
                     if promoted is not None:

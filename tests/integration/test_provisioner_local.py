@@ -246,3 +246,27 @@ async def test_observe_sees_a_killed_server_and_a_removed_directory(local: Local
     table = json.loads((local.root / "ports.json").read_text())
     assert table == {str(iid): info.port, str(other): other_port}
     assert local.ports.release(other) is True
+
+
+async def test_a_lost_data_directory_restores_after_its_plan_was_lowered(local: LocalProvisioner) -> None:
+    # Found by the chaos soak: backed up on `small` (50 connections), then resized to `dev` (20) and
+    # lost. The replay runs with the instance's plan, below what its WAL's primary had: a hot standby
+    # would refuse to start ("insufficient parameter settings"), so the replay runs without one.
+    iid = uuid.uuid4()
+    small, dev = InstanceSpec("small", 1), InstanceSpec("dev", 2)
+    info = await provision(local, iid, fence=1, spec=small)
+    await local.configure_archive(iid, small, fence=1)
+    with connect(info) as owner:
+        owner.execute("CREATE TABLE notes (body text)")
+        owner.execute("INSERT INTO notes VALUES ('on small')")
+    await local.take_backup(iid, small, fence=2)
+    assert await local.apply_plan(iid, dev, fence=3) is True
+    with connect(info) as owner:
+        owner.execute("INSERT INTO notes VALUES ('on dev')")
+    shutil.rmtree(local.datadir(iid))
+    await local.restore(iid, dev, fence=4, point=RestorePoint())
+    await local.configure_network(iid, dev, fence=4)
+    back = await local.initialize_database(iid, dev, fence=4, password=info.password)
+    with connect(back) as owner:
+        assert owner.execute("SHOW max_connections").fetchone() == ("20",)
+        assert owner.execute("SELECT count(*) FROM notes WHERE body = 'on small'").fetchone() == (1,)
