@@ -152,6 +152,8 @@ class Cluster:
     orgs: list[Org]
     admin_key: str
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    # Instances the workload does not delete for now (a fault is looking at what comes back).
+    spared: set[str] = field(default_factory=set)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -453,7 +455,12 @@ class Workload:
         if what == "create":
             await self.create()
         elif what in {"resize", "delete"}:
-            iid = self.rng.choice(sorted(self.live))
+            deletable = (
+                sorted(set(self.live) - self.cluster.spared) if what == "delete" else sorted(self.live)
+            )
+            if not deletable:
+                return
+            iid = self.rng.choice(deletable)
             await (self.resize if what == "resize" else self.delete)(iid, self.live[iid])
         elif what == "billing":
             org = self.rng.choice(self.cluster.orgs)
@@ -693,11 +700,13 @@ class Faults:
         row = self.rng.choice(rows)
         iid, info = row["id"], customer_info(self.cluster.settings, row)
         local = LocalProvisioner(self.cluster.settings)
+        self.cluster.spared.add(str(iid))  # until what comes back is looked at
         try:
             kept_at = await asyncio.to_thread(write_row, info, "kept")
             await asyncio.sleep(KEPT_AGE_S)
             await asyncio.to_thread(write_row, info, "late")
         except psycopg.Error:
+            self.cluster.spared.discard(str(iid))
             return None  # suspended or moved meanwhile: another target next time
         before = await _query(self.cluster.url, STATE_OF, {"id": iid})
         lost = DataLossProbe(plan.DataLoss(str(iid), round(time.time() - kept_at, 1)))
@@ -713,7 +722,10 @@ class Faults:
             back = state[0]["state"] in {"ready", "suspended"}  # suspended: readable, by a hold since
             if not back or state[0]["state_version"] < before[0]["state_version"] + 2:
                 return False
-            return await asyncio.to_thread(lost.look, info)
+            looked = await asyncio.to_thread(lost.look, info)
+            if looked:
+                self.cluster.spared.discard(str(iid))
+            return looked
 
         return f"instance {iid} (data directory removed)", recovered
 
