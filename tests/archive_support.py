@@ -43,3 +43,19 @@ async def has_backup(conn: AsyncConn, instance_id: uuid.UUID) -> bool:
     """The instance's window has opened: a backup of it is held."""
     window = await backups.window(conn, instance_id)
     return window is not None and window.earliest_at is not None
+
+
+def archived_through(instance_id: uuid.UUID, moment: datetime) -> Condition:
+    """A backup of the instance is held and every write before `moment` is in it or archived since
+    (`moment` may precede the backup: what a restore to the end of the archive brings back)."""
+
+    async def check(conn: AsyncConn) -> bool:
+        window = await backups.window(conn, instance_id)
+        return (
+            window is not None
+            and window.earliest_at is not None
+            and window.latest_at is not None
+            and window.latest_at >= moment
+        )
+
+    return check

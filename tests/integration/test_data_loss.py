@@ -24,7 +24,7 @@ from controlplane.services import backups
 from provisioners.base import DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_ready, make_tenant
-from tests.archive_support import clock, window_covers
+from tests.archive_support import archived_through, clock
 from tests.factories import make_instance
 from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
 from tests.provisioning_support import connect, credentials, real_instances
@@ -99,7 +99,7 @@ async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
             customer.execute("INSERT INTO written_after_the_backups VALUES (4)")  # C
             written = clock(customer)
         # The archive catches up with C (a segment is closed within a second of a write).
-        await passes_until(rec, window_covers(iid, written))
+        await passes_until(rec, archived_through(iid, written))
 
         # The data directory removed behind the control plane's back.
         shutil.rmtree(local.datadir(iid))

@@ -14,7 +14,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner
-from tests.archive_support import server_clock, window_covers
+from tests.archive_support import archived_through, server_clock
 from tests.operations_support import (
     Condition,
     instance,
@@ -78,7 +78,7 @@ async def test_a_killed_server_and_a_removed_data_directory_are_degraded_and_hea
         # never healed into an empty database: restored to the end of its archive (a backup is held).
         written = server_clock(credentials(local_settings, row))
         async with working(local_settings, registry):  # its first backup, if the kill cut it short
-            await passes_until(rec, window_covers(iid, written))
+            await passes_until(rec, archived_through(iid, written))
         shutil.rmtree(local.datadir(iid))
         summary = await rec.run_once()
         assert summary.actions == {"degrade": 1, "enqueue_restore": 1}
