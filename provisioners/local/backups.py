@@ -210,11 +210,13 @@ class Backups:
             completed_at=backup.stopped_at.isoformat(),
             kind=backup.kind if backup.kind in BACKUP_KINDS else "scheduled",
             size_bytes=backup.repository_bytes,
-            location=str(
-                self.repository.repo / "backup" / self.repository.stanza(instance_id) / backup.label
-            ),
+            location=self.location(instance_id, backup.label),
             type=backup.type,
         )
+
+    def location(self, instance_id: uuid.UUID, label: str) -> str:
+        """Where a backup is kept (SREs' words): its directory in the repository."""
+        return str(self.repository.repo / "backup" / self.repository.stanza(instance_id) / label)
 
     def take_final(self, instance_id: uuid.UUID, spec: InstanceSpec) -> str | None:
         """The final backup's name: the one recorded (if the repository still has it), else a new

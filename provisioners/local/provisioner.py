@@ -237,7 +237,9 @@ class LocalProvisioner(Provisioner):
         if directory.exists():
             shutil.rmtree(directory)
         self.ports.release(instance_id)
-        return DeprovisionResult(backup=None if skip_backup else backup, removed=existed)
+        # Where the final backup is kept (its name is the path's last part, what customers see).
+        kept = None if skip_backup or backup is None else self.backups.location(instance_id, backup)
+        return DeprovisionResult(backup=kept, removed=existed)
 
     # ---- reading ---------------------------------------------------------------------------
 

@@ -254,7 +254,9 @@ async def test_the_local_provisioner_backs_up_expires_and_restores_a_lost_instan
 
         # Deleting the instance takes a final backup; the archive and backups stay for the retention.
         result = await local.deprovision(iid, DEV, 4)
-        assert result.backup is not None and result.backup in {b.name for b in await local.list_backups(iid)}
+        assert result.backup is not None and result.backup in {
+            b.location for b in await local.list_backups(iid)
+        }
         window = await local.recovery_window(iid)
         assert window is not None and window.retained_until is not None
         assert await local.expire(iid) is False  # not yet

@@ -140,7 +140,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     verdict = (await job(conn, delete_job["id"]))["verdict"]
     # The final backup is a backup of the instance's archive, kept for the plan's retention.
     assert verdict["result"] == "deleted" and verdict["backup"] in {
-        b.name for b in await local.list_backups(iid)
+        b.location for b in await local.list_backups(iid)
     }
     assert await local.inventory() == []
 

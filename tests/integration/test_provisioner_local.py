@@ -112,7 +112,7 @@ async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> N
     # stopped, directory and port gone; again is a no-op that adopts the same final backup.
     result = await local.deprovision(iid, small, fence=14)
     kept = await local.list_backups(iid)
-    assert [(b.name, b.kind) for b in kept] == [(result.backup, "final")]
+    assert [(b.location, b.kind) for b in kept] == [(result.backup, "final")]
     window = await local.recovery_window(iid)
     assert window is not None and window.retained_until is not None and window.earliest is not None
     assert not local.instance_dir(iid).exists()

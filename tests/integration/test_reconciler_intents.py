@@ -108,7 +108,7 @@ async def test_a_deletion_requested_while_provisioning_runs_once_the_instance_is
     assert await enqueued_by(conn, deprovision["id"]) == RECONCILER
     assert deprovision["payload"]["reason"] == "deletion requested"
     # The final backup, kept in the instance's archive for the plan's retention.
-    assert deprovision["verdict"]["backup"] in {b.name for b in await local.list_backups(iid)}
+    assert deprovision["verdict"]["backup"] in {b.location for b in await local.list_backups(iid)}
     assert await local.inventory() == []
     assert await audit.verify(conn) == []
 

@@ -128,4 +128,4 @@ async def test_orphans_are_listed_in_dry_run_and_removed_with_a_final_backup_oth
     assert backup.size_bytes
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("orphan removed: ")]
     assert len(logged) == 2
-    assert any(str(unknown) in m and f"final backup: {backup.name}" in m for m in logged)
+    assert any(str(unknown) in m and f"final backup: {backup.location}" in m for m in logged)
