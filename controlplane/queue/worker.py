@@ -8,7 +8,6 @@ import collections
 import contextlib
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -409,28 +408,3 @@ async def worker_pool(settings: Settings, url: str, worker_id: str) -> db.Pool:
     )
     await pool.open(wait=True, timeout=30)
     return pool
-
-
-async def run_worker(
-    settings: Settings,
-    registry: JobRegistry,
-    *,
-    services: Mapping[str, Any] | None = None,
-    policy: RetryPolicy | None = None,
-) -> int:
-    """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
-    crashpoints.arm(crashpoints.parse(settings.crash_points))
-    url = db.resolve_database_url(settings)
-    worker_id = settings.worker.id or default_worker_id()
-    pool = await worker_pool(settings, url, worker_id)
-    worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, worker.request_stop)
-    try:
-        await worker.run()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        await pool.close()
-    return 0
