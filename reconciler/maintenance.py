@@ -1,6 +1,7 @@
-"""The reconciler leader's maintenance: the duties one process of all does (job supervision, the
-gauges, the orphan sweep, the audit log's upkeep, usage reports, the billing policy), each a
-service with `run_once(now)`, and `Maintenance`, which runs them."""
+"""The reconciler leader's once-only duties, a service each with `run_once(now)`, and their runner.
+
+The duties: job supervision, the gauges, the orphan sweep, the audit log's upkeep, usage reports,
+the billing policy. `Maintenance` runs them; the reconciler's loop calls it while it leads."""
 
 from __future__ import annotations
 

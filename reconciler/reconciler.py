@@ -1,5 +1,7 @@
-"""The reconciler: a pass over the live instances (observation, deadlines, health and drift, heal,
-deferred intents) and the loop that runs passes, with the leader's maintenance (`maintenance`)."""
+"""The reconciler's pass over the live instances (observation, deadlines, heal) and its loop.
+
+A pass observes, applies the deadlines, heals, corrects drift and honours deferred intents; the
+loop runs passes, and the leader's maintenance (`reconciler.maintenance`) while it leads."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""What became of a worker's jobs: completed, retried, failed or abandoned (as the retry policy
-decides), or handed back at shutdown, written in batches through the transition path."""
+"""Recording the outcomes of a worker's jobs: completed, retried, failed, abandoned, handed back.
+
+A handler's end is judged here (the retry policy decides between retry, fail and abandon) and
+written in batches through the transition path, with the finished-jobs metric."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class Held:
     writing: bool = False
     # When (this process's monotonic clock) the last statement that renewed its lease was sent:
     # its claim, then each heartbeat that found it still held. The database cannot have reclaimed
-    # it before this + reclaim_after_s, so the worker stops acting on it then (see _expire_leases).
+    # it before this + reclaim_after_s, so the worker stops acting on it then (Worker._expire_leases).
     lease_from: float = field(default_factory=time.monotonic)
 
     @property

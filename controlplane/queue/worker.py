@@ -1,5 +1,6 @@
-"""Running jobs: the worker claims them, runs their handlers in its slots, heartbeats them, cancels
-the ones it lost, and shuts down; what became of each is recorded by `outcomes`."""
+"""Running jobs: the claim loop, the handlers' slots, heartbeats, cancellation, graceful shutdown.
+
+What became of each job is recorded by `controlplane.queue.outcomes`."""
 
 from __future__ import annotations
 
