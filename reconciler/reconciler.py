@@ -1,4 +1,7 @@
-"""The reconciler pass: job supervision, deadlines, health and drift, intents, orphans, metrics."""
+"""The reconciler's pass over the live instances (observation, deadlines, heal) and its loop.
+
+A pass observes, applies the deadlines, heals, corrects drift and honours deferred intents; the
+loop runs passes, and the leader's maintenance (`reconciler.maintenance`) while it leads."""
 
 from __future__ import annotations
 
@@ -13,8 +16,7 @@ from datetime import datetime, timedelta
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane.audit.checkpoints import AuditMaintenance, MaintenanceResult
-from controlplane.core import kinds, lifecycle, plans
+from controlplane.core import kinds, plans
 from controlplane.core.failures import DATA_LOST
 from controlplane.core.kinds import RESUME, SUSPEND
 from controlplane.core.records import InstancePatch, ScannedInstance
@@ -22,39 +24,26 @@ from controlplane.db import job_rows as jobs
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.db.transitions import Actor, Conflict, InvariantViolation, transition
-from controlplane.queue.registry import JobRegistry
-from controlplane.queue.supervisor import PassResult, Supervisor
 from controlplane.runtime import metrics
-from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
-from controlplane.services import billing_policy, usage
-from controlplane.services.policy import Policy
-from provisioners.base import InstanceSpec, Provisioner
+from provisioners.base import Provisioner
 from reconciler import planning
 from reconciler.leader import LeaderElection, ShardLeases
+from reconciler.maintenance import Maintenance
 
 log = logging.getLogger(__name__)
-
-LIVE_INSTANCE_STATES = lifecycle.INSTANCE.live_states()
-LIVE_JOB_STATES = lifecycle.JOB.live_states()
 
 
 @dataclass
 class PassSummary:
     """What one pass saw and did."""
 
-    jobs: PassResult = field(default_factory=PassResult)
     scanned: int = 0
     observed: int = 0
     observe_failures: int = 0
     actions: dict[str, int] = field(default_factory=dict)
     conflicts: int = 0
     invariant_violations: int = 0
-    orphans: list[str] = field(default_factory=list)
-    orphans_removed: int = 0
-    audit: MaintenanceResult | None = None
-    # Usage periods whose report to Stripe this pass enqueued.
-    usage_reports: int = 0
     duration_s: float = 0.0
 
     def count(self, action: str) -> None:
@@ -110,43 +99,37 @@ def _payload(kind: str, reason: str, billing_hold: bool) -> kinds.Payload:
 
 
 class Reconciler:
-    """Compares what the database declares with what the provisioner shows, and corrects it."""
+    """Compares what the database declares with what the provisioner shows, and corrects it.
+
+    `maintenance`, when given, is the leader's: the loop (`run`) runs it on every pass it makes as
+    the leader.
+    """
 
     def __init__(
         self,
         settings: Settings,
         pool: AsyncConnectionPool[AsyncConn],
         provisioner: Provisioner,
-        registry: JobRegistry,
         *,
         reconciler_id: str = "reconciler",
-        sweep_orphans: bool = True,
-        dry_run_orphans: bool = False,
-        audit: bool = True,
+        maintenance: Maintenance | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.provisioner = provisioner
         self.actor = Actor("reconciler", reconciler_id)
-        self.supervisor = Supervisor(pool, settings, registry, supervisor_id=reconciler_id)
-        self.sweep_orphans = sweep_orphans
-        self.dry_run_orphans = dry_run_orphans
-        # Partitions of the event tables ahead, signed checkpoints of the audit log.
-        self.audit = AuditMaintenance(settings, pool, load_box(settings)) if audit else None
+        self.maintenance = maintenance
 
     async def run_once(
-        self, now: datetime | None = None, *, shards: ShardLeases | None = None, duties: bool = True
+        self, now: datetime | None = None, *, shards: ShardLeases | None = None
     ) -> PassSummary:
         """One bounded pass. `now` replaces the database clock in time comparisons (tests).
 
         With `shards`, the pass looks only at the instances of the shards held (and acts on one
-        only while its shard is still held); `duties` (the leader's: job supervision, orphans, the
-        audit log's upkeep, billing, the gauges) are done by one process of all.
+        only while its shard is still held).
         """
         started = time.monotonic()
         summary = PassSummary()
-        if duties:
-            summary.jobs = await self.supervisor.run_once(now)
         scanned: list[ScannedInstance] = []
         held = None if shards is None else sorted(shards.held)
         if held is None or held:
@@ -170,27 +153,13 @@ class Reconciler:
             actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
             if actions:
                 await self._apply(inst, actions, summary, shards)
-        async with self.pool.connection() as conn:
-            if scanned:
+        if scanned:
+            async with self.pool.connection() as conn:
                 await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]}, prepare=True)
-            if duties:
-                await self._record_gauges(conn)
-        if self.sweep_orphans and duties:
-            await self._sweep(summary)
-        if self.audit is not None and duties:
-            try:
-                summary.audit = await self.audit.run_once(now)
-            except Exception:  # the next pass tries again; the checkpoint gauge stops moving
-                log.exception("audit step failed (partitions ahead, checkpoint)")
-        if duties:
-            try:
-                summary.usage_reports = await self._billing_step(now)
-            except Exception:  # the next pass tries again; nothing is lost (periods are kept by start)
-                log.exception("billing step failed (usage reports, grace periods, long suspensions)")
         summary.duration_s = time.monotonic() - started
         metrics.RECONCILE_PASS_DURATION.observe(summary.duration_s)
         metrics.RECONCILE_LAST_SUCCESS.set(time.time())
-        busy = summary.actions or summary.jobs.acted or summary.orphans or summary.observe_failures
+        busy = summary.actions or summary.observe_failures
         log.log(
             logging.INFO if busy else logging.DEBUG,
             "reconciler pass",
@@ -198,10 +167,6 @@ class Reconciler:
                 "scanned": summary.scanned,
                 "observed": summary.observed,
                 "actions": summary.actions,
-                "jobs_reclaimed": len(summary.jobs.reclaimed),
-                "jobs_retried": len(summary.jobs.retried),
-                "jobs_abandoned": len(summary.jobs.abandoned),
-                "orphans": len(summary.orphans),
                 "duration_s": round(summary.duration_s, 4),
             },
         )
@@ -329,95 +294,15 @@ class Reconciler:
             extra={"instance_id": str(inst.id), "failure_code": DATA_LOST},
         )
 
-    async def _billing_step(self, now: datetime | None) -> int:
-        """Enqueue the usage reports of settled periods; apply the grace period and long suspensions."""
-        billing = self.settings.billing
-        enqueued = 0
-        async with self.pool.connection() as conn:
-            moment = now or await usage.db_now(conn)
-            if billing.stripe_api_key is not None:
-                periods = await usage.enqueue_due_reports(
-                    conn,
-                    moment,
-                    timedelta(seconds=billing.meter_interval_s),
-                    timedelta(seconds=billing.meter_settle_s),
-                    self.actor,
-                    max_attempts=50,
-                )
-                enqueued = len(periods)
-            await billing_policy.enforce(
-                conn, moment, billing, self.actor, Policy.from_settings(self.settings)
-            )
-        return enqueued
-
-    async def _record_gauges(self, conn: AsyncConn) -> None:
-        cursor = await conn.execute(sql.COUNT_LIVE_INSTANCES)
-        counts = {row["state"]: row for row in await cursor.fetchall()}
-        for state in LIVE_INSTANCE_STATES:
-            metrics.ENTITIES_BY_STATE.labels("instance", state).set(
-                counts[state]["n"] if state in counts else 0
-            )
-        metrics.OVER_DEADLINE.set(sum(row["over_deadline"] for row in counts.values()))
-        cursor = await conn.execute(sql.COUNT_LIVE_JOBS)
-        job_counts = {row["state"]: row["n"] for row in await cursor.fetchall()}
-        for state in LIVE_JOB_STATES:
-            metrics.ENTITIES_BY_STATE.labels("job", state).set(job_counts.get(state, 0))
-
-    async def find_orphans(self) -> list[tuple[uuid.UUID, str, InstanceSpec]]:
-        """Resources whose instance is unknown, deleted or failed (and no job is cleaning it up)."""
-        resources = await self.provisioner.inventory()
-        by_instance: dict[uuid.UUID, list[str]] = {}
-        for resource in resources:
-            if resource.instance_id is not None:
-                by_instance.setdefault(resource.instance_id, []).append(f"{resource.kind}/{resource.name}")
-        if not by_instance:
-            return []
-        async with self.pool.connection() as conn:
-            cursor = await conn.execute(sql.INSTANCES_BY_ID, {"ids": list(by_instance)})
-            known = {row["id"]: row for row in await cursor.fetchall()}
-        orphans = []
-        for instance_id, names in by_instance.items():
-            row = known.get(instance_id)
-            if row is None:
-                orphans.append((instance_id, f"unknown instance: {', '.join(names)}", InstanceSpec()))
-            elif row["state"] in lifecycle.INSTANCE.terminal and not row["has_live_job"]:
-                spec = InstanceSpec.for_removal(row["spec"], int(row["spec_generation"]))
-                orphans.append((instance_id, f"{row['state']} instance: {', '.join(names)}", spec))
-        return orphans
-
-    async def _sweep(self, summary: PassSummary) -> None:
-        try:
-            orphans = await self.find_orphans()
-        except Exception as exc:  # an unreachable provisioner only delays the sweep
-            log.warning("orphan sweep skipped: inventory failed: %s", exc)
-            return
-        for instance_id, why, spec in orphans:
-            summary.orphans.append(f"{instance_id}: {why}")
-            if self.dry_run_orphans:
-                log.warning("orphan (dry run, left in place): %s %s", instance_id, why)
-                continue
-            async with self.pool.connection() as conn:
-                cursor = await conn.execute(sql.NEXT_FENCE)
-                fence_row = await cursor.fetchone()
-            assert fence_row is not None
-            try:
-                result = await self.provisioner.deprovision(instance_id, spec, int(fence_row["fence"]))
-            except Exception as exc:
-                log.warning("orphan %s could not be removed: %s", instance_id, exc)
-                continue
-            summary.orphans_removed += 1
-            metrics.ORPHANS_REMOVED.inc()
-            log.warning("orphan removed: %s %s (final backup: %s)", instance_id, why, result.backup)
-
     async def run(
         self,
         stop: asyncio.Event,
         election: LeaderElection | None = None,
         shards: ShardLeases | None = None,
     ) -> None:
-        """Pass after pass: the leader does the duties, every process the instances of its shards
-        (all of them without `shards`, on the leader only). A pass that found a full batch is
-        followed by the next at once; otherwise the next comes after the interval."""
+        """Pass after pass: the leader runs its maintenance, then every process the instances of
+        its shards (all of them without `shards`, on the leader only). A pass that found a full
+        batch is followed by the next at once; otherwise the next comes after the interval."""
         interval = self.settings.reconciler.interval_s
         while not stop.is_set():
             leading = election is None or await election.ensure()
@@ -426,10 +311,9 @@ class Reconciler:
             full = False
             if leading or held:
                 try:
-                    if shards is None:
-                        summary = await self.run_once()
-                    else:
-                        summary = await self.run_once(shards=shards, duties=leading)
+                    if leading and self.maintenance is not None:
+                        await self.maintenance.run_once()
+                    summary = await self.run_once(shards=shards)
                     full = summary.scanned >= self.settings.reconciler.batch_size
                 except (psycopg.OperationalError, PoolTimeout) as exc:
                     log.warning("reconciler pass failed: %s", exc)

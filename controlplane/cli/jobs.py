@@ -19,17 +19,14 @@ from controlplane.cli.common import (
     print_table,
     remote,
     run_with_db,
-    settings_from,
 )
 from controlplane.core import exit_codes, lifecycle
 from controlplane.db.connection import AsyncConn
+from controlplane.handlers import operations
 from controlplane.queue import moves as queue
-from controlplane.queue.registry import JobRegistry, load_registry
-from controlplane.runtime import settings as settings_module
+from controlplane.queue.registry import JobRegistry
 
 DB_FLAGS = ("database_url", "data_dir")
-# The instance job kinds: their abandonment hooks fail or degrade the instance (no provisioner needed).
-DEFAULT_REGISTRY = "controlplane.handlers.operations:registry"
 T = TypeVar("T")
 
 
@@ -75,12 +72,6 @@ def register(commands: Any) -> None:
         add_output_flag(steer)
         add_remote_flags(steer)
         if action == "abandon":
-            steer.add_argument(
-                "--registry",
-                default=None,
-                help="job kinds as module:attribute, for the abandonment hook "
-                f"(env {settings_module.env_name('job_registry')}, default {DEFAULT_REGISTRY})",
-            )
             steer.add_argument(
                 "--force", action="store_true", help="abandon even if the kind's hook cannot run here"
             )
@@ -200,14 +191,9 @@ def cmd_steer(args: argparse.Namespace) -> int:
     operator = args.operator or getpass.getuser()
     registry: JobRegistry | None = None
     if args.action == "abandon" and not args.force:
-        spec = args.registry or settings_from(args).worker.job_registry or DEFAULT_REGISTRY
-        try:
-            registry = load_registry(spec)
-        except Exception as exc:
-            raise CommandError(
-                f"cannot load the job kinds {spec!r} for the abandonment hook ({exc}); "
-                "name them with --registry, or --force to abandon without the hook"
-            ) from exc
+        # The instance job kinds: their abandonment hooks fail or degrade the instance (no
+        # provisioner needed).
+        registry = operations.registry()
 
     async def steer(conn: AsyncConn) -> Any:
         return await queue.operator_action(

@@ -31,6 +31,7 @@ from controlplane.runtime.settings import NotAvailable, Settings
 from controlplane.services import notices, tenants
 from provisioners.base import Provisioner
 from reconciler.leader import LeaderElection, ShardLeases
+from reconciler.maintenance import Maintenance
 from reconciler.reconciler import Reconciler
 
 if TYPE_CHECKING:
@@ -181,26 +182,24 @@ async def run_reconciler_role(
         timeouts=db.Timeouts.background(settings),
     )
     await pool.open(wait=True, timeout=30)
-    reconciler = Reconciler(
-        settings,
-        pool,
-        provisioner,
-        registry,
-        reconciler_id=reconciler_id,
-        dry_run_orphans=dry_run_orphans,
+    # The leader's duties (job supervision, orphans, the audit log, billing): run by its loop.
+    maintenance = Maintenance(
+        settings, pool, provisioner, registry, maintainer_id=reconciler_id, dry_run_orphans=dry_run_orphans
     )
+    reconciler = Reconciler(settings, pool, provisioner, reconciler_id=reconciler_id, maintenance=maintenance)
     election = LeaderElection(url)
     try:
         if once:
             if await election.ensure():
-                summary = await reconciler.run_once()
-                for orphan in summary.orphans:
+                maintained = await maintenance.run_once()
+                await reconciler.run_once()
+                for orphan in maintained.orphans:
                     print(f"orphan: {orphan}")
             elif dry_run_orphans:
                 # Listing changes nothing, so it needs no lock: an SRE can list orphans while
                 # the running reconciler leads.
                 log.warning("another reconciler holds the leader lock; listing orphans only, no pass run")
-                for instance_id, why, _ in await reconciler.find_orphans():
+                for instance_id, why, _ in await maintenance.orphans.find():
                     print(f"orphan: {instance_id}: {why}")
             else:
                 log.warning("another reconciler holds the leader lock; no pass run")

@@ -13,7 +13,6 @@ from controlplane.cli import process_roles
 from controlplane.cli.common import CommandError, add_settings_flags, settings_from
 from controlplane.db import connection as db
 from controlplane.handlers import operations
-from controlplane.queue.registry import load_registry
 from controlplane.runtime import aio, datadir, logs
 from controlplane.runtime.settings import Settings
 from provisioners.base import Provisioner
@@ -36,7 +35,6 @@ API = (
     "api_webhook_rate_limit",
     "stripe_webhook_secret",
     "secret_key",
-    "job_registry",
     "crash_points",
 )
 PROVISIONER = (
@@ -201,11 +199,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _configured(args)
     url = db.resolve_database_url(settings)
-    # The API runs no job, so it needs no provisioner: only the kinds' abandonment hooks (of the
-    # instance operations, or of the kinds CONTROLPLANE_JOB_REGISTRY names). The one whose CA it
-    # publishes (GET /v1/ca.pem) is built when first asked for, and closed with the application.
-    spec = settings.worker.job_registry
-    registry = load_registry(spec) if spec else operations.registry()
+    # The API runs no job, so it needs no provisioner: only the instance operations' abandonment
+    # hooks. The one whose CA it publishes (GET /v1/ca.pem) is built when first asked for, and
+    # closed with the application.
+    registry = operations.registry()
 
     async def run() -> None:
         stop = asyncio.Event()

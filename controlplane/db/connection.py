@@ -17,7 +17,7 @@ from psycopg import pq
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import DictRow, dict_row
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
 from controlplane.db import sql
@@ -396,6 +396,42 @@ class Pool(AsyncConnectionPool[AsyncConn]):
         async with self._lock:
             while self._waiting:
                 await self._waiting.popleft().fail(PoolTimeout("the database is unavailable"))
+
+
+# Errors after which a database write is retried on a fresh connection (a read-only database too:
+# a failover in progress, after which the new connections reach the writable server).
+DATABASE_GONE = (psycopg.OperationalError, PoolTimeout, READ_ONLY)
+# How long a lease waits for a pooled connection before counting the database as unreachable.
+LEASE_WAIT_S = 5.0
+
+
+class Lease:
+    """A pooled connection kept across operations (sparing the pool's check on every checkout),
+    given back to the pool, which discards it if broken, when an operation fails on it."""
+
+    def __init__(self, pool: AsyncConnectionPool[AsyncConn]) -> None:
+        self.pool = pool
+        self.conn: AsyncConn | None = None
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConn]:
+        if self.conn is not None and (self.conn.closed or self.conn.broken):
+            await self.release()
+        if self.conn is None:
+            self.conn = await self.pool.getconn(timeout=LEASE_WAIT_S)
+        try:
+            yield self.conn
+        except BaseException as exc:
+            if isinstance(exc, READ_ONLY) and isinstance(self.pool, Pool):
+                await self.pool.discard_read_only(self.conn)
+            await self.release()
+            raise
+
+    async def release(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(PoolClosed):
+                await self.pool.putconn(conn)
 
 
 def pool(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -100,15 +99,3 @@ class JobRegistry:
     def runnable(self) -> list[str]:
         """The kinds that have a handler here: what a worker claims."""
         return sorted(name for name, kind in self._kinds.items() if kind.handler is not None)
-
-
-def load_registry(spec: str) -> JobRegistry:
-    """A registry named "module:attribute": a JobRegistry, or a function returning one."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"job registry {spec!r}: expected 'module:attribute'")
-    value = getattr(importlib.import_module(module_name), attribute)
-    registry = value() if callable(value) and not isinstance(value, JobRegistry) else value
-    if not isinstance(registry, JobRegistry):
-        raise TypeError(f"job registry {spec!r} is a {type(registry).__name__}, not a JobRegistry")
-    return registry

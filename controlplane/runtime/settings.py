@@ -252,14 +252,6 @@ class WorkerSettings(_Group):
         1.0, "retry_base_delay_s", "First retry delay; doubled per attempt, with jitter.", ge=0
     )
     retry_max_delay_s: float = _setting(300.0, "retry_max_delay_s", "Largest retry delay.", ge=0)
-    job_registry: str | None = _setting(
-        None,
-        "job_registry",
-        "The job kinds (`module:attribute`, a JobRegistry or a function returning one) whose "
-        "abandonment hooks the API and `controlplane jobs abandon` run; default: the instance "
-        "operations.",
-        pattern=r"^[\w.]+:\w+$",
-    )
 
     @property
     def reclaim_after_s(self) -> float:

@@ -136,8 +136,7 @@ def test_cli_lists_steers_and_reports_dwell(fresh_database: str, capsys: pytest.
                 str(job_id),
                 "--reason",
                 "x",
-                "--registry",
-                "tests.queue_kinds:build_registry",
+                "--force",
                 *url,
             ]
         )

@@ -230,7 +230,7 @@ async def test_a_hung_worker_is_fenced_off_after_reclaim(
     await b.stop()
     assert a.worker.counts["stale_fence"] == 1 and a.worker.counts["completed"] == 0
     assert resource.read_text() == f"w-b:{ctx_b.fence}"  # A's write was refused
-    late = await queue.finish_many(conn, [(ctx_a.job, {"result": "late"})], a.worker.actor)
+    late = await queue.finish_many(conn, [(ctx_a.job, {"result": "late"})], a.worker.outcomes.actor)
     assert late.moved == [] and isinstance(late.failed[0], Conflict)
     assert [(e, who) for e, _, who in await events_of(conn, job["id"])] == [
         ("enqueue", "tests"),
