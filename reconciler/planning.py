@@ -92,14 +92,14 @@ class ExtendDeadline:
     reason: str
 
 
-Action = Transition | Enqueue | ExtendDeadline | RecordFailure
+PlannedAction = Transition | Enqueue | ExtendDeadline | RecordFailure
 
 
 def timeout_reason(state: str, deadline_retries: int) -> str:
     return f"timeout: {state} exceeded its deadline after {deadline_retries} re-enqueue(s)"
 
 
-def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
+def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[PlannedAction]:
     """Past its deadline with no live job: re-enqueue (bounded), then fail (degrade for updating)."""
     job = DRIVING_JOB.get(view.state)
     if job is None or view.deadline_at is None or now < view.deadline_at:
@@ -114,7 +114,7 @@ def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[A
     return [Transition(event, reason, code=failures.deadline_missed(view.state))]
 
 
-def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
+def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
     """Health and drift of a ready, degraded or suspended instance from the provisioner's view."""
     seen = view.observed
     if seen is None or view.state not in OBSERVED_STATES:
@@ -149,7 +149,7 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
     return []
 
 
-def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
+def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:
     """Lost data is never healed into an empty database: degraded with the code, and restored from
     the newest backup held (once, when the loss is first recorded), or left for a decision."""
     recorded = view.failure_code == DATA_LOST
@@ -159,7 +159,7 @@ def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
         return [] if recorded else [RecordFailure(DATA_LOST, reason)]
     if view.state == "degraded" and recorded:
         return []  # a restore runs, or someone decides
-    restore: list[Action] = []
+    restore: list[PlannedAction] = []
     if view.newest_backup_at is not None and RESTORE not in view.live_jobs:
         restore = [Enqueue(RESTORE, "data lost: restore from the newest backup held")]
     if view.state == "ready":
@@ -167,7 +167,7 @@ def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
     return [RecordFailure(DATA_LOST, reason), *restore]
 
 
-def plan_backup(view: InstanceView, now: datetime) -> list[Action]:
+def plan_backup(view: InstanceView, now: datetime) -> list[PlannedAction]:
     """A scheduled backup once the newest one (or, before the first, the creation) is an interval old."""
     if view.backup_interval_s is None or view.state not in BACKED_UP_STATES or view.live_jobs:
         return []
@@ -177,7 +177,7 @@ def plan_backup(view: InstanceView, now: datetime) -> list[Action]:
     return [Enqueue(BACKUP, "scheduled backup")]
 
 
-def plan_intents(view: InstanceView) -> list[Action]:
+def plan_intents(view: InstanceView) -> list[PlannedAction]:
     """Deferred intents: deletion, billing hold and release, spec changes."""
     busy = bool(view.live_jobs)
     if view.deletion_requested:
@@ -201,7 +201,7 @@ def heal_backoff_s(failures: int, base_s: float, max_s: float) -> float:
     return float(min(max_s, base_s * 2 ** min(failures - 1, 32)))
 
 
-def plan(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
+def plan(view: InstanceView, now: datetime, max_retries: int) -> list[PlannedAction]:
     """Everything to do about one instance this pass, most urgent first; at most one kind of move."""
     return (
         plan_deadline(view, now, max_retries)

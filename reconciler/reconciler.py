@@ -23,7 +23,7 @@ from controlplane.core.records import InstancePatch, ScannedInstance
 from controlplane.db import job_rows as jobs
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, Conflict, InvariantViolation, transition
+from controlplane.db.transitions import Actor, InvariantViolation, VersionConflict, transition
 from controlplane.runtime import metrics
 from controlplane.runtime.settings import Settings
 from provisioners.base import Provisioner
@@ -203,7 +203,7 @@ class Reconciler:
     async def _apply(
         self,
         inst: ScannedInstance,
-        actions: list[planning.Action],
+        actions: list[planning.PlannedAction],
         summary: PassSummary,
         shards: ShardLeases | None,
     ) -> None:
@@ -219,7 +219,7 @@ class Reconciler:
                     return
                 for action in actions:
                     await self._apply_one(conn, inst, action, summary)
-        except Conflict as exc:
+        except VersionConflict as exc:
             summary.conflicts += 1
             log.info("reconciler lost a race on instance %s: %s", inst.id, exc)
         except InvariantViolation:
@@ -228,7 +228,7 @@ class Reconciler:
             summary.invariant_violations += 1
 
     async def _apply_one(
-        self, conn: AsyncConn, inst: ScannedInstance, action: planning.Action, summary: PassSummary
+        self, conn: AsyncConn, inst: ScannedInstance, action: planning.PlannedAction, summary: PassSummary
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")

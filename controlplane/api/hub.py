@@ -27,7 +27,7 @@ LISTENING_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
-class Moved:
+class Transitioned:
     """An instance reached `state` at `state_version` (a transition notification)."""
 
     state: str
@@ -54,7 +54,7 @@ class Signal:
 
 RESYNC = Signal("RESYNC")
 CLOSED = Signal("CLOSED")
-Note = Moved | Stepped | Signal
+Note = Transitioned | Stepped | Signal
 
 
 class Closed(Exception):
@@ -153,7 +153,7 @@ class Hub:
             parsed = parse_notification(channel, payload)
             if parsed is None:
                 return
-            instance_id, note = parsed[0], Moved(parsed[1], parsed[2])
+            instance_id, note = parsed[0], Transitioned(parsed[1], parsed[2])
         for queue in self._queues.get(instance_id, ()):
             _put(queue, note)
 

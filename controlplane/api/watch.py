@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from controlplane.api import views
-from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved, Stepped
+from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Stepped, Transitioned
 from controlplane.api.state import AppState, app_state
 from controlplane.core import failures, lifecycle
 from controlplane.core.kinds import STEP_LABELS
@@ -90,16 +90,16 @@ async def _step_event(
     }
 
 
-async def _missed(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, after: int) -> list[Moved]:
+async def _missed(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, after: int) -> list[Transitioned]:
     """The instance's transitions after state_version `after`, from its audit log."""
     async with app.pool.connection() as conn:
         cursor = await conn.execute(
             sql.ORG_INSTANCE_MOVES_AFTER, {"id": instance_id, "org": org_id, "after": after}
         )
-        return [Moved(row["to_state"], row["state_version"]) for row in await cursor.fetchall()]
+        return [Transitioned(row["to_state"], row["state_version"]) for row in await cursor.fetchall()]
 
 
-def _transition(instance_id: uuid.UUID, moved: Moved) -> bytes:
+def _transition(instance_id: uuid.UUID, moved: Transitioned) -> bytes:
     data = {"id": str(instance_id), "state": moved.state, "state_version": moved.state_version}
     return sse("transition", data, moved.state_version)
 
@@ -154,7 +154,7 @@ async def instance_stream(
                 event = await _step_event(app, instance_id, org_id, note.step_id)
                 if event is not None:
                     yield sse("step", event)
-            elif isinstance(note, Moved):
+            elif isinstance(note, Transitioned):
                 if note.state_version > last:
                     state, last = note.state, note.state_version
                     yield _transition(instance_id, note)

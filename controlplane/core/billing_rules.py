@@ -23,7 +23,7 @@ SUBSCRIPTION_EVENT_TYPES = frozenset(
 )
 
 
-class Action(StrEnum):
+class HoldAction(StrEnum):
     HOLD = "hold"
     RELEASE = "release"
     NO_CHANGE = "no_change"
@@ -31,14 +31,14 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True)
-class Decision:
-    action: Action
+class HoldDecision:
+    action: HoldAction
     reason: str
 
     @property
     def applies(self) -> bool:
         """True when the decision changes the organisation's billing record (hold or release)."""
-        return self.action in (Action.HOLD, Action.RELEASE)
+        return self.action in (HoldAction.HOLD, HoldAction.RELEASE)
 
 
 @dataclass(frozen=True)
@@ -75,21 +75,22 @@ def is_subscription_event(event_type: str) -> bool:
     return event_type in SUBSCRIPTION_EVENT_TYPES
 
 
-def decide(status: str | None, event_created: int, last_applied_created: int | None) -> Decision:
+def decide(status: str | None, event_created: int, last_applied_created: int | None) -> HoldDecision:
     """Hold, release, no change, or stale, from the subscription status and the event ordering.
 
     Only hold and release advance the organisation's watermark (`last_applied_created`), so a
     `past_due` event never hides an older decisive one that arrives after it.
     """
     if last_applied_created is not None and event_created < last_applied_created:
-        return Decision(
-            Action.STALE, f"event of {event_created} is older than the last applied ({last_applied_created})"
+        return HoldDecision(
+            HoldAction.STALE,
+            f"event of {event_created} is older than the last applied ({last_applied_created})",
         )
     if status in HOLD_STATUSES:
-        return Decision(Action.HOLD, f"subscription {status}")
+        return HoldDecision(HoldAction.HOLD, f"subscription {status}")
     if status in RELEASE_STATUSES:
-        return Decision(Action.RELEASE, f"subscription {status}")
-    return Decision(Action.NO_CHANGE, f"subscription {status or 'without status'}: no change")
+        return HoldDecision(HoldAction.RELEASE, f"subscription {status}")
+    return HoldDecision(HoldAction.NO_CHANGE, f"subscription {status or 'without status'}: no change")
 
 
 # How far a signature's timestamp may be from our clock, either way (Stripe's default, 300 s).

@@ -28,7 +28,7 @@ from controlplane.core.refusals import NotFound
 from controlplane.core.step_errors import PermanentError, StaleFence, TemporaryError
 from controlplane.db import sql
 from controlplane.db.instance_rows import transition_instance
-from controlplane.db.transitions import Conflict
+from controlplane.db.transitions import VersionConflict
 from controlplane.handlers import abandonment, delivery, usage_reports
 from controlplane.queue import steps
 from controlplane.queue.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
@@ -50,7 +50,7 @@ MAX_DECISIONS = 8
 NOTHING_TO_DO: Verdict = {"result": "nothing to do"}
 
 
-class Moved(Exception):
+class DecideAgain(Exception):
     """The instance changed under the handler (a progress write matched nothing): decide again."""
 
 
@@ -126,7 +126,7 @@ class Operations:
                 {"progress": text, "id": inst.id, "state": inst.state, "state_version": inst.state_version},
             )
         if cursor.rowcount == 0:
-            raise Moved(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
+            raise DecideAgain(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
 
     async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one provisioner step, recorded as it starts and as it finishes or fails (and shown on
@@ -135,7 +135,7 @@ class Operations:
             try:
                 await steps.started(conn, ctx, inst, step)
             except steps.InstanceMoved as exc:
-                raise Moved(str(exc)) from None
+                raise DecideAgain(str(exc)) from None
         try:
             result = await _named(step, work)
         except (asyncio.CancelledError, StaleFence):
@@ -167,7 +167,7 @@ class Operations:
                 inst = await self._load(ctx)
                 try:
                     return await decide(ctx, inst)
-                except (Conflict, Moved) as exc:
+                except (VersionConflict, DecideAgain) as exc:
                     log.info("job %s: %s; deciding again", ctx.job_id, exc)
             raise TemporaryError(f"instance {ctx.instance_id} kept moving under the job")
         finally:

@@ -20,7 +20,7 @@ from controlplane.audit import chain, checkpoints, export, export_verify, public
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.db.transitions import Actor, VersionConflict, transition
 from controlplane.runtime.secretbox import SecretBox
 from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
@@ -574,7 +574,7 @@ async def test_the_chain_holds_under_racing_writers_as_the_runtime_role(
                         expected_state=row["state"],
                         actor=Actor("worker", "racer"),
                     )
-                except Conflict:
+                except VersionConflict:
                     continue
                 moved += 1
                 break

@@ -14,7 +14,7 @@ from psycopg.rows import DictRow
 
 from controlplane.audit import verify as audit
 from controlplane.core.kinds import DEPROVISION, PROVISION, UPDATE
-from controlplane.core.retry import Decision
+from controlplane.core.retry import RetryDecision
 from controlplane.db.connection import AsyncConn
 from controlplane.db.instance_rows import create_instance
 from controlplane.db.job_rows import NewJob, enqueue
@@ -56,7 +56,7 @@ async def test_a_pass_runs_the_supervisor_as_the_reconciler(conn: AsyncConn, set
     failing = await running(conn, PROVISION, (await make_instance(conn))["id"])
     await queue.error(
         conn,
-        queue.JobFailure(failing, "boom", "temporary", Decision("retry", 5.0, "test backoff")),
+        queue.JobFailure(failing, "boom", "temporary", RetryDecision("retry", 5.0, "test backoff")),
         GONE_WORKER,
     )
     async with reconciling(settings, ScriptedProvisioner()) as rec:

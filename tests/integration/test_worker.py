@@ -15,7 +15,7 @@ from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db import transitions
 from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
-from controlplane.db.transitions import Conflict
+from controlplane.db.transitions import VersionConflict
 from controlplane.queue import moves as queue
 from controlplane.queue.registry import JobRegistry
 from controlplane.queue.supervisor import Supervisor
@@ -231,7 +231,7 @@ async def test_a_hung_worker_is_fenced_off_after_reclaim(
     assert a.worker.counts["stale_fence"] == 1 and a.worker.counts["completed"] == 0
     assert resource.read_text() == f"w-b:{ctx_b.fence}"  # A's write was refused
     late = await queue.finish_many(conn, [(ctx_a.job, {"result": "late"})], a.worker.outcomes.actor)
-    assert late.moved == [] and isinstance(late.failed[0], Conflict)
+    assert late.moved == [] and isinstance(late.failed[0], VersionConflict)
     assert [(e, who) for e, _, who in await events_of(conn, job["id"])] == [
         ("enqueue", "tests"),
         ("claim", "w-a"),
