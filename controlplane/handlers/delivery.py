@@ -1,6 +1,10 @@
 """The `deliver_notification` job: sends one queued delivery (a signed webhook POST, or an email) and
 records the attempt; a failure schedules the next attempt after a growing delay, until the retry
-window is over (then the delivery is given up and its target disabled)."""
+window is over (then the delivery is given up and its target disabled).
+
+A receiver cannot hold more than its own: an attempt takes at most `notify_timeout_s` in all
+(however slowly the answer comes), and only the answer's status is read (never its body).
+"""
 
 from __future__ import annotations
 
@@ -49,8 +53,19 @@ def retry_delay(attempts: int) -> float:
 async def post_webhook(
     url: str, secret: str, body: bytes, headers: Mapping[str, str], policy: NotificationSettings
 ) -> Attempt:
+    """One attempt, `policy.timeout_s` at most in all: the URL checked, the POST, the answer's status."""
     try:
-        await asyncio.to_thread(check_url, url, policy)
+        async with asyncio.timeout(policy.timeout_s):
+            return await _post(url, secret, body, headers, policy)
+    except TimeoutError:
+        return Attempt(False, None, f"no answer within {policy.timeout_s:g} s")
+
+
+async def _post(
+    url: str, secret: str, body: bytes, headers: Mapping[str, str], policy: NotificationSettings
+) -> Attempt:
+    try:
+        addresses = await asyncio.to_thread(check_url, url, policy)
     except InvalidRequest as exc:
         return Attempt(False, None, f"refused: {exc}")
     timestamp = int(time.time())
@@ -60,14 +75,38 @@ async def post_webhook(
         signatures.SIGNATURE_HEADER: signatures.sign(secret, timestamp, body),
         **headers,
     }
+    target = httpx.URL(url)
+    if addresses:  # to the addresses checked, under the URL's name: Host, TLS server name, certificate
+        named = {"Host": target.netloc.decode("ascii")}
+        server_name = {"sni_hostname": target.raw_host.decode("ascii")}
+        tries = [(target.copy_with(host=address), {**sent, **named}, server_name) for address in addresses]
+    else:  # any address is allowed: by name
+        tries = [(target, sent, {})]
     try:
         async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
-            response = await client.post(url, content=body, headers=sent)
+            status = await _status(client, body, tries)
     except httpx.HTTPError as exc:
         return Attempt(False, None, f"{type(exc).__name__}: {exc}"[:500])
-    if 200 <= response.status_code < 300:
-        return Attempt(True, response.status_code, None)
-    return Attempt(False, response.status_code, f"answered {response.status_code}")
+    if 200 <= status < 300:
+        return Attempt(True, status, None)
+    return Attempt(False, status, f"answered {status}")
+
+
+async def _status(
+    client: httpx.AsyncClient, body: bytes, tries: list[tuple[httpx.URL, dict[str, str], dict[str, Any]]]
+) -> int:
+    """The answer's status, from the first of `tries` that can be reached; its body is never read
+    (the response is streamed and closed)."""
+    for number, (url, headers, extensions) in enumerate(tries, 1):
+        try:
+            async with client.stream(
+                "POST", url, content=body, headers=headers, extensions=extensions
+            ) as response:
+                return response.status_code
+        except httpx.ConnectError:
+            if number == len(tries):
+                raise
+    raise ValueError("nothing to try")
 
 
 def _send_email(policy: NotificationSettings, to: str, body: Mapping[str, Any]) -> None:
