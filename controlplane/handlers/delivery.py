@@ -3,13 +3,18 @@ records the attempt; a failure schedules the next attempt after a growing delay,
 window is over (then the delivery is given up and its target disabled).
 
 A receiver cannot hold more than its own: an attempt takes at most `notify_timeout_s` in all
-(however slowly the answer comes), and only the answer's status is read (never its body).
+(however slowly the answer comes), only the answer's status is read (never its body), the
+deliveries run in slots of their own in each worker (`notify_concurrency`, beside the slots of the
+instances' jobs), and at most `notify_endpoint_concurrency` of them at once to one endpoint (another
+waits, queued again, for it to answer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import random
 import smtplib
 import time
 import uuid
@@ -28,7 +33,7 @@ from controlplane.db import sql
 from controlplane.queue.registry import JobContext, JobKind, Verdict
 from controlplane.runtime import metrics
 from controlplane.runtime.secretbox import load_box
-from controlplane.runtime.settings import NotificationSettings
+from controlplane.runtime.settings import NotificationSettings, Settings
 from controlplane.services.notices import (
     ACTOR,
     DELIVER,
@@ -37,6 +42,9 @@ from controlplane.services.notices import (
     check_url,
     deliver_job,
 )
+
+# Webhook deliveries being sent by this process, per endpoint (at most notify_endpoint_concurrency).
+SENDING: collections.Counter[uuid.UUID] = collections.Counter()
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,9 @@ async def deliver(ctx: JobContext) -> Verdict:
     if row["deleted_at"] is not None or row["disabled_at"] is not None:
         return await _settle(ctx, row, Attempt(False, None, "the target was deleted or disabled"), final=True)
     if row["kind"] == "webhook":
+        target = row["target_id"]
+        if SENDING[target] >= policy.endpoint_concurrency:
+            return await _wait_for_endpoint(ctx, row)
         body = json.dumps(row["body"]).encode()
         headers = {
             signatures.EVENT_ID_HEADER: row["event_id"],
@@ -164,10 +175,26 @@ async def deliver(ctx: JobContext) -> Verdict:
             signatures.DELIVERY_ID_HEADER: str(row["id"]),
         }
         secret = load_box(ctx.settings).decrypt(row["secret"])
-        attempt = await post_webhook(row["address"], secret, body, headers, policy)
+        SENDING[target] += 1
+        try:
+            attempt = await post_webhook(row["address"], secret, body, headers, policy)
+        finally:
+            SENDING[target] -= 1
+            if SENDING[target] <= 0:
+                del SENDING[target]
     else:
         attempt = await send_email(policy, row["address"], row["body"])
     return await _settle(ctx, row, attempt, final=False)
+
+
+async def _wait_for_endpoint(ctx: JobContext, row: Mapping[str, Any]) -> Verdict:
+    """The endpoint is answering as many of this process's deliveries as it may: this one is queued
+    again, not attempted, for later than an attempt can take (spread, so that a burst of them for one
+    endpoint does not come back at once), and leaves its slot."""
+    delay = ctx.settings.notifications.timeout_s * random.uniform(1.0, 2.0)  # noqa: S311 (jitter)
+    async with ctx.pool.connection() as conn:
+        await jobs.enqueue(conn, deliver_job(row["id"], delay), ACTOR)
+    return {"result": "endpoint busy", "again_in_s": round(delay, 3)}
 
 
 async def _settle(ctx: JobContext, row: Mapping[str, Any], attempt: Attempt, *, final: bool) -> Verdict:
@@ -201,4 +228,8 @@ async def _settle(ctx: JobContext, row: Mapping[str, Any], attempt: Attempt, *, 
 
 def kinds(run: bool) -> list[JobKind]:
     """The delivery job kind: with its handler where jobs run (a worker), without elsewhere."""
-    return [JobKind(DELIVER, deliver if run else None, max_attempts=20)]
+    return [JobKind(DELIVER, deliver if run else None, max_attempts=20, own_slots=_slots)]
+
+
+def _slots(settings: Settings) -> int:
+    return settings.notifications.concurrency

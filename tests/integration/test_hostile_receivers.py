@@ -14,16 +14,20 @@ from typing import Any
 
 import pytest
 
+from controlplane.core.kinds import PROVISION
 from controlplane.db import connection as db
 from controlplane.db.connection import AsyncConn
-from controlplane.handlers import delivery
+from controlplane.handlers import delivery, operations
 from controlplane.queue.consumers import ConsumerRunner
+from controlplane.queue.registry import JobContext
 from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
 from controlplane.services import notices, tenants
 from controlplane.services import notifications as service
+from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance, walk
 from tests.notify_support import loopback_server, read_request, webhook_receiver
+from tests.operations_support import enqueue, run_until
 
 # Only for a test that fails: how long the old code is given before it counts as stuck.
 STUCK_S = 60.0
@@ -109,6 +113,47 @@ async def _rows(conn: AsyncConn, query: str, *args: Any) -> list[dict[str, Any]]
     return [dict(row) for row in await cursor.fetchall()]
 
 
+async def test_one_organisations_held_deliveries_do_not_delay_anothers_create(
+    conn: AsyncConn, notify_settings: Settings
+) -> None:
+    """Eight endpoints of organisation A hold their deliveries (an attempt may take long: the
+    timeout is far away); organisation B's database, created while they hold, becomes ready before
+    any of A's deliveries has ended, and no more of A's are sent at once than the deliveries' slots."""
+    settings = notify_settings.replace(worker_concurrency=2, notify_timeout_s=3600)
+    async with holding_receiver() as receiver:
+        org_a = await _org_with_endpoints(conn, settings, *(f"{receiver.url}/a/{n}" for n in range(8)))
+        await _notify_ready(conn, settings, org_a)
+        org_b, _ = await tenants.create_org(conn, f"b-{uuid.uuid4().hex[:6]}", None)
+        b_instance: list[uuid.UUID] = []
+        seen: dict[str, Any] = {}
+
+        async def b_ready(c: AsyncConn) -> bool:
+            if not b_instance:
+                # As many of A's deliveries as the worker has shared slots hold: then B creates.
+                async with asyncio.timeout(STUCK_S):
+                    await receiver.until(settings.worker.concurrency)
+                b_instance.append((await make_instance(conn, org_b["id"]))["id"])
+                await enqueue(conn, PROVISION, b_instance[0])
+            cursor = await c.execute("SELECT state FROM instances WHERE id = %s", (b_instance[0],))
+            row = await cursor.fetchone()
+            if row is None or row["state"] != "ready":
+                return False
+            seen["holding"], seen["sent"] = receiver.holding, len(receiver.began)
+            seen["ended"] = await _rows(
+                c, "SELECT state FROM notification_deliveries WHERE org_id = %s AND attempts > 0", org_a
+            )
+            receiver.release.set()  # the held deliveries end now, delivered
+            return True
+
+        try:
+            await run_until(settings, operations.registry(NoopProvisioner()), b_ready, timeout_s=STUCK_S)
+        finally:
+            receiver.release.set()
+    assert seen["ended"] == []  # B's database was ready while all of A's deliveries were unanswered
+    slots = settings.notifications.concurrency
+    assert settings.worker.concurrency <= seen["holding"] <= seen["sent"] <= slots
+
+
 async def test_a_dripping_answer_ends_the_attempt_at_its_timeout(notify_settings: Settings) -> None:
     """A receiver that keeps sending one byte of a header, each well within the time one read may
     take: the attempt ends, failed, at `notify_timeout_s` in all."""
@@ -178,3 +223,46 @@ async def test_a_delivery_connects_to_the_address_it_checked(
     ((headers, _),) = received.requests
     assert headers["Host"] == f"hooks.rebind.test:{port}"
     assert looked_up == ["hooks.rebind.test"]
+
+
+async def test_one_endpoint_gets_one_delivery_at_a_time(conn: AsyncConn, notify_settings: Settings) -> None:
+    """While an endpoint holds a delivery, the next one for it is queued again, unsent, and its
+    job ends at once; the first is delivered once the endpoint answers."""
+    settings = notify_settings.replace(notify_timeout_s=3600)
+    async with holding_receiver() as receiver:
+        org = await _org_with_endpoints(conn, settings, f"{receiver.url}/only")
+        await _notify_ready(conn, settings, org)
+        await _notify_ready(conn, settings, org)
+        first, second = await _rows(
+            conn, "SELECT id FROM notification_deliveries WHERE org_id = %s ORDER BY created_at, id", org
+        )
+        pool = db.pool(settings.database.url_value or "", min_size=1, max_size=4, name="deliver")
+        await pool.open(wait=True)
+        try:
+
+            def context(delivery_id: uuid.UUID) -> JobContext:
+                job = {"id": uuid.uuid4(), "payload": {"delivery_id": str(delivery_id)}}
+                return JobContext(job=job, worker_id="test", pool=pool, settings=settings)
+
+            sending = asyncio.create_task(delivery.deliver(context(first["id"])))
+            async with asyncio.timeout(STUCK_S):
+                await receiver.until(1)
+                verdict = await delivery.deliver(context(second["id"]))
+            assert verdict["result"] == "endpoint busy" and receiver.began == ["/only"]
+            receiver.release.set()
+            async with asyncio.timeout(STUCK_S):
+                assert (await sending)["result"] == "delivered"
+        finally:
+            receiver.release.set()
+            await pool.close()
+    rows = await _rows(
+        conn,
+        "SELECT d.state, d.attempts, (SELECT count(*) FROM jobs j WHERE j.kind = 'deliver_notification'"
+        " AND j.state = 'queued' AND j.run_at > now() AND j.payload->>'delivery_id' = d.id::text) AS later"
+        " FROM notification_deliveries d WHERE d.org_id = %s ORDER BY d.created_at, d.id",
+        org,
+    )
+    assert rows == [
+        {"state": "delivered", "attempts": 1, "later": 0},
+        {"state": "pending", "attempts": 0, "later": 1},
+    ]
