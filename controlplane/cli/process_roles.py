@@ -136,7 +136,7 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
     crashpoints.arm(crashpoints.parse(settings.crash_points))
     worker_id = settings.worker.id or default_worker_id()
-    pool = await worker_pool(settings, url, worker_id)
+    pool = await worker_pool(settings, url, worker_id, registry)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
     # The event log's consumers (one runner per consumer across the replicas, by its lock).

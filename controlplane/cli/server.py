@@ -75,6 +75,8 @@ NOTIFY = (
     "notify_allow_private",
     "notify_retry_window_s",
     "notify_timeout_s",
+    "notify_concurrency",
+    "notify_endpoint_concurrency",
     "smtp_host",
     "smtp_port",
     "smtp_from",

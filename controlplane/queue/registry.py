@@ -75,6 +75,9 @@ class JobKind:
     handler: Handler | None = None
     on_abandoned: AbandonHook | None = None
     max_attempts: int = 5
+    # Slots of its own in each worker (how many, from the settings), beside the `concurrency` the
+    # other kinds share: its jobs never take those slots, nor wait for them. None: a shared kind.
+    own_slots: Callable[[Settings], int] | None = None
 
 
 class JobRegistry:
@@ -95,6 +98,15 @@ class JobRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._kinds)
+
+    def own_slots(self, settings: Settings) -> dict[str, int]:
+        """The runnable kinds that have slots of their own in a worker, with how many."""
+        found: dict[str, int] = {}
+        for name in self.runnable():
+            slots = self._kinds[name].own_slots
+            if slots is not None:
+                found[name] = slots(settings)
+        return found
 
     def runnable(self) -> list[str]:
         """The kinds that have a handler here: what a worker claims."""

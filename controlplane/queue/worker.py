@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -51,13 +52,31 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+@dataclass
+class Lane:
+    """Slots of a worker: the shared ones (`concurrency`), or those of a kind of its own
+    (JobKind.own_slots). Its running handlers, and its jobs started and waiting for a slot."""
+
+    slots: int
+    running: set[asyncio.Task[None]] = field(default_factory=set)
+    waiting: collections.deque[Held] = field(default_factory=collections.deque)
+
+    def free(self) -> int:
+        return self.slots - len(self.running) - len(self.waiting)
+
+
 class Worker:
-    """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`.
+    """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`, and
+    beside them, a kind with slots of its own (JobKind.own_slots: deliveries) up to that many.
 
     Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), claiming and starting
     a batch in one statement, and keeps up to half its concurrency more started jobs ready (claimed
     while the others run) for the slots that free up; heartbeats all held jobs in one statement on
     its own connection; its `outcomes` are written in batches on a third.
+    A kind with slots of its own is claimed, with the others, only while one of its slots is free
+    (a claim may take more of it than that, at most the shared free slots: those wait, started, for
+    one of its slots); its jobs never take a shared slot. While the shared slots are full it is
+    claimed alone, when one of its slots frees up or at the poll interval.
     `request_stop()` begins a graceful shutdown.
     """
 
@@ -91,7 +110,13 @@ class Worker:
         # Where the next claim starts (None: the whole queue), and when the next whole one is due.
         self._claim_from: queue.ClaimFrom | None = None
         self._full_claim_at = 0.0
-        self._ready: collections.deque[Held] = collections.deque()
+        # The shared slots (with the jobs ready for them), and those of the kinds with slots of their own.
+        self._shared = Lane(self.concurrency)
+        self._lanes = {name: Lane(slots) for name, slots in registry.own_slots(settings).items()}
+        # With the shared slots full, when the next claim for the others is due, and whether one of
+        # their slots has freed up since the last.
+        self._own_claim_at = 0.0
+        self._own_slot_freed = False
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
         self.counts: collections.Counter[str] = collections.Counter()
         self._held: dict[uuid.UUID, Held] = {}
@@ -167,15 +192,14 @@ class Worker:
     def _room(self) -> int:
         """How many more jobs this worker may take: free slots, plus the ready jobs it may keep."""
         quick = self._handler_s is not None and self._handler_s < PREFETCH_BELOW_S
-        return self.concurrency + (self.prefetch if quick else 0) - len(self._tasks) - len(self._ready)
+        return self._shared.free() + (self.prefetch if quick else 0)
 
     async def _claim_loop(self) -> None:
         backlog = False  # the last claim was full: more jobs are likely waiting
         while not self._stop.is_set():
             room = self._room()
             if room <= 0:
-                self._kick.clear()
-                await self._kick.wait()
+                await self._claim_for_own_slots()
                 continue
             if backlog and room < self._batch_min:
                 await self._gather_slots()
@@ -183,7 +207,8 @@ class Worker:
                     break
                 room = self._room()
             self._kick.clear()
-            backlog = await self._claim_and_start(room) == room
+            kinds = [kind for kind in self.kinds if kind not in self._lanes or self._lanes[kind].free() > 0]
+            backlog = await self._claim_and_start(kinds, room) == room
             if self._stop.is_set():
                 break
             if self._room() <= 0:
@@ -204,12 +229,28 @@ class Worker:
                 async with asyncio.timeout(remaining):
                     await self._kick.wait()
 
-    async def _claim_and_start(self, room: int) -> int:
-        """Claim and start up to `room` jobs in one statement; returns how many were started.
+    async def _claim_for_own_slots(self) -> None:
+        """The shared slots are full: claim for the kinds with free slots of their own when one of
+        those has just freed up, or at the poll interval, not at every wake-up (such a claim reads
+        past the other kinds' queued jobs); else wait to be woken."""
+        self._kick.clear()
+        kinds = [kind for kind, lane in self._lanes.items() if lane.free() > 0]
+        wait_s = self._own_claim_at - time.monotonic() if kinds else None
+        if wait_s is not None and (wait_s <= 0 or self._own_slot_freed):
+            self._own_slot_freed = False
+            self._own_claim_at = time.monotonic() + self.settings.worker.poll_interval_s
+            await self._claim_and_start(kinds, sum(self._lanes[kind].free() for kind in kinds))
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await self._kick.wait()
+
+    async def _claim_and_start(self, kinds: list[str], room: int) -> int:
+        """Claim and start up to `room` jobs of `kinds` in one statement; returns how many were started.
 
         One round trip per batch on the path to the handlers. The jobs become this worker's
         (heartbeated, handed back at shutdown) once the statement's commit is known; those beyond
-        the free slots wait, started, in `_ready` (a kill -9 leaves them to the supervisor, as it
+        the free slots wait, started, in their lane (a kill -9 leaves them to the supervisor, as it
         does the running ones).
         """
         now = time.monotonic()
@@ -219,7 +260,7 @@ class Worker:
 
         async def claim_and_start() -> list[DictRow]:
             async with self._claiming.connection() as conn:
-                return await queue.claim_and_start(conn, self.worker_id, self.kinds, room, start)
+                return await queue.claim_and_start(conn, self.worker_id, kinds, room, start)
 
         sent = time.monotonic()
         try:
@@ -232,35 +273,44 @@ class Worker:
             return 0
         self.counts["claimed"] += len(started)
         fresh = next((row for row in started if row["attempt"] == 1), None)
-        if fresh is not None:  # what sorts before fresh work is read at every claim anyway
+        # What sorts before fresh work is read at every claim anyway; a claim that left out a kind
+        # (its slots full) does not move the point past that kind's queued jobs.
+        if fresh is not None and len(kinds) == len(self.kinds):
             self._claim_from = queue.ClaimFrom.before(fresh, CLAIM_FROM_MARGIN)
         for row in started:
             held = Held(row, lease_from=sent)
             self._held[held.id] = held
-            self._ready.append(held)
+            self._lanes.get(row["kind"], self._shared).waiting.append(held)
         self._launch_ready()
         return len(started)
 
     def _launch_ready(self) -> None:
-        """Start handlers for ready jobs while slots are free (none once the worker is stopping)."""
-        while self._ready and len(self._tasks) < self.concurrency and not self._stop.is_set():
-            held = self._ready.popleft()
-            if not held.lost:
-                self._launch(held)
+        """Start handlers for ready jobs while their slots are free (none once the worker is stopping)."""
+        for lane in (self._shared, *self._lanes.values()):
+            while lane.waiting and len(lane.running) < lane.slots and not self._stop.is_set():
+                held = lane.waiting.popleft()
+                if not held.lost:
+                    self._launch(held, lane)
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(1.0, self.settings.worker.poll_interval_s)):
                 await self._stop.wait()
 
-    def _launch(self, held: Held) -> None:
+    def _launch(self, held: Held, lane: Lane) -> None:
         task = asyncio.create_task(self._run_handler(held), name=f"job-{held.id}")
         held.task = task
         self._tasks.add(task)
+        lane.running.add(task)
         task.add_done_callback(self._slot_freed)
 
     def _slot_freed(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        self._shared.running.discard(task)
+        for lane in self._lanes.values():
+            if task in lane.running:
+                lane.running.discard(task)
+                self._own_slot_freed = True
         self._launch_ready()
         self._kick.set()
 
@@ -298,7 +348,8 @@ class Worker:
         else:
             crashpoints.reached("worker.after_handler")
             took = time.monotonic() - began
-            self._handler_s = took if self._handler_s is None else 0.9 * self._handler_s + 0.1 * took
+            if held.job["kind"] not in self._lanes:  # the prefetch is for the shared slots
+                self._handler_s = took if self._handler_s is None else 0.9 * self._handler_s + 0.1 * took
             self.outcomes.finish(held, verdict)
 
     def _lose(self, held: Held) -> None:
@@ -397,13 +448,17 @@ class Worker:
                 delay = min(delay * 2, 2.0)
 
 
-async def worker_pool(settings: Settings, url: str, worker_id: str) -> db.Pool:
-    """The open pool of a worker: a connection per job it runs at once, and a few for its
-    listener and heartbeats; its sessions under the background roles' timeouts."""
+async def worker_pool(
+    settings: Settings, url: str, worker_id: str, registry: JobRegistry | None = None
+) -> db.Pool:
+    """The open pool of a worker: a connection per job it runs at once (of `registry`'s kinds with
+    slots of their own too), and a few for its listener and heartbeats; its sessions under the
+    background roles' timeouts."""
+    own = sum(registry.own_slots(settings).values()) if registry is not None else 0
     pool = db.pool(
         url,
         min_size=2,
-        max_size=settings.worker.concurrency + 3,
+        max_size=settings.worker.concurrency + own + 3,
         name=f"worker-{worker_id}",
         timeouts=db.Timeouts.background(settings),
     )

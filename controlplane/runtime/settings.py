@@ -551,8 +551,8 @@ class NotificationSettings(_Group):
     allow_private: bool = _setting(
         False,
         "notify_allow_private",
-        "Accept webhook endpoints on private, loopback and link-local addresses (checked at registration "
-        "and again at each delivery).",
+        "Accept webhook endpoints on addresses that are not globally reachable: private, loopback, "
+        "link-local, shared (checked at registration and again at each delivery).",
     )
     retry_window_s: float = _setting(
         86400.0,
@@ -561,7 +561,27 @@ class NotificationSettings(_Group):
         "disabled.",
         ge=0,
     )
-    timeout_s: float = _setting(10.0, "notify_timeout_s", "Timeout of one webhook delivery.", gt=0)
+    timeout_s: float = _setting(
+        10.0,
+        "notify_timeout_s",
+        "Longest one webhook delivery may take in all (resolving, connecting, sending, the answer's "
+        "status); longer is a failed attempt.",
+        gt=0,
+    )
+    concurrency: int = _setting(
+        4,
+        "notify_concurrency",
+        "Deliveries one worker sends at once, in slots of their own beside `worker_concurrency`'s: slow "
+        "receivers never hold the slots of the instances' jobs.",
+        ge=1,
+    )
+    endpoint_concurrency: int = _setting(
+        1,
+        "notify_endpoint_concurrency",
+        "Webhook deliveries one worker process sends to one endpoint at once; the next one for it is "
+        "queued again (for one to two `notify_timeout_s`) instead of waiting in a slot.",
+        ge=1,
+    )
     smtp_host: str | None = _setting(
         None, "smtp_host", "SMTP server notification emails are sent through; empty: no email."
     )

@@ -233,7 +233,7 @@ async def test_an_endpoint_that_resolves_privately_at_delivery_is_not_called(
         assert received.requests == []
     cursor = await conn.execute("SELECT last_error FROM notification_deliveries")
     row = await cursor.fetchone()
-    assert row is not None and "not public" in row["last_error"]
+    assert row is not None and "must resolve to public addresses only" in row["last_error"]
 
 
 async def test_a_consumer_killed_between_its_effects_and_its_position_delivers_nothing_twice(
