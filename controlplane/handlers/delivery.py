@@ -80,7 +80,7 @@ async def _post(
     sent = {
         "Content-Type": "application/json",
         "User-Agent": "controlplane-webhooks/1",
-        signatures.SIGNATURE_HEADER: signatures.sign(secret, timestamp, body),
+        **signatures.signed_headers(secret, headers.get(signatures.EVENT_ID_HEADER, ""), timestamp, body),
         **headers,
     }
     target = httpx.URL(url)

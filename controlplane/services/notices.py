@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import secrets
 import socket
 import uuid
 from collections.abc import Mapping
@@ -239,5 +238,3 @@ def check_event_types(types: list[str]) -> None:
         )
 
 
-def new_secret() -> str:
-    return "whsec_" + secrets.token_urlsafe(32)

@@ -3,12 +3,15 @@ may not use, which events customers hear of."""
 
 from __future__ import annotations
 
+import binascii
 import socket
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import standardwebhooks
 
 from controlplane.core import webhook_signatures as signatures
 from controlplane.core.refusals import InvalidRequest
@@ -32,6 +35,34 @@ def test_a_signature_verifies_with_its_secret_and_body_only() -> None:
     for secret, body in (("whsec_other", BODY), (SECRET, BODY + b" ")):
         with pytest.raises(signatures.SignatureError, match="no signature matches"):
             signatures.verify(secret, header, body, now=1_800_000_010)
+
+
+def test_a_standard_webhooks_library_verifies_new_and_earlier_secrets() -> None:
+    """The receiver's own Standard Webhooks library checks the id, the timestamp and the body."""
+    now = int(time.time())
+    # A new secret, and two made as secrets were before (`token_urlsafe`): one its library decodes.
+    for secret in (signatures.new_secret(), SECRET, "whsec_kF3-x_Q9Zr2mT8vLpW4yN6bH1cJ5dG7sA0eU_iO-qXk"):
+        headers = signatures.signed_headers(secret, "evt_1", now, BODY)
+        assert signatures.verify(secret, headers[signatures.SIGNATURE_HEADER], BODY, now=now) == now
+        receiver = standardwebhooks.Webhook(secret)
+        assert receiver.verify(BODY, headers) == {"id": "evt_1", "type": "instance.ready"}
+        changes = (
+            {signatures.STANDARD_ID_HEADER: "evt_2"},
+            {signatures.STANDARD_TIMESTAMP_HEADER: str(now - 1)},
+        )
+        for changed in changes:
+            with pytest.raises(standardwebhooks.WebhookVerificationError):
+                receiver.verify(BODY, headers | changed)
+        with pytest.raises(standardwebhooks.WebhookVerificationError):
+            receiver.verify(BODY + b" ", headers)
+
+
+def test_an_earlier_secret_its_library_cannot_decode_still_signs_the_other_scheme() -> None:
+    undecodable = "whsec_a"  # one character more than a multiple of four: no base64
+    with pytest.raises(binascii.Error):
+        standardwebhooks.Webhook(undecodable)
+    headers = signatures.signed_headers(undecodable, "evt_1", 1_800_000_000, BODY)
+    assert signatures.verify(undecodable, headers[signatures.SIGNATURE_HEADER], BODY, now=1_800_000_000)
 
 
 def test_an_old_or_malformed_signature_is_refused() -> None:
