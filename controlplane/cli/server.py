@@ -34,6 +34,7 @@ API = (
     "api_rate_limit",
     "api_rate_window_s",
     "api_webhook_rate_limit",
+    "console_sign_in_limit",
     "stripe_webhook_secret",
     "secret_key",
     "job_registry",

@@ -84,6 +84,40 @@ async def test_behind_https_the_cookie_is_secure(api_settings: Settings, tenant:
     assert "secure" in response.headers["set-cookie"].lower()
 
 
+async def test_sign_in_attempts_are_limited_per_client_address_and_per_key_prefix(
+    api_settings: Settings, tenant: Tenant, other_tenant: Tenant
+) -> None:
+    """Three attempts a minute (on a clock the test moves): the fourth from one address, or with one
+    key's prefix from anywhere, is refused with 429 and the message next to the key's field."""
+    from controlplane.api.app import create_app
+
+    now = [1000.0]
+    app = create_app(api_settings.replace(console_sign_in_limit=3), clock=lambda: now[0])
+    async with app.router.lifespan_context(app):
+        here, there = (
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(ip, 40000)), base_url="http://t")
+            for ip in ("192.0.2.1", "192.0.2.2")
+        )
+        async with here, there:
+            guesses = [await sign_in(here, tenant.key[:-2] + "xx") for _ in range(3)]
+            assert [g.status_code for g in guesses] == [401, 401, 401]
+            refused = await sign_in(here, tenant.key)  # the right key, too late this minute
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "60"
+            assert COOKIE not in refused.cookies
+            field = re.search(r'<div class="field invalid">.*?</div>', refused.text, re.S)
+            assert field is not None and 'aria-describedby="key-help key-error"' in field.group(0)
+            assert "Too many sign-in attempts. Try again in 60 seconds." in text_of(field.group(0))
+            # The key's prefix is held from another address too; another key from there is not.
+            assert (await sign_in(there, tenant.key)).status_code == 429
+            assert (await sign_in(there, other_tenant.key)).status_code == 303
+            # The first address is held whatever the key.
+            assert (await sign_in(here, other_tenant.key)).status_code == 429
+            now[0] += 59.5
+            assert (await sign_in(here, tenant.key)).headers["retry-after"] == "1"
+            now[0] += 0.5
+            assert (await sign_in(here, tenant.key)).status_code == 303
+
+
 async def test_sign_in_without_its_form_token_is_refused(client: httpx.AsyncClient, tenant: Tenant) -> None:
     refused = await client.post("/sign-in", data={"key": tenant.key}, headers=PAGE)
     assert refused.status_code == 403 and COOKIE not in refused.cookies
@@ -197,7 +231,7 @@ async def test_another_organisation_sees_none_of_it(
 
 
 def app_state_settings(app: FastAPI) -> Settings:
-    return app.state.controlplane.runtime.settings  # type: ignore[no-any-return]
+    return app.state.controlplane.settings  # type: ignore[no-any-return]
 
 
 # ---- the forms call the use cases ------------------------------------------------------------------
