@@ -318,6 +318,9 @@ async def test_a_heartbeat_does_not_wait_for_a_row_another_writer_holds(
         beaten = await fetch_all(conn, "SELECT id FROM jobs WHERE heartbeat_at > now() - interval '1 minute'")
         assert [row["id"] for row in beaten] == [second["id"]]
     finally:
+        # The lock is gone once the rollback is answered (a close alone returns before the server
+        # has ended the transaction, and the next heartbeat could still find the row held).
+        await other.rollback()
         await other.close()
         await conn.execute("RESET lock_timeout")
     assert await heartbeat(conn, "worker-1", claimed) == set(claimed)
