@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,6 +41,7 @@ def create_app(
     database_url: str | None = None,
     job_registry: JobRegistry | None = None,
     provisioner: Provisioner | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
     """A new application; its database pool opens and closes with the lifespan.
 
@@ -47,7 +49,8 @@ def create_app(
     `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (the
     process's one registry, built where it starts; without it, abandon is refused); `provisioner`
     is the one whose CA the API publishes (else one is built from the settings when first asked,
-    and closed with the application).
+    and closed with the application); `clock` is the rate limits' (monotonic seconds; tests pass
+    their own).
     """
 
     @asynccontextmanager
@@ -65,6 +68,7 @@ def create_app(
             keys=KeyCache(settings.api.key_cache_s),
             provisioner=provisioner,
             watchers=Hub(url),
+            sign_in=ratelimit.window(settings.api.sign_in_limit, settings.api.rate_window_s, clock),
         )
         try:
             yield
@@ -102,7 +106,7 @@ def create_app(
     console.install(app)
     app.add_middleware(errors.BodySizeLimit, max_bytes=settings.api.max_body_bytes)
     keys, webhook = ratelimit.limiters(
-        settings.api.rate_limit, settings.api.rate_window_s, settings.api.webhook_rate_limit
+        settings.api.rate_limit, settings.api.rate_window_s, settings.api.webhook_rate_limit, clock
     )
     app.add_middleware(ratelimit.RateLimit, keys=keys, webhook=webhook)
     app.add_middleware(errors.CatchAll)

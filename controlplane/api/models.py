@@ -142,7 +142,13 @@ class StateInfo(BaseModel):
     label: str
     description: str
     severity: Literal["healthy", "transient", "fault", "suspended", "terminal"]
-    billing: Literal["billed", "storage_only", "not_billed"]
+    billing: Literal["billed", "storage_only", "not_billed"] = Field(
+        description="what time in the state is billed for (an instance's: for its failure code)"
+    )
+    billing_by_failure: dict[str, Literal["billed", "storage_only", "not_billed"]] = Field(
+        description="another billing class while the failure code of the move into the state is one of"
+        " these (a degradation for lost data: storage only)"
+    )
 
 
 class Failure(BaseModel):

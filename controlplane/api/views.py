@@ -69,7 +69,7 @@ def instance(
         "storage_gb": None if shape is None else max(shape.storage_gb, int(inst.spec.get("storage_gb") or 0)),
         "restore_from": inst.spec.get("restore_from"),
         "state": inst.state,
-        "state_info": lifecycle.INSTANCE.state_info[inst.state].as_dict(),
+        "state_info": lifecycle.INSTANCE.state_info[inst.state].as_dict(inst.failure_code),
         "state_version": inst.state_version,
         "progress": progress,
         "allowed_actions": actions.of(inst),

@@ -33,6 +33,7 @@ API = (
     "api_rate_limit",
     "api_rate_window_s",
     "api_webhook_rate_limit",
+    "console_sign_in_limit",
     "stripe_webhook_secret",
     "secret_key",
     "crash_points",

@@ -97,6 +97,15 @@ def decide(status: str | None, event_created: int, last_applied_created: int | N
 SIGNATURE_TOLERANCE_S = 300
 
 
+def signed_at(header: str) -> int | None:
+    """The time (`t=`) of a Stripe-Signature header, or None when it has none."""
+    stamps = [part[2:] for part in header.split(",") if part.startswith("t=")]
+    try:
+        return int(stamps[0])
+    except (IndexError, ValueError):
+        return None
+
+
 def signature_time_problem(header: str, now: float, tolerance_s: float = SIGNATURE_TOLERANCE_S) -> str | None:
     """Why the `t=` of a (verified) Stripe-Signature header is not acceptable at `now`, or None.
 
@@ -104,13 +113,25 @@ def signature_time_problem(header: str, now: float, tolerance_s: float = SIGNATU
     here too: a signature made "later" than now is a replay prepared in advance or a clock that
     is wrong, and in both cases the event must not be applied.
     """
-    stamps = [part[2:] for part in header.split(",") if part.startswith("t=")]
-    try:
-        timestamp = int(stamps[0])
-    except (IndexError, ValueError):
+    timestamp = signed_at(header)
+    if timestamp is None:
         return "the signature has no timestamp"
     if timestamp < now - tolerance_s:
         return f"the signature is {now - timestamp:.0f} s old (more than {tolerance_s:.0f} s)"
     if timestamp > now + tolerance_s:
         return f"the signature is dated {timestamp - now:.0f} s ahead of our clock (over {tolerance_s:.0f} s)"
+    return None
+
+
+def created_problem(created: int, header: str, tolerance_s: float = SIGNATURE_TOLERANCE_S) -> str | None:
+    """Why a verified event's `created` cannot order it, or None: it is later than the signature's
+    time (beyond the tolerance), which Stripe never sends (an event exists before any delivery of it
+    is signed). Taken as the organisation's watermark, such a time would make every genuine event
+    that follows `stale` until that moment came."""
+    timestamp = signed_at(header)
+    if timestamp is not None and created > timestamp + tolerance_s:
+        return (
+            f"the event's created time is {created - timestamp} s after its signature's"
+            f" (over {tolerance_s:.0f} s): an event is created before it is sent"
+        )
     return None

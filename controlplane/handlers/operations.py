@@ -427,8 +427,9 @@ class Operations:
 
     async def _restore(self, ctx: JobContext, inst: Instance) -> Verdict:
         """degraded (data lost) -> ready with the data of a held backup, or empty once accepted."""
-        if not actions.can_restore(inst.state, inst.failure_code):
-            return {"result": "nothing to do", "why": f"instance is {inst.state}, its data not lost"}
+        if not actions.can_restore(inst.state, inst.failure_code, deletion_requested=inst.deletion_requested):
+            why = "its deletion was requested" if inst.deletion_requested else "its data not lost"
+            return {"result": "nothing to do", "why": f"instance is {inst.state}, {why}"}
         payload = ctx.typed_payload(kinds.RestorePayload)
         async with ctx.pool.connection() as conn:
             try:

@@ -216,6 +216,13 @@ class ApiSettings(_Group):
         "(0: no limit); Stripe retries what is refused with 429.",
         ge=0,
     )
+    sign_in_limit: int = _setting(
+        10,
+        "console_sign_in_limit",
+        "Console sign-in attempts per window from one client address, and with one key prefix, on each "
+        "API process (beyond, the form is refused with 429 until the window resets; 0: no limit).",
+        ge=0,
+    )
 
     @property
     def url(self) -> str:

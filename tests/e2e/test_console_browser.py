@@ -169,6 +169,34 @@ def test_sign_in_refuses_a_wrong_key_and_works_by_keyboard(page: Page, stack: St
     expect(page).to_have_url(f"{stack.url}/sign-in")
 
 
+@pytest.mark.parametrize("path", ["/docs", "/redoc"])
+def test_the_api_reference_renders_under_its_security_headers(page: Page, stack: Stack, path: str) -> None:
+    """Swagger UI and ReDoc, from the pinned local assets, render the document under the policy the
+    page is sent with: nothing it needs is refused (a refusal is a securitypolicyviolation event),
+    and nothing is fetched from another origin."""
+    page.add_init_script(
+        """document.addEventListener('securitypolicyviolation', e =>
+             (window.__refused = window.__refused || []).push(e.violatedDirective + ' ' + e.blockedURI))"""
+    )
+    fetched: list[str] = []
+    page.on("response", lambda answer: fetched.append(answer.url))
+    response = page.goto(f"{stack.url}{path}")
+    assert response is not None and response.ok
+    headers = response.headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert (headers["x-frame-options"], headers["x-content-type-options"]) == ("DENY", "nosniff")
+    expect(page.get_by_text("Managed PostgreSQL control plane").first).to_be_visible()
+    summary = "Create an instance (provisioned in the background)"
+    expect(page.locator(f"text={summary} >> visible=true").first).to_be_visible()
+    screenshot(page, f"20-api-reference{path.replace('/', '-')}")
+    # Only what would come from elsewhere is refused: ReDoc's "powered by" logo, from its CDN.
+    refused = page.evaluate("window.__refused || []")
+    assert all(r.startswith("img-src https://cdn.redoc.ly/") for r in refused), refused
+    assert fetched and all(url.startswith((stack.url, "data:", f"blob:{stack.url}")) for url in fetched), (
+        fetched
+    )
+
+
 def test_create_follows_the_steps_live_to_ready_and_the_copied_uri_connects(
     page: Page, stack: Stack, tmp_path: Path
 ) -> None:

@@ -431,3 +431,23 @@ async def test_a_response_carrying_a_password_is_never_stored_by_a_cache(
     # The keys a request creates are secrets too: shown once, never stored.
     key = await client.post("/v1/keys", json={"name": "ci"}, headers=tenant.headers)
     assert key.status_code == 201 and key.headers["cache-control"] == "no-store"
+
+
+async def test_a_restore_once_the_deletion_was_requested_is_refused(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """A lost instance's DELETE, then its restore: 409 (its allowed_actions are empty), no job."""
+    made = await create(client, tenant, "lost")
+    await make_ready(conn, api_settings, made["id"])
+    await drive(conn, made["id"], "degrade", failure_code="data_lost", failure_reason="data lost: gone")
+    path = f"/v1/instances/{made['id']}"
+    assert "restore" in (await client.get(path, headers=tenant.headers)).json()["allowed_actions"]
+    assert (await client.delete(path, headers=tenant.headers)).status_code == 202
+    shown = (await client.get(path, headers=tenant.headers)).json()
+    assert (shown["state"], shown["allowed_actions"]) == ("degraded", [])
+    refused = await client.post(f"{path}/restore", json={"empty": True}, headers=tenant.headers)
+    assert refused.status_code == 409, refused.text
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert "its deletion has been requested" in refused.json()["detail"]
+    cursor = await conn.execute("SELECT kind FROM jobs WHERE instance_id = %s ORDER BY kind", (made["id"],))
+    assert [row["kind"] for row in await cursor.fetchall()] == ["deprovision", "provision"]  # no restore

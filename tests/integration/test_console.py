@@ -3,6 +3,8 @@ that call the use cases, and the documentation served from local files."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 import time
 import uuid
@@ -12,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from controlplane.api.console.session import COOKIE
+from controlplane.api.console.session import COOKIE, SIGN_IN_COOKIE
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.secretbox import SecretBox
 from controlplane.runtime.settings import Settings
@@ -72,16 +74,55 @@ async def test_sign_in_gives_a_strict_http_only_cookie_that_names_a_session(
     assert home.status_code == 200 and "acme" in home.text and "No databases yet" in text_of(home.text)
 
 
-async def test_behind_https_the_cookie_is_secure(api_settings: Settings, tenant: Tenant) -> None:
+async def test_behind_https_the_cookies_are_secure(api_settings: Settings, tenant: Tenant) -> None:
     from controlplane.api.app import create_app
 
     app = create_app(api_settings.replace(public_url="https://console.example"))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="https://console.example") as http:
+            form = await http.get("/sign-in", headers=PAGE)
             response = await sign_in(http, tenant.key)
     assert response.status_code == 303
-    assert "secure" in response.headers["set-cookie"].lower()
+    (session,) = [c for c in response.headers.get_list("set-cookie") if c.startswith(f"{COOKIE}=")]
+    (nonce,) = form.headers.get_list("set-cookie")
+    assert nonce.startswith(f"{SIGN_IN_COOKIE}=")
+    for cookie in (session, nonce):
+        assert "secure" in {part.strip().split("=")[0].lower() for part in cookie.split(";")[1:]}, cookie
+
+
+async def test_sign_in_attempts_are_limited_per_client_address_and_per_key_prefix(
+    api_settings: Settings, tenant: Tenant, other_tenant: Tenant
+) -> None:
+    """Three attempts a minute (on a clock the test moves): the fourth from one address, or with one
+    key's prefix from anywhere, is refused with 429 and the message next to the key's field."""
+    from controlplane.api.app import create_app
+
+    now = [1000.0]
+    app = create_app(api_settings.replace(console_sign_in_limit=3), clock=lambda: now[0])
+    async with app.router.lifespan_context(app):
+        here, there = (
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(ip, 40000)), base_url="http://t")
+            for ip in ("192.0.2.1", "192.0.2.2")
+        )
+        async with here, there:
+            guesses = [await sign_in(here, tenant.key[:-2] + "xx") for _ in range(3)]
+            assert [g.status_code for g in guesses] == [401, 401, 401]
+            refused = await sign_in(here, tenant.key)  # the right key, too late this minute
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "60"
+            assert COOKIE not in refused.cookies
+            field = re.search(r'<div class="field invalid">.*?</div>', refused.text, re.S)
+            assert field is not None and 'aria-describedby="key-help key-error"' in field.group(0)
+            assert "Too many sign-in attempts. Try again in 60 seconds." in text_of(field.group(0))
+            # The key's prefix is held from another address too; another key from there is not.
+            assert (await sign_in(there, tenant.key)).status_code == 429
+            assert (await sign_in(there, other_tenant.key)).status_code == 303
+            # The first address is held whatever the key.
+            assert (await sign_in(here, other_tenant.key)).status_code == 429
+            now[0] += 59.5
+            assert (await sign_in(here, tenant.key)).headers["retry-after"] == "1"
+            now[0] += 0.5
+            assert (await sign_in(here, tenant.key)).status_code == 303
 
 
 async def test_sign_in_without_its_form_token_is_refused(client: httpx.AsyncClient, tenant: Tenant) -> None:
@@ -328,12 +369,31 @@ async def test_another_organisations_key_cannot_be_revoked(
 async def test_the_api_reference_loads_from_local_files_only(client: httpx.AsyncClient, path: str) -> None:
     page = await client.get(path)
     assert page.status_code == 200
+    _has_the_consoles_headers_and_allows_its_inline_scripts(page)
     sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
     assert sources and all(s.startswith("/") for s in sources), sources
     assert "fonts.googleapis" not in page.text
     for source in sources:
         asset = await client.get(source)
         assert asset.status_code == 200 and len(asset.content) > 1000, source
+
+
+def _has_the_consoles_headers_and_allows_its_inline_scripts(page: httpx.Response) -> None:
+    """The console's security headers, with the page's own inline scripts allowed by their hash
+    (the real browser test renders the pages under them: tests/e2e/test_console_browser.py)."""
+    policy = page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in policy and "script-src 'self' " in policy
+    assert "'unsafe-inline'" not in policy.split("script-src")[1].split(";")[0]
+    assert (page.headers["x-frame-options"], page.headers["x-content-type-options"]) == ("DENY", "nosniff")
+    for script in re.findall(r"<script>(.*?)</script>", page.text, re.S):
+        digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+        assert f"'sha256-{digest}'" in policy
+
+
+async def test_swagger_uis_sign_in_return_page_has_the_consoles_headers(client: httpx.AsyncClient) -> None:
+    page = await client.get("/docs/oauth2-redirect")
+    assert page.status_code == 200 and "<script>" in page.text
+    _has_the_consoles_headers_and_allows_its_inline_scripts(page)
 
 
 async def test_the_console_assets_are_served(client: httpx.AsyncClient) -> None:

@@ -44,3 +44,12 @@ def test_parse_event_reads_subscription_fields_defensively() -> None:
     assert nested.customer_id == "cus_2"
     assert billing.is_subscription_event("customer.subscription.deleted")
     assert not billing.is_subscription_event("invoice.paid")
+
+
+def test_a_created_time_later_than_the_signature_beyond_the_tolerance_is_refused() -> None:
+    header = "t=1000,v1=x"
+    assert billing.signed_at(header) == 1000 and billing.signed_at("v1=x") is None
+    assert billing.created_problem(1000, header) is None
+    assert billing.created_problem(1300, header) is None
+    assert billing.created_problem(1301, header) is not None
+    assert billing.created_problem(0, header) is None  # old events are ordered by decide: stale

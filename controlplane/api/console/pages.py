@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from controlplane.api import auth, views, watch
+from controlplane.api import auth, ratelimit, views, watch
 from controlplane.api import problems as errors
 from controlplane.api.console import present
 from controlplane.api.console.session import (
@@ -27,7 +27,7 @@ from controlplane.api.console.session import (
     seal_of,
     set_session_cookie,
 )
-from controlplane.api.console.web import read_form, redirect, render
+from controlplane.api.console.web import is_https, read_form, redirect, render
 from controlplane.api.models import InstanceCreate, InstanceUpdate, KeyCreate
 from controlplane.api.problems import ProblemError
 from controlplane.api.state import AppState, app_state
@@ -92,6 +92,15 @@ async def sign_in(request: Request) -> Response:
     key = fields.get("key", "").strip()
     if not key:
         return _sign_in_form(request, error="Paste your organisation's API key.", status=422)
+    client = request.client.host if request.client else "unknown"
+    wait_s = ratelimit.sign_in_refusal(state.sign_in, client, tenants.split_key(key))
+    if wait_s is not None:
+        return _sign_in_form(
+            request,
+            error=f"Too many sign-in attempts. Try again in {wait_s} seconds.",
+            status=429,
+            headers={"Retry-After": str(wait_s)},
+        )
     async with state.pool.connection() as conn:
         who = await tenants.authenticate(conn, key)
         if who is not None and who.org_id is not None:
@@ -112,14 +121,28 @@ async def sign_in(request: Request) -> Response:
 
 
 def _sign_in_form(
-    request: Request, *, notice: str | None = None, error: str | None = None, status: int = 200
+    request: Request,
+    *,
+    notice: str | None = None,
+    error: str | None = None,
+    status: int = 200,
+    headers: Mapping[str, str] | None = None,
 ) -> Response:
-    seal = seal_of(app_state(request))
+    """The form; `error` is shown next to the key's field."""
+    state = app_state(request)
+    seal = seal_of(state)
     nonce = seal.sign_in_nonce()
-    context = {"visitor": None, "org": None, "notice": notice, "error": error}
+    context = {"visitor": None, "org": None, "notice": notice, "error": None, "key_error": error}
     response = render("sign_in.html", context | {"csrf": seal.sign_in_token(nonce)}, status)
+    response.headers.update(headers or {})
     response.set_cookie(
-        SIGN_IN_COOKIE, nonce, max_age=3600, path="/sign-in", httponly=True, samesite="strict"
+        SIGN_IN_COOKIE,
+        nonce,
+        max_age=3600,
+        path="/sign-in",
+        httponly=True,
+        samesite="strict",
+        secure=is_https(request, state.settings.api.public_url),
     )
     return response
 

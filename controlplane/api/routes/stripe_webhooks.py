@@ -78,6 +78,11 @@ async def stripe_webhook(request: Request) -> Any:
         raise ProblemError("bad-signature", untimely)
     event = signed_event(payload)
     parsed = billing.parse_event(event)
+    future = billing.created_problem(parsed.created, signature)
+    if future is not None:
+        metrics.WEBHOOKS.labels("bad_payload").inc()
+        log.warning("Stripe webhook %r refused: %s", parsed.id, future)
+        raise ProblemError("bad-request", future)
     actor, request_id = Actor("stripe", parsed.id), errors.request_id(request)
     applied = await db.in_transaction(
         app.pool, lambda conn: apply_stripe_event(conn, actor, request_id, parsed, app.policy)
