@@ -133,7 +133,15 @@ class Connection(BaseModel):
     ca_certificate: str | None = Field(
         None, description="PEM of the CA that signs the server's certificate (sslrootcert)"
     )
-    uri: str
+    sslrootcert: str | None = Field(
+        None,
+        description="the file name `uri` gives as sslrootcert (`controlplane-ca.pem`, relative to where"
+        " the client runs) when the server's certificate is verified: save ca_certificate under it",
+    )
+    uri: str = Field(
+        description="a libpq connection URI: TLS with the server's certificate verified against the CA"
+        " file `sslrootcert` names (save ca_certificate there first)"
+    )
 
 
 class StateInfo(BaseModel):

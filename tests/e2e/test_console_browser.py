@@ -5,6 +5,7 @@ servers) and, for failures, the fault-injecting one."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 
 from controlplane.db import connection as db
@@ -136,6 +136,14 @@ def _wider_than_the_screen(page: Page) -> list[str]:
     return wider
 
 
+def _psql_ssl(uri: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """psql run in `cwd` with `uri` as pasted: whether its session is TLS (`t`)."""
+    query = "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"
+    return subprocess.run(
+        ["psql", uri, "-X", "-A", "-t", "-c", query], cwd=cwd, capture_output=True, text=True, check=False
+    )
+
+
 def _deliver(stack: Stack, customer: str, status: str) -> None:
     payload = stripe_event(f"evt_{uuid.uuid4().hex[:10]}", customer, status, int(time.time()))
     headers = {"Content-Type": "application/json", "Stripe-Signature": sign(payload, WEBHOOK_SECRET)}
@@ -203,15 +211,18 @@ def test_create_follows_the_steps_live_to_ready_and_the_copied_uri_connects(
     expect(page.locator('[data-copy="uri"]')).to_have_text("Copied")
     copied = page.evaluate("navigator.clipboard.readText()")
     assert copied == uri_box.inner_text() and copied.startswith("postgresql://")
+    # The URI as copied, pasted into psql: before the one step the panel shows above it, the error
+    # names the file to save; after it (the download, into the directory psql runs in), it connects.
+    assert copied.endswith("sslmode=verify-full&sslrootcert=controlplane-ca.pem")
+    before = _psql_ssl(copied, tmp_path)
+    assert before.returncode != 0 and "controlplane-ca.pem" in before.stderr, before.stderr
     with page.expect_download() as download:
         page.get_by_role("link", name="Download the CA certificate").click()
     ca = tmp_path / download.value.suggested_filename
     download.value.save_as(ca)
     assert ca.name == "controlplane-ca.pem" and ca.read_text().startswith("-----BEGIN CERTIFICATE-----")
-    # What `psql "<uri>&sslrootcert=controlplane-ca.pem"` does: TLS, the server verified by the CA.
-    with psycopg.connect(f"{copied}&sslrootcert={ca}", connect_timeout=10) as conn:
-        conn.execute("CREATE TABLE t (x int)")
-        assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
+    after = _psql_ssl(copied, tmp_path)
+    assert after.returncode == 0 and after.stdout.strip() == "t", after.stderr
     # Readable at phone width: nothing wider than the screen.
     page.set_viewport_size({"width": 390, "height": 844})
     assert _wider_than_the_screen(page) == []

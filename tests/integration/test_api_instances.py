@@ -118,11 +118,29 @@ async def test_get_shows_connection_with_password_once_ready(
         "password": "s3cret/with:chars",
         "sslmode": None,
         "ca_certificate": None,
+        "sslrootcert": None,
         "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
     }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
     assert listed["connection"]["password"] is None
     assert listed["connection"]["uri"] == "postgresql://app_owner@127.0.0.1:15432/app"
+
+
+async def test_a_verified_connection_uri_names_the_ca_file_to_save(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """What a customer pastes first names the CA's file: psql then fails with that file's name
+    until ca_certificate is saved under it, and connects once it is."""
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"], password="pw", ca="-----BEGIN CERTIFICATE-----\n")
+    got = await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    connection = got.json()["connection"]
+    assert connection["sslrootcert"] == "controlplane-ca.pem"
+    assert connection["uri"] == (
+        "postgresql://app_owner:pw@127.0.0.1:15432/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem"
+    )
+    listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
+    assert listed["connection"]["uri"].endswith("/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem")
 
 
 async def test_unknown_instance_is_404_problem(client: httpx.AsyncClient, tenant: Tenant) -> None:

@@ -287,6 +287,28 @@ async def test_the_connection_is_shown_masked_and_revealed_on_request(
     formats = revealed.json()
     assert formats["uri"] == "postgresql://app_owner:s3cret%2Fpw@127.0.0.1:15432/app"
     assert "export PGPASSWORD=s3cret/pw" in formats["env"]
+    assert (await client.get(f"{base}/ca.pem")).status_code == 404  # no TLS, no CA to offer
+
+
+async def test_the_ca_download_comes_before_the_uri_that_names_its_file(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    await make_ready(conn, app_state_settings(app), created["id"], password="pw", ca=pem)
+    page = (await client.get(base, headers=PAGE)).text
+    # The step the URI needs is shown above it: the download, and the file name the URI gives.
+    assert page.index("Download the CA certificate") < page.index('data-format="uri"')
+    assert f'href="{base}/ca.pem" download="controlplane-ca.pem"' in page
+    formats = (await client.get(f"{base}/connection")).json()
+    assert formats["uri"].endswith("/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem")
+    assert formats["psql"] == f"psql '{formats['uri']}'"
+    assert "export PGSSLROOTCERT=controlplane-ca.pem" in formats["env"]
+    ca = await client.get(f"{base}/ca.pem")
+    assert ca.status_code == 200 and ca.text == pem
+    assert ca.headers["content-disposition"] == 'attachment; filename="controlplane-ca.pem"'
 
 
 async def test_keys_are_created_once_listed_and_revoked(

@@ -267,6 +267,21 @@ async def instance_connection(request: Request, instance_id: uuid.UUID, who: Sig
     return JSONResponse(formats, headers={"Cache-Control": "no-store"})
 
 
+@router.get("/instances/{instance_id}/ca.pem")
+async def instance_ca(request: Request, instance_id: uuid.UUID, who: SignedIn) -> Response:
+    """The CA certificate the instance's server certificate is checked against, as the file its
+    connection URI names (`sslrootcert`)."""
+    async with app_state(request).pool.connection() as conn:
+        record = await _load(conn, who, instance_id)
+    pem = (record.connection or {}).get("ca_certificate")
+    if not pem:
+        raise Missing()
+    disposition = f'attachment; filename="{present.CA_FILE}"'
+    return Response(
+        str(pem), media_type="application/x-pem-file", headers={"Content-Disposition": disposition}
+    )
+
+
 @router.post("/instances/{instance_id}/resize", response_class=HTMLResponse)
 async def resize(request: Request, instance_id: uuid.UUID, who: SignedIn, form: Form) -> Response:
     try:
@@ -381,7 +396,6 @@ async def _instance_context(
         "i": doc,
         "terminal": record.state in lifecycle.INSTANCE.terminal,
         "formats": present.connection_formats(doc["connection"], reveal=False) if connectable else None,
-        "ca_file": present.CA_FILE,
     }
 
 

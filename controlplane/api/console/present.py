@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from controlplane.api.views import CA_FILE
 from controlplane.core import lifecycle
 
-# The file name the console offers the CA certificate under, and that its commands name.
-CA_FILE = "controlplane-ca.pem"
+__all__ = ["CA_FILE", "CONNECTABLE", "badge", "connection_formats", "duration", "iso", "when"]
 MASK = "\u2022" * 8
 
 # The badge colour of each severity class of the lifecycle metadata: wait, act, fine, suspended.
@@ -79,11 +79,11 @@ def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[s
         raise ValueError("reveal the password from a revealed connection, mask it from one without it")
     shown = MASK if password is None else str(password)
     host, port, sslmode = str(connection["host"]), int(connection["port"]), connection.get("sslmode")
-    # The API's URI: with the password when revealed, else without it (where the mask then goes).
+    # The API's URI (naming the CA file as sslrootcert when the server is verified): with the
+    # password when revealed, else without it (where the mask then goes).
     uri = str(connection["uri"])
     if password is None:
         uri = uri.replace("@", f":{MASK}@", 1)
-    verified = f"{uri}&sslrootcert={CA_FILE}" if sslmode else uri
     env = {
         "PGHOST": host,
         "PGPORT": str(port),
@@ -92,9 +92,11 @@ def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[s
         "PGPASSWORD": shown,
     }
     if sslmode:
-        env |= {"PGSSLMODE": str(sslmode), "PGSSLROOTCERT": CA_FILE}
+        env["PGSSLMODE"] = str(sslmode)
+    if connection.get("sslrootcert"):
+        env["PGSSLROOTCERT"] = str(connection["sslrootcert"])
     return {
         "uri": uri,
-        "psql": f"psql {shlex.quote(verified)}",
+        "psql": f"psql {shlex.quote(uri)}",
         "env": "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items()),
     }
