@@ -18,7 +18,8 @@ from controlplane.runtime.secretbox import SecretBox
 from controlplane.runtime.settings import Settings
 from controlplane.services import sessions, tenants
 from controlplane.services.sessions import Seal
-from tests.api_support import Tenant, create, make_ready, make_tenant
+from controlplane.db.transitions import transition
+from tests.api_support import WORKER, Tenant, create, drive, make_ready, make_tenant
 from tests.console_support import PAGE, sign_in, signed_in, text_of, token_of
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -364,3 +365,55 @@ async def test_the_console_assets_are_served(client: httpx.AsyncClient) -> None:
         assert (await client.get(source)).status_code == 200, source
     assert "http" not in " ".join(re.findall(r'(?:src|href)="([^"]+)"', page.text))
     assert token_of(page.text)
+
+
+async def test_a_deleted_database_says_it_is_deleted_and_what_final_backup_was_kept(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    token = await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    await make_ready(conn, app_state_settings(app), created["id"])
+    asked = await client.post(
+        f"{base}/delete",
+        data={"csrf_token": token, "confirm_name": "orders", "final_backup": "on"},
+        headers=PAGE,
+    )
+    assert asked.headers["location"] == f"{base}?done=delete"
+    under_way = text_of((await client.get(f"{base}?done=delete", headers=PAGE)).text)
+    assert "The deletion is under way" in under_way and "A final backup was kept" not in under_way
+    row = await drive(conn, created["id"], "deprovision")
+    await transition(
+        conn,
+        "instance",
+        uuid.UUID(created["id"]),
+        "deprovisioned",
+        row["state_version"],
+        expected_state="deprovisioning",
+        actor=WORKER,
+        reason="final backup orders-final.dump",
+        detail={"backup": "orders-final.dump", "skip_backup": False, "sre": {"location": "/srv/b/x.dump"}},
+    )
+    # The page the script reloads once the deletion is over (the redirect's query still there).
+    done = text_of((await client.get(f"{base}?done=delete", headers=PAGE)).text)
+    assert "The deletion is under way" not in done
+    assert "Deleted on" in done and "A final backup was kept: orders-final.dump" in done
+    assert "/srv/b" not in done  # where the provisioner keeps it is the SREs' to know
+    assert "restore_from" in done and created["id"] in done
+
+
+async def test_removing_a_failed_database_says_remove_as_its_button_does(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "flaky")
+    token = await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    await drive(conn, created["id"], "fail")
+    page = text_of((await client.get(base, headers=PAGE)).text)
+    assert "Remove flaky" in page and "delete" not in page.lower().replace("deletion protection", "")
+    removed = await client.post(
+        f"{base}/delete", data={"csrf_token": token, "confirm_name": "flaky"}, headers=PAGE
+    )
+    assert removed.headers["location"] == f"{base}?done=remove"
+    after = text_of((await client.get(removed.headers["location"], headers=PAGE)).text)
+    assert "Removing it" in after and "deletion" not in after.lower().replace("deletion protection", "")

@@ -49,6 +49,8 @@ HISTORY_PAGE = 25
 KEYS_SHOWN = 1000
 # Where a failure leaves an instance (listed apart from the live ones and the deleted ones).
 FAILED = lifecycle.INSTANCE.targets_of("fail")
+# Where a deletion leaves an instance (its page then says what the deletion kept).
+DELETED = lifecycle.INSTANCE.targets_of("deprovisioned")
 
 # What a redirect after a form tells the person (the `done` query parameter names one).
 NOTICES: Mapping[str, str] = {
@@ -56,6 +58,7 @@ NOTICES: Mapping[str, str] = {
     "protection-on": "Deletion protection is on: the database cannot be deleted until it is turned off.",
     "protection-off": "Deletion protection is off.",
     "delete": "The deletion is under way; it runs now, or as soon as the database can be deleted.",
+    "remove": "Removing it: what its failure left behind is cleaned up, and it leaves your list.",
     "retry": "A new database replaces the failed one; follow it here.",
     "revoked": "The key is revoked: requests and console sessions with it are refused from now on.",
 }
@@ -231,7 +234,7 @@ def _new_instance_form(
 async def instance_page(
     request: Request, instance_id: uuid.UUID, who: SignedIn, done: str | None = None
 ) -> Response:
-    return await _instance_view(request, who, instance_id, notice=NOTICES.get(done or ""))
+    return await _instance_view(request, who, instance_id, done=done)
 
 
 @router.get("/instances/{instance_id}/live", response_class=HTMLResponse)
@@ -311,6 +314,7 @@ async def delete(request: Request, instance_id: uuid.UUID, who: SignedIn, form: 
         return await _instance_view(request, who, instance_id, failed={"delete": message}, status=422)
     skip = form.get("final_backup") != "on"
     asked = instances.RequestDeletion(who.org_id, instance_id, skip_final_backup=skip)
+    done = "remove" if record.state in FAILED else "delete"  # what its button said
     async with app.pool.connection() as conn:
         try:
             await instances.request_deletion(
@@ -320,7 +324,7 @@ async def delete(request: Request, instance_id: uuid.UUID, who: SignedIn, form: 
             raise Missing() from None
         except DomainError as exc:
             return await _instance_view(request, who, instance_id, failed={"delete": exc.detail}, status=409)
-    return redirect(f"/instances/{instance_id}?done=delete")
+    return redirect(f"/instances/{instance_id}?done={done}")
 
 
 @router.post("/instances/{instance_id}/retry", response_class=HTMLResponse)
@@ -370,7 +374,7 @@ async def _instance_view(
     who: Visitor,
     instance_id: uuid.UUID,
     *,
-    notice: str | None = None,
+    done: str | None = None,
     failed: Mapping[str, str] | None = None,
     status: int = 200,
 ) -> Response:
@@ -379,6 +383,8 @@ async def _instance_view(
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who, app.settings.billing)
         context = await _instance_context(conn, app, who, org, record)
+    # What a form's redirect says, while it is news: a deletion that is over is told by the page.
+    notice = None if context["ended"] else NOTICES.get(done or "")
     context |= {
         "notice": notice,
         "errors": defaultdict(str, failed or {}),
@@ -392,7 +398,14 @@ async def _instance_context(
 ) -> dict[str, Any]:
     doc = await views.one_instance(conn, record, app.box)
     connectable = doc["connection"] is not None and record.state in present.CONNECTABLE
+    ended = None
+    if record.state in DELETED:
+        # Its deletion's event: when, and the final backup it kept (its name; where it is kept is
+        # the service's to know).
+        last = await instances.last_event(conn, who.org_id, record.id)
+        ended = None if last is None else views.event(last)
     return _page(who, org, "instance") | {
+        "ended": ended,
         "i": doc,
         "terminal": record.state in lifecycle.INSTANCE.terminal,
         "formats": present.connection_formats(doc["connection"], reveal=False) if connectable else None,
