@@ -31,6 +31,7 @@ API = (
     "api_statement_timeout_s",
     "api_max_keys_per_org",
     "console_session_s",
+    "billing_portal_url",
     "api_rate_limit",
     "api_rate_window_s",
     "api_webhook_rate_limit",

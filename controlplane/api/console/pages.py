@@ -7,9 +7,11 @@ import secrets
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
+from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -40,8 +42,25 @@ from controlplane.services import billing_policy, idempotency, instances, sessio
 
 router = APIRouter(include_in_schema=False)
 
-# Instances on one page of the list.
-PAGE = 100
+# Instances on one page of the list (its filter and order apply to the page).
+PAGE = 500
+# The list's filter by the severity class of the lifecycle metadata, and its orders.
+SHOWN: Mapping[str, str] = {
+    "": "Every state",
+    "fault": "Needs attention",
+    "transient": "In progress",
+    "healthy": "Available",
+    "suspended": "Suspended",
+    "terminal": "Ended",
+}
+SORTS: Mapping[str, str] = {
+    "newest": "Newest first",
+    "oldest": "Oldest first",
+    "name": "Name",
+    "state": "State",
+}
+# Sorted by state: what needs the customer first, what ended last.
+SEVERITY_ORDER = ("fault", "transient", "suspended", "healthy", "terminal")
 # Rows of the audit timeline on one page.
 HISTORY_PAGE = 25
 # The most keys the console lists or names actors from (an organisation holds at most
@@ -139,35 +158,92 @@ async def sign_out(request: Request, who: SignedIn, _: Form) -> Response:
 # ---- the instances ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ListQuery:
+    """What the list shows: a name filter, a state class, an order, the archived ones, a page."""
+
+    q: Annotated[str, Query(max_length=63)] = ""
+    show: Annotated[str, Query(max_length=20)] = ""
+    sort: Annotated[str, Query(max_length=20)] = "newest"
+    include: str | None = None
+    cursor: str | None = None
+
+
+ListView = Annotated[ListQuery, Depends()]
+
+
 @router.get("/", response_class=HTMLResponse)
-async def instance_list(
-    request: Request, who: SignedIn, cursor: str | None = None, include: str | None = None
-) -> Response:
+async def instance_list(request: Request, who: SignedIn, view: ListView) -> Response:
+    try:
+        context = await _list_context(request, who, view)
+    except InvalidRequest:  # a cursor that is not one of ours: the first page
+        return redirect("/")
+    return render("instances.html", context)
+
+
+@router.get("/live", response_class=HTMLResponse)
+async def instance_list_live(request: Request, who: SignedIn, view: ListView) -> Response:
+    """The list's part that follows the organisation's databases (fetched again on each event)."""
+    try:
+        context = await _list_context(request, who, view)
+    except InvalidRequest:
+        raise Missing() from None
+    return render("_list.html", context)
+
+
+@router.get("/watch")
+async def instance_list_watch(request: Request, who: SignedIn) -> StreamingResponse:
+    """The organisation's stream of its databases' changes: its events drive the list."""
+    return watch.org_response(request, who.org_id)
+
+
+async def _list_context(request: Request, who: Visitor, view: ListQuery) -> dict[str, Any]:
     app = app_state(request)
-    archived = include == "archived"
+    archived = view.include == "archived"
     async with app.pool.connection() as conn:
-        try:
-            page, next_cursor = await instances.list_page(
-                conn, instances.ListInstances(who.org_id, archived=archived), limit=PAGE, cursor=cursor
-            )
-        except InvalidRequest:  # a cursor that is not one of ours: the first page
-            return redirect("/")
+        page, next_cursor = await instances.list_page(
+            conn, instances.ListInstances(who.org_id, archived=archived), limit=PAGE, cursor=view.cursor
+        )
         docs = await views.instances(conn, page, app.box)
         org = await _org(conn, who, app.settings.billing)
+    shown = SHOWN.get(view.show) and view.show
+    order = view.sort if view.sort in SORTS else "newest"
+    wanted = view.q.strip().lower()
+    picked = [
+        doc
+        for doc in docs
+        if wanted in str(doc["name"]).lower() and (not shown or doc["state_info"]["severity"] == shown)
+    ]
     groups: dict[str, list[dict[str, Any]]] = {"live": [], "failed": [], "ended": []}
-    for doc in docs:
+    for doc in _sorted(picked, order):
         if doc["state"] not in lifecycle.INSTANCE.terminal:
             groups["live"].append(doc)
-        elif doc["state"] in FAILED and doc["archived_at"] is None:
-            groups["failed"].append(doc)
+        elif doc["state"] in FAILED and doc["archived_at"] is None and doc["replaced_by"] is None:
+            groups["failed"].append(doc)  # a failure nobody has acted on yet: shown, never folded
         else:
-            groups["ended"].append(doc)
-    context = _page(who, org, "instances") | {
+            groups["ended"].append(doc)  # deleted, removed, or replaced by a retry
+    query = {"q": view.q, "show": shown or "", "sort": order, "include": "archived" if archived else ""}
+    return _page(who, org, "instances") | {
         "groups": groups,
+        "names": {doc["id"]: doc["name"] for doc in docs},
         "next_cursor": next_cursor,
         "archived": archived,
+        "query": query,
+        "query_string": urlencode({k: v for k, v in query.items() if v and (k, v) != ("sort", "newest")}),
+        "filtered": len(picked) < len(docs),
+        "total": len(docs),
+        "shows": SHOWN,
+        "sorts": SORTS,
     }
-    return render("instances.html", context)
+
+
+def _sorted(docs: list[dict[str, Any]], order: str) -> list[dict[str, Any]]:
+    if order == "name":
+        return sorted(docs, key=lambda doc: (doc["name"], doc["created_at"]))
+    if order == "state":
+        rank = {severity: n for n, severity in enumerate(SEVERITY_ORDER)}
+        return sorted(docs, key=lambda doc: (rank.get(doc["state_info"]["severity"], 99), doc["name"]))
+    return sorted(docs, key=lambda doc: doc["created_at"], reverse=order == "newest")
 
 
 @router.get("/instances/new", response_class=HTMLResponse)
@@ -573,7 +649,11 @@ async def _org(conn: AsyncConn, who: Visitor, billing: BillingSettings) -> Mappi
     org = await tenants.get_org(conn, who.org_id)
     if org is None:  # a session outlives no organisation (they are not deleted)
         raise Missing()
-    return {**org, "billing": billing_policy.billing_view(dict(org), billing)}
+    return {
+        **org,
+        "billing": billing_policy.billing_view(dict(org), billing),
+        "portal_url": billing.portal_url,
+    }
 
 
 async def _load(conn: AsyncConn, who: Visitor, instance_id: uuid.UUID) -> InstanceRecord:

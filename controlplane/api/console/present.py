@@ -14,7 +14,18 @@ from typing import Any
 from controlplane.api.views import CA_FILE
 from controlplane.core import lifecycle
 
-__all__ = ["CA_FILE", "CONNECTABLE", "badge", "connection_formats", "duration", "iso", "when"]
+__all__ = [
+    "CA_FILE",
+    "CONNECTABLE",
+    "badge",
+    "connection_formats",
+    "cpu",
+    "duration",
+    "every",
+    "iso",
+    "memory",
+    "when",
+]
 MASK = "\u2022" * 8
 
 # The badge colour of each severity class of the lifecycle metadata: wait, act, fine, suspended.
@@ -53,6 +64,39 @@ def duration(seconds: float | None) -> str:
     if minutes:
         return f"{minutes} min {secs:02d} s"
     return f"{secs} s"
+
+
+# Interval units as people say them, the largest first: "every 12 hours", "every day".
+_UNITS = (("week", 7 * 86400), ("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
+# Kubernetes binary suffixes of memory quantities, as bytes.
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def every(seconds: float) -> str:
+    """A schedule's interval in the largest whole unit: every day, every 12 hours, every 90 minutes."""
+    total = max(1, round(seconds))
+    for unit, size in _UNITS:
+        if total % size == 0:
+            count = total // size
+            return f"every {unit}" if count == 1 else f"every {count} {unit}s"
+    return f"every {total} seconds"  # pragma: no cover (the seconds unit divides every total)
+
+
+def cpu(quantity: str) -> str:
+    """A Kubernetes CPU quantity in words: 250m is a quarter of a CPU core, 1 is one, 2 two."""
+    cores = float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+    shown = f"{cores:g}"
+    return f"{shown} CPU core" + ("" if cores == 1 else "s")
+
+
+def memory(quantity: str) -> str:
+    """A Kubernetes memory quantity in binary units: 256Mi is 256 MiB, 1536Mi 1.5 GiB, 1Gi 1 GiB."""
+    suffix = quantity[-2:]
+    size = float(quantity[:-2]) * _BINARY[suffix] if suffix in _BINARY else float(quantity)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size:g} bytes"
 
 
 def iso(at: datetime | str | None) -> str:
