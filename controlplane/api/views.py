@@ -85,6 +85,7 @@ def instance(
         "state_version": inst.state_version,
         "progress": progress,
         "allowed_actions": actions.of(inst),
+        "settled": actions.settled(inst),
         "spec_generation": inst.spec_generation,
         "observed_generation": inst.observed_generation,
         "failed_generation": inst.failed_generation,

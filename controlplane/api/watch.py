@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic_core import to_jsonable_python
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
@@ -50,7 +51,8 @@ def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
     lines = [f"event: {event}"]
     if event_id is not None:
         lines.append(f"id: {event_id}")
-    lines.append("data: " + json.dumps(data, default=str, separators=(",", ":")))
+    # As the REST answers write them (pydantic's JSON): times in RFC 3339 (`2026-12-02T02:29:42Z`).
+    lines.append("data: " + json.dumps(to_jsonable_python(data), separators=(",", ":")))
     return ("\n".join(lines) + "\n\n").encode()
 
 

@@ -449,3 +449,32 @@ async def test_a_response_carrying_a_password_is_never_stored_by_a_cache(
     # The keys a request creates are secrets too: shown once, never stored.
     key = await client.post("/v1/keys", json={"name": "ci"}, headers=tenant.headers)
     assert key.status_code == 201 and key.headers["cache-control"] == "no-store"
+
+
+async def test_a_202_is_not_settled_until_its_own_change_is_done(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """A client waits for its change (the PATCH's generation, the DELETE's end), not for `ready`,
+    which the instance still is when the change is accepted."""
+    made = await create(client, tenant, "orders")
+    assert made["settled"] is False  # pending
+    await make_ready(conn, api_settings, made["id"])
+    one = f"/v1/instances/{made['id']}"
+    assert (await client.get(one, headers=tenant.headers)).json()["settled"] is True
+    protected = (await client.patch(one, json={"deletion_protection": True}, headers=tenant.headers)).json()
+    assert protected["settled"] is True and protected["spec_generation"] == 1  # done at once
+    await client.patch(one, json={"deletion_protection": False}, headers=tenant.headers)
+    resized = await client.patch(one, json={"plan": "small"}, headers=tenant.headers)
+    body = resized.json()
+    assert resized.status_code == 202 and body["state"] == "ready"  # still ready: that is not the news
+    assert body["settled"] is False and (body["spec_generation"], body["observed_generation"]) == (2, 1)
+    await drive(conn, made["id"], "update")
+    assert (await client.get(one, headers=tenant.headers)).json()["settled"] is False  # updating
+    await drive(conn, made["id"], "updated", observed_generation=2, observed_spec={"plan": "small"})
+    applied = (await client.get(one, headers=tenant.headers)).json()
+    assert applied["settled"] is True and applied["observed_generation"] == 2
+    deleting = (await client.delete(one, headers=tenant.headers)).json()
+    assert deleting["state"] == "ready" and deleting["settled"] is False  # the deletion waits to run
+    await drive(conn, made["id"], "deprovision")
+    await drive(conn, made["id"], "deprovisioned")
+    assert (await client.get(one, headers=tenant.headers)).json()["settled"] is True  # deleted
