@@ -24,7 +24,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.db.transitions import Actor, Conflict, InvariantViolation, transition
 from controlplane.queue.registry import JobRegistry
 from controlplane.queue.supervisor import PassResult, Supervisor
-from controlplane.runtime import metrics
+from controlplane.runtime import liveness, metrics
 from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
 from controlplane.services import billing_policy, usage
@@ -420,6 +420,7 @@ class Reconciler:
         followed by the next at once; otherwise the next comes after the interval."""
         interval = self.settings.reconciler.interval_s
         while not stop.is_set():
+            liveness.LOOP.turned()  # what /healthz of the reconciler's metrics port reports
             leading = election is None or await election.ensure()
             metrics.RECONCILER_LEADER.set(1 if leading else 0)
             held = None if shards is None else await shards.ensure()
@@ -431,11 +432,15 @@ class Reconciler:
                     else:
                         summary = await self.run_once(shards=shards, duties=leading)
                     full = summary.scanned >= self.settings.reconciler.batch_size
+                    liveness.LOOP.reached(True)
                 except (psycopg.OperationalError, PoolTimeout) as exc:
+                    liveness.LOOP.reached(False)
                     log.warning("reconciler pass failed: %s", exc)
                 except Exception:
                     # One broken pass must not stop reconciliation; the next pass tries again.
                     log.exception("reconciler pass failed")
+            if not (leading or held):
+                liveness.LOOP.reached(True)  # a standby: nothing of its own to pass over
             if full:
                 await asyncio.sleep(0)  # more instances are due: the next pass now
                 continue
