@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from controlplane.api import views
-from controlplane.api.hub import APPLICATION_NAME, CLOSED, Changed, Closed, Moved, Stepped
+from controlplane.api.hub import APPLICATION_NAME, CLOSED, Changed, Closed, Moved, Note, Stepped
 from controlplane.api.state import AppState, app_state
 from controlplane.core import failures, lifecycle
 from controlplane.core.kinds import STEP_LABELS
@@ -151,18 +151,12 @@ async def instance_stream(
             state, last, sent = await _catch_up(app, instance_id, org_id, state, resume_after)
             for chunk in sent:
                 yield chunk
-        while state not in lifecycle.INSTANCE.terminal:
-            try:
-                async with asyncio.timeout(keepalive_s):
-                    note = await queue.get()
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return
-                yield b": keepalive\n\n"
-                continue
-            if note is CLOSED:
-                return
-            if isinstance(note, Stepped):
+        if state in lifecycle.INSTANCE.terminal:
+            return
+        async for note in _notes(queue, request, keepalive_s):
+            if isinstance(note, bytes):
+                yield note
+            elif isinstance(note, Stepped):
                 event = await _step_event(app, instance_id, org_id, note.step_id)
                 if event is not None:
                     yield sse("step", event)
@@ -174,6 +168,27 @@ async def instance_stream(
                 state, last, sent = await _catch_up(app, instance_id, org_id, state, last)
                 for chunk in sent:
                     yield chunk
+            if state in lifecycle.INSTANCE.terminal:
+                return
+
+
+async def _notes(
+    queue: asyncio.Queue[Note], request: Request, keepalive_s: float
+) -> AsyncIterator[Note | bytes]:
+    """A stream's notes, and a keepalive comment after each `keepalive_s` without one; ends when
+    the client has gone or the process shuts down (CLOSED)."""
+    while True:
+        try:
+            async with asyncio.timeout(keepalive_s):
+                note = await queue.get()
+        except TimeoutError:
+            if await request.is_disconnected():
+                return
+            yield b": keepalive\n\n"
+            continue
+        if note is CLOSED:
+            return
+        yield note
 
 
 async def _catch_up(
@@ -216,17 +231,10 @@ async def org_stream(
         yield f"retry: {RECONNECT_MS}\n\n".encode()
         yield sse("list", {})
         ours: dict[str, bool] = {}  # instance id -> whether it is this organisation's
-        while True:
-            try:
-                async with asyncio.timeout(keepalive_s):
-                    note = await queue.get()
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return
-                yield b": keepalive\n\n"
+        async for note in _notes(queue, request, keepalive_s):
+            if isinstance(note, bytes):
+                yield note
                 continue
-            if note is CLOSED:
-                return
             if not isinstance(note, Changed):  # notifications were missed: the list, read again
                 yield sse("list", {})
                 continue
