@@ -79,7 +79,7 @@ DRIVER = textwrap.dedent(
     import sys, time
     from cpclient import AuthenticatedClient
     from cpclient.api.instances import create_instance, delete_instance, get_instance
-    from cpclient.models import Instance, InstanceCreate, InstanceCreatePlan, Problem
+    from cpclient.models import Instance, InstanceCreate, PlanName, Problem
 
     base, key, name = sys.argv[1:4]
     client = AuthenticatedClient(base_url=base, token=key, raise_on_unexpected_status=True)
@@ -94,7 +94,7 @@ DRIVER = textwrap.dedent(
             assert got.state.value not in ("failed",) and time.monotonic() < deadline, got.state
             time.sleep(0.2)
 
-    asked = InstanceCreate(name=name, plan=InstanceCreatePlan.DEV)
+    asked = InstanceCreate(name=name, plan=PlanName.DEV)  # one PlanName for every plan field
     made = create_instance.sync_detailed(client=client, body=asked)
     assert made.status_code == 202, made.content
     assert made.headers["location"].endswith(str(made.parsed.id)) and made.headers["etag"]
