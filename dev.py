@@ -59,7 +59,8 @@ def ensure_venv() -> None:
 
 # Debian packages the tests need, each found by a file it installs: installed when missing (one
 # apt-get as root, else one line saying how). Chromium: the console's browser tests drive it;
-# libfaketime: the clock-skew tests LD_PRELOAD it into a worker.
+# libfaketime: the clock-skew tests LD_PRELOAD it into a worker; npm: the OpenAPI lint and the
+# generated TypeScript client's test install their tools with it (tests/npm_tools.py).
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_PACKAGES = ("chromium", "fonts-liberation")
 LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
@@ -85,6 +86,8 @@ def ensure_debian_packages() -> None:
     missing = () if CHROMIUM.exists() else BROWSER_PACKAGES
     if not any(Path("/").glob(LIBFAKETIME)):
         missing = (*missing, "libfaketime")
+    if shutil.which("npm") is None:  # the OpenAPI lint and the TypeScript client's test install with it
+        missing = (*missing, "npm")
     plan = debian_install(missing, os.geteuid() == 0, "Debian packages the tests need are missing")
     if isinstance(plan, str):
         print(plan, file=sys.stderr)

@@ -24,7 +24,7 @@ from controlplane.db import job_rows as jobs
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.db.transitions import Actor, InvariantViolation, VersionConflict, transition
-from controlplane.runtime import metrics
+from controlplane.runtime import liveness, metrics
 from controlplane.runtime.settings import Settings
 from provisioners.base import Provisioner
 from reconciler import planning
@@ -305,6 +305,7 @@ class Reconciler:
         batch is followed by the next at once; otherwise the next comes after the interval."""
         interval = self.settings.reconciler.interval_s
         while not stop.is_set():
+            liveness.LOOP.turned()  # what /healthz of the reconciler's metrics port reports
             leading = election is None or await election.ensure()
             metrics.RECONCILER_LEADER.set(1 if leading else 0)
             held = None if shards is None else await shards.ensure()
@@ -315,11 +316,15 @@ class Reconciler:
                         await self.maintenance.run_once()
                     summary = await self.run_once(shards=shards)
                     full = summary.scanned >= self.settings.reconciler.batch_size
+                    liveness.LOOP.reached(True)
                 except (psycopg.OperationalError, PoolTimeout) as exc:
+                    liveness.LOOP.reached(False)
                     log.warning("reconciler pass failed: %s", exc)
                 except Exception:
                     # One broken pass must not stop reconciliation; the next pass tries again.
                     log.exception("reconciler pass failed")
+            if not (leading or held):
+                liveness.LOOP.reached(True)  # a standby: nothing of its own to pass over
             if full:
                 await asyncio.sleep(0)  # more instances are due: the next pass now
                 continue

@@ -111,7 +111,7 @@ def create_app(
     app.add_middleware(ratelimit.RateLimit, keys=keys, webhook=webhook)
     app.add_middleware(errors.CatchAll)
     app.add_middleware(errors.RequestId)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, settings.api.public_url)  # type: ignore[method-assign]
     return app
 
 
@@ -123,7 +123,7 @@ async def end_streams(app: FastAPI) -> None:
         await state.watchers.close()
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, public_url: str | None) -> dict[str, Any]:
     """The generated schema, completed for client generators (controlplane.api.openapi)."""
     if app.openapi_schema is None:
         schema = get_openapi(
@@ -131,6 +131,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             version=app.version,
             description=app.description,
             routes=app.routes,
+            servers=openapi.servers(public_url),
+            license_info=openapi.LICENSE,
         )
         app.openapi_schema = openapi.finish(schema)
     return app.openapi_schema

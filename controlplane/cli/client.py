@@ -323,10 +323,13 @@ def ca_file(api: Api, pem: str | None = None) -> Path:
 
 
 def connection_uri(api: Api, connection: dict[str, Any]) -> str:
-    """The URI to give libpq (psql): with `sslrootcert` naming the CA when the server is verified
-    (the instance's own CA when its connection names one, else the API's)."""
+    """The URI to give libpq (psql): with `sslrootcert` naming the CA file saved here when the server
+    is verified (the instance's own CA when its connection names one, else the API's), in place of
+    the bare file name the API's URI gives."""
     uri = str(connection["uri"])
     if connection.get("sslmode") not in ("verify-full", "verify-ca"):
         return uri
     path = ca_file(api, connection.get("ca_certificate"))
-    return f"{uri}&sslrootcert={quote(str(path), safe='/')}"
+    base, _, query = uri.partition("?")
+    kept = [part for part in query.split("&") if part and not part.startswith("sslrootcert=")]
+    return f"{base}?{'&'.join([*kept, 'sslrootcert=' + quote(str(path), safe='/')])}"

@@ -130,16 +130,16 @@ def cmd_resize(args: argparse.Namespace) -> int:
             through_suspension=args.wait_for_resume,
         )
         if instance["state"] == "suspended":
-            show_instance(instance, fmt)
+            show_instance(instance, fmt, api)
             return RECORDED_WHILE_SUSPENDED
         if instance["observed_generation"] < generation or instance["state"] != "ready":
-            show_instance(instance, fmt)
+            show_instance(instance, fmt, api)
             raise CommandError(
                 f"resize to {args.plan} did not complete: instance is {instance['state']}"
                 f" ({(instance.get('failure') or {}).get('message') or 'no reason recorded'})",
                 exit_codes.FAILED,
             )
-    show_instance(instance, fmt)
+    show_instance(instance, fmt, api)  # its URI names the CA file saved here, as create's does
     return 0
 
 

@@ -8,13 +8,16 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import uvicorn
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app, start_http_server
 from psycopg_pool import AsyncConnectionPool
 
 import provisioners
@@ -26,7 +29,7 @@ from controlplane.handlers import operations
 from controlplane.queue.consumers import ConsumerRunner
 from controlplane.queue.registry import JobRegistry
 from controlplane.queue.worker import Worker, default_worker_id, worker_pool
-from controlplane.runtime import crashpoints, datadir
+from controlplane.runtime import crashpoints, datadir, liveness
 from controlplane.runtime.settings import NotAvailable, Settings
 from controlplane.services import notices, tenants
 from provisioners.base import Provisioner
@@ -59,10 +62,52 @@ def stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(signum, stop.set)
 
 
-def serve_metrics(settings: Settings) -> None:
-    if settings.metrics_port:
+def serve_metrics(settings: Settings, role: str | None = None) -> None:
+    """`/metrics` on the metrics port; for a background `role` (worker, reconciler) also `/healthz`
+    and `/readyz`, from what its own loop reports (controlplane.runtime.liveness)."""
+    if not settings.metrics_port:
+        return
+    if role is None:
         start_http_server(settings.metrics_port, addr=settings.api.host)
-        log.info("metrics on %s:%d/metrics", settings.api.host, settings.metrics_port)
+    else:
+        liveness.LOOP.configure(role, stale_after_s(settings, role))
+        serve_health_and_metrics(settings.metrics_port, settings.api.host, liveness.LOOP)
+    log.info("metrics on %s:%d/metrics", settings.api.host, settings.metrics_port)
+
+
+def stale_after_s(settings: Settings, role: str) -> float:
+    """How long a role's loop may go without turning before /healthz says it hangs: the worker's
+    turns every heartbeat interval, the reconciler's every interval plus a pass (a bounded batch)."""
+    if role == "worker":
+        return 3 * settings.worker.heartbeat_interval_s + 30
+    return 3 * settings.reconciler.interval_s + 120
+
+
+def serve_health_and_metrics(port: int, host: str, loop: liveness.Liveness) -> None:
+    """A thread serving /healthz, /readyz (from `loop`) and /metrics (everything else)."""
+    metrics_app = make_wsgi_app()
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/healthz", "/readyz"):
+            health = loop.live() if path == "/healthz" else loop.ready()
+            status = "200 OK" if health.ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [health.detail.encode() + b"\n"]
+        body: Iterable[bytes] = metrics_app(environ, start_response)
+        return body
+
+    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="health-and-metrics", daemon=True).start()
+
+
+class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes every few seconds are not news."""
 
 
 def bind_api_socket(settings: Settings) -> socket.socket:

@@ -30,6 +30,7 @@ API = (
     "api_statement_timeout_s",
     "api_max_keys_per_org",
     "console_session_s",
+    "billing_portal_url",
     "api_rate_limit",
     "api_rate_window_s",
     "api_webhook_rate_limit",
@@ -220,7 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 Role = Callable[[Settings, str, Provisioner, asyncio.Event], Awaitable[None]]
 
 
-def _run_role(args: argparse.Namespace, role: Role) -> int:
+def _run_role(args: argparse.Namespace, role: Role, name: str) -> int:
     """Run `role` with its metrics served until a signal sets its stop; the provisioner is closed after."""
     settings = _configured(args)
     url = db.resolve_database_url(settings)
@@ -229,7 +230,7 @@ def _run_role(args: argparse.Namespace, role: Role) -> int:
         provisioner = provisioners.build(settings)
         stop = asyncio.Event()
         process_roles.stop_on_signals(stop)
-        process_roles.serve_metrics(settings)
+        process_roles.serve_metrics(settings, name)
         try:
             await role(settings, url, provisioner, stop)
         finally:
@@ -243,7 +244,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def worker(settings: Settings, url: str, provisioner: Provisioner, stop: asyncio.Event) -> None:
         await process_roles.run_worker_role(settings, url, operations.registry(provisioner), stop)
 
-    return _run_role(args, worker)
+    return _run_role(args, worker, "worker")
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
@@ -258,7 +259,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             dry_run_orphans=args.dry_run_orphans,
         )
 
-    return _run_role(args, reconcile)
+    return _run_role(args, reconcile, "reconciler")
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -87,3 +87,14 @@ def of(instance: Instance) -> list[str]:
         archived=instance.archived_at is not None,
         replaced=instance.replaced_by is not None,
     )
+
+
+def settled(inst: Instance) -> bool:
+    """Nothing asked of the instance is still to be done (what a client waits for after a create,
+    PATCH or DELETE): it is in no transitional state, no deletion waits to run, and its spec
+    generation is applied (`observed_generation`) or was given up (`failed_generation`)."""
+    if inst.state in lifecycle.INSTANCE.terminal:
+        return True
+    if inst.state in lifecycle.INSTANCE.transitional or inst.deletion_requested:
+        return False
+    return inst.observed_generation >= inst.spec_generation or inst.failed_generation == inst.spec_generation

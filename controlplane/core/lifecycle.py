@@ -305,7 +305,7 @@ INSTANCE = Lifecycle(
             "deleted": StateInfo("Deleted", "The database has been deleted.", "terminal", "not_billed"),
             "failed": StateInfo(
                 "Failed",
-                "The database could not be created (or removed); the reason says why. Retry it or delete it.",
+                "The database could not be created (or removed); the reason says why. Retry it or remove it.",
                 "fault",
                 "not_billed",
             ),

@@ -28,7 +28,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.queue import moves as queue
 from controlplane.queue.outcomes import Held, Outcomes
 from controlplane.queue.registry import JobContext, JobRegistry
-from controlplane.runtime import crashpoints
+from controlplane.runtime import crashpoints, liveness
 from controlplane.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -269,8 +269,10 @@ class Worker:
         except db.DATABASE_GONE as exc:
             # Not applied, or applied with its reply lost: then its jobs go stale and are reclaimed.
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
+            liveness.LOOP.reached(False)
             await self._pause_after_failure()
             return 0
+        liveness.LOOP.reached(True)
         self.counts["claimed"] += len(started)
         fresh = next((row for row in started if row["attempt"] == 1), None)
         # What sorts before fresh work is read at every claim anyway; a claim that left out a kind
@@ -374,6 +376,7 @@ class Worker:
             interval = self.settings.worker.heartbeat_interval_s
             while True:
                 await asyncio.sleep(interval)
+                liveness.LOOP.turned()  # what /healthz of the worker's metrics port reports
                 self._expire_leases()
                 holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
                 if not holdings:
@@ -387,6 +390,7 @@ class Worker:
                     async with asyncio.timeout(self._beat_timeout_s):
                         still = await transitions.heartbeat(conn, self.worker_id, holdings)
                 except Exception as exc:  # the heartbeat must outlive any failure: reconnect next time
+                    liveness.LOOP.reached(False)
                     log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc or type(exc).__name__)
                     if conn is not None:
                         with contextlib.suppress(Exception):
@@ -395,6 +399,7 @@ class Worker:
                     conn = None
                     continue
                 self.counts["heartbeats"] += 1
+                liveness.LOOP.reached(True)
                 for job_id in holdings.keys() & still:
                     renewed = self._held.get(job_id)
                     if renewed is not None:

@@ -547,6 +547,13 @@ class BillingSettings(_Group):
         "Delete instances suspended by billing for this many days (with their final backup); empty: never.",
         gt=0,
     )
+    portal_url: str | None = _setting(
+        None,
+        "billing_portal_url",
+        "Where customers settle a payment (for example your Stripe customer portal's login link): the"
+        " console's billing notices link to it; empty: they say to pay the invoice that was sent.",
+        pattern=r"^https?://",
+    )
 
 
 class NotificationSettings(_Group):

@@ -16,11 +16,12 @@ from fastapi import FastAPI
 
 from controlplane.api.console.session import COOKIE, SIGN_IN_COOKIE
 from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import transition
 from controlplane.runtime.secretbox import SecretBox
 from controlplane.runtime.settings import Settings
 from controlplane.services import sessions, tenants
 from controlplane.services.sessions import Seal
-from tests.api_support import Tenant, create, make_ready, make_tenant
+from tests.api_support import WORKER, Tenant, create, drive, make_ready, make_tenant
 from tests.console_support import PAGE, sign_in, signed_in, text_of, token_of
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -328,6 +329,28 @@ async def test_the_connection_is_shown_masked_and_revealed_on_request(
     formats = revealed.json()
     assert formats["uri"] == "postgresql://app_owner:s3cret%2Fpw@127.0.0.1:15432/app"
     assert "export PGPASSWORD=s3cret/pw" in formats["env"]
+    assert (await client.get(f"{base}/ca.pem")).status_code == 404  # no TLS, no CA to offer
+
+
+async def test_the_ca_download_comes_before_the_uri_that_names_its_file(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    await make_ready(conn, app_state_settings(app), created["id"], password="pw", ca=pem)
+    page = (await client.get(base, headers=PAGE)).text
+    # The step the URI needs is shown above it: the download, and the file name the URI gives.
+    assert page.index("Download the CA certificate") < page.index('data-format="uri"')
+    assert f'href="{base}/ca.pem" download="controlplane-ca.pem"' in page
+    formats = (await client.get(f"{base}/connection")).json()
+    assert formats["uri"].endswith("/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem")
+    assert formats["psql"] == f"psql '{formats['uri']}'"
+    assert "export PGSSLROOTCERT=controlplane-ca.pem" in formats["env"]
+    ca = await client.get(f"{base}/ca.pem")
+    assert ca.status_code == 200 and ca.text == pem
+    assert ca.headers["content-disposition"] == 'attachment; filename="controlplane-ca.pem"'
 
 
 async def test_keys_are_created_once_listed_and_revoked(
@@ -402,3 +425,172 @@ async def test_the_console_assets_are_served(client: httpx.AsyncClient) -> None:
         assert (await client.get(source)).status_code == 200, source
     assert "http" not in " ".join(re.findall(r'(?:src|href)="([^"]+)"', page.text))
     assert token_of(page.text)
+
+
+async def test_a_deleted_database_says_it_is_deleted_and_what_final_backup_was_kept(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    token = await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    await make_ready(conn, app_state_settings(app), created["id"])
+    asked = await client.post(
+        f"{base}/delete",
+        data={"csrf_token": token, "confirm_name": "orders", "final_backup": "on"},
+        headers=PAGE,
+    )
+    assert asked.headers["location"] == f"{base}?done=delete"
+    under_way = text_of((await client.get(f"{base}?done=delete", headers=PAGE)).text)
+    assert "The deletion is under way" in under_way and "A final backup was kept" not in under_way
+    row = await drive(conn, created["id"], "deprovision")
+    await transition(
+        conn,
+        "instance",
+        uuid.UUID(created["id"]),
+        "deprovisioned",
+        row["state_version"],
+        expected_state="deprovisioning",
+        actor=WORKER,
+        reason="final backup orders-final.dump",
+        detail={"backup": "orders-final.dump", "skip_backup": False, "sre": {"location": "/srv/b/x.dump"}},
+    )
+    # The page the script reloads once the deletion is over (the redirect's query still there).
+    done = text_of((await client.get(f"{base}?done=delete", headers=PAGE)).text)
+    assert "The deletion is under way" not in done
+    assert "Deleted on" in done and "A final backup was kept: orders-final.dump" in done
+    assert "/srv/b" not in done  # where the provisioner keeps it is the SREs' to know
+    assert "restore_from" in done and created["id"] in done
+
+
+async def test_removing_a_failed_database_says_remove_as_its_button_does(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "flaky")
+    token = await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    await drive(conn, created["id"], "fail")
+    page = text_of((await client.get(base, headers=PAGE)).text)
+    assert "Remove flaky" in page and "delete" not in page.lower().replace("deletion protection", "")
+    removed = await client.post(
+        f"{base}/delete", data={"csrf_token": token, "confirm_name": "flaky"}, headers=PAGE
+    )
+    assert removed.headers["location"] == f"{base}?done=remove"
+    after = text_of((await client.get(removed.headers["location"], headers=PAGE)).text)
+    assert "Removing it" in after and "deletion" not in after.lower().replace("deletion protection", "")
+
+
+# ---- the list: groups, filter, order, the live stream ------------------------------------------------
+
+
+def _rows(page: str) -> list[str]:
+    """The names of the list's rows, in the order shown."""
+    return re.findall(r'<th scope="row"><a href="/instances/[^"]+">([^<]+)</a>', page)
+
+
+async def test_an_unresolved_failure_is_shown_and_a_retried_one_is_folded_away_and_marked(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    flaky = await create(client, tenant, "flaky")
+    lost = await create(client, tenant, "lost")
+    await drive(conn, flaky["id"], "fail", failure_code="allocate_storage_failed")
+    await drive(conn, lost["id"], "fail", failure_code="allocate_storage_failed")
+    retried = await client.post(f"/v1/instances/{flaky['id']}/retry", headers=tenant.headers)
+    assert retried.status_code == 202
+    await signed_in(client, tenant.key)
+    page = (await client.get("/", headers=PAGE)).text
+    # The failure nobody acted on is in an open section above the list, not in a folded one.
+    failed = page[page.index('id="failed-title"') : page.index("</section>", page.index('id="failed-title"'))]
+    assert _rows(failed) == ["lost"]
+    ended = page[page.index('<details class="group" id="ended"') :]
+    assert (
+        _rows(ended) == ["flaky"]
+        and f'retried: <a href="/instances/{retried.json()["id"]}">flaky</a>' in ended
+    )
+    assert "<details" not in page[: page.index('<details class="group" id="ended"')]
+
+
+async def test_the_list_filters_by_name_and_state_and_sorts(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    for name in ("beta", "alpha", "gamma"):
+        await create(client, tenant, name)
+    gamma = (await client.get("/v1/instances/gamma", headers=tenant.headers)).json()
+    await drive(conn, gamma["id"], "start_provisioning")
+    await signed_in(client, tenant.key)
+    assert _rows((await client.get("/", headers=PAGE)).text) == ["gamma", "alpha", "beta"]  # newest first
+    assert _rows((await client.get("/?sort=oldest", headers=PAGE)).text) == ["beta", "alpha", "gamma"]
+    assert _rows((await client.get("/?sort=name", headers=PAGE)).text) == ["alpha", "beta", "gamma"]
+    assert _rows((await client.get("/?q=AL", headers=PAGE)).text) == ["alpha"]
+    pending = (await client.get("/?show=transient&sort=name", headers=PAGE)).text
+    assert _rows(pending) == ["alpha", "beta", "gamma"]  # pending and provisioning are both in progress
+    none = await client.get("/?q=zeta", headers=PAGE)
+    assert _rows(none.text) == [] and "No database matches this filter" in text_of(none.text)
+    # The live part alone, with the same query (what the page's script fetches).
+    live = await client.get("/live?sort=name&q=a", headers=PAGE)
+    assert live.status_code == 200 and "<html" not in live.text
+    assert _rows(live.text) == ["alpha", "beta", "gamma"]
+    junk = await client.get("/?show=nonsense&sort=sideways", headers=PAGE)
+    assert junk.status_code == 200 and _rows(junk.text) == ["gamma", "alpha", "beta"]
+
+
+async def test_the_organisations_stream_tells_its_own_changes_only(
+    app: FastAPI, client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    from controlplane.api import watch
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    other = await make_tenant(conn)
+    stream = watch.org_stream(app.state.controlplane, Gone(), tenant.org_id, keepalive_s=0.5)  # type: ignore[arg-type]
+    chunks = [await anext(stream), await anext(stream)]  # retry, then `list` (read the list now)
+    assert b"event: list" in chunks[1]
+    theirs = await create(client, other, "theirs")
+    mine = await create(client, tenant, "mine")  # a creation is a change of the list
+    await drive(conn, theirs["id"], "start_provisioning")
+    await drive(conn, mine["id"], "start_provisioning")
+    chunks.extend([chunk async for chunk in stream])  # until the keepalive finds the client gone
+    events = [
+        (block.split("\n")[0], block)
+        for block in b"".join(chunks).decode().split("\n\n")
+        if block.startswith("event")
+    ]
+    moved = [block for name, block in events if name == "event: transition"]
+    assert len(moved) == 2 and all(mine["id"] in block for block in moved), events
+    assert '"state":"pending"' in moved[0] and '"state":"provisioning"' in moved[1]
+    assert app.state.controlplane.watchers.streams == 0  # it follows nothing any more
+
+
+async def test_plan_cards_use_human_units_and_even_intervals(
+    client: httpx.AsyncClient, tenant: Tenant
+) -> None:
+    await signed_in(client, tenant.key)
+    page = text_of((await client.get("/instances/new", headers=PAGE)).text)
+    assert "0.25 CPU cores and 256 MiB of memory each" in page and "1 CPU core and 1 GiB" in page
+    assert "a backup every day" in page and "a backup every 12 hours" in page and "every 6 hours" in page
+    assert "250m" not in page and "Mi " not in page and " d 0 h" not in page
+
+
+async def test_a_suspended_database_shows_one_banner_that_says_how_to_pay(
+    api_settings: Settings, client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    from controlplane.api.app import create_app
+
+    created = await create(client, tenant, "ledger")
+    await make_ready(conn, api_settings, created["id"])
+    await drive(conn, created["id"], "suspend")
+    await conn.execute("UPDATE organisations SET billing_hold = true WHERE id = %s", (tenant.org_id,))
+    await signed_in(client, tenant.key)
+    page = (await client.get(f"/instances/{created['id']}", headers=PAGE)).text
+    assert page.count('class="banner suspended"') == 1 and "Pay the outstanding invoice" in text_of(page)
+    listing = (await client.get("/", headers=PAGE)).text  # elsewhere the organisation's banner says it
+    assert listing.count('class="banner suspended"') == 1 and "payments are on hold" in listing
+    portal = "https://billing.example/portal"
+    app = create_app(api_settings.replace(billing_portal_url=portal))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://console") as http:
+            await signed_in(http, tenant.key)
+            linked = (await http.get(f"/instances/{created['id']}", headers=PAGE)).text
+    assert f'<a href="{portal}">Settle the payment in the billing portal</a>' in linked

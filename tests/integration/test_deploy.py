@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import re
 import shlex
 import shutil
@@ -195,6 +196,9 @@ def test_each_role_runs_its_command_from_the_same_image() -> None:
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
     image_names = {entry["name"] for entry in kustomization.get("images", [])}
     assert {image.split(":")[0] for image in images} <= image_names
+    # By digest, never a tag that can move (checkov CKV_K8S_43).
+    for entry in kustomization["images"]:
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", entry["digest"]) and "newTag" not in entry, entry
 
 
 def test_reconciler_runs_two_replicas() -> None:
@@ -202,26 +206,26 @@ def test_reconciler_runs_two_replicas() -> None:
 
 
 def test_serving_containers_have_probes_on_healthz_and_readyz() -> None:
+    """The API's on its port; the worker's and the reconciler's on their metrics port, where /healthz
+    and /readyz report what the role's own loop does (controlplane/runtime/liveness.py)."""
     api_port = int(config_map()["data"]["CONTROLPLANE_API_PORT"])
-    serving = 0
+    probed = set()
     for workload in workloads():
+        if workload["kind"] == "Job":
+            continue
         for container in containers(workload):
-            # A metrics-only container has no health endpoint: its metrics server is a thread
-            # that answers whatever the role's own loop is doing, so it would prove nothing.
-            ports = [port for port in container.get("ports", []) if port.get("name") != "metrics"]
-            if not ports:
-                continue
-            serving += 1
-            by_name = {port["name"]: port["containerPort"] for port in ports if "name" in port}
-            assert api_port in {port["containerPort"] for port in ports}
+            by_name = {port["name"]: port["containerPort"] for port in container["ports"]}
+            metrics_only = set(by_name) == {"metrics"}
+            wanted_port = by_name["metrics"] if metrics_only else api_port
+            if metrics_only:
+                env = {item["name"]: item.get("value") for item in container.get("env", [])}
+                assert env[METRICS_PORT_VARIABLE] == str(wanted_port)
             for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
                 http = container[probe]["httpGet"]
                 assert http["path"] == path, f"{container['name']} {probe}"
-                port = http["port"]
-                assert by_name.get(port, port) == api_port
-    assert serving >= 1
-    (api,) = containers(workload_for("api"))
-    assert "livenessProbe" in api and "readinessProbe" in api
+                assert by_name.get(http["port"], http["port"]) == wanted_port, f"{container['name']} {probe}"
+            probed.add(container["name"])
+    assert probed == {"api", "worker", "reconciler"}
 
 
 def test_pods_run_as_non_root_with_a_read_only_root_filesystem() -> None:
@@ -266,17 +270,44 @@ def test_every_controlplane_variable_is_a_setting() -> None:
         names |= set(re.findall(r"Environment=(CONTROLPLANE_[A-Z0-9_]+)=", unit.read_text()))
     controlplane_names = {name for name in names if name.startswith("CONTROLPLANE_")}
     assert controlplane_names, "no CONTROLPLANE_ variable found"
-    assert controlplane_names - SETTING_VARIABLES == set()
+    secret_files = {
+        entry.env + settings_module.FILE_SUFFIX for entry in settings_module.SETTINGS.values() if entry.secret
+    }
+    assert controlplane_names - SETTING_VARIABLES - secret_files == set()
 
 
-def test_every_role_gets_the_config_map_and_the_secret() -> None:
+SECRETS_DIR = "/etc/controlplane/secrets"
+MIGRATION_DIR = "/etc/controlplane/migration"
+
+
+def secret_mounts(workload: Doc, container: Doc) -> dict[str, str]:
+    """Secret name -> where the container mounts it (read-only, as files)."""
+    by_volume = {
+        volume["name"]: volume["secret"]["secretName"]
+        for volume in pod_spec(workload).get("volumes", [])
+        if "secret" in volume
+    }
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in by_volume:
+            assert mount.get("readOnly") is True, mount
+            mounts[by_volume[mount["name"]]] = mount["mountPath"]
+    return mounts
+
+
+def test_every_role_gets_the_config_map_and_the_secrets_as_files() -> None:
+    """Secrets are mounted files read through CONTROLPLANE_*_FILE, never environment variables
+    (checkov CKV_K8S_35): the environment shows in /proc and crash reports."""
     config_name = config_map()["metadata"]["name"]
     secret_name = secret()["metadata"]["name"]
     for workload in workloads():
         for container in containers(workload):
-            sources = container["envFrom"]
-            assert {"configMapRef": {"name": config_name}} in sources
-            assert {"secretRef": {"name": secret_name}} in sources
+            assert container["envFrom"] == [{"configMapRef": {"name": config_name}}]
+            assert "secretKeyRef" not in json.dumps(container.get("env", []))
+            assert secret_mounts(workload, container)[secret_name] == SECRETS_DIR
+            env = {item["name"]: item.get("value") for item in container.get("env", [])}
+            for variable in SECRET_VARIABLES:
+                assert env[variable + settings_module.FILE_SUFFIX] == f"{SECRETS_DIR}/{variable}"
 
 
 def test_only_the_migration_gets_the_owner_role() -> None:
@@ -285,8 +316,11 @@ def test_only_the_migration_gets_the_owner_role() -> None:
     assert set(secret_values(secret(MIGRATION_SECRET))) == {"CONTROLPLANE_MIGRATION_DATABASE_URL"}
     for workload in workloads():
         for container in containers(workload):
-            gets_it = {"secretRef": {"name": MIGRATION_SECRET}} in container["envFrom"]
+            gets_it = MIGRATION_SECRET in secret_mounts(workload, container)
             assert gets_it == (workload["metadata"]["name"] == "controlplane-migrate"), workload["metadata"]
+            env = {item["name"]: item.get("value") for item in container.get("env", [])}
+            named = env.get("CONTROLPLANE_MIGRATION_DATABASE_URL_FILE")
+            assert named == (f"{MIGRATION_DIR}/CONTROLPLANE_MIGRATION_DATABASE_URL" if gets_it else None)
     settings = settings_module.load(
         {**config_map()["data"], **secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
     )
@@ -299,6 +333,26 @@ def test_only_the_migration_gets_the_owner_role() -> None:
         assert files == (["/etc/controlplane/migrate.env"] if migrate else []) + ["/etc/controlplane/env"]
     (line,) = env_example_lines("migrate.env.example")
     assert line.startswith("CONTROLPLANE_MIGRATION_DATABASE_URL=") and "REPLACE_ME" in line
+
+
+def pod_environ(container: Doc, secrets_dir: Path) -> dict[str, str]:
+    """What the container's process reads: the ConfigMap as variables, its own env, and each secret
+    from a file (written under `secrets_dir`) that its _FILE variable names."""
+    files = {**secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
+    environ = {**config_map()["data"], **container_env(container)}
+    for name, value in list(environ.items()):
+        if name.endswith(settings_module.FILE_SUFFIX):
+            key = value.rsplit("/", 1)[1]
+            (secrets_dir / key).write_text(files[key] + "\n")  # as a Secret volume may end a value
+            environ[name] = str(secrets_dir / key)
+    return environ
+
+
+def test_the_secrets_as_mounted_files_load_as_the_settings(tmp_path: Path) -> None:
+    (container,) = containers(workload_for("migrate"))
+    settings = settings_module.load(pod_environ(container, tmp_path))
+    assert settings.database.url_value == secret_values(secret())["CONTROLPLANE_DATABASE_URL"]
+    assert db.url_user(db.migration_target(settings).url) == "controlplane"
 
 
 def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
@@ -477,14 +531,14 @@ def metrics_port(component: str) -> int:
 
 
 @pytest.mark.parametrize("component", METRICS_COMPONENTS)
-def test_metrics_roles_serve_the_port_they_declare(component: str) -> None:
+def test_metrics_roles_serve_the_port_they_declare(component: str, tmp_path: Path) -> None:
     workload = workload_for(component)
     (container,) = containers(workload)
     port = metrics_port(component)
     env = container_env(container)
     assert env.get(METRICS_PORT_VARIABLE) == str(port), f"{component}: {METRICS_PORT_VARIABLE}"
-    # What the process sees: the ConfigMap and the Secret, then the container's own env.
-    settings = settings_module.load({**config_map()["data"], **secret_values(secret()), **env})
+    # What the process sees: the ConfigMap, then the container's own env, the secrets as files.
+    settings = settings_module.load(pod_environ(container, tmp_path))
     assert settings.metrics_port == port
     assert settings.api.host == "0.0.0.0", "the metrics server binds CONTROLPLANE_API_HOST"
     assert port != settings.api.port
@@ -898,6 +952,11 @@ def test_image_is_multi_stage_on_python_slim() -> None:
         c for c in instructions(runtime, "COPY") if c.startswith(f"--from={builder_from[2]}")
     ]
     assert any("/opt/controlplane/venv" in copy for copy in copies_from_builder)
+
+
+def test_image_has_a_healthcheck_of_the_roles_own_health() -> None:
+    (check,) = instructions(dockerfile_stages()[-1], "HEALTHCHECK")
+    assert '"python", "-m", "controlplane.runtime.healthcheck"' in check and "--interval=" in check
 
 
 def test_image_runs_as_a_fixed_non_root_user() -> None:

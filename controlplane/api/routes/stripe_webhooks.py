@@ -28,7 +28,7 @@ router = APIRouter(tags=["webhooks"])
 @router.post(
     "/v1/webhooks/stripe",
     response_model=WebhookAck,
-    responses=errors.responses(400, 413, 503),
+    responses=errors.responses(400, 413, 503, signed=True),
     summary="Stripe events (signed with the webhook secret)",
     openapi_extra={
         "parameters": [

@@ -188,6 +188,13 @@ SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
 WHERE e.instance_id = %(id)s AND i.org_id = %(org)s AND e.id > %(after)s ORDER BY e.id LIMIT %(limit)s
 """
 
+# The newest audit event of an organisation's instance (a deleted one's: its deletion, with the
+# final backup it kept).
+ORG_INSTANCE_LAST_EVENT = """
+SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE e.instance_id = %(id)s AND i.org_id = %(org)s ORDER BY e.id DESC LIMIT 1
+"""
+
 # The transitions of an organisation's instance after a state_version (a watch that reconnects).
 ORG_INSTANCE_MOVES_AFTER = """
 SELECT e.to_state, e.state_version FROM instance_events e JOIN instances i ON i.id = e.instance_id
