@@ -88,8 +88,8 @@ def rate(newer: int | None, older: int | None, seconds: float) -> float | None:
     return (newer - older) / seconds
 
 
-def hit_ratio(hit: int | None, read: int | None) -> float | None:
+def hit_ratio_of_rates(hit: float, read: float) -> float | None:
     """The share of block reads served from shared buffers (None: no reads at all)."""
-    if hit is None or read is None or hit + read <= 0:
+    if hit + read <= 0:
         return None
     return hit / (hit + read)
