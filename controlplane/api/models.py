@@ -645,4 +645,6 @@ class MetricsSeries(BaseModel):
     plan: str
     max_connections: int | None = Field(description="connections the plan allows")
     storage_max_bytes: int | None = Field(description="the most storage autoscaling grows the allocation to")
-    points: list[MetricsPoint]
+    points: list[MetricsPoint] = Field(
+        description="one per step with samples, oldest first (steps without are left out)"
+    )
