@@ -17,7 +17,7 @@ from provisioners.noop import NoopProvisioner
 from reconciler.maintenance import MetricsRetention
 from tests.api_support import make_ready, make_tenant, serving
 from tests.factories import make_instance
-from tests.operations_support import instance, ready_instance, registry_for, scalar
+from tests.operations_support import instance, job_finished, ready_instance, registry_for, run_until, scalar
 from tests.provisioning_support import connect, credentials
 from tests.reconciler_support import live_jobs, reconciling
 
@@ -78,12 +78,18 @@ class Filling(NoopProvisioner):
         return Observation(True, running=True, healthy=True, read_only=False, stats=_stats(self.used))
 
 
-async def test_storage_autoscaling_grows_after_five_minutes_nearly_full_with_cooldown_and_maximum(
+async def filling(conn: AsyncConn, settings: Settings, storage_gb: int) -> uuid.UUID:
+    """A ready instance with `storage_gb` allocated."""
+    owner = await make_tenant(conn)
+    iid: uuid.UUID = (await make_instance(conn, owner.org_id, storage_gb=storage_gb))["id"]
+    await make_ready(conn, settings, iid)
+    return iid
+
+
+async def test_storage_autoscaling_grows_after_five_minutes_nearly_full_through_an_audited_update(
     conn: AsyncConn, settings: Settings
 ) -> None:
-    owner = await make_tenant(conn)
-    iid = (await make_instance(conn, owner.org_id, storage_gb=8))["id"]
-    await make_ready(conn, settings, iid)
+    iid = await filling(conn, settings, 8)
     fill = Filling()
     async with reconciling(settings, fill) as rec:
         now = await scalar(conn, "SELECT now()")
@@ -98,15 +104,23 @@ async def test_storage_autoscaling_grows_after_five_minutes_nearly_full_with_coo
     (job,) = await live_jobs(conn, iid)
     assert job["kind"] == UPDATE and job["payload"]["reason"].startswith("storage autoscaling: 94% of 8 GB")
     assert job["payload"]["spec_generation"] == 2
+    # The worker applies it: ready -> updating -> ready, the reason in the audit row of the move.
+    await run_until(settings, registry_for(fill), job_finished(job["id"]))
+    assert (await instance(conn, iid))["observed_generation"] == 2
+    cursor = await conn.execute(
+        "SELECT event, reason, detail FROM instance_events"
+        " WHERE instance_id = %s AND event IN ('update', 'updated') ORDER BY id",
+        (iid,),
+    )
+    (update, updated) = await cursor.fetchall()
+    assert update["reason"].startswith("storage autoscaling: 94% of 8 GB used for 5 min")
+    assert updated["detail"]["storage_gb"] == 9 and updated["reason"] == "plan dev applied, 9 GB allocated"
 
 
 async def test_storage_autoscaling_respects_cooldown_and_maximum_and_warns_at_it(
     conn: AsyncConn, settings: Settings
 ) -> None:
-    owner = await make_tenant(conn)
-    # dev's maximum is 10 GB: 9 grows to 10, then only a warning.
-    iid = (await make_instance(conn, owner.org_id, storage_gb=9))["id"]
-    await make_ready(conn, settings, iid)
+    iid = await filling(conn, settings, 9)  # dev's maximum is 10 GB: 9 grows to 10, then only a warning
     fill = Filling()
     fill.used = int(8.5 * GIB)
     async with reconciling(settings, fill) as rec:

@@ -13,6 +13,7 @@ from controlplane.core import dbmetrics
 from controlplane.core.dbmetrics import GIB, BadRange, Retention, series_request
 from reconciler import planning
 from reconciler.planning import GrowStorage, InstanceView, StorageRule, StorageView, WarnStorageFull
+from tests.unit.test_reconciler_planning import view
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 KEPT = Retention()
@@ -54,18 +55,7 @@ def _view(
     used: list[tuple[int, float]], allocated: int = 10, maximum: int = 20, **storage: object
 ) -> InstanceView:
     samples = [(NOW - timedelta(seconds=ago), int(gib * GIB)) for ago, gib in used]
-    return InstanceView(
-        state="ready",
-        spec_generation=1,
-        observed_generation=1,
-        deadline_at=None,
-        deadline_retries=0,
-        deletion_requested=False,
-        billing_hold=False,
-        suspended_by_billing=False,
-        live_jobs=(),
-        storage=StorageView(allocated, maximum, samples, **storage),  # type: ignore[arg-type]
-    )
+    return view("ready", storage=StorageView(allocated, maximum, samples, **storage))  # type: ignore[arg-type]
 
 
 FULL_5_MIN = [(ago, 9.5) for ago in range(300, -10, -10)]
