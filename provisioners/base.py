@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.core import plans
+from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.failures import DATA_LOST, INVALID_SPEC, RESTORE_UNSUPPORTED
 from controlplane.core.kinds import OPERATION_STEPS, PROVISION, STEP_LABELS
 from controlplane.core.step_errors import PermanentError
@@ -194,6 +195,8 @@ class Observation:
     detail: str = ""
     # The instance had storage and it is gone (not merely stopped): only a restore brings it back.
     data_lost: bool = False
+    # The customer database's own metrics, read on the same connection (None: not read).
+    stats: DatabaseStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {

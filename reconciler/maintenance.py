@@ -1,7 +1,8 @@
 """The reconciler leader's once-only duties, a service each with `run_once(now)`, and their runner.
 
 The duties: job supervision, the gauges, the orphan sweep, the audit log's upkeep, usage reports,
-the billing policy. `Maintenance` runs them; the reconciler's loop calls it while it leads."""
+the billing policy, the customer databases' metrics (roll-up and retention). `Maintenance` runs
+them; the reconciler's loop calls it while it leads."""
 
 from __future__ import annotations
 
@@ -173,6 +174,40 @@ class BillingPolicy:
             )
 
 
+class MetricsRetention:
+    """The customer databases' metrics kept bounded: the fine samples of every completed coarse
+    interval rolled up, then each resolution pruned after its retention."""
+
+    def __init__(self, settings: Settings, pool: AsyncConnectionPool[AsyncConn]) -> None:
+        self.settings = settings.reconciler
+        self.pool = pool
+
+    async def run_once(self, now: datetime | None = None) -> int:
+        """One roll-up and prune as of `now` (the database's clock if None); returns rows pruned."""
+        s = self.settings
+        async with self.pool.connection() as conn, conn.transaction():
+            now = now or await usage.db_now(conn)
+            await conn.execute(
+                sql.ROLL_UP_SAMPLES,
+                {
+                    "now": now,
+                    "fine_s": s.metrics_sample_s,
+                    "coarse_s": s.metrics_rollup_s,
+                    "fine_keep_s": s.metrics_sample_keep_s,
+                },
+            )
+            pruned = 0
+            for resolution, keep in (
+                (s.metrics_sample_s, s.metrics_sample_keep_s),
+                (s.metrics_rollup_s, s.metrics_rollup_keep_s),
+            ):
+                cursor = await conn.execute(
+                    sql.PRUNE_SAMPLES, {"now": now, "resolution_s": resolution, "keep_s": keep}
+                )
+                pruned += cursor.rowcount
+        return pruned
+
+
 @dataclass
 class MaintenanceSummary:
     """What one run of the leader's duties did."""
@@ -184,6 +219,8 @@ class MaintenanceSummary:
     # Usage periods whose report to Stripe this run enqueued.
     usage_reports: int = 0
     billing: billing_policy.Enforced | None = None
+    # Samples of the customer databases' metrics pruned after their retention.
+    metrics_pruned: int = 0
     duration_s: float = 0.0
 
 
@@ -216,6 +253,7 @@ class Maintenance:
         self.audit = AuditMaintenance(settings, pool, load_box(settings))
         self.usage_reports = UsageReports(settings, pool, actor)
         self.billing = BillingPolicy(settings, pool, actor)
+        self.metrics = MetricsRetention(settings, pool)
 
     async def run_once(self, now: datetime | None = None) -> MaintenanceSummary:
         """Every duty once. `now` replaces the database clock in time comparisons (tests)."""
@@ -234,6 +272,9 @@ class Maintenance:
         summary.usage_reports = reports or 0
         summary.billing = await _logged(
             self.billing.run_once(now), "billing step failed (grace periods, long suspensions)"
+        )
+        summary.metrics_pruned = (
+            await _logged(self.metrics.run_once(now), "metrics step failed (roll-up, retention)") or 0
         )
         summary.duration_s = time.monotonic() - started
         log.log(

@@ -12,11 +12,13 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from controlplane.core import kinds, plans
+from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.failures import DATA_LOST
 from controlplane.core.kinds import RESUME, SUSPEND
 from controlplane.core.records import InstancePatch, ScannedInstance
@@ -26,8 +28,8 @@ from controlplane.db.connection import AsyncConn
 from controlplane.db.transitions import Actor, InvariantViolation, VersionConflict, transition
 from controlplane.runtime import liveness, metrics
 from controlplane.runtime.settings import Settings
-from provisioners.base import Provisioner
-from reconciler import planning
+from provisioners.base import InstanceSpec, Provisioner
+from reconciler import autoscaling, planning
 from reconciler.leader import LeaderElection, ShardLeases
 from reconciler.maintenance import Maintenance
 
@@ -98,6 +100,45 @@ def _payload(kind: str, reason: str, billing_hold: bool) -> kinds.Payload:
     return kinds.PAYLOADS[kind](reason)
 
 
+def storage_rule(settings: Settings) -> planning.StorageRule:
+    """Storage autoscaling's rule as the settings configure it."""
+    rs = settings.reconciler
+    return planning.StorageRule(
+        enabled=rs.storage_autoscale,
+        free_ratio=rs.storage_autoscale_free_pct / 100,
+        for_s=rs.storage_autoscale_for_s,
+        cooldown_s=rs.storage_autoscale_cooldown_s,
+        grow_ratio=rs.storage_autoscale_grow_pct / 100,
+        grow_min_gb=rs.storage_autoscale_grow_min_gb,
+    )
+
+
+def allocation(inst: ScannedInstance) -> tuple[int, int]:
+    """The instance's storage allocation (GiB: its spec's, at least its plan's) and its plan's maximum."""
+    spec = InstanceSpec.for_removal(inst.spec, inst.spec_generation)
+    return spec.volume_gb, max(spec.volume_gb, plans.storage_max_gb(spec.plan))
+
+
+def sample_rows(
+    sampled: list[tuple[ScannedInstance, DatabaseStats, tuple[int, int]]], resolution_s: int, now: datetime
+) -> dict[str, Any]:
+    """RECORD_SAMPLES' parameters: a column array per metric."""
+    columns = {
+        "connections": [s.connections for _, s, _ in sampled],
+        "max_connections": [s.max_connections for _, s, _ in sampled],
+        "transactions": [s.transactions for _, s, _ in sampled],
+        "rows_read": [s.rows_read for _, s, _ in sampled],
+        "rows_written": [s.rows_written for _, s, _ in sampled],
+        "blocks_hit": [s.blocks_hit for _, s, _ in sampled],
+        "blocks_read": [s.blocks_read for _, s, _ in sampled],
+        "size_bytes": [s.size_bytes for _, s, _ in sampled],
+        "allocated_bytes": [gb[0] * planning.GB for _, _, gb in sampled],
+        "replication_lag_s": [s.replication_lag_s for _, s, _ in sampled],
+        "archive_lag_s": [s.archive_lag_s for _, s, _ in sampled],
+    }
+    return {"ids": [inst.id for inst, _, _ in sampled], "resolution_s": resolution_s, "now": now, **columns}
+
+
 class Reconciler:
     """Compares what the database declares with what the provisioner shows, and corrects it.
 
@@ -147,10 +188,13 @@ class Reconciler:
                 scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
         summary.scanned = len(scanned)
         observations = await self._observe_all(scanned, summary)
+        storage = await self._sample(scanned, observations)
         backed_up = self.provisioner.supports_backups
+        rule = storage_rule(self.settings)
         for inst in scanned:
             view = _view(inst, observations.get(inst.id), self.settings, backed_up=backed_up)
-            actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
+            view = replace(view, storage=storage.get(inst.id))
+            actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries, rule)
             if actions:
                 await self._apply(inst, actions, summary, shards)
         if scanned:
@@ -194,11 +238,61 @@ class Reconciler:
                 read_only=bool(seen.read_only),
                 detail=seen.detail,
                 data_lost=seen.data_lost,
+                stats=seen.stats,
             )
 
         results = await asyncio.gather(*(observe(i) for i in targets))
         summary.observed = sum(1 for _, seen in results if seen is not None)
         return {instance_id: seen for instance_id, seen in results if seen is not None}
+
+    async def _sample(
+        self, scanned: list[ScannedInstance], observations: dict[uuid.UUID, planning.Observed]
+    ) -> dict[uuid.UUID, planning.StorageView]:
+        """Record the observed databases' metrics (one statement), and return the storage of those
+        nearly full with their recent samples (what storage autoscaling decides from)."""
+        sampled = [
+            (inst, seen.stats, allocation(inst))
+            for inst in scanned
+            if (seen := observations.get(inst.id)) is not None and seen.stats is not None
+        ]
+        if not sampled:
+            return {}
+        settings = self.settings.reconciler
+        now = scanned[0].now
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                sql.RECORD_SAMPLES, sample_rows(sampled, settings.metrics_sample_s, now), prepare=True
+            )
+            rule = storage_rule(self.settings)
+            high = [
+                (inst, stats, gb)
+                for inst, stats, gb in sampled
+                if rule.enabled and stats.size_bytes >= gb[0] * planning.GB * (1 - rule.free_ratio)
+            ]
+            if not high:
+                return {}
+            since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
+            cursor = await conn.execute(
+                sql.RECENT_STORAGE,
+                {
+                    "ids": [inst.id for inst, _, _ in high],
+                    "resolution_s": settings.metrics_sample_s,
+                    "since": since,
+                },
+            )
+            recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
+            for row in await cursor.fetchall():
+                recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
+        return {
+            inst.id: planning.StorageView(
+                allocated_gb=gb[0],
+                maximum_gb=gb[1],
+                used=[*(s for s in recent.get(inst.id, []) if s[0] < now), (now, stats.size_bytes)],
+                grown_at=inst.storage_grown_at,
+                warned_at=inst.storage_full_warned_at,
+            )
+            for inst, stats, gb in high
+        }
 
     async def _apply(
         self,
@@ -268,6 +362,11 @@ class Reconciler:
             summary.count(f"record_{action.code}")
             if action.code == DATA_LOST:
                 self._data_lost(inst, action.reason)
+        elif isinstance(action, planning.GrowStorage | planning.WarnStorageFull):
+            if await autoscaling.apply(conn, inst, action, self.actor, self.settings):
+                grown = isinstance(action, planning.GrowStorage)
+                summary.count("storage_grown" if grown else "storage_full_warned")
+                log.info("instance %s: %s", inst.id, action.reason)
         elif isinstance(action, planning.Enqueue):
             payload = _payload(action.kind, action.reason, inst.billing_hold)
             result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)

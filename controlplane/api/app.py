@@ -17,6 +17,7 @@ from controlplane.api.hub import Hub
 from controlplane.api.routes import admin as routes_admin
 from controlplane.api.routes import backups as routes_backups
 from controlplane.api.routes import instances as routes_instances
+from controlplane.api.routes import metrics as routes_metrics
 from controlplane.api.routes import notifications as routes_notifications
 from controlplane.api.routes import orgs as routes_orgs
 from controlplane.api.routes import public as routes_public
@@ -94,6 +95,7 @@ def create_app(
     for router in (
         routes_instances.router,
         routes_backups.router,
+        routes_metrics.router,
         routes_orgs.router,
         routes_admin.router,
         webhooks.router,

@@ -613,3 +613,38 @@ class WebhookAck(BaseModel):
 class Health(BaseModel):
     status: str
     detail: str | None = None
+
+
+class MetricsPoint(BaseModel):
+    """One step of a database's metrics: gauges over the step, rates since the step before."""
+
+    at: datetime = Field(description="the start of the step")
+    connections: float | None = Field(description="client connections, on average over the step")
+    connections_max: int | None = Field(description="client connections, at their highest in the step")
+    max_connections: int | None = Field(description="connections the plan allows")
+    transactions_per_s: float | None = Field(description="commits and rollbacks per second")
+    rows_read_per_s: float | None = Field(description="rows returned by scans per second")
+    rows_written_per_s: float | None = Field(description="rows inserted, updated and deleted per second")
+    cache_hit_ratio: float | None = Field(description="share of block reads served from memory (0 to 1)")
+    size_bytes: int | None = Field(description="the database's size")
+    allocated_bytes: int | None = Field(description="the storage allocated to it")
+    replication_lag_s: float | None = Field(description="how far the standbys are behind (not reported yet)")
+    archive_lag_s: float | None = Field(description="age of the newest archived WAL (not reported yet)")
+
+
+class MetricsSeries(BaseModel):
+    """A database's metrics over a range, at most 720 points."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    instance_id: uuid.UUID
+    from_: datetime = Field(alias="from", description="the start of the range (inclusive)")
+    to: datetime = Field(description="the end of the range (exclusive)")
+    step_s: int = Field(description="seconds between points (widened to keep the points bounded)")
+    resolution_s: int = Field(description="resolution of the samples the points come from (10 s or 5 min)")
+    plan: str
+    max_connections: int | None = Field(description="connections the plan allows")
+    storage_max_bytes: int | None = Field(description="the most storage autoscaling grows the allocation to")
+    points: list[MetricsPoint] = Field(
+        description="one per step with samples, oldest first (steps without are left out)"
+    )

@@ -18,6 +18,7 @@ from controlplane.cli.instances import (
     cmd_delete,
     cmd_events,
     cmd_list,
+    cmd_metrics,
     cmd_protection,
     cmd_resize,
     cmd_restore,
@@ -176,6 +177,18 @@ def register(commands: Any) -> None:
         "controlplane instances watch orders",
     )
     _ref(watch)
+
+    charts = _action(
+        actions,
+        "metrics",
+        "a database's metrics (connections, transactions, rows, cache, size) as sparklines",
+        cmd_metrics,
+        "controlplane instances metrics orders --from 2026-12-01T10:00:00Z",
+    )
+    _ref(charts)
+    charts.add_argument("--from", dest="since", metavar="TIME", help="start (RFC 3339); default an hour ago")
+    charts.add_argument("--to", dest="until", metavar="TIME", help="end (RFC 3339); default now")
+    charts.add_argument("--step", type=int, metavar="SECONDS", help="seconds between points")
 
     listing = _action(
         actions,

@@ -15,7 +15,14 @@ from typing import Any
 from controlplane.cli.client import Api, connection_uri, instance_path
 from controlplane.cli.common import CommandError, output_format, print_data
 from controlplane.cli.follow import follow, wait_for_generation
-from controlplane.cli.render import failure_rows, show_backups, show_events, show_instance, show_instances
+from controlplane.cli.render import (
+    failure_rows,
+    show_backups,
+    show_events,
+    show_instance,
+    show_instances,
+    show_metrics,
+)
 from controlplane.core import exit_codes
 
 # `resize --wait` on a suspended instance: the change is recorded, and applied once it resumes.
@@ -214,6 +221,17 @@ def cmd_backups(args: argparse.Namespace) -> int:
 def _show_all(args: argparse.Namespace, what: str, show: Callable[[list[dict[str, Any]], str], None]) -> int:
     """Every item of one of the instance's lists (`events`, `backups`), shown."""
     show(Api(args).all_items(f"/v1/instances/{instance_path(args.ref)}/{what}"), output_format(args))
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    params = {"from": args.since, "to": args.until, "step": args.step}
+    series = Api(args).request(
+        "GET",
+        f"/v1/instances/{instance_path(args.ref)}/metrics",
+        params={k: v for k, v in params.items() if v is not None} or None,
+    )
+    show_metrics(series, output_format(args))
     return 0
 
 

@@ -113,3 +113,47 @@ def _actor(event: dict[str, Any]) -> str:
 def show_backups(items: list[dict[str, Any]], fmt: str) -> None:
     columns = ("id", "kind", "taken_at", "size_bytes")
     show_items(items, fmt, columns, lambda b: (b["id"], b["kind"], b["taken_at"], b["size_bytes"]))
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+# The metrics `instances metrics` shows: (label, field of a point, how a value is written).
+METRIC_ROWS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("connections", "connections", lambda v: f"{v:.1f}"),
+    ("transactions/s", "transactions_per_s", lambda v: f"{v:.1f}"),
+    ("rows read/s", "rows_read_per_s", lambda v: f"{v:.0f}"),
+    ("rows written/s", "rows_written_per_s", lambda v: f"{v:.0f}"),
+    ("cache hit ratio", "cache_hit_ratio", lambda v: f"{v:.1%}"),
+    ("size MiB", "size_bytes", lambda v: f"{v / 2**20:.1f}"),
+)
+
+
+def sparkline(values: Sequence[float | None], width: int = 40) -> str:
+    """The last `width` values as block characters, scaled between their least and greatest; a gap
+    where a value is missing."""
+    shown = list(values)[-width:]
+    known = [v for v in shown if v is not None]
+    if not known:
+        return ""
+    low, high = min(known), max(known)
+    span = (high - low) or 1.0
+    return "".join(" " if v is None else SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in shown)
+
+
+def show_metrics(series: dict[str, Any], fmt: str) -> None:
+    """A database's metrics: a row per metric with its latest value, its range and a sparkline."""
+    if fmt != "table":
+        print_data(series, fmt)
+        return
+    points = series["points"]
+    rows = []
+    for label, name, write in METRIC_ROWS:
+        values = [p[name] for p in points]
+        known = [v for v in values if v is not None]
+        latest = write(known[-1]) if known else "-"
+        spread = f"{write(min(known))} .. {write(max(known))}" if known else "-"
+        rows.append((label, latest, spread, sparkline(values)))
+    print(
+        f"{series['from']} .. {series['to']}, every {series['step_s']} s; plan {series['plan']} allows "
+        f"{series['max_connections']} connections"
+    )
+    print_table(rows, ("metric", "latest", "range", "trend"), max_cell=None)

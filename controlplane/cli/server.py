@@ -119,6 +119,16 @@ RECONCILER = (
     "background_statement_timeout_s",
     "audit_checkpoint_interval_s",
     "audit_partition_months_ahead",
+    "metrics_sample_s",
+    "metrics_sample_keep_s",
+    "metrics_rollup_s",
+    "metrics_rollup_keep_s",
+    "storage_autoscale",
+    "storage_autoscale_free_pct",
+    "storage_autoscale_for_s",
+    "storage_autoscale_cooldown_s",
+    "storage_autoscale_grow_pct",
+    "storage_autoscale_grow_min_gb",
 )
 
 

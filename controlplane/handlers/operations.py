@@ -251,6 +251,8 @@ class Operations:
                 ctx,
                 inst,
                 "update",
+                reason=ctx.typed_payload(kinds.UpdatePayload).reason,
+                detail={"storage_gb": self._spec(inst).volume_gb},
                 patch=InstancePatch("apply_plan", ctx.settings.reconciler.deadline_s("updating")),
             )
         if inst.state != "updating":
@@ -263,8 +265,13 @@ class Operations:
             ctx,
             inst,
             "updated",
-            reason=f"plan {spec.plan} applied",
-            detail={"plan": spec.plan, "generation": spec.generation, "restarted_or_changed": changed},
+            reason=f"plan {spec.plan} applied, {spec.volume_gb} GB allocated",
+            detail={
+                "plan": spec.plan,
+                "storage_gb": spec.volume_gb,
+                "generation": spec.generation,
+                "restarted_or_changed": changed,
+            },
             patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}

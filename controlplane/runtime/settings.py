@@ -343,6 +343,58 @@ class ReconcilerSettings(_Group):
         le=24,
     )
 
+    metrics_sample_s: int = _setting(
+        10,
+        "metrics_sample_s",
+        "Resolution of the samples of each database's metrics that the reconciler's observation "
+        "takes (at most one per instance per interval).",
+        ge=1,
+        le=300,
+    )
+    metrics_sample_keep_s: int = _setting(
+        86_400, "metrics_sample_keep_s", "How long those samples are kept.", ge=3600
+    )
+    metrics_rollup_s: int = _setting(
+        300,
+        "metrics_rollup_s",
+        "Resolution of the rolled-up samples kept after that (a multiple of the sample resolution).",
+        ge=60,
+    )
+    metrics_rollup_keep_s: int = _setting(
+        30 * 86_400, "metrics_rollup_keep_s", "How long the rolled-up samples are kept.", ge=86_400
+    )
+    storage_autoscale: bool = _setting(
+        True,
+        "storage_autoscale",
+        "Grow a database's storage allocation when it stays nearly full (up to its plan's maximum).",
+    )
+    storage_autoscale_free_pct: float = _setting(
+        10.0,
+        "storage_autoscale_free_pct",
+        "Grow when at most this share of the allocation (percent) is free ...",
+        gt=0,
+        lt=100,
+    )
+    storage_autoscale_for_s: float = _setting(
+        300.0, "storage_autoscale_for_s", "... for at least this long (seconds) ...", ge=0
+    )
+    storage_autoscale_cooldown_s: float = _setting(
+        21_600.0,
+        "storage_autoscale_cooldown_s",
+        "... and not again before this long after the last growth (also how often the customer is "
+        "warned at the maximum).",
+        ge=0,
+    )
+    storage_autoscale_grow_pct: float = _setting(
+        10.0,
+        "storage_autoscale_grow_pct",
+        "Each growth adds this share of the allocation (percent) ...",
+        gt=0,
+    )
+    storage_autoscale_grow_min_gb: int = _setting(
+        1, "storage_autoscale_grow_min_gb", "... and at least this many GB.", ge=1
+    )
+
     def deadline_s(self, state: str) -> float | None:
         """Seconds an instance may stay in a transitional state before the reconciler acts."""
         return {

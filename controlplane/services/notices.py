@@ -46,6 +46,8 @@ EVENT_TYPES: Mapping[str, str] = {
     "instance.resumed": "a suspended database is writable again",
     "instance.deleted": "the database was deleted (with its final backup's name)",
     "instance.deadline_overdue": "an operation missed its deadline and was given up (with the reason)",
+    "instance.storage_grown": "storage autoscaling grew the database's allocation (with why)",
+    "instance.storage_full": "nearly full at the plan's maximum storage: nothing will grow it",
     "billing.past_due": "the subscription is past due: the databases become read-only at `suspends_at`",
 }
 # The first delay after a failed delivery, doubled per attempt up to the largest.
@@ -236,5 +238,3 @@ def check_event_types(types: list[str]) -> None:
             "event_types",
             f"event types must be among {', '.join(EVENT_TYPES)} (or '*'); not {unknown or 'none'}",
         )
-
-

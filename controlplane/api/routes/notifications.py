@@ -41,6 +41,8 @@ EventType = Literal[
     "instance.resumed",
     "instance.deleted",
     "instance.deadline_overdue",
+    "instance.storage_grown",
+    "instance.storage_full",
     "billing.past_due",
     "*",
 ]

@@ -4,8 +4,8 @@
 share one path (guarded UPDATE (id + state_version + state), version bump, event row, pg_notify, in
 one statement), and the fragments the modules share. The statements are in the modules by table
 family (`transitions`, `queue`, `instances`, `audit`, `tenants`, `billing`, `notifications`,
-`consumers`, `backups`, `steps`, `grants`, `meta`). Each statement, so each write, is in exactly one
-module; a statement that writes two tables is with the family it serves (an instance created with
+`consumers`, `backups`, `metrics`, `steps`, `grants`, `meta`). Each statement, so each write, is in
+exactly one module; a statement that writes two tables is with the family it serves (an instance created with
 its first job in `instances`, a step's start shown on its instance in `steps`), and the billing
 columns of `organisations` are written in `billing`. Every write to `instances` and `jobs` is in
 this package. (The servers the control plane runs, its embedded database and the local
@@ -129,7 +129,9 @@ from controlplane.db.sql.instances import (
     SCAN_LIVE_INSTANCES,
     SET_FAILURE_IN_PLACE,
     SET_PROGRESS,
+    SET_STORAGE_GROWN,
     TOUCH_RECONCILED,
+    WARN_STORAGE_FULL,
 )
 from controlplane.db.sql.meta import (
     HOLDS_SHARD_OF,
@@ -142,6 +144,13 @@ from controlplane.db.sql.meta import (
     SHARD_MEMBERS,
     TRY_LEADER_LOCK,
     TRY_SHARD,
+)
+from controlplane.db.sql.metrics import (
+    METRICS_SERIES,
+    PRUNE_SAMPLES,
+    RECENT_STORAGE,
+    RECORD_SAMPLES,
+    ROLL_UP_SAMPLES,
 )
 from controlplane.db.sql.notifications import (
     CREATE_DELIVERY,
@@ -354,6 +363,7 @@ __all__ = [
     "MARK_PAST_DUE",
     "METER_EVENTS_SENT",
     "METER_EVENTS_SENT_IN",
+    "METRICS_SERIES",
     "NEWEST_CHECKPOINT_AT_OR_BEFORE",
     "NEWEST_UNMAPPED_STRIPE_EVENT",
     "NEXT_FENCE",
@@ -369,6 +379,7 @@ __all__ = [
     "ORG_INSTANCE_LAST_EVENT",
     "ORG_INSTANCE_MOVES_AFTER",
     "PING",
+    "PRUNE_SAMPLES",
     "PUBLIC_KEYS",
     "PUBLIC_TABLES",
     "PURGE_CONSOLE_SESSIONS",
@@ -376,11 +387,13 @@ __all__ = [
     "READ_ONLY_PRIVILEGES",
     "READ_ONLY_SNAPSHOT",
     "READ_WRITE_PRIVILEGES",
+    "RECENT_STORAGE",
     "RECORDED_HEADS_IN_LOG",
     "RECORD_BACKUPS",
     "RECORD_CHECKPOINT",
     "RECORD_DEGRADED_FAILURE",
     "RECORD_METER_EVENT",
+    "RECORD_SAMPLES",
     "RECORD_STEP_ENDED",
     "RECORD_STEP_STARTED",
     "RECORD_STRIPE_EVENT",
@@ -393,6 +406,7 @@ __all__ = [
     "REVOKE_FUNCTION_FROM_PUBLIC",
     "REVOKE_TABLE",
     "ROLE_ATTRIBUTES",
+    "ROLL_UP_SAMPLES",
     "SAVE_RESPONSE",
     "SCAN_DUE_FAILED_JOBS",
     "SCAN_LIVE_INSTANCES",
@@ -403,6 +417,7 @@ __all__ = [
     "SET_BILLING_HOLD",
     "SET_FAILURE_IN_PLACE",
     "SET_PROGRESS",
+    "SET_STORAGE_GROWN",
     "SET_STRIPE_EVENT_OUTCOME",
     "SET_USAGE_REPORT_JOB",
     "SHARD_MEMBERS",
@@ -431,6 +446,7 @@ __all__ = [
     "USAGE_EVENTS_BILLED",
     "USAGE_EVENTS_OF_ORG",
     "USAGE_REPORTS",
+    "WARN_STORAGE_FULL",
     "EntityTable",
     "event_hash",
     "state_list",

@@ -83,7 +83,8 @@ SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
        i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
-       i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at,
+       i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at, i.org_id,
+       i.storage_grown_at, i.storage_full_warned_at,
        ARRAY(SELECT j.kind FROM jobs j
              WHERE j.instance_id = i.id AND j.state NOT IN {FINISHED}) AS live_jobs,
        (SELECT max(b.taken_at) FROM backups b
@@ -101,6 +102,24 @@ LIMIT %(limit)s
 SET_FAILURE_IN_PLACE = """
 UPDATE instances
 SET failure_code = %(code)s, failure_reason = %(reason)s, updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s
+"""
+
+# Reconciler (storage autoscaling): a larger allocation as a new spec generation, and when it was
+# grown (the cooldown), guarded by version; the update job then applies it.
+SET_STORAGE_GROWN = """
+UPDATE instances
+SET spec = spec || jsonb_build_object('storage_gb', %(storage_gb)s::int),
+    spec_generation = spec_generation + 1, storage_grown_at = COALESCE(%(now)s::timestamptz, now()),
+    storage_full_warned_at = NULL, updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s AND state = 'ready'
+RETURNING spec_generation
+"""
+
+# Reconciler (storage autoscaling): the customer was told the database is nearly full at its
+# plan's maximum (once per cooldown).
+WARN_STORAGE_FULL = """
+UPDATE instances SET storage_full_warned_at = COALESCE(%(now)s::timestamptz, now()), updated_at = now()
 WHERE id = %(id)s AND state_version = %(state_version)s
 """
 
