@@ -57,6 +57,8 @@ PROVISIONER = (
     "kubernetes_external_domain",
     "kubernetes_client_cidrs",
     "kubernetes_operator_namespace",
+    "kubernetes_monitoring_namespace",
+    "kubernetes_pod_monitor",
     "faults",
     "secret_key",
 )

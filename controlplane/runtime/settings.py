@@ -442,6 +442,19 @@ class ProvisionerSettings(_Group):
         "Namespace of the CloudNativePG operator, whose pods the NetworkPolicy admits to the instances' "
         "status port.",
     )
+    kubernetes_monitoring_namespace: str = _setting(
+        "monitoring",
+        "kubernetes_monitoring_namespace",
+        "Namespace of the Prometheus that scrapes the instances, whose pods the NetworkPolicy admits to "
+        "the instances' metrics exporter (port 9187).",
+    )
+    kubernetes_pod_monitor: bool = _setting(
+        False,
+        "kubernetes_pod_monitor",
+        "Create a Prometheus Operator `PodMonitor` per instance (its exporter's metrics, labelled with "
+        "the instance and organisation ids). Needs the Prometheus Operator's CRDs in the cluster; "
+        "`deploy/kubernetes` turns it on.",
+    )
     faults: str | None = _setting(
         None,
         "faults",
