@@ -60,20 +60,31 @@ def ensure_venv() -> None:
 # Debian packages the tests need, each found by a file it installs: installed when missing (one
 # apt-get as root, else one line saying how). Chromium: the console's browser tests drive it;
 # libfaketime: the clock-skew tests LD_PRELOAD it into a worker; npm: the OpenAPI lint and the
-# generated TypeScript client's test install their tools with it (tests/npm_tools.py).
+# generated TypeScript client's test install their tools with it (tests/npm_tools.py); promtool:
+# the alert rules' unit tests (tests/integration/test_deploy.py) run it.
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_PACKAGES = ("chromium", "fonts-liberation")
 LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
+# Debian ships promtool only in the Prometheus server's package (about 100 MB installed, with a
+# few small JavaScript packages of its web UI); its recommendations (the node exporter and its
+# collectors) are left out. On a host run by systemd the package also enables its own server
+# (port 9090): `systemctl disable --now prometheus` if that host should not run one.
+PROMTOOL = Path("/usr/bin/promtool")
+PROMTOOL_PACKAGES = ("prometheus",)
+LEAN = ("--no-install-recommends",)
 
 
-def debian_install(missing: tuple[str, ...], is_root: bool, why: str) -> list[list[str]] | str | None:
+def debian_install(
+    missing: tuple[str, ...], is_root: bool, why: str, options: tuple[str, ...] = ()
+) -> list[list[str]] | str | None:
     """Nothing when no package is missing, the apt-get commands that install them when we are
     root, else the one line that says how (`why` says what needs them)."""
     if not missing:
         return None
+    install = ["apt-get", "install", "-y", *options, *missing]
     if not is_root:
-        return f"{why}: run `sudo apt-get install -y {' '.join(missing)}` (or run this as root)"
-    return [["apt-get", "update"], ["apt-get", "install", "-y", *missing]]
+        return f"{why}: run `sudo {' '.join(install)}` (or run this as root)"
+    return [["apt-get", "update"], install]
 
 
 def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | str | None:
@@ -82,19 +93,34 @@ def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | 
     return debian_install(missing, is_root, f"{CHROMIUM} is missing and the console's browser tests need it")
 
 
+def promtool_install(promtool_present: bool, is_root: bool) -> list[list[str]] | str | None:
+    """What `test` does for the alert rules' promtool (without the package's recommendations)."""
+    missing = () if promtool_present else PROMTOOL_PACKAGES
+    return debian_install(missing, is_root, f"{PROMTOOL} is missing and the alert rules' tests need it", LEAN)
+
+
 def ensure_debian_packages() -> None:
     missing = () if CHROMIUM.exists() else BROWSER_PACKAGES
     if not any(Path("/").glob(LIBFAKETIME)):
         missing = (*missing, "libfaketime")
     if shutil.which("npm") is None:  # the OpenAPI lint and the TypeScript client's test install with it
         missing = (*missing, "npm")
-    plan = debian_install(missing, os.geteuid() == 0, "Debian packages the tests need are missing")
-    if isinstance(plan, str):
-        print(plan, file=sys.stderr)
-        return
-    for command in plan or []:
-        print("+", " ".join(command), flush=True)
-        subprocess.run(command, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    is_root = os.geteuid() == 0
+    plans = [
+        debian_install(missing, is_root, "Debian packages the tests need are missing"),
+        promtool_install(PROMTOOL.exists(), is_root),
+    ]
+    done: list[list[str]] = []
+    for plan in plans:
+        if isinstance(plan, str):
+            print(plan, file=sys.stderr)
+            continue
+        for command in plan or []:
+            if command in done:  # one `apt-get update` is enough
+                continue
+            print("+", " ".join(command), flush=True)
+            subprocess.run(command, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+            done.append(command)
 
 
 # Signals that stop the child: passed on to it, and we wait for it to finish (SIGTERM is what

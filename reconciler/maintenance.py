@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -40,10 +40,13 @@ T = TypeVar("T")
 
 
 class Gauges:
-    """The gauges of live instances and jobs by state, and of instances past their deadline."""
+    """The gauges of live instances and jobs by state, of instances past their deadline, of the
+    queue by kind (depth, age of the oldest due job) and of organisations on billing hold."""
 
-    def __init__(self, pool: AsyncConnectionPool[AsyncConn]) -> None:
+    def __init__(self, pool: AsyncConnectionPool[AsyncConn], kinds: Iterable[str] = ()) -> None:
         self.pool = pool
+        # The job kinds whose queue gauges are exported (0 when none waits); others as they appear.
+        self.kinds = set(kinds)
 
     async def run_once(self, now: datetime | None = None) -> None:
         """Counts as of the database's clock (`now` is not used: a gauge shows the present)."""
@@ -59,6 +62,17 @@ class Gauges:
             job_counts = {row["state"]: row["n"] for row in await cursor.fetchall()}
             for state in LIVE_JOB_STATES:
                 metrics.ENTITIES_BY_STATE.labels("job", state).set(job_counts.get(state, 0))
+            cursor = await conn.execute(sql.QUEUED_BY_KIND)
+            queued = {row["kind"]: row for row in await cursor.fetchall()}
+            self.kinds |= set(queued)
+            for kind in self.kinds:
+                metrics.QUEUE_DEPTH.labels(kind).set(queued[kind]["depth"] if kind in queued else 0)
+                metrics.QUEUE_OLDEST_AGE.labels(kind).set(queued[kind]["oldest_s"] if kind in queued else 0)
+            cursor = await conn.execute(sql.COUNT_BILLING_HOLDS)
+            holds = await cursor.fetchone()
+            assert holds is not None
+            for state in ("held", "grace"):
+                metrics.BILLING_ORGANISATIONS.labels(state).set(holds[state])
 
 
 @dataclass
@@ -247,7 +261,7 @@ class Maintenance:
     ) -> None:
         actor = Actor("reconciler", maintainer_id)
         self.supervisor = Supervisor(pool, settings, registry, supervisor_id=maintainer_id)
-        self.gauges = Gauges(pool)
+        self.gauges = Gauges(pool, registry.names())
         self.orphans = OrphanSweep(pool, provisioner, dry_run=dry_run_orphans)
         # Partitions of the event tables ahead, signed checkpoints of the audit log.
         self.audit = AuditMaintenance(settings, pool, load_box(settings))

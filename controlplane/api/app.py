@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from controlplane.api import console, docs, openapi, ratelimit
 from controlplane.api import problems as errors
 from controlplane.api.hub import Hub
+from controlplane.api.observe import Observe
 from controlplane.api.routes import admin as routes_admin
 from controlplane.api.routes import backups as routes_backups
 from controlplane.api.routes import instances as routes_instances
@@ -112,6 +113,7 @@ def create_app(
     )
     app.add_middleware(ratelimit.RateLimit, keys=keys, webhook=webhook)
     app.add_middleware(errors.CatchAll)
+    app.add_middleware(Observe)
     app.add_middleware(errors.RequestId)
     app.openapi = lambda: _openapi(app, settings.api.public_url)  # type: ignore[method-assign]
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,13 +14,14 @@ from controlplane.cli import process_roles
 from controlplane.cli.common import CommandError, add_settings_flags, settings_from
 from controlplane.db import connection as db
 from controlplane.handlers import operations
-from controlplane.runtime import aio, datadir, logs
+from controlplane.runtime import aio, datadir, logs, metrics, tracing
 from controlplane.runtime.settings import Settings
 from provisioners.base import Provisioner
 
 DATABASE = ("database_url", "data_dir", "pg_bindir")
 MIGRATION = ("migration_database_url", "runtime_role")
 LOGGING = ("log_level", "log_format")
+TRACING = ("otlp_endpoint", "trace_sample_ratio")
 API = (
     "api_host",
     "api_port",
@@ -56,6 +58,8 @@ PROVISIONER = (
     "kubernetes_external_domain",
     "kubernetes_client_cidrs",
     "kubernetes_operator_namespace",
+    "kubernetes_monitoring_namespace",
+    "kubernetes_pod_monitor",
     "faults",
     "secret_key",
 )
@@ -144,15 +148,19 @@ def register(commands: Any) -> None:
     parser.set_defaults(handler=cmd_migrate)
 
     parser = commands.add_parser("serve", help="run the REST API")
-    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, BILLING, NOTIFY, LOGGING))
+    add_settings_flags(parser, _flags(DATABASE, API, PROVISIONER, BILLING, NOTIFY, LOGGING, TRACING))
     parser.set_defaults(handler=cmd_serve)
 
     parser = commands.add_parser("worker", help="run a job worker")
-    add_settings_flags(parser, _flags(DATABASE, WORKER, PROVISIONER, BILLING, NOTIFY, LOGGING, METRICS))
+    add_settings_flags(
+        parser, _flags(DATABASE, WORKER, PROVISIONER, BILLING, NOTIFY, LOGGING, TRACING, METRICS)
+    )
     parser.set_defaults(handler=cmd_worker)
 
     parser = commands.add_parser("reconcile", help="run the reconciler (leader-elected)")
-    add_settings_flags(parser, _flags(DATABASE, RECONCILER, PROVISIONER, BILLING, NOTIFY, LOGGING, METRICS))
+    add_settings_flags(
+        parser, _flags(DATABASE, RECONCILER, PROVISIONER, BILLING, NOTIFY, LOGGING, TRACING, METRICS)
+    )
     parser.add_argument("--once", action="store_true", help="run one pass (if leader) and exit")
     parser.add_argument(
         "--dry-run-orphans", action="store_true", help="list orphaned resources instead of removing them"
@@ -163,7 +171,8 @@ def register(commands: Any) -> None:
         "up", help="run everything in one process: embedded PostgreSQL, API, worker, reconciler"
     )
     add_settings_flags(
-        parser, _flags(DATABASE, MIGRATION, API, PROVISIONER, WORKER, RECONCILER, BILLING, NOTIFY, LOGGING)
+        parser,
+        _flags(DATABASE, MIGRATION, API, PROVISIONER, WORKER, RECONCILER, BILLING, NOTIFY, LOGGING, TRACING),
     )
     parser.add_argument(
         "--leave-instances-running",
@@ -173,9 +182,15 @@ def register(commands: Any) -> None:
     parser.set_defaults(handler=cmd_up)
 
 
-def _configured(args: argparse.Namespace, default_format: str = "json") -> Settings:
+def _configured(args: argparse.Namespace, role: str, default_format: str = "json") -> Settings:
+    """The settings of a serving process, and what it sets up once as it starts: its logs, its
+    metrics (no `_created` series) and its tracing (`role` names it: controlplane-api, ...)."""
     settings = settings_from(args)
     logs.configure(settings.logging.level, settings.logging.format or default_format)
+    metrics.configure_process()
+    provider = tracing.configure(settings, f"controlplane-{role}")
+    if provider is not None:
+        atexit.register(provider.shutdown)  # sends the spans still batched
     return settings
 
 
@@ -211,7 +226,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _configured(args)
+    settings = _configured(args, "api")
     url = db.resolve_database_url(settings)
     # The API runs no job, so it needs no provisioner: only the instance operations' abandonment
     # hooks. The one whose CA it publishes (GET /v1/ca.pem) is built when first asked for, and
@@ -233,7 +248,7 @@ Role = Callable[[Settings, str, Provisioner, asyncio.Event], Awaitable[None]]
 
 def _run_role(args: argparse.Namespace, role: Role, name: str) -> int:
     """Run `role` with its metrics served until a signal sets its stop; the provisioner is closed after."""
-    settings = _configured(args)
+    settings = _configured(args, name)
     url = db.resolve_database_url(settings)
 
     async def run() -> None:
@@ -273,5 +288,5 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    settings = _configured(args, default_format="text")
+    settings = _configured(args, "up", default_format="text")
     return aio.run(process_roles.up(settings, leave_instances_running=args.leave_instances_running))

@@ -32,6 +32,7 @@ from controlplane.db.transitions import VersionConflict
 from controlplane.handlers import abandonment, delivery, usage_reports
 from controlplane.queue import steps
 from controlplane.queue.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
+from controlplane.runtime import tracing
 from controlplane.runtime.secretbox import SecretBox, load_box
 from controlplane.services import backups
 from provisioners.base import (
@@ -130,7 +131,14 @@ class Operations:
 
     async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one provisioner step, recorded as it starts and as it finishes or fails (and shown on
-        the instance while it runs); its errors name the step."""
+        the instance while it runs), in a span of its own; its errors name the step."""
+        attributes = {"controlplane.step": step, "controlplane.instance.id": str(inst.id)}
+        with tracing.child_span(f"step {step}", attributes):
+            return await self._recorded_step(ctx, inst, step, work)
+
+    async def _recorded_step(
+        self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]
+    ) -> T:
         async with ctx.pool.connection() as conn:
             try:
                 await steps.started(conn, ctx, inst, step)

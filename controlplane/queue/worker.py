@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from opentelemetry.trace import SpanKind
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool
 
@@ -28,7 +29,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.queue import moves as queue
 from controlplane.queue.outcomes import Held, Outcomes
 from controlplane.queue.registry import JobContext, JobRegistry
-from controlplane.runtime import crashpoints, liveness
+from controlplane.runtime import crashpoints, liveness, metrics, tracing
 from controlplane.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,17 +53,30 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# The lane of the shared slots in the slot metrics (a lane of its own is named after its kind).
+SHARED_LANE = "shared"
+
+
 @dataclass
 class Lane:
     """Slots of a worker: the shared ones (`concurrency`), or those of a kind of its own
     (JobKind.own_slots). Its running handlers, and its jobs started and waiting for a slot."""
 
+    name: str
     slots: int
     running: set[asyncio.Task[None]] = field(default_factory=set)
     waiting: collections.deque[Held] = field(default_factory=collections.deque)
 
+    def __post_init__(self) -> None:
+        metrics.WORKER_SLOTS.labels(self.name).set(self.slots)
+        self.count()
+
     def free(self) -> int:
         return self.slots - len(self.running) - len(self.waiting)
+
+    def count(self) -> None:
+        """The slots in use, for the metrics (after each start and end of a handler)."""
+        metrics.WORKER_SLOTS_IN_USE.labels(self.name).set(len(self.running))
 
 
 class Worker:
@@ -111,8 +125,8 @@ class Worker:
         self._claim_from: queue.ClaimFrom | None = None
         self._full_claim_at = 0.0
         # The shared slots (with the jobs ready for them), and those of the kinds with slots of their own.
-        self._shared = Lane(self.concurrency)
-        self._lanes = {name: Lane(slots) for name, slots in registry.own_slots(settings).items()}
+        self._shared = Lane(SHARED_LANE, self.concurrency)
+        self._lanes = {name: Lane(name, slots) for name, slots in registry.own_slots(settings).items()}
         # With the shared slots full, when the next claim for the others is due, and whether one of
         # their slots has freed up since the last.
         self._own_claim_at = 0.0
@@ -304,14 +318,18 @@ class Worker:
         held.task = task
         self._tasks.add(task)
         lane.running.add(task)
+        lane.count()
         task.add_done_callback(self._slot_freed)
 
     def _slot_freed(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._shared.running.discard(task)
+        if task in self._shared.running:
+            self._shared.running.discard(task)
+            self._shared.count()
         for lane in self._lanes.values():
             if task in lane.running:
                 lane.running.discard(task)
+                lane.count()
                 self._own_slot_freed = True
         self._launch_ready()
         self._kick.set()
@@ -330,7 +348,8 @@ class Worker:
         )
         began = time.monotonic()
         try:
-            verdict = await kind.handler(context)
+            with _job_span(held.job):
+                verdict = await kind.handler(context)
         except asyncio.CancelledError:
             if not held.lost:
                 held.handing_back = True
@@ -451,6 +470,22 @@ class Worker:
                 log.warning("worker %s: listener lost (%s); reconnecting", self.worker_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def _job_span(job: Mapping[str, Any]) -> contextlib.AbstractContextManager[object]:
+    """The job's span, in the trace of the request that enqueued it (its payload's `traceparent`),
+    else the root of a trace of its own."""
+    if not tracing.enabled():
+        return contextlib.nullcontext()
+    attributes: dict[str, str | int] = {
+        "controlplane.job.id": str(job["id"]),
+        "controlplane.job.kind": str(job["kind"]),
+        "controlplane.job.attempt": int(job["attempt"]),
+    }
+    if job.get("instance_id") is not None:
+        attributes["controlplane.instance.id"] = str(job["instance_id"])
+    parent = tracing.parent_of(job.get("payload")) or tracing.ROOT
+    return tracing.span(f"job {job['kind']}", kind=SpanKind.CONSUMER, attributes=attributes, parent=parent)
 
 
 async def worker_pool(

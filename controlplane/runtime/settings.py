@@ -494,6 +494,19 @@ class ProvisionerSettings(_Group):
         "Namespace of the CloudNativePG operator, whose pods the NetworkPolicy admits to the instances' "
         "status port.",
     )
+    kubernetes_monitoring_namespace: str = _setting(
+        "monitoring",
+        "kubernetes_monitoring_namespace",
+        "Namespace of the Prometheus that scrapes the instances, whose pods the NetworkPolicy admits to "
+        "the instances' metrics exporter (port 9187).",
+    )
+    kubernetes_pod_monitor: bool = _setting(
+        False,
+        "kubernetes_pod_monitor",
+        "Create a Prometheus Operator `PodMonitor` per instance (its exporter's metrics, labelled with "
+        "the instance and organisation ids). Needs the Prometheus Operator's CRDs in the cluster; "
+        "`deploy/kubernetes` turns it on.",
+    )
     faults: str | None = _setting(
         None,
         "faults",
@@ -682,6 +695,31 @@ class LoggingSettings(_Group):
         return value.strip().upper() if isinstance(value, str) else value
 
 
+class TracingSettings(_Group):
+    otlp_endpoint: str | None = _setting(
+        None,
+        "otlp_endpoint",
+        "OpenTelemetry collector receiving the traces over OTLP/HTTP (`http://collector:4318`; "
+        "`/v1/traces` is added unless the URL ends with it). Empty: no tracing, at no cost. The "
+        "exporter's own `OTEL_EXPORTER_OTLP_HEADERS`, `..._CERTIFICATE` and `..._TIMEOUT` apply.",
+    )
+    trace_sample_ratio: float = _setting(
+        1.0,
+        "trace_sample_ratio",
+        "Share of the API's requests (and of the jobs no request started) traced, 0 to 1; a job "
+        "follows the decision of the request that enqueued it.",
+        ge=0,
+        le=1,
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL (OTLP over HTTP)")
+        return value
+
+
 def _cross(flat: str, allowed: str, value: object) -> str:
     """The sentence of a refusal that depends on another setting (the variable is named in it)."""
     return f"{env_name(flat)} must be {allowed}, not {str(value)!r}"
@@ -744,6 +782,7 @@ class Settings(BaseSettings):
     billing: BillingSettings = Field(default_factory=BillingSettings)
     notifications: NotificationSettings = Field(default_factory=NotificationSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @classmethod
     def settings_customise_sources(

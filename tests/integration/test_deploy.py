@@ -608,6 +608,8 @@ def test_kustomize_build_places_resources_in_their_namespaces() -> None:
 # --------------------------------------------------------------------------------------------
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
+# The control plane's metrics, and the API's request metrics (OpenTelemetry's HTTP server names).
+METRIC_NAME = r"(?:controlplane|http_server)_[a-z0-9_]+"
 
 
 def alert_rules() -> list[Doc]:
@@ -675,11 +677,11 @@ def test_alert_expressions_use_exported_metrics_and_parse_structurally() -> None
         expr = strip_strings(rule["expr"])
         assert balanced(expr), f"{rule['alert']}: unbalanced brackets"
         assert rule["expr"].count('"') % 2 == 0
-        used = set(re.findall(r"\b(controlplane_[a-z0-9_]+)\b", expr))
+        used = set(re.findall(rf"\b({METRIC_NAME})\b", expr))
         assert used, f"{rule['alert']} uses no control plane metric"
         assert used <= set(series), f"{rule['alert']}: unknown {used - set(series)}"
         known_labels = set().union(*(series[name] for name in used))
-        for name, matchers in re.findall(r"\b(controlplane_[a-z0-9_]+)\{([^}]*)\}", rule["expr"]):
+        for name, matchers in re.findall(rf"\b({METRIC_NAME})\{{([^}}]*)\}}", rule["expr"]):
             for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=|!=|=~|!~)", matchers):
                 assert label in series[name], f"{rule['alert']}: {name} has no label {label}"
         for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
@@ -712,6 +714,18 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert faults["labels"]["severity"] == "warning" and "for" not in faults
     lagging = rule_using("controlplane_consumer_lag_seconds")
     assert lagging["labels"]["severity"] == "warning" and "max by (consumer)" in lagging["expr"]
+    errors = rule_using('status_class="5xx"')
+    assert errors["labels"]["severity"] == "page" and "> 0.05" in errors["expr"]
+    slow = rule_using("histogram_quantile(0.99")
+    assert slow["labels"]["severity"] == "warning" and ".*/watch" in slow["expr"]
+    for rule in (errors, slow):  # what customers ask for: probes and scrapes left out
+        assert rule["expr"].count("http_server_request_duration_seconds") == rule["expr"].count(
+            'route!~"'
+        ), rule["alert"]
+    backlog = rule_using("controlplane_queue_oldest_age_seconds")
+    assert backlog["labels"]["severity"] == "warning" and "max by (kind)" in backlog["expr"]
+    absent = rule_using("absent(controlplane_worker_slots)")
+    assert absent["labels"]["severity"] == "page" and absent["for"] == "5m"
 
 
 # A reconciler that led and stood down keeps exporting the gauges of its last pass; the rules
@@ -720,7 +734,13 @@ LEADER_ONLY = (
     "and on (job, instance) (controlplane_reconciler_last_success_timestamp_seconds"
     " == scalar(max(controlplane_reconciler_last_success_timestamp_seconds)))"
 )
-LEADER_GAUGES = ("controlplane_instances_over_deadline", "controlplane_entities")
+LEADER_GAUGES = (
+    "controlplane_instances_over_deadline",
+    "controlplane_entities",
+    "controlplane_queue_depth",
+    "controlplane_queue_oldest_age_seconds",
+    "controlplane_billing_organisations",
+)
 
 
 def test_alerts_read_reconciler_gauges_from_the_leader_only() -> None:
@@ -752,6 +772,101 @@ def test_promtool_checks_and_unit_tests_the_rules() -> None:
         check=False,
     )
     assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Grafana dashboard
+# --------------------------------------------------------------------------------------------
+
+DASHBOARD = DEPLOY / "grafana" / "controlplane.json"
+# What the dashboard's queries may use beyond the metrics' own labels: Prometheus's target labels.
+TARGET_LABELS = {"job", "instance"}
+# Grafana's variables in the queries, as a query is run (what promtool checks).
+GRAFANA_VARIABLES = {"$job": ".*", "$__rate_interval": "5m"}
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expression) of every query of the dashboard."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    return [(panel["title"], target["expr"]) for panel in panels for target in panel.get("targets", [])]
+
+
+def test_dashboard_is_importable_into_any_grafana() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "controlplane" and dashboard["title"]
+    source = next(v for v in dashboard["templating"]["list"] if v["name"] == "datasource")
+    assert source["type"] == "datasource" and source["query"] == "prometheus"
+    occupied: set[tuple[int, int]] = set()
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        cells = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not cells & occupied, f"{panel['title']} overlaps another panel"
+        occupied |= cells
+        if panel["type"] == "row":
+            continue
+        assert panel["description"] and panel["targets"], panel["title"]
+        # No data source of one installation: the one chosen on import.
+        for holder in (panel, *panel["targets"]):
+            assert holder["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+
+
+def test_dashboard_queries_use_exported_metrics_and_labels() -> None:
+    series = exported_series()
+    for title, expr in dashboard_queries():
+        stripped = strip_strings(expr)
+        assert balanced(stripped), f"{title}: unbalanced brackets"
+        used = set(re.findall(rf"\b({METRIC_NAME})\b", stripped))
+        assert used and used <= set(series), f"{title}: unknown {used - set(series)}"
+        known = set().union(*(series[name] for name in used)) | TARGET_LABELS
+        for name, matchers in re.findall(rf"\b({METRIC_NAME})\{{([^}}]*)\}}", expr):
+            for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=|!=|=~|!~)", matchers):
+                assert label in series[name] | TARGET_LABELS, f"{title}: {name} has no label {label}"
+        for grouping in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", stripped):
+            for label in (part.strip() for part in grouping.split(",") if part.strip()):
+                assert label in known, f"{title}: {label}"
+
+
+def test_dashboard_shows_what_an_operator_watches() -> None:
+    queries = "\n".join(expr for _, expr in dashboard_queries())
+    for wanted in (
+        "rate(http_server_request_duration_seconds_count",  # API rate
+        'status_class="5xx"',  # API errors
+        "histogram_quantile(0.99, sum by (le) (rate(http_server_request_duration_seconds_bucket",  # latency
+        "controlplane_queue_depth",
+        "controlplane_queue_oldest_age_seconds",
+        "controlplane_worker_slots_in_use",
+        "time() - max(controlplane_reconciler_last_success_timestamp_seconds",  # freshness
+        "controlplane_billing_organisations",
+        "controlplane_audit_last_checkpoint_timestamp_seconds",
+    ):
+        assert wanted in queries, wanted
+    # The leader's gauges are read from the leader only, as the alert rules do.
+    for title, expr in dashboard_queries():
+        if any(re.search(rf"\b{gauge}\b", expr) for gauge in LEADER_GAUGES):
+            assert "== scalar(max(controlplane_reconciler_last_success_timestamp_seconds" in expr, title
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed; the structural checks above still ran")
+    rules = []
+    for number, (_, expr) in enumerate(dashboard_queries()):
+        for variable, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(variable, value)
+        rules.append({"record": f"dashboard:query_{number}", "expr": expr})
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    check = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def heading_anchors(markdown: str) -> set[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
@@ -33,6 +34,7 @@ from tests.queue_kinds import (
     gate_registry,
     until,
 )
+from tests.support import eventually
 
 
 @pytest.fixture
@@ -321,11 +323,24 @@ async def test_a_kind_with_slots_of_its_own_never_takes_nor_waits_for_a_shared_o
             started = [await gates.contexts.get(), await gates.contexts.get()]
         assert sorted(ctx.job["kind"] for ctx in started) == ["gate", "side"]
         assert await count_in("queued", 2)(conn)  # the other two sides: not claimed into a backlog
+        for lane in ("shared", "side"):  # the slot metrics: one slot each, in use
+            assert REGISTRY.get_sample_value("controlplane_worker_slots", {"lane": lane}) == 1
+            assert REGISTRY.get_sample_value("controlplane_worker_slots_in_use", {"lane": lane}) == 1
         side = next(ctx for ctx in started if ctx.job["kind"] == "side")
         assert side.job_id == sides[0].job["id"]
         gates.open(side.job_id)
         async with asyncio.timeout(20):
             after = await gates.contexts.get()
         assert after.job_id == sides[1].job["id"]
+        gates.open(after.job_id)
+        gates.open(next(ctx for ctx in started if ctx.job["kind"] == "gate").job_id)
+        async with asyncio.timeout(20):
+            third = await gates.contexts.get()
+        gates.open(third.job_id)
+        await eventually(lambda: in_use("side") == 0 and in_use("shared") == 0, "every slot free again")
     finally:
         await running.stop()
+
+
+def in_use(lane: str) -> float | None:
+    return REGISTRY.get_sample_value("controlplane_worker_slots_in_use", {"lane": lane})

@@ -54,6 +54,7 @@ from controlplane.db.sql.audit import (
 from controlplane.db.sql.backups import FORGET_BACKUPS, HELD_BACKUP, HELD_BACKUPS, RECORD_BACKUPS
 from controlplane.db.sql.billing import (
     CLEAR_PAST_DUE,
+    COUNT_BILLING_HOLDS,
     FINISH_USAGE_REPORT,
     GRACE_OVER,
     HOLD_AFTER_GRACE,
@@ -124,6 +125,7 @@ from controlplane.db.sql.instances import (
     ORG_INSTANCE_EVENTS,
     ORG_INSTANCE_LAST_EVENT,
     ORG_INSTANCE_MOVES_AFTER,
+    QUEUED_BY_KIND,
     RECORD_DEGRADED_FAILURE,
     REQUEST_DELETION,
     SCAN_LIVE_INSTANCES,
@@ -274,6 +276,7 @@ __all__ = [
     "CONSUMER_LAG",
     "CONSUMER_POSITION",
     "COPY_CHECKPOINT_HEADS",
+    "COUNT_BILLING_HOLDS",
     "COUNT_EVENTS",
     "COUNT_EVENTS_SINCE",
     "COUNT_LIVE_INSTANCES",
@@ -384,6 +387,7 @@ __all__ = [
     "PUBLIC_TABLES",
     "PURGE_CONSOLE_SESSIONS",
     "PURGE_IDEMPOTENCY_KEYS",
+    "QUEUED_BY_KIND",
     "READ_ONLY_PRIVILEGES",
     "READ_ONLY_SNAPSHOT",
     "READ_WRITE_PRIVILEGES",

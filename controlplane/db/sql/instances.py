@@ -143,6 +143,14 @@ FROM instances WHERE {_live_states("", INSTANCE.terminal, INSTANCE.states)} GROU
 COUNT_LIVE_JOBS = f"""
 SELECT state, count(*) AS n FROM jobs WHERE {_live_states("", JOB.terminal, JOB.states)} GROUP BY state
 """
+# The queue by kind: how many wait, and how long the oldest due one has waited past its run_at
+# (served by ix_jobs_queued_order, partial on the queued jobs).
+QUEUED_BY_KIND = """
+SELECT kind, count(*) AS depth,
+       coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now())), 0)::float8
+         AS oldest_s
+FROM jobs WHERE state = 'queued' GROUP BY kind
+"""
 
 # Orphan sweep: what the database knows of the instances the provisioner's inventory names.
 INSTANCES_BY_ID = f"""
