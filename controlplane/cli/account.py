@@ -40,26 +40,27 @@ def register(commands: Any) -> None:
         cmd_webhook_create,
         "controlplane webhooks create https://example.com/hooks --events instance.ready,instance.failed",
     )
-    create.add_argument("url")
+    # Not `url`: that is --url's destination, where the API is (api_flags).
+    create.add_argument("endpoint_url", metavar="URL", help="where the events are POSTed (https)")
     create.add_argument("--events", required=True, help="comma-separated event types, or '*'")
-    create.add_argument("--description", default="")
+    create.add_argument("--description", default="", help="a note to recognise it by")
     _action(actions, "list", "list the endpoints", cmd_webhook_list, "controlplane webhooks list")
     delete = _action(
         actions,
         "delete",
         "remove an endpoint",
         cmd_webhook_delete,
-        "controlplane webhooks delete ENDPOINT_ID",
+        "controlplane webhooks delete 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
     )
-    delete.add_argument("id")
+    delete.add_argument("id", metavar="ENDPOINT_ID", help="the endpoint's id (`webhooks list`)")
     deliveries = _action(
         actions,
         "deliveries",
         "an endpoint's delivery log, newest first",
         cmd_webhook_deliveries,
-        "controlplane webhooks deliveries ENDPOINT_ID",
+        "controlplane webhooks deliveries 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
     )
-    deliveries.add_argument("id")
+    deliveries.add_argument("id", metavar="ENDPOINT_ID", help="the endpoint's id (`webhooks list`)")
 
 
 def _time(value: str, name: str) -> str:
@@ -120,7 +121,7 @@ def cmd_webhook_create(args: argparse.Namespace) -> int:
     endpoint = Api(args).request(
         "POST",
         "/v1/webhook-endpoints",
-        json={"url": args.url, "event_types": events, "description": args.description},
+        json={"url": args.endpoint_url, "event_types": events, "description": args.description},
     )
     fmt = output_format(args)
     if fmt != "table":

@@ -58,8 +58,28 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) ->
             dest=f"setting_{name}",
             type=entry.kind,
             default=None,
-            help=f"(env {entry.env}; default: {shown_default(default)})",
+            metavar=flag_metavar(name, entry.kind),
+            help=f"{first_sentence(entry.field.description or '')} (env {entry.env}; default:"
+            f" {shown_default(default)})",
         )
+
+
+def flag_metavar(name: str, kind: type) -> str:
+    """What a setting's flag takes, as --help shows it: SECONDS, N, PORT, PATH, URL, or its last word."""
+    last = name.rsplit("_", 1)[-1]
+    if kind is float and last == "s":
+        return "SECONDS"
+    if kind is Path:
+        return "PATH"
+    if last in ("port", "url"):
+        return last.upper()
+    return "N" if kind in (int, float) else last.upper()
+
+
+def first_sentence(markdown: str) -> str:
+    """The first sentence of a setting's description (docs/configuration.md), as plain text."""
+    text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", markdown).replace("`", "").replace("**", "")
+    return re.split(r"(?<=[.;])\s+(?=[A-Z])", text, maxsplit=1)[0].rstrip(".")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

@@ -51,7 +51,7 @@ def register(commands: Any) -> None:
         "events",
         help="a job's event history, oldest first",
         description="A job's event history, oldest first: each state change with its actor and reason.",
-        epilog="example:\n  controlplane jobs events 3f2a... --url https://cp.example.com",
+        epilog="example:\n  controlplane jobs events 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10 --url https://cp.example.com",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     history.add_argument("job_id", metavar="ID", type=uuid.UUID)

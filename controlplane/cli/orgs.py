@@ -75,7 +75,11 @@ def register(commands: Any) -> None:
     )
     listing.add_argument("--org", metavar="NAME_OR_ID", help="the organisation (with an admin key)")
     revoke = _parser(
-        actions, "revoke", "revoke an API key", "controlplane keys revoke 3f2a...", cmd_key_revoke
+        actions,
+        "revoke",
+        "revoke an API key",
+        "controlplane keys revoke 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
+        cmd_key_revoke,
     )
     revoke.add_argument("key_id", metavar="KEY_ID", type=uuid.UUID)
 

@@ -164,7 +164,25 @@ def register(commands: Any) -> None:
 def _configured(args: argparse.Namespace, default_format: str = "json") -> Settings:
     settings = settings_from(args)
     logs.configure(settings.logging.level, settings.logging.format or default_format)
+    for line in fault_warnings(settings):
+        print(f"controlplane: warning: {line}", file=sys.stderr, flush=True)
     return settings
+
+
+def fault_warnings(settings: Settings) -> list[str]:
+    """One line per kind of fault injection switched on: a role started with faults says so first."""
+    lines = []
+    if settings.provisioner.faults:
+        lines.append(
+            f"fault injection is on: provisioning steps fail on purpose ({settings.provisioner.faults});"
+            " for tests only (CONTROLPLANE_FAULTS, --faults)"
+        )
+    if settings.crash_points:
+        lines.append(
+            f"crash points are on: this process kills itself at {settings.crash_points};"
+            " for tests only (CONTROLPLANE_CRASH_POINTS, --crash-points)"
+        )
+    return lines
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

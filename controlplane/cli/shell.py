@@ -60,7 +60,8 @@ def register(commands: Any) -> None:
     completion.add_argument("shell", choices=("bash", "zsh", "fish"))
     completion.set_defaults(handler=cmd_completion)
 
-    hidden = commands.add_parser("__complete", help=argparse.SUPPRESS)
+    # No `help`: argparse lists every sub-command given one, even `help=SUPPRESS` (as "==SUPPRESS==").
+    hidden = commands.add_parser("__complete")
     hidden.add_argument("words", nargs=argparse.REMAINDER)
     hidden.set_defaults(handler=cmd_complete)
 
