@@ -7,8 +7,14 @@ import argparse
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from controlplane.cli.client import Api
-from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
+from controlplane.cli.common import (
+    CommandError,
+    add_output_flag,
+    api_client,
+    output_format,
+    print_data,
+    print_table,
+)
 from controlplane.cli.customer_parser import _action, api_flags
 
 
@@ -87,7 +93,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         else now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).isoformat()
     )
     end = _time(args.end, "to") if args.end else (now + timedelta(seconds=1)).isoformat()
-    report = Api(args).request("GET", "/v1/usage", params={"from": start, "to": end})
+    report = api_client(args).request("GET", "/v1/usage", params={"from": start, "to": end})
     fmt = output_format(args)
     if fmt != "table":
         print_data(report, fmt)
@@ -104,7 +110,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def cmd_billing(args: argparse.Namespace) -> int:
-    state = Api(args).request("GET", "/v1/billing")
+    state = api_client(args).request("GET", "/v1/billing")
     fmt = output_format(args)
     if fmt != "table":
         print_data(state, fmt)
@@ -118,7 +124,7 @@ def cmd_billing(args: argparse.Namespace) -> int:
 
 def cmd_webhook_create(args: argparse.Namespace) -> int:
     events = [e.strip() for e in args.events.split(",") if e.strip()]
-    endpoint = Api(args).request(
+    endpoint = api_client(args).request(
         "POST",
         "/v1/webhook-endpoints",
         json={"url": args.endpoint_url, "event_types": events, "description": args.description},
@@ -133,7 +139,7 @@ def cmd_webhook_create(args: argparse.Namespace) -> int:
 
 
 def cmd_webhook_list(args: argparse.Namespace) -> int:
-    items = Api(args).all_items("/v1/webhook-endpoints", {"limit": 100})
+    items = api_client(args).all_items("/v1/webhook-endpoints", {"limit": 100})
     fmt = output_format(args)
     if fmt != "table":
         print_data(items, fmt)
@@ -152,13 +158,15 @@ def cmd_webhook_list(args: argparse.Namespace) -> int:
 
 
 def cmd_webhook_delete(args: argparse.Namespace) -> int:
-    Api(args).request("DELETE", f"/v1/webhook-endpoints/{args.id}")
+    api_client(args).request("DELETE", f"/v1/webhook-endpoints/{args.id}")
     print(f"endpoint {args.id} removed")
     return 0
 
 
 def cmd_webhook_deliveries(args: argparse.Namespace) -> int:
-    page = Api(args).request("GET", f"/v1/webhook-endpoints/{args.id}/deliveries", params={"limit": 100})
+    page = api_client(args).request(
+        "GET", f"/v1/webhook-endpoints/{args.id}/deliveries", params={"limit": 100}
+    )
     fmt = output_format(args)
     if fmt != "table":
         print_data(page["items"], fmt)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -12,17 +11,24 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import SecretStr
-
+from controlplane.cli.lazy import Parser
 from controlplane.core import exit_codes
-from controlplane.db import connection as db
-from controlplane.db.connection import AsyncConn
-from controlplane.runtime import settings as settings_module
-from controlplane.runtime.settings import Settings
+
+if TYPE_CHECKING:  # imported where used: `controlplane --help` needs no HTTP client, pydantic or psycopg
+    from controlplane.cli.client import Api
+    from controlplane.db.connection import AsyncConn
+    from controlplane.runtime.settings import Settings
 
 T = TypeVar("T")
+
+
+def api_client(args: argparse.Namespace, *, need_key: bool = True, admin: bool = False) -> Api:
+    """The REST API's client the flags, environment and profile name (`client.Api`, imported here)."""
+    from controlplane.cli.client import Api
+
+    return Api(args, need_key=need_key, admin=admin)
 
 
 class CommandError(Exception):
@@ -37,7 +43,7 @@ def shown_default(value: Any) -> str:
     """A default as a user would type it: `.controlplane`, `8700`, `(none)`, never a repr."""
     if value is None or value == "":
         return "(none)"
-    if isinstance(value, SecretStr):
+    if hasattr(value, "get_secret_value"):  # a SecretStr
         return "(secret)" if value.get_secret_value() else "(none)"
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -49,7 +55,17 @@ def shown_default(value: Any) -> str:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
-    """Add --flag for each named setting (by its flat name); each defaults to its CONTROLPLANE_* variable."""
+    """Add --flag for each named setting (by its flat name); each defaults to its CONTROLPLANE_* variable.
+    On a lazy Parser, once the command is used (the settings' model is not imported before)."""
+    if isinstance(parser, Parser):
+        parser.defer(lambda filled: _settings_flags(filled, names))
+    else:
+        _settings_flags(parser, names)
+
+
+def _settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    from controlplane.runtime import settings as settings_module
+
     for name in names:
         entry = settings_module.SETTINGS[name]
         default = entry.field.get_default(call_default_factory=True)
@@ -83,6 +99,8 @@ def first_sentence(markdown: str) -> str:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    from controlplane.runtime import settings as settings_module
+
     overrides = {
         key.removeprefix("setting_"): value
         for key, value in vars(args).items()
@@ -225,6 +243,10 @@ def print_table(
 
 def run_with_db(args: argparse.Namespace, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
     """Run `work` on one connection to the database the flags and environment name."""
+    import asyncio
+
+    from controlplane.db import connection as db
+
     url = db.resolve_database_url(settings_from(args))
 
     async def run() -> T:

@@ -9,23 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.common import add_output_flag
-from controlplane.cli.instances import (
-    RECORDED_WHILE_SUSPENDED,
-    cmd_backup,
-    cmd_backups,
-    cmd_ca,
-    cmd_create,
-    cmd_delete,
-    cmd_events,
-    cmd_list,
-    cmd_protection,
-    cmd_resize,
-    cmd_restore,
-    cmd_retry,
-    cmd_show,
-    cmd_wait,
-    cmd_watch,
-)
+from controlplane.cli.lazy import LazyHandler
 from controlplane.core import exit_codes, lifecycle, plans
 
 DEFAULT_TIMEOUT = "30m"
@@ -66,7 +50,7 @@ def register(commands: Any) -> None:
         actions,
         "create",
         "create a database",
-        cmd_create,
+        _handler("cmd_create"),
         "controlplane instances create orders --plan dev --wait",
     )
     create.add_argument("name", metavar="NAME", help="a DNS label, unique among your live databases")
@@ -79,7 +63,7 @@ def register(commands: Any) -> None:
         actions,
         "list",
         "list databases (failed and deleted ones with --all)",
-        cmd_list,
+        _handler("cmd_list"),
         "controlplane instances list --all -o json",
     )
     listing.add_argument(
@@ -87,7 +71,9 @@ def register(commands: Any) -> None:
     )
     listing.add_argument("--all", action="store_true", help="failed and deleted databases too")
 
-    show = _action(actions, "show", "show one database", cmd_show, "controlplane instances show orders")
+    show = _action(
+        actions, "show", "show one database", _handler("cmd_show"), "controlplane instances show orders"
+    )
     _ref(show)
     show.add_argument("--uri", action="store_true", help="print only the connection URI (for psql)")
 
@@ -95,7 +81,7 @@ def register(commands: Any) -> None:
         actions,
         "resize",
         "change a database's plan",
-        cmd_resize,
+        _handler("cmd_resize"),
         "controlplane instances resize orders --plan small --wait",
     )
     _ref(resize)
@@ -105,14 +91,14 @@ def register(commands: Any) -> None:
         "--wait-for-resume",
         action="store_true",
         help="with --wait on a suspended instance, keep waiting until it resumes and the change is"
-        f" applied (without it, --wait says the change is recorded and exits {RECORDED_WHILE_SUSPENDED})",
+        f" applied (without it, --wait says the change is recorded and exits {exit_codes.RECORDED})",
     )
 
     delete = _action(
         actions,
         "delete",
         "delete a database (a final backup is taken first)",
-        cmd_delete,
+        _handler("cmd_delete"),
         "controlplane instances delete orders --wait",
     )
     _ref(delete)
@@ -123,7 +109,7 @@ def register(commands: Any) -> None:
         actions,
         "protection",
         "turn deletion protection on or off",
-        cmd_protection,
+        _handler("cmd_protection"),
         "controlplane instances protection orders on",
     )
     _ref(protection)
@@ -133,7 +119,7 @@ def register(commands: Any) -> None:
         actions,
         "retry",
         "create a failed database again: same name and plan, linked to the failed one",
-        cmd_retry,
+        _handler("cmd_retry"),
         "controlplane instances retry orders --wait",
     )
     _ref(retry)
@@ -143,7 +129,7 @@ def register(commands: Any) -> None:
         actions,
         "wait",
         "wait until a database reaches a state",
-        cmd_wait,
+        _handler("cmd_wait"),
         "controlplane instances wait orders --for ready --timeout 10m",
     )
     _ref(wait)
@@ -164,7 +150,11 @@ def register(commands: Any) -> None:
     )
 
     events = _action(
-        actions, "events", "a database's audit log", cmd_events, "controlplane instances events orders"
+        actions,
+        "events",
+        "a database's audit log",
+        _handler("cmd_events"),
+        "controlplane instances events orders",
     )
     _ref(events)
 
@@ -172,7 +162,7 @@ def register(commands: Any) -> None:
         actions,
         "watch",
         "follow a database's state changes (Ctrl-C stops)",
-        cmd_watch,
+        _handler("cmd_watch"),
         "controlplane instances watch orders",
     )
     _ref(watch)
@@ -181,7 +171,7 @@ def register(commands: Any) -> None:
         actions,
         "backups",
         "a database's backups, newest first",
-        cmd_backups,
+        _handler("cmd_backups"),
         "controlplane instances backups orders",
     )
     _ref(listing)
@@ -190,7 +180,7 @@ def register(commands: Any) -> None:
         actions,
         "backup",
         "take a backup now (beside the plan's schedule)",
-        cmd_backup,
+        _handler("cmd_backup"),
         "controlplane instances backup orders",
     )
     _ref(backup)
@@ -199,7 +189,7 @@ def register(commands: Any) -> None:
         actions,
         "restore",
         "bring back a database whose data is lost: from a backup, or empty",
-        cmd_restore,
+        _handler("cmd_restore"),
         "controlplane instances restore orders --newest --wait",
     )
     _ref(restore)
@@ -224,7 +214,12 @@ def register(commands: Any) -> None:
     ca.add_argument(
         "--file", "--output-file", dest="file", type=Path, help="write it to this file (default: print it)"
     )
-    ca.set_defaults(handler=cmd_ca)
+    ca.set_defaults(handler=_handler("cmd_ca"))
+
+
+def _handler(name: str) -> LazyHandler:
+    """A command of `instances.py` (which imports the HTTP client), imported when it runs."""
+    return LazyHandler(f"controlplane.cli.instances:{name}")
 
 
 def _states(text: str) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +66,10 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["region"] = args.region
     if args.deletion_protection:
         body["deletion_protection"] = True
-    instance = api.request("POST", "/v1/instances", json=body)
+    # One key for every try of this command: a create answered 502 (or lost) and sent again makes
+    # one database, and the API answers the first outcome again.
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    instance = api.request("POST", "/v1/instances", json=body, headers=key)
     if not args.wait:
         show_instance(instance, fmt)
         return 0

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controlplane.cli.client import Api
-from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
+from controlplane.cli.common import (
+    CommandError,
+    add_output_flag,
+    api_client,
+    output_format,
+    print_data,
+    print_table,
+)
 from controlplane.cli.customer_parser import api_flags
 from controlplane.core import exit_codes
+
+if TYPE_CHECKING:
+    from controlplane.cli.client import Api
 
 EXAMPLE = "example:\n  {}"
 
@@ -100,7 +109,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"name": args.name}
     if args.stripe_customer:
         body["stripe_customer_id"] = args.stripe_customer
-    created = Api(args, admin=True).request("POST", "/v1/orgs", json=body)
+    created = api_client(args, admin=True).request("POST", "/v1/orgs", json=body)
     fmt = output_format(args)
     if fmt != "table":
         print_data(created, fmt)
@@ -111,7 +120,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    items = Api(args, admin=True).request("GET", "/v1/orgs")["items"]
+    items = api_client(args, admin=True).request("GET", "/v1/orgs")["items"]
     fmt = output_format(args)
     if fmt != "table":
         print_data(items, fmt)
@@ -123,7 +132,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> tuple[Api, str]:
     """The client and the keys' path: the caller's organisation's, or (admin) --org's."""
-    api = Api(args, admin=bool(args.org))
+    api = api_client(args, admin=bool(args.org))
     return api, f"/v1/orgs/{org_id(api, args.org)}/keys" if args.org else "/v1/keys"
 
 
@@ -152,7 +161,7 @@ def cmd_key_list(args: argparse.Namespace) -> int:
 
 
 def cmd_key_revoke(args: argparse.Namespace) -> int:
-    Api(args, admin=True).request("DELETE", f"/v1/keys/{args.key_id}")
+    api_client(args, admin=True).request("DELETE", f"/v1/keys/{args.key_id}")
     if output_format(args) != "table":
         print_data({"id": str(args.key_id), "revoked": True}, output_format(args))
     else:

@@ -123,7 +123,7 @@ def test_help_hides_the_completion_helper_and_every_settings_flag_says_what_it_i
 
 
 def test_a_role_started_with_faults_says_so_first(capsys: pytest.CaptureFixture[str]) -> None:
-    from controlplane.cli.server import fault_warnings
+    from controlplane.cli.server_commands import fault_warnings
     from controlplane.runtime.settings import Settings
 
     assert fault_warnings(Settings()) == []
