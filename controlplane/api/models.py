@@ -278,7 +278,9 @@ class AdminInstance(Instance):
 
 class AdminEvent(InstanceEvent):
     instance_id: uuid.UUID
+    instance_name: str = Field(description="the instance's name")
     org_id: uuid.UUID
+    org_name: str = Field(description="the name of the instance's organisation")
     state_version: int
     request_id: str | None
 

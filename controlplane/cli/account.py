@@ -9,10 +9,14 @@ from typing import Any
 
 from controlplane.cli.common import (
     CommandError,
+    Listing,
+    add_list_flags,
     add_output_flag,
     api_client,
     output_format,
     print_data,
+    print_fields,
+    print_items,
     print_table,
 )
 from controlplane.cli.customer_parser import _action, api_flags
@@ -50,7 +54,9 @@ def register(commands: Any) -> None:
     create.add_argument("endpoint_url", metavar="URL", help="where the events are POSTed (https)")
     create.add_argument("--events", required=True, help="comma-separated event types, or '*'")
     create.add_argument("--description", default="", help="a note to recognise it by")
-    _action(actions, "list", "list the endpoints", cmd_webhook_list, "controlplane webhooks list")
+    add_list_flags(
+        _action(actions, "list", "list the endpoints", cmd_webhook_list, "controlplane webhooks list")
+    )
     delete = _action(
         actions,
         "delete",
@@ -67,6 +73,7 @@ def register(commands: Any) -> None:
         "controlplane webhooks deliveries 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
     )
     deliveries.add_argument("id", metavar="ENDPOINT_ID", help="the endpoint's id (`webhooks list`)")
+    add_list_flags(deliveries, limit_default=100)
 
 
 def _time(value: str, name: str) -> str:
@@ -93,13 +100,20 @@ def cmd_usage(args: argparse.Namespace) -> int:
         else now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).isoformat()
     )
     end = _time(args.end, "to") if args.end else (now + timedelta(seconds=1)).isoformat()
-    report = api_client(args).request("GET", "/v1/usage", params={"from": start, "to": end})
+    api = api_client(args)
+    report = api.request("GET", "/v1/usage", params={"from": start, "to": end})
     fmt = output_format(args)
     if fmt != "table":
         print_data(report, fmt)
         return 0
+    # The databases by name: those of the window, deleted and archived ones too.
+    everything = api.all_items("/v1/instances", {"limit": 100, "include": "archived"})
+    names = {i["id"]: i["name"] for i in everything}
     print(f"usage from {report['from']} to {report['to']} (as of {report['as_of']})")
-    rows = [[i["instance_id"], i["plan"], i["billing"], _hours(i["seconds"])] for i in report["items"]]
+    rows = [
+        [names.get(i["instance_id"], i["instance_id"]), i["plan"], i["billing"], _hours(i["seconds"])]
+        for i in report["items"]
+    ]
     print_table(rows, ("instance", "plan", "billing", "time"))
     print()
     print_table(
@@ -115,8 +129,7 @@ def cmd_billing(args: argparse.Namespace) -> int:
     if fmt != "table":
         print_data(state, fmt)
         return 0
-    rows = [[key, "" if value is None else value] for key, value in state.items()]
-    print_table(rows, ("billing", "value"))
+    print_fields(list(state.items()))
     if state.get("suspends_at"):
         print(f"the subscription is past due: the databases become read-only at {state['suspends_at']}")
     return 0
@@ -138,22 +151,21 @@ def cmd_webhook_create(args: argparse.Namespace) -> int:
     return 0
 
 
+WEBHOOKS = Listing(
+    ("id", "url", "events", "enabled"),
+    lambda e: {
+        "events": e["event_types"],
+        "enabled": "yes" if e["enabled"] else f"no: {e['disabled_reason']}",
+    },
+)
+DELIVERIES = Listing(
+    ("created_at", "event_id", "event_type", "state", "attempts", "last_status", "last_error")
+)
+
+
 def cmd_webhook_list(args: argparse.Namespace) -> int:
-    items = api_client(args).all_items("/v1/webhook-endpoints", {"limit": 100})
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(items, fmt)
-        return 0
-    rows = [
-        [
-            e["id"],
-            e["url"],
-            ",".join(e["event_types"]),
-            "yes" if e["enabled"] else f"no: {e['disabled_reason']}",
-        ]
-        for e in items
-    ]
-    print_table(rows, ("id", "url", "events", "enabled"))
+    items = api_client(args).all_items("/v1/webhook-endpoints", {"limit": 100}, limit=args.limit)
+    print_items(items, args, WEBHOOKS)
     return 0
 
 
@@ -164,13 +176,7 @@ def cmd_webhook_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_webhook_deliveries(args: argparse.Namespace) -> int:
-    page = api_client(args).request(
-        "GET", f"/v1/webhook-endpoints/{args.id}/deliveries", params={"limit": 100}
-    )
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(page["items"], fmt)
-        return 0
-    columns = ("created_at", "event_id", "event_type", "state", "attempts", "last_status", "last_error")
-    print_table([[d.get(c) for c in columns] for d in page["items"]], columns)
+    path = f"/v1/webhook-endpoints/{args.id}/deliveries"
+    items = api_client(args).all_items(path, {"limit": 100}, limit=args.limit)
+    print_items(items, args, DELIVERIES)
     return 0

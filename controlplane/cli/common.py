@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -150,13 +151,18 @@ _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d+)?([+-]\d{2}
 
 
 def cell_text(value: Any) -> str:
-    """A value as a table shows it; timestamps (datetimes, or RFC 3339 text) in the one format."""
+    """A value as a table shows it: timestamps (datetimes, or RFC 3339 text) in the one format,
+    lists joined with commas, whole numbers without a decimal point."""
     if value is None:
         return ""
     if isinstance(value, datetime):
         return timestamp(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(cell_text(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
     text = str(value)
     if _RFC3339.fullmatch(text):
         try:
@@ -164,6 +170,110 @@ def cell_text(value: Any) -> str:
         except ValueError:
             return text
     return text
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as a person reads it: `42 s`, `5 min 3 s`, `3 h 25 min`, `7 d`, `2 d 3 h`."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{seconds:.3g} s" if seconds < 10 and not float(seconds).is_integer() else f"{whole} s"
+    units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+    parts = []
+    for name, size in units:
+        count, whole = divmod(whole, size)
+        if count:
+            parts.append(f"{count} {name}")
+    return " ".join(parts[:2])
+
+
+def field_text(name: str, value: Any) -> str:
+    """A field's value in a `field value` table: `none` when unset, a duration (a name ending in
+    `_s`) in words with its seconds, the rest as a table cell."""
+    if value is None or value == []:
+        return "none"
+    if name.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{duration_text(float(value))} ({cell_text(float(round(value, 3)))} s)"
+    return cell_text(value)
+
+
+def print_fields(rows: Sequence[tuple[str, Any]], max_cell: int | None = MAX_CELL) -> None:
+    """A `field value` table of one thing."""
+    print_table(
+        [(name, field_text(name, value)) for name, value in rows], ("field", "value"), max_cell=max_cell
+    )
+
+
+# ---- lists: their columns, --columns and --limit ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listing:
+    """How a list is shown: its default columns in order, and `view`: the values an item shows
+    besides its own fields (a derived column, or a field shown otherwise in a table). `--columns`
+    picks among both; with `-o json|yaml` the picked fields are the item's own (raw) where it has
+    them."""
+
+    columns: tuple[str, ...]
+    view: Callable[[dict[str, Any]], dict[str, Any]] = lambda item: {}
+    state_column: str | None = None
+
+
+def add_list_flags(parser: argparse.ArgumentParser, *, limit_default: int | None = None) -> None:
+    """--columns (the fields to show, in order) and --limit (the first N items)."""
+    parser.add_argument(
+        "--columns",
+        type=_column_names,
+        default=None,
+        metavar="NAME[,NAME]",
+        help="the columns to show, in this order: any field of the items (-o json lists them);"
+        " with -o json|yaml, only those fields",
+    )
+    shown = f"default: {limit_default}" if limit_default else "default: all"
+    parser.add_argument(
+        "--limit", type=positive_int, default=limit_default, metavar="N", help=f"the first N items ({shown})"
+    )
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def _column_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one column")
+    return names
+
+
+def print_items(items: Sequence[dict[str, Any]], args: argparse.Namespace, listing: Listing) -> None:
+    """A list as a table of its columns (`--columns`, else the listing's), or as JSON or YAML."""
+    fmt = output_format(args)
+    chosen: tuple[str, ...] | None = getattr(args, "columns", None)
+    shown = [{**item, **listing.view(item)} for item in items]
+    if chosen and shown:
+        known = dict.fromkeys([*listing.columns, *shown[0]])
+        unknown = [c for c in chosen if c not in known]
+        if unknown:
+            raise CommandError(
+                f"no column {', '.join(unknown)}; the columns are {', '.join(known)}", exit_codes.USAGE
+            )
+    if fmt != "table":
+        if chosen:
+            print_data(
+                [
+                    {c: item[c] if c in item else view.get(c) for c in chosen}
+                    for item, view in zip(items, shown, strict=True)
+                ],
+                fmt,
+            )
+        else:
+            print_data(list(items), fmt)
+        return
+    columns = chosen or listing.columns
+    state = listing.state_column if listing.state_column in columns else None
+    print_table([[view.get(c) for c in columns] for view in shown], columns, state_column=state)
 
 
 def _jsonable(value: Any) -> Any:

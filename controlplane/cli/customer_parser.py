@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from controlplane.cli.common import add_output_flag
+from controlplane.cli.common import add_list_flags, add_output_flag
 from controlplane.cli.lazy import LazyHandler
 from controlplane.core import exit_codes, lifecycle, plans
 
@@ -64,12 +64,13 @@ def register(commands: Any) -> None:
         "list",
         "list databases (failed and deleted ones with --all)",
         _handler("cmd_list"),
-        "controlplane instances list --all -o json",
+        "controlplane instances list --all --columns name,state,plan --limit 20",
     )
     listing.add_argument(
         "--state", choices=lifecycle.INSTANCE.states, metavar="STATE", help="only those in this state"
     )
     listing.add_argument("--all", action="store_true", help="failed and deleted databases too")
+    add_list_flags(listing)
 
     show = _action(
         actions, "show", "show one database", _handler("cmd_show"), "controlplane instances show orders"
@@ -157,6 +158,7 @@ def register(commands: Any) -> None:
         "controlplane instances events orders",
     )
     _ref(events)
+    add_list_flags(events)
 
     watch = _action(
         actions,
@@ -175,6 +177,7 @@ def register(commands: Any) -> None:
         "controlplane instances backups orders",
     )
     _ref(listing)
+    add_list_flags(listing)
 
     backup = _action(
         actions,

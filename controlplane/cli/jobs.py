@@ -7,7 +7,7 @@ import argparse
 import uuid
 from typing import Any
 
-from controlplane.cli.common import add_output_flag, add_remote_flags, add_settings_flags
+from controlplane.cli.common import add_list_flags, add_output_flag, add_remote_flags, add_settings_flags
 from controlplane.cli.lazy import LazyHandler
 from controlplane.core import lifecycle
 
@@ -24,7 +24,7 @@ def register(commands: Any) -> None:
     listing.add_argument("--state", choices=lifecycle.JOB.states)
     listing.add_argument("--kind")
     listing.add_argument("--instance", type=uuid.UUID, help="only this instance's jobs")
-    listing.add_argument("--limit", type=int, default=50, help="jobs at most (default: 50)")
+    add_list_flags(listing, limit_default=50)
     add_output_flag(listing)
     add_remote_flags(listing)
     add_settings_flags(listing, DB_FLAGS)
@@ -38,6 +38,7 @@ def register(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     history.add_argument("job_id", metavar="ID", type=uuid.UUID)
+    add_list_flags(history)
     add_output_flag(history)
     add_remote_flags(history)
     add_settings_flags(history, DB_FLAGS)

@@ -9,15 +9,18 @@ from typing import Any
 from controlplane.audit import dwell
 from controlplane.cli.common import (
     CommandError,
+    Listing,
     api_client,
     output_format,
     print_data,
+    print_items,
     print_table,
     remote,
     run_with_db,
     settings_from,
 )
 from controlplane.cli.jobs import DEFAULT_REGISTRY
+from controlplane.cli.render import actor_text
 from controlplane.core import exit_codes
 from controlplane.db.connection import AsyncConn
 from controlplane.queue import moves as queue
@@ -26,6 +29,18 @@ from controlplane.queue.registry import JobRegistry, load_registry
 
 def _seconds(value: float) -> str:
     return f"{value:.3f}"
+
+
+JOBS = Listing(
+    ("id", "kind", "state", "attempt", "priority", "run_at", "claimed_by", "fence", "last_error"),
+    lambda j: {"attempt": f"{j['attempt']}/{j['max_attempts']}", "last_error": j.get("last_error") or ""},
+    state_column="state",
+)
+JOB_EVENTS = Listing(
+    ("at", "from", "to", "event", "actor", "reason"),
+    lambda e: {"from": e.get("from_state") or "", "to": e["to_state"], "actor": actor_text(e)},
+    state_column="to",
+)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -40,28 +55,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 conn, state=args.state, kind=args.kind, instance_id=args.instance, limit=args.limit
             ),
         )
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(rows, fmt)
-        return 0
-    print_table(
-        [
-            (
-                r["id"],
-                r["kind"],
-                r["state"],
-                f"{r['attempt']}/{r['max_attempts']}",
-                r["priority"],
-                r["run_at"],
-                r["claimed_by"],
-                r["fence"],
-                r["last_error"] or "",
-            )
-            for r in rows
-        ],
-        ("ID", "KIND", "STATE", "ATTEMPT", "PRIO", "RUN_AT", "CLAIMED_BY", "FENCE", "LAST_ERROR"),
-        state_column="STATE",
-    )
+    print_items([dict(r) for r in rows], args, JOBS)
     return 0
 
 
@@ -72,27 +66,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         rows = run_with_db(args, lambda conn: queue.job_events(conn, args.job_id))
         if not rows:
             raise CommandError(f"no job {args.job_id}", exit_codes.NOT_FOUND)
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(rows, fmt)
-        return 0
-    print_table(
-        [
-            (
-                r["at"],
-                r.get("from_state") or "",
-                r["to_state"],
-                r["event"],
-                f"{r['actor']['kind']}:{r['actor']['id']}"
-                if "actor" in r
-                else f"{r['actor_kind']}:{r['actor_id']}",
-                r.get("reason") or "",
-            )
-            for r in rows
-        ],
-        ("AT", "FROM", "TO", "EVENT", "ACTOR", "REASON"),
-        state_column="TO",
-    )
+    print_items([dict(r) for r in rows][: args.limit], args, JOB_EVENTS)
     return 0
 
 
@@ -121,7 +95,7 @@ def cmd_dwell(args: argparse.Namespace) -> int:
             )
             for s in states
         ],
-        ("STATE", "STAYS", "NOW_IN", "P50_S", "P95_S", "MAX_S"),
+        ("state", "stays", "now_in", "p50_s", "p95_s", "max_s"),
     )
     return 0
 

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.cli.common import (
     CommandError,
+    Listing,
+    add_list_flags,
     add_output_flag,
     api_client,
     output_format,
     print_data,
-    print_table,
+    print_items,
 )
 from controlplane.cli.customer_parser import api_flags
 from controlplane.core import exit_codes
@@ -61,7 +63,7 @@ def register(commands: Any) -> None:
     )
     create.add_argument("name", metavar="NAME")
     create.add_argument("--stripe-customer", default=None, metavar="ID", help="Stripe customer id (cus_...)")
-    _parser(actions, "list", "list the organisations", "controlplane orgs list", cmd_list)
+    add_list_flags(_parser(actions, "list", "list the organisations", "controlplane orgs list", cmd_list))
 
     parser = commands.add_parser(
         "keys",
@@ -83,6 +85,7 @@ def register(commands: Any) -> None:
         actions, "list", "list API keys (never the keys themselves)", "controlplane keys list", cmd_key_list
     )
     listing.add_argument("--org", metavar="NAME_OR_ID", help="the organisation (with an admin key)")
+    add_list_flags(listing)
     revoke = _parser(
         actions,
         "revoke",
@@ -119,14 +122,13 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
+ORGS = Listing(("name", "id", "stripe_customer_id", "billing_hold", "created_at"))
+KEYS = Listing(("id", "prefix", "name", "created_at", "revoked_at"))
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     items = api_client(args, admin=True).request("GET", "/v1/orgs")["items"]
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(items, fmt)
-        return 0
-    columns = ("name", "id", "stripe_customer_id", "billing_hold", "created_at")
-    print_table([[o.get(c) for c in columns] for o in items], columns)
+    print_items(items[: args.limit], args, ORGS)
     return 0
 
 
@@ -150,13 +152,7 @@ def cmd_key_create(args: argparse.Namespace) -> int:
 
 def cmd_key_list(args: argparse.Namespace) -> int:
     api, path = _keys(args)
-    items = api.all_items(path)
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(items, fmt)
-        return 0
-    columns = ("id", "prefix", "name", "created_at", "revoked_at")
-    print_table([[k.get(c) for c in columns] for k in items], columns)
+    print_items(api.all_items(path, limit=args.limit), args, KEYS)
     return 0
 
 

@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from controlplane.cli.common import add_output_flag, add_remote_flags, add_settings_flags
+from controlplane.cli.common import add_list_flags, add_output_flag, add_remote_flags, add_settings_flags
 from controlplane.cli.lazy import LazyHandler
 from controlplane.core import lifecycle
 
@@ -91,7 +91,7 @@ def register(commands: Any) -> None:
     parser.add_argument("--to-state", choices=lifecycle.INSTANCE.states)
     parser.add_argument("--since", type=datetime.fromisoformat, help="ISO time, inclusive")
     parser.add_argument("--until", type=datetime.fromisoformat, help="ISO time, exclusive")
-    parser.add_argument("--limit", type=int, default=200, help="events at most (default: 200)")
+    add_list_flags(parser, limit_default=200)
     add_output_flag(parser)
     add_remote_flags(parser)
     add_settings_flags(parser, DB_FLAGS)

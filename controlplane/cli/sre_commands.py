@@ -12,14 +12,17 @@ from controlplane.audit import checkpoints, export, export_verify, public_key, s
 from controlplane.audit import verify as audit
 from controlplane.cli.common import (
     CommandError,
+    Listing,
     api_client,
     output_format,
     print_data,
+    print_items,
     print_table,
     remote,
     run_with_db,
     settings_from,
 )
+from controlplane.cli.render import actor_text
 from controlplane.core import lifecycle, reference
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
@@ -182,12 +185,16 @@ def cmd_audit_verify_export(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _event_row(r: dict[str, Any]) -> dict[str, Any]:
-    """An audit row as the API or the database gives it, with the actor as kind:id."""
-    actor = r.get("actor")
-    if isinstance(actor, dict):
-        return {**r, "actor": f"{actor['kind']}:{actor['id']}"}
-    return {**r, "actor": f"{r['actor_kind']}:{r['actor_id']}"}
+EVENTS = Listing(
+    ("at", "instance", "from", "to", "event", "actor", "reason"),
+    lambda e: {
+        "instance": e.get("instance_name") or e["instance_id"],
+        "from": e.get("from_state") or "",
+        "to": e["to_state"],
+        "actor": actor_text(e),
+    },
+    state_column="to",
+)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -202,36 +209,14 @@ def cmd_events(args: argparse.Namespace) -> int:
             "until": args.until.isoformat() if args.until else None,
             "limit": min(args.limit, 500),
         }
-        page = api_client(args, admin=True).request(
-            "GET", "/v1/admin/events", params={k: str(v) for k, v in params.items() if v is not None}
-        )
-        rows = page["items"][: args.limit]
+        query = {k: str(v) for k, v in params.items() if v is not None}
+        rows = api_client(args, admin=True).all_items("/v1/admin/events", query, limit=args.limit)
     else:
         where = search.EventFilter(
             args.instance, args.org, args.actor, args.event, args.to_state, args.since, args.until
         )
         rows = run_with_db(args, lambda conn: search.search(conn, where, limit=args.limit))
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(rows, fmt)
-        return 0
-    shown = [_event_row(dict(r)) for r in rows]
-    print_table(
-        [
-            (
-                r["at"],
-                r["instance_id"],
-                r["from_state"] or "",
-                r["to_state"],
-                r["event"],
-                r["actor"],
-                r["reason"],
-            )
-            for r in shown
-        ],
-        ("AT", "INSTANCE", "FROM", "TO", "EVENT", "ACTOR", "REASON"),
-        state_column="TO",
-    )
+    print_items([dict(r) for r in rows], args, EVENTS)
     return 0
 
 
@@ -269,7 +254,7 @@ def cmd_stuck(args: argparse.Namespace) -> int:
                 )
                 for r in instances
             ],
-            ("ID", "NAME", "STATE", "STEP", "RETRIES", "OVERDUE"),
+            ("id", "name", "state", "step", "retries", "overdue"),
         )
     print(f"jobs without a heartbeat for over {stale_after_s:g}s: {len(silent)}")
     if silent:
@@ -278,6 +263,6 @@ def cmd_stuck(args: argparse.Namespace) -> int:
                 (r["id"], r["kind"], r["state"], r["claimed_by"], r["attempt"], f"{r['silent_for_s']:.0f}s")
                 for r in silent
             ],
-            ("ID", "KIND", "STATE", "WORKER", "ATTEMPT", "SILENT_FOR"),
+            ("id", "kind", "state", "worker", "attempt", "silent_for"),
         )
     return 0
