@@ -295,6 +295,12 @@ class OrgCreate(Strict):
     stripe_customer_id: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$")
 
 
+class OrgUpdate(Strict):
+    stripe_customer_id: str = Field(
+        min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$", description="the Stripe customer (cus_...)"
+    )
+
+
 class Org(BaseModel):
     id: uuid.UUID
     name: str

@@ -1,4 +1,4 @@
-"""Organisations and API keys through the API: `controlplane orgs create|list`, `controlplane keys
+"""Organisations and API keys through the API: `controlplane orgs create|list|update`, `controlplane keys
 create|list|revoke`. Organisations need an admin key (a profile's, CONTROLPLANE_API_KEY, or the
 one `up` saved in the local data directory); an organisation's key manages its own keys."""
 
@@ -50,8 +50,8 @@ def _parser(actions: Any, name: str, help_text: str, example: str, handler: Any)
 def register(commands: Any) -> None:
     parser = commands.add_parser(
         "orgs",
-        help="create and list organisations (an admin key)",
-        description="Create and list organisations through the API, with an admin key.",
+        help="create, list and update organisations (an admin key)",
+        description="Create, list and update organisations through the API, with an admin key.",
     )
     actions = parser.add_subparsers(dest="orgs_command", metavar="ACTION", required=True)
     create = _parser(
@@ -64,6 +64,20 @@ def register(commands: Any) -> None:
     create.add_argument("name", metavar="NAME")
     create.add_argument("--stripe-customer", default=None, metavar="ID", help="Stripe customer id (cus_...)")
     add_list_flags(_parser(actions, "list", "list the organisations", "controlplane orgs list", cmd_list))
+    update = _parser(
+        actions,
+        "update",
+        "link an organisation to its Stripe customer, so that it is billed",
+        "controlplane orgs update acme --stripe-customer cus_NffrFeUfNV2Hib",
+        cmd_update,
+    )
+    update.add_argument("org", metavar="NAME_OR_ID", help="the organisation")
+    update.add_argument(
+        "--stripe-customer",
+        required=True,
+        metavar="ID",
+        help="its Stripe customer id (cus_...); once linked, it is not moved to another",
+    )
 
     parser = commands.add_parser(
         "keys",
@@ -129,6 +143,20 @@ KEYS = Listing(("id", "prefix", "name", "created_at", "revoked_at"))
 def cmd_list(args: argparse.Namespace) -> int:
     items = api_client(args, admin=True).request("GET", "/v1/orgs")["items"]
     print_items(items[: args.limit], args, ORGS)
+    return 0
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    api = api_client(args, admin=True)
+    org = api.request(
+        "PATCH", f"/v1/orgs/{org_id(api, args.org)}", json={"stripe_customer_id": args.stripe_customer}
+    )
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(org, fmt)
+        return 0
+    hold = " (on billing hold: a payment failed before the link)" if org["billing_hold"] else ""
+    print(f"organisation {org['name']} is billed to Stripe customer {org['stripe_customer_id']}{hold}")
     return 0
 
 
