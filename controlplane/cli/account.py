@@ -13,6 +13,7 @@ from controlplane.cli.common import (
     add_list_flags,
     add_output_flag,
     api_client,
+    cell_text,
     output_format,
     print_data,
     print_fields,
@@ -109,7 +110,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
     # The databases by name: those of the window, deleted and archived ones too.
     everything = api.all_items("/v1/instances", {"limit": 100, "include": "archived"})
     names = {i["id"]: i["name"] for i in everything}
-    print(f"usage from {report['from']} to {report['to']} (as of {report['as_of']})")
+    window = f"{cell_text(report['from'])} to {cell_text(report['to'])}"
+    print(f"usage from {window} (as of {cell_text(report['as_of'])})")
     rows = [
         [names.get(i["instance_id"], i["instance_id"]), i["plan"], i["billing"], _hours(i["seconds"])]
         for i in report["items"]

@@ -188,11 +188,12 @@ def duration_text(seconds: float) -> str:
 
 def field_text(name: str, value: Any) -> str:
     """A field's value in a `field value` table: `none` when unset, a duration (a name ending in
-    `_s`) in words with its seconds, the rest as a table cell."""
+    `_s`) in words (with its seconds from a minute on), the rest as a table cell."""
     if value is None or value == []:
         return "none"
     if name.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool):
-        return f"{duration_text(float(value))} ({cell_text(float(round(value, 3)))} s)"
+        words = duration_text(float(value))
+        return words if value < 60 else f"{words} ({cell_text(float(round(value, 3)))} s)"
     return cell_text(value)
 
 

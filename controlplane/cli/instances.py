@@ -139,12 +139,7 @@ def cmd_resize(args: argparse.Namespace) -> int:
     if fmt != "table":
         print_data(final, fmt)
     if final["state"] == "suspended":
-        if fmt == "table":
-            print(
-                f"{final['name']} ({final['id']}) is suspended: the change to {args.plan} is recorded and"
-                " applied once it resumes (--wait-for-resume waits for that)"
-            )
-        return exit_codes.RECORDED
+        return exit_codes.RECORDED  # wait_for_generation said why, on stderr
     if final["observed_generation"] < generation or final["state"] != "ready":
         raise CommandError(
             f"resize to {args.plan} did not complete: instance is {final['state']}"

@@ -54,6 +54,7 @@ def test_values_as_a_person_reads_them() -> None:
     assert common.cell_text(604800.0) == "604800" and common.cell_text(0.25) == "0.25"
     assert common.field_text("grace_period_s", 604800.0) == "7 d (604800 s)"
     assert common.field_text("time_in_state_s", 90061.5) == "1 d 1 h (90061.5 s)"
+    assert common.field_text("time_in_state_s", 0.222) == "0.222 s"
     assert common.field_text("status", None) == "none" and common.field_text("allowed_actions", []) == "none"
     assert [common.duration_text(s) for s in (42, 303, 12_300, 2.5)] == [
         "42 s",
