@@ -8,8 +8,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.notify_support import serving
 
 
 @dataclass(frozen=True)
@@ -70,13 +72,5 @@ def fake_api(*script: Answer) -> Iterator[FakeApi]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    api.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(Handler) as api.url:
         yield api
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()

@@ -187,16 +187,9 @@ class Api:
     def ca_pem(self) -> str:
         return self.response("GET", "/v1/ca.pem").text
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> Any:
-        response = self.response(method, path, params=params, json=json, headers=headers)
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The answer's JSON (None when empty); `kwargs` as `response` takes them."""
+        response = self.response(method, path, **kwargs)
         return response.json() if response.content else None
 
     def all_items(
