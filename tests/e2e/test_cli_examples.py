@@ -171,6 +171,11 @@ def test_every_readme_and_help_example_runs_against_up() -> None:
             shell_env |= {"CONTROLPLANE_DATA_DIR": str(data_dir), "PYTHONPATH": str(ROOT)}
             shell = Shell(shell_env, work, api, (data_dir / "admin.key").read_text().strip())
             run_readme(shell, readme)
+            # With CONTROLPLANE_URL exported (a banner once said to), the SRE commands go through
+            # the admin API, with the admin key of the profile `up` wrote.
+            exported = Shell(shell_env | {"CONTROLPLANE_URL": api}, work, api, shell.admin_key)
+            for sre in (["events"], ["stuck"], ["stats", "dwell"], ["jobs", "list"], ["orgs", "list"]):
+                exported.run(sre)
             run_help(shell)
 
 
