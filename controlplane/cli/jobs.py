@@ -21,8 +21,14 @@ def register(commands: Any) -> None:
     actions = parser.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
 
     listing = actions.add_parser("list", help="jobs, newest first")
-    listing.add_argument("--state", choices=lifecycle.JOB.states)
-    listing.add_argument("--kind")
+    listing.add_argument(
+        "--state",
+        choices=lifecycle.JOB.states,
+        metavar="STATE",
+        help=f"only those in this state: {', '.join(lifecycle.JOB.states)} (failed: waiting for their"
+        " next attempt; abandoned: given up)",
+    )
+    listing.add_argument("--kind", help="only this kind (provision, update, backup, ...)")
     listing.add_argument("--instance", type=uuid.UUID, help="only this instance's jobs")
     add_list_flags(listing, limit_default=50)
     add_output_flag(listing)
@@ -37,7 +43,7 @@ def register(commands: Any) -> None:
         epilog="example:\n  controlplane jobs events 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10 --url https://cp.example.com",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    history.add_argument("job_id", metavar="ID", type=uuid.UUID)
+    history.add_argument("job_id", metavar="ID", type=uuid.UUID, help="the job's id (`jobs list`)")
     add_list_flags(history)
     add_output_flag(history)
     add_remote_flags(history)
@@ -53,7 +59,7 @@ def register(commands: Any) -> None:
 
     for action in lifecycle.JOB_OPERATOR_ACTIONS:
         steer = actions.add_parser(action, help=f"{action} a job (as an operator, with a reason)")
-        steer.add_argument("job_id", metavar="ID", type=uuid.UUID)
+        steer.add_argument("job_id", metavar="ID", type=uuid.UUID, help="the job's id (`jobs list`)")
         steer.add_argument("--reason", required=True, help="why (recorded in the job's events)")
         steer.add_argument("--operator", default=None, help="who (default: the current OS user)")
         add_output_flag(steer)

@@ -61,7 +61,7 @@ def register(commands: Any) -> None:
         "controlplane orgs create acme",
         cmd_create,
     )
-    create.add_argument("name", metavar="NAME")
+    create.add_argument("name", metavar="NAME", help="letters, digits, spaces and . _ -")
     create.add_argument("--stripe-customer", default=None, metavar="ID", help="Stripe customer id (cus_...)")
     add_list_flags(_parser(actions, "list", "list the organisations", "controlplane orgs list", cmd_list))
     update = _parser(
@@ -107,7 +107,7 @@ def register(commands: Any) -> None:
         "controlplane keys revoke 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
         cmd_key_revoke,
     )
-    revoke.add_argument("key_id", metavar="KEY_ID", type=uuid.UUID)
+    revoke.add_argument("key_id", metavar="KEY_ID", type=uuid.UUID, help="the key's id (`keys list`)")
 
 
 def org_id(api: Api, ref: str) -> str:

@@ -63,7 +63,7 @@ def register(commands: Any) -> None:
         "  controlplane completion fish > ~/.config/fish/completions/controlplane.fish",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    completion.add_argument("shell", choices=("bash", "zsh", "fish"))
+    completion.add_argument("shell", choices=("bash", "zsh", "fish"), help="the shell to complete in")
     completion.set_defaults(handler=cmd_completion)
 
     # No `help`: argparse lists every sub-command given one, even `help=SUPPRESS` (as "==SUPPRESS==").

@@ -22,7 +22,9 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "lifecycle", help="print the lifecycle tables, their metadata and the failure reasons"
     )
-    parser.add_argument("--format", choices=("table", "json", "mermaid"), default="table")
+    parser.add_argument(
+        "--format", choices=("table", "json", "mermaid"), default="table", help="(default: table)"
+    )
     parser.set_defaults(handler=_handler("cmd_lifecycle"))
 
     parser = commands.add_parser("audit", help="verify, checkpoint and export the audit log")
@@ -63,7 +65,7 @@ def register(commands: Any) -> None:
         metavar="CHECKPOINT|TIME",
         help="from this checkpoint (a number, or the newest at or before an ISO time); default: all",
     )
-    exporting.add_argument("--format", choices=("ndjson",), default="ndjson")
+    exporting.add_argument("--format", choices=("ndjson",), default="ndjson", help="(the only one: ndjson)")
     exporting.add_argument("--output", type=Path, help="write to this file (default: standard output)")
     add_settings_flags(exporting, SIGNING_FLAGS)
     exporting.set_defaults(handler=_handler("cmd_audit_export"))
@@ -71,7 +73,7 @@ def register(commands: Any) -> None:
     offline = audit_commands.add_parser(
         "verify-export", help="verify an export offline with the public key (no database)"
     )
-    offline.add_argument("file", type=Path, metavar="FILE")
+    offline.add_argument("file", type=Path, metavar="FILE", help="what `audit export` wrote")
     offline.add_argument("--key", type=Path, required=True, help="the public key (PEM)")
     offline.set_defaults(handler=_handler("cmd_audit_verify_export"))
 
@@ -84,11 +86,16 @@ def register(commands: Any) -> None:
         "  controlplane events --actor stripe --url https://cp.example.com",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--instance", type=uuid.UUID)
-    parser.add_argument("--org", type=uuid.UUID)
+    parser.add_argument("--instance", type=uuid.UUID, metavar="ID", help="only this instance's")
+    parser.add_argument("--org", type=uuid.UUID, metavar="ID", help="only this organisation's")
     parser.add_argument("--actor", help="actor kind (stripe) or kind:id")
-    parser.add_argument("--event")
-    parser.add_argument("--to-state", choices=lifecycle.INSTANCE.states)
+    parser.add_argument("--event", help="only this event (provisioned, suspend, fail, ...)")
+    parser.add_argument(
+        "--to-state",
+        choices=lifecycle.INSTANCE.states,
+        metavar="STATE",
+        help="only the moves into this state",
+    )
     parser.add_argument("--since", type=datetime.fromisoformat, help="ISO time, inclusive")
     parser.add_argument("--until", type=datetime.fromisoformat, help="ISO time, exclusive")
     add_list_flags(parser, limit_default=200)

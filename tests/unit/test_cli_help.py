@@ -129,3 +129,10 @@ def test_a_role_started_with_faults_says_so_first(capsys: pytest.CaptureFixture[
     assert fault_warnings(Settings()) == []
     (line,) = fault_warnings(Settings(faults="apply_plan:fail"))
     assert "fault injection is on" in line and "apply_plan:fail" in line
+
+
+def test_every_argument_says_what_it_is() -> None:
+    for path, parser in leaves(build_parser()):
+        for action in parser._actions:
+            if action.dest != "help" and path != ("__complete",):
+                assert action.help, (path, action.option_strings or action.dest)
