@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -40,21 +41,54 @@ def has_system_postgres() -> bool:
 CONSTRAINTS = ROOT / "constraints.txt"
 
 
-def ensure_venv() -> None:
-    """Create .venv and install the project with its dev extra at the versions of constraints.txt,
-    once per change of either."""
+# What each command needs installed: running the product needs only its runtime (and the embedded
+# server's fallback binaries when the system has none); the tests and the checks need the dev extra.
+RUNTIME: frozenset[str] = frozenset()
+DEV = frozenset({"dev"})
+NEEDS = {"up": RUNTIME, "chaos": RUNTIME, "bench": RUNTIME, "shell": RUNTIME, "test": DEV, "check": DEV}
+STAMP = VENV / ".installed"
+
+
+def lock_digest() -> str:
+    """What the installed versions depend on: pyproject.toml and constraints.txt."""
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes()).hexdigest()
+
+
+def to_install(stamp: str | None, digest: str, needed: frozenset[str]) -> frozenset[str] | None:
+    """The extras to install into the one venv, or None when what it holds will do.
+
+    The stamp records the lock digest and the extras installed with it. Nothing is installed when
+    the lock is the same and the extras needed are among those installed (`up` after `test` finds
+    the dev extra there and installs nothing); otherwise the extras needed and those installed
+    before, so that `test` after `up` adds the dev extra, and a changed lock keeps every extra the
+    venv had, at its new versions."""
+    try:
+        recorded = json.loads(stamp) if stamp else {}
+        installed = frozenset(recorded.get("extras", [])) if isinstance(recorded, dict) else frozenset()
+        same_lock = isinstance(recorded, dict) and recorded.get("lock") == digest
+    except ValueError:  # a stamp of an older dev.py: install again
+        installed, same_lock = frozenset(), False
+    if same_lock and needed <= installed:
+        return None
+    return needed | installed
+
+
+def ensure_venv(command: str) -> None:
+    """Create .venv and install the project at the versions of constraints.txt, with the extras
+    `command` needs (NEEDS), once per change of either."""
     if not (VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    extras = "dev" if has_system_postgres() else "dev,embedded-fallback"
-    locked = (ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes()
-    digest = hashlib.sha256(locked + extras.encode()).hexdigest()
-    stamp = VENV / ".installed"
-    if stamp.exists() and stamp.read_text() == digest:
+    needed = NEEDS[command] | (frozenset() if has_system_postgres() else frozenset({"embedded-fallback"}))
+    digest = lock_digest()
+    extras = to_install(STAMP.read_text() if STAMP.exists() else None, digest, needed)
+    if extras is None:
         return
     pip = [venv_bin("python"), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS)]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
-    stamp.write_text(digest)
+    target = f"{ROOT}[{','.join(sorted(extras))}]" if extras else str(ROOT)
+    print(f"+ installing {target} into {VENV}", flush=True)
+    subprocess.run([*pip, "-e", target], check=True)
+    STAMP.write_text(json.dumps({"lock": digest, "extras": sorted(extras)}))
 
 
 # Debian packages the tests need, each found by a file it installs: installed when missing (one
@@ -161,7 +195,7 @@ def main() -> int:
         print(USAGE, file=sys.stderr)
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
-    ensure_venv()
+    ensure_venv(command)
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":

@@ -346,7 +346,9 @@ class AdminInstance(Instance):
 
 class AdminEvent(InstanceEvent):
     instance_id: uuid.UUID
+    instance_name: str = Field(description="the instance's name")
     org_id: uuid.UUID
+    org_name: str = Field(description="the name of the instance's organisation")
     state_version: int
     request_id: str | None
 
@@ -359,6 +361,12 @@ class AdminEventPage(BaseModel):
 class OrgCreate(Strict):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$")
     stripe_customer_id: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$")
+
+
+class OrgUpdate(Strict):
+    stripe_customer_id: str = Field(
+        min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$", description="the Stripe customer (cus_...)"
+    )
 
 
 class Org(BaseModel):

@@ -22,6 +22,8 @@ from psycopg_pool import AsyncConnectionPool
 
 import provisioners
 from controlplane.api.app import create_app, end_streams
+from controlplane.cli import config
+from controlplane.cli.common import CommandError
 from controlplane.core import lifecycle
 from controlplane.db import connection as db
 from controlplane.db import sql
@@ -374,6 +376,27 @@ async def _adopt_instances(url: str, provisioner: Provisioner) -> None:
         print(f"started {len(started)} instance server(s) again", flush=True)
 
 
+def _admin_profile_lines(report: UpReport) -> list[str]:
+    """Keep the admin key as the CLI's profile `local-admin` (the admin profile unless one is set
+    already), so that the admin and SRE commands work in any shell; what the person should know."""
+    if not report.admin_key_file.exists():
+        return []
+    try:
+        path = config.save_profile(config.UP_PROFILE, report.url, report.admin_key_file, admin=True)
+        chosen = config.load_config().get(config.ADMIN_PROFILE)
+    except (OSError, CommandError) as exc:
+        return [f"the admin key was not kept as a CLI profile ({exc}): admin commands need --api-key"]
+    if chosen == config.UP_PROFILE:
+        return [
+            f"admin commands (orgs, keys --org, events, jobs, stuck, stats) use it: profile {chosen}"
+            f" in {path}"
+        ]
+    return [
+        f"the admin key is the profile {config.UP_PROFILE} in {path}; admin commands use the profile"
+        f" {chosen} (admin_profile): add --profile {config.UP_PROFILE}"
+    ]
+
+
 async def _announce_when_listening(
     report: UpReport, listening: asyncio.Event, services: list[asyncio.Task[None]]
 ) -> None:
@@ -397,11 +420,12 @@ async def _announce_when_listening(
         ]
     else:
         lines.append(f"admin key: created on first start (see {report.admin_key_file} if kept)")
+    lines += _admin_profile_lines(report)
+    url_flag = "" if report.url == config.DEFAULT_URL else f" --url {report.url}"
     lines += [
         "next: create an organisation and a database:",
-        f"  export CONTROLPLANE_URL={report.url}",
-        f"  .venv/bin/controlplane orgs create my-org --data-dir {report.data_dir}",
-        "  .venv/bin/controlplane login          (paste the organisation's key it printed)",
+        f"  .venv/bin/controlplane orgs create my-org{url_flag}",
+        f"  .venv/bin/controlplane login{url_flag}          (paste the organisation's key it printed)",
         "  .venv/bin/controlplane instances create mydb --plan dev --wait",
         f"or open the console at {report.url}/ and sign in with the organisation's key.",
         "Ctrl-C stops everything (instance servers too; they start again with the next `up`).",

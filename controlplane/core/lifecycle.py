@@ -338,6 +338,9 @@ JOB = Lifecycle(
 
 LIFECYCLES: Mapping[str, Lifecycle] = MappingProxyType({"instance": INSTANCE, "job": JOB})
 
+# The job events an operator may cause by hand (`controlplane jobs ACTION`, the admin API).
+JOB_OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
+
 
 def _in_table_order(table: Lifecycle, states: frozenset[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for s in table.states if s in states)

@@ -18,7 +18,7 @@ import random
 import smtplib
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import Any
@@ -27,6 +27,7 @@ import httpx
 
 from controlplane.core import webhook_signatures as signatures
 from controlplane.core.refusals import InvalidRequest
+from controlplane.core.retry import RetryPolicy
 from controlplane.core.step_errors import PermanentError
 from controlplane.db import job_rows as jobs
 from controlplane.db import sql
@@ -54,8 +55,11 @@ class Attempt:
     error: str | None
 
 
-def retry_delay(attempts: int) -> float:
-    return float(min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** max(0, attempts - 1)))
+def retry_delay(attempts: int, rand: Callable[[], float] = random.random) -> float:
+    """Seconds before the next try after `attempts` failed ones: doubling from FIRST_RETRY_S up to
+    MAX_RETRY_S, with the jobs' "equal jitter" (half the step, plus up to the other half), so that
+    the deliveries of one outage do not all come back at once. `rand` is in [0, 1)."""
+    return RetryPolicy(FIRST_RETRY_S, MAX_RETRY_S, rand).backoff_s(attempts)
 
 
 async def post_webhook(

@@ -35,7 +35,7 @@ from controlplane.runtime import metrics
 log = logging.getLogger(__name__)
 
 # What an operator may do to a job; each is an event of the job lifecycle.
-OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
+OPERATOR_ACTIONS = lifecycle.JOB_OPERATOR_ACTIONS
 # Longest error message kept on the job row (the full text is the handler's to log).
 MAX_ERROR_CHARS = 4000
 

@@ -13,6 +13,8 @@ flat names (`worker_concurrency=3`), and read no environment: only `load` does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import os
 import typing
@@ -36,6 +38,22 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 ENV_PREFIX = "CONTROLPLANE_"
 FILE_SUFFIX = "_FILE"
 MASK = "**********"
+
+
+# What CONTROLPLANE_SECRET_KEY (or data_dir/secret.key) must be: a Fernet key.
+FERNET_KEY_FORM = (
+    "a Fernet key: 32 bytes in URL-safe base64, 44 characters (make one with `python3 -c"
+    " 'import base64, os; print(base64.urlsafe_b64encode(os.urandom(32)).decode())'`)"
+)
+
+
+def is_fernet_key(text: str | bytes) -> bool:
+    """Whether `text` is what Fernet takes as a key: 32 bytes in URL-safe base64."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    try:
+        return len(base64.urlsafe_b64decode(raw.strip())) == 32 and len(raw.strip()) == 44
+    except (binascii.Error, ValueError):
+        return False
 
 
 class SettingsError(ValueError):
@@ -741,7 +759,8 @@ class Settings(BaseSettings):
         None,
         "secret_key",
         "Fernet key encrypting instance passwords and the audit log's signing key at rest; keys "
-        "derived from it seal the console's cookies and form tokens. Empty: generated once into "
+        "derived from it seal the console's cookies and form tokens. 32 bytes in URL-safe base64 "
+        "(44 characters); anything else is refused at start. Empty: generated once into "
         "`data_dir/secret.key`.",
     )
     metrics_port: int | None = _setting(
@@ -757,6 +776,13 @@ class Settings(BaseSettings):
         "Fault injection for tests: names of places where the process kills itself, comma-separated "
         "(`controlplane/runtime/crashpoints.py`); empty: none.",
     )
+
+    @field_validator("secret_key")
+    @classmethod
+    def _secret_key_is_a_fernet_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not is_fernet_key(value.get_secret_value()):
+            raise ValueError(FERNET_KEY_FORM)
+        return value
 
     @field_validator("crash_points")
     @classmethod

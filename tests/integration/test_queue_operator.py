@@ -124,7 +124,7 @@ def test_cli_lists_steers_and_reports_dwell(fresh_database: str, capsys: pytest.
     assert {j["state"] for j in json.loads(capsys.readouterr().out)} == {"paused", "queued"}
     assert cli_main(["jobs", "dwell", *url]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["STATE", "STAYS", "NOW_IN", "P50_S", "P95_S", "MAX_S"]
+    assert table[0].split() == ["state", "stays", "now_in", "p50_s", "p95_s", "max_s"]
     assert {line.split()[0] for line in table[1:]} == {"queued", "claimed", "running", "paused"}
     assert cli_main(["jobs", "dwell", "--json", "--entity", "instance", *url]) == 0
     assert json.loads(capsys.readouterr().out) == {"entity": "instance", "states": []}

@@ -1,9 +1,10 @@
-"""The launcher's decisions (dev.py, beside the project): what `test` installs for the browser tests
-and the alert rules' tests."""
+"""The launcher's decisions (dev.py, beside the project): what `up` and `test` install into the venv,
+what `test` installs for the browser tests and the alert rules' tests."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from types import ModuleType
 
 import pytest
@@ -39,3 +40,27 @@ def test_a_missing_tool_is_installed_with_apt_get_only_as_root(tool: str) -> Non
     line = install(False, is_root=False)
     assert isinstance(line, str) and "\n" not in line
     assert f"sudo apt-get install -y {' '.join(packages)}" in line and str(getattr(dev, path)) in line
+
+
+def test_up_installs_the_runtime_and_test_adds_the_dev_extra_to_the_same_venv() -> None:
+    dev = _dev()
+    runtime, tests = dev.NEEDS["up"], dev.NEEDS["test"]
+    assert runtime == frozenset() and tests == frozenset({"dev"})
+    assert {dev.NEEDS[c] for c in ("chaos", "bench", "shell")} == {runtime} and dev.NEEDS["check"] == tests
+
+    def stamp(lock: str, *extras: str) -> str:
+        return json.dumps({"lock": lock, "extras": sorted(extras)})
+
+    # A fresh venv: up installs the runtime alone; test, the dev extra.
+    assert dev.to_install(None, "L1", runtime) == frozenset()
+    assert dev.to_install(None, "L1", tests) == {"dev"}
+    # Then: up again installs nothing; test adds the dev extra; up after test installs nothing.
+    assert dev.to_install(stamp("L1"), "L1", runtime) is None
+    assert dev.to_install(stamp("L1"), "L1", tests) == {"dev"}
+    assert dev.to_install(stamp("L1", "dev"), "L1", runtime) is None
+    assert dev.to_install(stamp("L1", "dev"), "L1", tests) is None
+    # A changed lock installs again, keeping what the venv had; the embedded fallback is an extra too.
+    assert dev.to_install(stamp("L1", "dev"), "L2", runtime) == {"dev"}
+    assert dev.to_install(stamp("L1"), "L1", {"embedded-fallback"}) == {"embedded-fallback"}
+    # The stamp of an earlier dev.py (a bare digest) installs again.
+    assert dev.to_install("0123abcd", "L1", runtime) == frozenset()
