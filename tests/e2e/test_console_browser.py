@@ -438,3 +438,32 @@ def test_the_list_follows_the_organisation_live_filters_sorts_and_fits_a_phone(
     screenshot(page, "20-create-phone")
     page.set_viewport_size({"width": 1280, "height": 900})
     screenshot(page, "21-create-plans")
+
+
+def test_a_databases_page_charts_its_metrics_at_desk_and_phone_width(page: Page, stack: Stack) -> None:
+    """The reconciler samples a ready database; its page charts the samples, each chart an image
+    with its numbers as text, readable at 1280 and at 390 px."""
+    _, key, _ = _org(stack, "charts")
+    made = _cli(stack, key, "instances", "create", "charted", "--plan", "dev", "--wait", "-o", "json")
+    assert made.returncode == 0, made.stderr
+    page.set_viewport_size({"width": 1280, "height": 900})
+    _sign_in(page, stack, key)
+    page.get_by_role("link", name="charted").first.click()
+    connections = page.locator('[data-chart="connections"] svg[role="img"]')
+
+    def drawn() -> bool:  # two samples, 10 s apart, are a line: the page shows the newest on a reload
+        page.reload()
+        return connections.count() == 1
+
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not drawn():
+        assert time.monotonic() < deadline, "no chart within the wait"
+        page.wait_for_timeout(1000)
+    expect(page.get_by_role("heading", name="The last hour")).to_be_visible()
+    expect(page.get_by_role("img", name="Connections, the last hour")).to_be_visible()
+    screenshot(page, "22-charts")
+    page.locator('[data-chart="size"] summary').click()
+    expect(page.locator('[data-chart="size"] table')).to_contain_text("MiB")
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert _wider_than_the_screen(page) == []
+    screenshot(page, "23-charts-phone")

@@ -594,3 +594,34 @@ async def test_a_suspended_database_shows_one_banner_that_says_how_to_pay(
             await signed_in(http, tenant.key)
             linked = (await http.get(f"/instances/{created['id']}", headers=PAGE)).text
     assert f'<a href="{portal}">Settle the payment in the billing portal</a>' in linked
+
+
+async def test_a_databases_page_charts_its_metrics_with_the_numbers_as_text(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"])
+    await signed_in(client, tenant.key)
+    page = await client.get(f"/instances/{made['id']}", headers=PAGE)
+    assert "no samples yet" in text_of(page.text) and "<svg" not in page.text
+    # Three samples of the last minute, as the reconciler's observation writes them (counters grow).
+    samples = ((40, 2, 100, 1, 2**23), (30, 5, 160, 2, 2**24), (20, 3, 190, 3, 2**24))
+    for ago, connections, transactions, k, size in samples:
+        await conn.execute(
+            "INSERT INTO instance_metrics (instance_id, resolution_s, at, connections, max_connections,"
+            " transactions, rows_read, rows_written, blocks_hit, blocks_read, size_bytes, allocated_bytes)"
+            " VALUES (%s, 10, date_bin('10 seconds', now() - make_interval(secs => %s), 'epoch'), %s, 20,"
+            " %s, %s, %s, %s, %s, %s, 1073741824)",
+            (made["id"], ago, connections, transactions, 1000 * k, 10 * k, 90 * k, 10 * k, size),
+        )
+    page = await client.get(f"/instances/{made['id']}", headers=PAGE)
+    assert page.status_code == 200
+    charts = re.findall(r'<figure class="chart" data-chart="(\w+)">', page.text)
+    assert charts == ["connections", "transactions", "reads", "writes", "cache", "size"]
+    # Each drawn chart is an image with a title and a description saying its range, for screen readers.
+    assert page.text.count('role="img"') == 6
+    assert re.search(r"<desc [^>]*>From 2\.0 to 5\.0; the plan allows 20\.0; now 3\.0\.</desc>", page.text)
+    text = text_of(page.text)
+    assert "Database size 16.0 MiB" in text and "Transactions per second 3.0/s" in text
+    # The numbers are there as text: a table row per point (rates from the second point on).
+    assert re.search(r"<td>\d\d:\d\d:\d\d</td><td>16\.0 MiB</td>", page.text)

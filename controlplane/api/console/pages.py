@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from controlplane.api import auth, ratelimit, views, watch
 from controlplane.api import problems as errors
-from controlplane.api.console import present
+from controlplane.api.console import charts, present
 from controlplane.api.console.session import (
     CSRF_FIELD,
     SIGN_IN_COOKIE,
@@ -38,7 +38,7 @@ from controlplane.core.records import Instance as InstanceRecord
 from controlplane.core.refusals import DomainError, InvalidRequest, LimitReached, NotFound
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import BillingSettings
-from controlplane.services import billing_policy, idempotency, instances, sessions, tenants
+from controlplane.services import billing_policy, idempotency, instances, metrics, sessions, tenants
 
 router = APIRouter(include_in_schema=False)
 
@@ -482,9 +482,18 @@ async def _instance_view(
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who, app.settings.billing)
         context = await _instance_context(conn, app, who, org, record)
+        shown = None
+        if record.state not in lifecycle.INSTANCE.terminal:
+            series = await metrics.series(
+                conn, who.org_id, record.id, None, None, None, metrics.retention(app.settings.reconciler)
+            )
+            shown = charts.charts(series)
     # What a form's redirect says, while it is news: a deletion that is over is told by the page.
     notice = None if context["ended"] else NOTICES.get(done or "")
     context |= {
+        "charts": shown,
+        "chart_width": charts.WIDTH,
+        "chart_height": charts.HEIGHT,
         "notice": notice,
         "errors": defaultdict(str, failed or {}),
         "plans": _plans(),
