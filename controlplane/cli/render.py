@@ -3,12 +3,13 @@ of one, the tables of instances, events and backups (as JSON or YAML with `-o`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from controlplane.cli.client import Api, connection_uri
 from controlplane.cli.common import Listing, print_data, print_fields, print_table
+from controlplane.core import dbmetrics
 
 # Shown in their own rows by `instances show` (the rest, field by field).
 SHOWN_APART = ("connection", "progress", "failure", "failure_reason", "failure_code", "state_info")
@@ -119,17 +120,6 @@ def actor_text(event: dict[str, Any]) -> str:
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
-# The metrics `instances metrics` shows: (label, field of a point, how a value is written).
-METRIC_ROWS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
-    ("connections", "connections", lambda v: f"{v:.1f}"),
-    ("transactions/s", "transactions_per_s", lambda v: f"{v:.1f}"),
-    ("rows read/s", "rows_read_per_s", lambda v: f"{v:.0f}"),
-    ("rows written/s", "rows_written_per_s", lambda v: f"{v:.0f}"),
-    ("cache hit ratio", "cache_hit_ratio", lambda v: f"{v:.1%}"),
-    ("size MiB", "size_bytes", lambda v: f"{v / 2**20:.1f}"),
-)
-
-
 def sparkline(values: Sequence[float | None], width: int = 40) -> str:
     """The last `width` values as block characters, scaled between their least and greatest; a gap
     where a value is missing."""
@@ -149,12 +139,13 @@ def show_metrics(series: dict[str, Any], fmt: str) -> None:
         return
     points = series["points"]
     rows = []
-    for label, name, write in METRIC_ROWS:
-        values = [p[name] for p in points]
+    for shown in dbmetrics.SHOWN:
+        write = shown.write
+        values = [p[shown.field] for p in points]
         known = [v for v in values if v is not None]
         latest = write(known[-1]) if known else "-"
         spread = f"{write(min(known))} .. {write(max(known))}" if known else "-"
-        rows.append((label, latest, spread, sparkline(values)))
+        rows.append((shown.title.lower(), latest, spread, sparkline(values)))
     print(
         f"{series['from']} .. {series['to']}, every {series['step_s']} s; plan {series['plan']} allows "
         f"{series['max_connections']} connections"

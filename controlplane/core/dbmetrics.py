@@ -9,6 +9,7 @@ empty until the servers report them."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -93,3 +94,24 @@ def hit_ratio_of_rates(hit: float, read: float) -> float | None:
     if hit + read <= 0:
         return None
     return hit / (hit + read)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A metric as the console's charts and the CLI's table show it: its name, the point's field,
+    and how a value is written."""
+
+    key: str
+    title: str
+    field: str
+    write: Callable[[float], str]
+
+
+SHOWN: tuple[Shown, ...] = (
+    Shown("connections", "Connections", "connections", lambda v: f"{v:.1f}"),
+    Shown("transactions", "Transactions per second", "transactions_per_s", lambda v: f"{v:.1f}/s"),
+    Shown("reads", "Rows read per second", "rows_read_per_s", lambda v: f"{v:,.0f}/s"),
+    Shown("writes", "Rows written per second", "rows_written_per_s", lambda v: f"{v:,.0f}/s"),
+    Shown("cache", "Cache hit ratio", "cache_hit_ratio", lambda v: f"{v:.1%}"),
+    Shown("size", "Database size", "size_bytes", lambda v: f"{v / 2**20:,.1f} MiB"),
+)

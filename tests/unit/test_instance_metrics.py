@@ -48,7 +48,7 @@ def test_the_cli_shows_each_metric_with_a_sparkline(capsys: pytest.CaptureFixtur
         {**series, "points": [{**point, "size_bytes": 2**20}, {**point, "size_bytes": 2**21}]}, "table"
     )
     out = capsys.readouterr().out
-    assert "plan dev allows 20 connections" in out and "size MiB" in out and "▁█" in out
+    assert "plan dev allows 20 connections" in out and "database size" in out and "MiB" in out and "▁█" in out
 
 
 def _view(

@@ -3,33 +3,19 @@ latest value, its range, and every point as text for the table beside the chart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+from controlplane.core import dbmetrics
 
 # The view box every chart is drawn in; the page scales it to its width (readable at 390 px).
 WIDTH, HEIGHT = 300, 60
 
 
-@dataclass(frozen=True)
-class Metric:
-    """One chart: its title, the point's field it draws, and how a value is written."""
-
-    key: str
-    title: str
-    field: str
-    write: Callable[[float], str]
-
-
-METRICS: tuple[Metric, ...] = (
-    Metric("connections", "Connections", "connections", lambda v: f"{v:.1f}"),
-    Metric("transactions", "Transactions per second", "transactions_per_s", lambda v: f"{v:.1f}/s"),
-    Metric("reads", "Rows read per second", "rows_read_per_s", lambda v: f"{v:,.0f}/s"),
-    Metric("writes", "Rows written per second", "rows_written_per_s", lambda v: f"{v:,.0f}/s"),
-    Metric("cache", "Cache hit ratio", "cache_hit_ratio", lambda v: f"{v:.1%}"),
-    Metric("size", "Database size", "size_bytes", lambda v: f"{v / 2**20:,.1f} MiB"),
-)
+# The charts, in the order shown.
+METRICS = dbmetrics.SHOWN
 
 
 @dataclass(frozen=True)
@@ -44,7 +30,7 @@ class Chart:
     limit: str | None = None  # what the plan allows, where it says
 
 
-def chart(metric: Metric, points: Sequence[Any], *, limit: float | None = None) -> Chart:
+def chart(metric: dbmetrics.Shown, points: Sequence[Any], *, limit: float | None = None) -> Chart:
     """`metric` over `points` (each with `at` and the metric's field), scaled between zero (or the
     lowest value, if below) and the highest of the values and the limit."""
     values = [(p.at, getattr(p, metric.field)) for p in points]
