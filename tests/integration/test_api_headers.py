@@ -6,15 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from controlplane.db.connection import AsyncConn
-from tests.api_support import Tenant, create, drive
+from controlplane.runtime.settings import Settings
+from tests.api_support import WEBHOOK_SECRET, Tenant, create, drive
 
 pytest_plugins = ("tests.api_fixtures",)
 
 # Declared, and sent only sometimes (as their descriptions say): on a replay, with a password.
 SOMETIMES = {"Idempotent-Replayed", "Cache-Control"}
+
+
+@pytest.fixture
+def api_settings(settings: Settings) -> Settings:
+    """With the per-key limit on (it sends the RateLimit headers), far above the requests made."""
+    return settings.replace(
+        stripe_webhook_secret=WEBHOOK_SECRET, max_body_bytes=4096, api_rate_limit=1_000_000
+    )
 
 
 def _declared(document: dict[str, Any], path: str, method: str, status: int) -> set[str]:
