@@ -99,6 +99,27 @@ def workload_for(component: str) -> Doc:
     return found[0]
 
 
+# A Fernet key in place of the placeholder an operator replaces: the settings refuse a secret key
+# that is not one (a placeholder left in a deployment fails at start, in one line).
+FILLED_IN_SECRET_KEY = "Jg3T6aWMm4fGg0nZkXq3pQnVQ9bE6xYbU2rJ0cL8hPs="
+
+
+def load_filled_in(values: dict[str, str]) -> Settings:
+    """The settings a deployment's files give once the operator has replaced its placeholders."""
+    key = settings_module.env_name("secret_key")
+    if values.get(key) == "REPLACE_ME":
+        values = {**values, key: FILLED_IN_SECRET_KEY}
+    for name, value in values.items():
+        if (
+            name.endswith(settings_module.FILE_SUFFIX)
+            and name.removesuffix(settings_module.FILE_SUFFIX) == key
+        ):
+            path = Path(value)
+            if path.read_text().strip() == "REPLACE_ME":
+                path.write_text(FILLED_IN_SECRET_KEY + "\n")
+    return settings_module.load(values)
+
+
 def config_map() -> Doc:
     (doc,) = of_kind("ConfigMap")
     return doc
@@ -321,7 +342,7 @@ def test_only_the_migration_gets_the_owner_role() -> None:
             env = {item["name"]: item.get("value") for item in container.get("env", [])}
             named = env.get("CONTROLPLANE_MIGRATION_DATABASE_URL_FILE")
             assert named == (f"{MIGRATION_DIR}/CONTROLPLANE_MIGRATION_DATABASE_URL" if gets_it else None)
-    settings = settings_module.load(
+    settings = load_filled_in(
         {**config_map()["data"], **secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
     )
     assert db.url_user(settings.database.url_value) == "controlplane_app"
@@ -350,7 +371,7 @@ def pod_environ(container: Doc, secrets_dir: Path) -> dict[str, str]:
 
 def test_the_secrets_as_mounted_files_load_as_the_settings(tmp_path: Path) -> None:
     (container,) = containers(workload_for("migrate"))
-    settings = settings_module.load(pod_environ(container, tmp_path))
+    settings = load_filled_in(pod_environ(container, tmp_path))
     assert settings.database.url_value == secret_values(secret())["CONTROLPLANE_DATABASE_URL"]
     assert db.url_user(db.migration_target(settings).url) == "controlplane"
 
@@ -367,7 +388,7 @@ def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
 
 
 def kubernetes_settings() -> Settings:
-    return settings_module.load({**config_map()["data"], **secret_values(secret())})
+    return load_filled_in({**config_map()["data"], **secret_values(secret())})
 
 
 def database_cluster() -> Doc:
@@ -538,7 +559,7 @@ def test_metrics_roles_serve_the_port_they_declare(component: str, tmp_path: Pat
     env = container_env(container)
     assert env.get(METRICS_PORT_VARIABLE) == str(port), f"{component}: {METRICS_PORT_VARIABLE}"
     # What the process sees: the ConfigMap, then the container's own env, the secrets as files.
-    settings = settings_module.load(pod_environ(container, tmp_path))
+    settings = load_filled_in(pod_environ(container, tmp_path))
     assert settings.metrics_port == port
     assert settings.api.host == "0.0.0.0", "the metrics server binds CONTROLPLANE_API_HOST"
     assert port != settings.api.port
@@ -719,9 +740,9 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     slow = rule_using("histogram_quantile(0.99")
     assert slow["labels"]["severity"] == "warning" and ".*/watch" in slow["expr"]
     for rule in (errors, slow):  # what customers ask for: probes and scrapes left out
-        assert rule["expr"].count("http_server_request_duration_seconds") == rule["expr"].count(
-            'route!~"'
-        ), rule["alert"]
+        assert rule["expr"].count("http_server_request_duration_seconds") == rule["expr"].count('route!~"'), (
+            rule["alert"]
+        )
     backlog = rule_using("controlplane_queue_oldest_age_seconds")
     assert backlog["labels"]["severity"] == "warning" and "max by (kind)" in backlog["expr"]
     absent = rule_using("absent(controlplane_worker_slots)")
@@ -958,7 +979,7 @@ def test_unit_runs_its_role_hardened_as_a_dedicated_user(name: str) -> None:
 
 
 def env_example_settings() -> Settings:
-    return settings_module.load(dict(line.split("=", 1) for line in env_example_lines()))
+    return load_filled_in(dict(line.split("=", 1) for line in env_example_lines()))
 
 
 def unit_environment(path: Path) -> dict[str, str]:
@@ -986,7 +1007,7 @@ def test_units_serving_metrics_have_ports_of_their_own() -> None:
         if name not in UNIT_METRICS:
             assert METRICS_PORT_VARIABLE not in assignments, name
             continue
-        unit_settings = settings_module.load({**assignments, **environment})
+        unit_settings = load_filled_in({**assignments, **environment})
         assert unit_settings.metrics_port is not None, f"{name} serves no metrics"
         ports[name] = unit_settings.metrics_port
     assert set(ports) == set(UNIT_METRICS)
