@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -41,49 +42,95 @@ def has_system_postgres() -> bool:
 CONSTRAINTS = ROOT / "constraints.txt"
 
 
-def ensure_venv() -> None:
-    """Create .venv and install the project with its dev extra at the versions of constraints.txt,
-    once per change of either."""
+# What each command needs installed: running the product needs only its runtime (and the embedded
+# server's fallback binaries when the system has none); the tests and the checks need the dev extra.
+RUNTIME: frozenset[str] = frozenset()
+DEV = frozenset({"dev"})
+NEEDS = {"up": RUNTIME, "chaos": RUNTIME, "bench": RUNTIME, "shell": RUNTIME, "test": DEV, "check": DEV}
+STAMP = VENV / ".installed"
+
+
+def lock_digest() -> str:
+    """What the installed versions depend on: pyproject.toml and constraints.txt."""
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes()).hexdigest()
+
+
+def to_install(stamp: str | None, digest: str, needed: frozenset[str]) -> frozenset[str] | None:
+    """The extras to install into the one venv, or None when what it holds will do.
+
+    The stamp records the lock digest and the extras installed with it. Nothing is installed when
+    the lock is the same and the extras needed are among those installed (`up` after `test` finds
+    the dev extra there and installs nothing); otherwise the extras needed and those installed
+    before, so that `test` after `up` adds the dev extra, and a changed lock keeps every extra the
+    venv had, at its new versions."""
+    try:
+        recorded = json.loads(stamp) if stamp else {}
+        installed = frozenset(recorded.get("extras", [])) if isinstance(recorded, dict) else frozenset()
+        same_lock = isinstance(recorded, dict) and recorded.get("lock") == digest
+    except ValueError:  # a stamp of an older dev.py: install again
+        installed, same_lock = frozenset(), False
+    if same_lock and needed <= installed:
+        return None
+    return needed | installed
+
+
+def ensure_venv(command: str) -> None:
+    """Create .venv and install the project at the versions of constraints.txt, with the extras
+    `command` needs (NEEDS), once per change of either."""
     if not (VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    extras = "dev" if has_system_postgres() else "dev,embedded-fallback"
-    locked = (ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes()
-    digest = hashlib.sha256(locked + extras.encode()).hexdigest()
-    stamp = VENV / ".installed"
-    if stamp.exists() and stamp.read_text() == digest:
+    needed = NEEDS[command] | (frozenset() if has_system_postgres() else frozenset({"embedded-fallback"}))
+    digest = lock_digest()
+    extras = to_install(STAMP.read_text() if STAMP.exists() else None, digest, needed)
+    if extras is None:
         return
     pip = [venv_bin("python"), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS)]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
-    stamp.write_text(digest)
+    target = f"{ROOT}[{','.join(sorted(extras))}]" if extras else str(ROOT)
+    print(f"+ installing {target} into {VENV}", flush=True)
+    subprocess.run([*pip, "-e", target], check=True)
+    STAMP.write_text(json.dumps({"lock": digest, "extras": sorted(extras)}))
 
 
-# Debian packages, each found by a file it installs: installed when missing (one apt-get as root,
-# else one line saying how). pgBackRest: every local instance archives its WAL and keeps its
-# backups with it (`up`, the tests, the chaos soak and the bench all run local instances).
-# Chromium: the console's browser tests drive it; libfaketime: the clock-skew tests LD_PRELOAD it
-# into a worker.
+# Debian packages, each found by a file it installs (or a command on the PATH): installed when
+# missing (one apt-get as root, else one line saying how). pgBackRest: every local instance archives
+# its WAL and keeps its backups with it (`up`, the tests, the chaos soak and the bench all run local
+# instances). For the tests only: Chromium: the console's browser tests drive it;
+# libfaketime: the clock-skew tests LD_PRELOAD it into a worker; npm: the OpenAPI lint and the
+# generated TypeScript client's test install their tools with it (tests/npm_tools.py); promtool:
+# the alert rules' unit tests (tests/integration/test_deploy.py) run it.
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_PACKAGES = ("chromium", "fonts-liberation")
 LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
+# Debian ships promtool only in the Prometheus server's package (about 100 MB installed, with a
+# few small JavaScript packages of its web UI); its recommendations (the node exporter and its
+# collectors) are left out. On a host run by systemd the package also enables its own server
+# (port 9090): `systemctl disable --now prometheus` if that host should not run one.
+PROMTOOL = Path("/usr/bin/promtool")
+PROMTOOL_PACKAGES = ("prometheus",)
+LEAN = ("--no-install-recommends",)
 PGBACKREST = Path("/usr/bin/pgbackrest")
-# What each command needs: (package names, the file that says they are installed).
+# What each command needs: (package names, the file or command that says they are installed).
 RUNTIME_PACKAGES = ((("pgbackrest",), str(PGBACKREST)),)
 TEST_PACKAGES = (
     *RUNTIME_PACKAGES,
     (BROWSER_PACKAGES, str(CHROMIUM)),
     (("libfaketime",), "/" + LIBFAKETIME),
+    (("npm",), "npm"),  # the OpenAPI lint and the TypeScript client's test install with it
 )
 
 
-def debian_install(missing: tuple[str, ...], is_root: bool, why: str) -> list[list[str]] | str | None:
+def debian_install(
+    missing: tuple[str, ...], is_root: bool, why: str, options: tuple[str, ...] = ()
+) -> list[list[str]] | str | None:
     """Nothing when no package is missing, the apt-get commands that install them when we are
     root, else the one line that says how (`why` says what needs them)."""
     if not missing:
         return None
+    install = ["apt-get", "install", "-y", *options, *missing]
     if not is_root:
-        return f"{why}: run `sudo apt-get install -y {' '.join(missing)}` (or run this as root)"
-    return [["apt-get", "update"], ["apt-get", "install", "-y", *missing]]
+        return f"{why}: run `sudo {' '.join(install)}` (or run this as root)"
+    return [["apt-get", "update"], install]
 
 
 def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | str | None:
@@ -92,26 +139,47 @@ def browser_install(chromium_present: bool, is_root: bool) -> list[list[str]] | 
     return debian_install(missing, is_root, f"{CHROMIUM} is missing and the console's browser tests need it")
 
 
+def promtool_install(promtool_present: bool, is_root: bool) -> list[list[str]] | str | None:
+    """What `test` does for the alert rules' promtool (without the package's recommendations)."""
+    missing = () if promtool_present else PROMTOOL_PACKAGES
+    return debian_install(missing, is_root, f"{PROMTOOL} is missing and the alert rules' tests need it", LEAN)
+
+
 def missing_packages(
     needed: tuple[tuple[tuple[str, ...], str], ...], present: Callable[[str], bool]
 ) -> tuple[str, ...]:
-    """The packages of `needed` whose file (a path, or a glob from /) `present` does not find."""
+    """The packages of `needed` whose file (a path, a glob from /, or a command) `present` does not
+    find."""
     return tuple(name for packages, found_by in needed if not present(found_by) for name in packages)
 
 
 def _present(found_by: str) -> bool:
+    if not found_by.startswith("/"):
+        return shutil.which(found_by) is not None
     return any(Path("/").glob(found_by.lstrip("/"))) if "*" in found_by else Path(found_by).exists()
 
 
-def ensure_debian_packages(needed: tuple[tuple[tuple[str, ...], str], ...]) -> None:
-    missing = missing_packages(needed, _present)
-    plan = debian_install(missing, os.geteuid() == 0, "Debian packages the control plane needs are missing")
-    if isinstance(plan, str):
-        print(plan, file=sys.stderr)
-        return
-    for command in plan or []:
-        print("+", " ".join(command), flush=True)
-        subprocess.run(command, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+def ensure_debian_packages(command: str) -> None:
+    needed = TEST_PACKAGES if command == "test" else RUNTIME_PACKAGES
+    is_root = os.geteuid() == 0
+    plans = [
+        debian_install(
+            missing_packages(needed, _present), is_root, "Debian packages the control plane needs are missing"
+        )
+    ]
+    if command == "test":
+        plans.append(promtool_install(PROMTOOL.exists(), is_root))
+    done: list[list[str]] = []
+    for plan in plans:
+        if isinstance(plan, str):
+            print(plan, file=sys.stderr)
+            continue
+        for command_line in plan or []:
+            if command_line in done:  # one `apt-get update` is enough
+                continue
+            print("+", " ".join(command_line), flush=True)
+            subprocess.run(command_line, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+            done.append(command_line)
 
 
 # Signals that stop the child: passed on to it, and we wait for it to finish (SIGTERM is what
@@ -152,9 +220,9 @@ def main() -> int:
         print(USAGE, file=sys.stderr)
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
-    ensure_venv()
-    if command in {"up", "chaos", "bench"}:
-        ensure_debian_packages(RUNTIME_PACKAGES)
+    ensure_venv(command)
+    if command in {"up", "test", "chaos", "bench"}:
+        ensure_debian_packages(command)
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":

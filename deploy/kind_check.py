@@ -60,7 +60,17 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--namespace", default="controlplane-instances", help="where instances go")
     parser.add_argument("--object-store", help="a barman-cloud ObjectStore in that namespace, for backups")
     parser.add_argument("--plan", default="dev", help="the plan to create (then resized to small)")
+    parser.add_argument(
+        "--pod-monitor",
+        action="store_true",
+        help="a PodMonitor per instance, as deploy/kubernetes makes them (the cluster needs the "
+        "Prometheus Operator's CRDs)",
+    )
     return parser.parse_args(argv)
+
+
+def cluster_options(args: argparse.Namespace) -> cnpg.ClusterOptions:
+    return cnpg.ClusterOptions(args.namespace, object_store=args.object_store, pod_monitor=args.pod_monitor)
 
 
 # ---- what would be applied ---------------------------------------------------------------------
@@ -113,7 +123,7 @@ def validate_all(label: str, docs: Sequence[dict[str, Any]]) -> int:
 
 
 def dry_run(args: argparse.Namespace) -> int:
-    options = cnpg.ClusterOptions(args.namespace, object_store=args.object_store)
+    options = cluster_options(args)
     release = cnpg_schema.RELEASE_MANIFEST.relative_to(ROOT)
     print(f"would install CloudNativePG {cnpg_schema.OPERATOR_VERSION} from {release}")
     crds = [d for d in cnpg_schema.release_documents() if d["kind"] == "CustomResourceDefinition"]
@@ -172,7 +182,7 @@ def provisioner_for(args: argparse.Namespace) -> Any:
     )
     client = kubernetes.client.ApiClient(configuration)
     client.set_default_header("Impersonate-User", SERVICE_ACCOUNT)  # type: ignore[no-untyped-call]
-    options = cnpg.ClusterOptions(args.namespace, object_store=args.object_store)
+    options = cluster_options(args)
     return KubernetesProvisioner(
         KubernetesApi(client), options, ready_wait_s=600, backup_wait_s=900, poll_s=5
     )

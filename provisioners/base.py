@@ -11,12 +11,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from controlplane.core import plans
+from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.failures import DATA_LOST, INVALID_SPEC, RESTORE_UNSUPPORTED
 from controlplane.core.kinds import OPERATION_STEPS, PROVISION, STEP_LABELS
 from controlplane.core.step_errors import PermanentError
+from controlplane.runtime import tracing
 from controlplane.runtime.fencing import FileFences
 
 if TYPE_CHECKING:
@@ -268,6 +270,8 @@ class Observation:
     @property
     def archive_failing(self) -> bool:
         return self.recovery is not None and self.recovery.archive_healthy is False
+    # The customer database's own metrics, read on the same connection (None: not read).
+    stats: DatabaseStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -327,15 +331,55 @@ class DeprovisionResult:
     removed: bool = True
 
 
+# The calls on the infrastructure: inside a traced request or job, each one is a span of its own.
+TRACED_CALLS = (
+    "allocate_storage",
+    "configure_network",
+    "initialize_database",
+    "apply_plan",
+    "suspend",
+    "resume",
+    "final_backup",
+    "deprovision",
+    "observe",
+    "inventory",
+    "take_backup",
+    "list_backups",
+    "restore",
+    "ca_certificate",
+)
+
+
+def _call_attributes(provisioner: Provisioner, *args: Any, **_: Any) -> dict[str, str]:
+    found = {"controlplane.provisioner": provisioner.name}
+    if args and isinstance(args[0], uuid.UUID):
+        found["controlplane.instance.id"] = str(args[0])
+    return found
+
+
 class Provisioner(abc.ABC):
     """Idempotent steps: each checks what exists before it acts, so a re-run adopts, never duplicates.
 
     Every step takes the fence of the job that calls it and raises StaleFence when a higher fence
     was already seen for that instance: a worker that lost its job cannot touch the instance.
     Errors are translated at this edge into TemporaryError or PermanentError.
+
+    Every call of TRACED_CALLS a subclass defines is traced (`__init_subclass__`), unless the
+    subclass only wraps another provisioner (`wraps_another`), whose calls are traced already.
     """
 
     name: str = "abstract"
+    wraps_another: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.wraps_another:
+            return
+        for call in TRACED_CALLS:
+            method = cls.__dict__.get(call)
+            if method is not None:
+                setattr(cls, call, tracing.traced_call(f"provisioner {call}", method, _call_attributes))
+
     # Whether allocate_storage can fill a new instance from another's backups (spec.restore_from).
     supports_restore: bool = False
     # Whether `take_backup`, `list_backups` and `restore` work, on the control plane's schedule

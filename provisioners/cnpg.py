@@ -37,6 +37,9 @@ IMAGE = "ghcr.io/cloudnative-pg/postgresql:{version}"
 HEALTHY_PHASE = "Cluster in healthy state"
 PORT = 5432
 STATUS_PORT = 8000  # the instance manager's HTTP endpoint (operator and peers)
+METRICS_PORT = 9187  # the instance manager's metrics exporter (Prometheus), a container port named:
+METRICS_PORT_NAME = "metrics"
+MONITORING_API_VERSION = "monitoring.coreos.com/v1"
 DBNAME = "app"
 OWNER = "app"
 SSLMODE = "verify-full"
@@ -109,6 +112,10 @@ class ClusterOptions:
     external_domain: str | None = None
     client_cidrs: tuple[str, ...] = ()
     operator_namespace: str = "cnpg-system"
+    # Whose Prometheus scrapes the exporters (admitted to METRICS_PORT), and whether a PodMonitor
+    # per instance tells it to (the Prometheus Operator's kind).
+    monitoring_namespace: str = "monitoring"
+    pod_monitor: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ClusterOptions:
@@ -123,6 +130,8 @@ class ClusterOptions:
             external_domain=p.kubernetes_external_domain,
             client_cidrs=p.client_cidrs,
             operator_namespace=p.kubernetes_operator_namespace,
+            monitoring_namespace=p.kubernetes_monitoring_namespace,
+            pod_monitor=p.kubernetes_pod_monitor,
         )
 
     def external_host(self, instance_id: uuid.UUID) -> str | None:
@@ -369,23 +378,25 @@ def cluster_manifest(
 def network_policy_manifest(
     instance_id: uuid.UUID, spec: InstanceSpec, options: ClusterOptions, fence: int
 ) -> dict[str, Any]:
-    """Who may reach the instance's servers: its own peers, the operator, and its customers only.
+    """Who may reach the instance's servers: its own peers, the operator, the monitoring's
+    Prometheus (the metrics exporter only), and its customers only.
 
     Customers are pods in namespaces labelled with the organisation's id and, when the instance is
     exposed, the configured client networks. Other pods of the Kubernetes cluster are refused.
     """
     name = resource_name(instance_id)
     own = {"podSelector": {"matchLabels": {CNPG_CLUSTER_LABEL: name}}}
-    operator = {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": options.operator_namespace}}
-    }
+
+    def namespace(named: str) -> dict[str, Any]:
+        return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": named}}}
 
     def ports(*numbers: int) -> list[dict[str, Any]]:
         return [{"protocol": "TCP", "port": number} for number in numbers]
 
     ingress: list[dict[str, Any]] = [
         {"from": [own], "ports": ports(PORT, STATUS_PORT)},
-        {"from": [operator], "ports": ports(STATUS_PORT)},
+        {"from": [namespace(options.operator_namespace)], "ports": ports(STATUS_PORT)},
+        {"from": [namespace(options.monitoring_namespace)], "ports": ports(METRICS_PORT)},
     ]
     customers: list[dict[str, Any]] = []
     if spec.org_id is not None:
@@ -402,6 +413,25 @@ def network_policy_manifest(
             "podSelector": {"matchLabels": {CNPG_CLUSTER_LABEL: name}},
             "policyTypes": ["Ingress"],
             "ingress": ingress,
+        },
+    }
+
+
+def pod_monitor_manifest(
+    instance_id: uuid.UUID, spec: InstanceSpec, options: ClusterOptions, fence: int
+) -> dict[str, Any]:
+    """The Prometheus Operator's scrape of the instance's exporters (CloudNativePG deprecates making
+    it itself): every server of the Cluster on its `metrics` port, each target labelled with the
+    instance and organisation ids its pods inherit from the Cluster."""
+    name = resource_name(instance_id)
+    return {
+        "apiVersion": MONITORING_API_VERSION,
+        "kind": "PodMonitor",
+        "metadata": _metadata(instance_id, spec.org_id, options.namespace, name, fence),
+        "spec": {
+            "selector": {"matchLabels": {CNPG_CLUSTER_LABEL: name, "cnpg.io/podRole": "instance"}},
+            "podMetricsEndpoints": [{"port": METRICS_PORT_NAME}],
+            "podTargetLabels": [INSTANCE_LABEL, ORG_LABEL],
         },
     }
 
@@ -471,6 +501,8 @@ def all_manifests(
         cluster_manifest(instance_id, spec, options, fence, replica=Replica("demoted")),
         cluster_manifest(instance_id, spec, options, fence, replica=Replica("promoted", _example_token())),
     ]
+    if options.pod_monitor:
+        manifests.append(pod_monitor_manifest(instance_id, spec, options, fence))
     if options.object_store:
         manifests += [
             cluster_manifest(

@@ -1,10 +1,12 @@
 """Validation of manifests against the real schemas: CloudNativePG's CRDs from the release manifest
-in deploy/cnpg, the core kinds from kubernetes-validate. Tooling only (tests, the cluster check):
-it needs the dev extra (jsonschema, kubernetes-validate) and a checkout of the repository."""
+in deploy/cnpg, the core kinds from kubernetes-validate, the Prometheus Operator's PodMonitor from
+the schema of its fields in deploy/prometheus-operator. Tooling only (tests, the cluster check): it
+needs the dev extra (jsonschema, kubernetes-validate) and a checkout of the repository."""
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,9 @@ OPERATOR_VERSION = "1.30.0"
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE_MANIFEST = ROOT / "deploy" / "cnpg" / f"cnpg-{OPERATOR_VERSION}.yaml"
 CNPG_GROUP = "postgresql.cnpg.io"
+MONITORING_GROUP = "monitoring.coreos.com"
+# The PodMonitor's fields this project may set (written here: the upstream CRD is not vendored).
+POD_MONITOR_SCHEMA = ROOT / "deploy" / "prometheus-operator" / "podmonitor-v1.schema.json"
 # The oldest Kubernetes minor the manifests are checked against (the newest installed too).
 KUBERNETES_VERSION = "1.30.0"
 
@@ -68,17 +73,30 @@ def _validators() -> dict[str, Any]:
     return found
 
 
+@functools.cache
+def _monitoring_validators() -> dict[str, Any]:
+    import jsonschema
+
+    return {"PodMonitor": jsonschema.Draft7Validator(json.loads(POD_MONITOR_SCHEMA.read_text()))}
+
+
 def custom_kinds() -> frozenset[str]:
     return frozenset(_validators())
 
 
+def is_custom(doc: Mapping[str, Any]) -> bool:
+    """A kind of a CRD (CloudNativePG's, the Prometheus Operator's), not of Kubernetes itself."""
+    return str(doc.get("apiVersion", "")).startswith((CNPG_GROUP + "/", MONITORING_GROUP + "/"))
+
+
 def validate(doc: Mapping[str, Any], kubernetes_version: str = KUBERNETES_VERSION) -> None:
-    """Raise ManifestError unless `doc` is valid: a CloudNativePG kind against its CRD, others strictly."""
-    api_version = str(doc.get("apiVersion", ""))
-    if api_version.startswith(CNPG_GROUP + "/"):
-        validator = _validators().get(str(doc.get("kind")))
+    """Raise ManifestError unless `doc` is valid: a custom kind against its schema, others strictly."""
+    if is_custom(doc):
+        cnpg = str(doc.get("apiVersion", "")).startswith(CNPG_GROUP + "/")
+        validator = (_validators() if cnpg else _monitoring_validators()).get(str(doc.get("kind")))
         if validator is None:
-            raise ManifestError(f"no CloudNativePG kind {doc.get('kind')!r} in {RELEASE_MANIFEST.name}")
+            source = RELEASE_MANIFEST if cnpg else POD_MONITOR_SCHEMA
+            raise ManifestError(f"no kind {doc.get('apiVersion')}/{doc.get('kind')} in {source.name}")
         errors = sorted(validator.iter_errors(dict(doc)), key=lambda e: list(e.path))
         if errors:
             raise ManifestError(

@@ -37,6 +37,8 @@ def kill_this_process() -> None:
 class FaultyProvisioner(Provisioner):
     """Runs `inner`, except where a fault matches the step and the job's attempt."""
 
+    wraps_another = True
+
     def __init__(
         self,
         inner: Provisioner,

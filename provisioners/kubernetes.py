@@ -43,6 +43,7 @@ from provisioners.cnpg import (
     INSTANCE_LABEL,
     MANAGED_BY,
     MERGE_CONTENT_TYPE,
+    MONITORING_API_VERSION,
     OWNER,
     PLAN_ANNOTATION,
     PORT,
@@ -61,6 +62,7 @@ from provisioners.cnpg import (
     is_read_only,
     network_policy_manifest,
     owned_selector,
+    pod_monitor_manifest,
     recovery_target,
     recovery_window,
     resource_name,
@@ -132,13 +134,18 @@ CLUSTER = Kind("Cluster", CNPG_API_VERSION, "clusters")
 BACKUP = Kind("Backup", CNPG_API_VERSION, "backups")
 SCHEDULED_BACKUP = Kind("ScheduledBackup", CNPG_API_VERSION, "scheduledbackups")
 NETWORK_POLICY = Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies")
+POD_MONITOR = Kind("PodMonitor", MONITORING_API_VERSION, "podmonitors")
 SECRET = Kind("Secret", "v1", "secrets")
 POD = Kind("Pod", "v1", "pods")
 PVC = Kind("PersistentVolumeClaim", "v1", "persistentvolumeclaims")
-KINDS = {k.kind: k for k in (CLUSTER, BACKUP, SCHEDULED_BACKUP, NETWORK_POLICY, SECRET, POD, PVC)}
+KINDS = {
+    k.kind: k for k in (CLUSTER, BACKUP, SCHEDULED_BACKUP, NETWORK_POLICY, POD_MONITOR, SECRET, POD, PVC)
+}
 # What the provisioner creates per instance, deleted on deprovision in this order (the schedule
-# first, so no backup starts on a cluster going away; the Cluster's own objects go with it).
-DELETION_ORDER = (SCHEDULED_BACKUP, CLUSTER, NETWORK_POLICY, SECRET)
+# first, so no backup starts on a cluster going away; the Cluster's own objects go with it). The
+# PodMonitor only where the installation makes them (`ClusterOptions.pod_monitor`): without the
+# Prometheus Operator's CRDs, its collection does not exist.
+DELETION_ORDER = (SCHEDULED_BACKUP, CLUSTER, POD_MONITOR, NETWORK_POLICY, SECRET)
 
 
 class KubernetesApi:
@@ -457,9 +464,14 @@ class KubernetesProvisioner(Provisioner):
         await self._run(work)
 
     async def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        """Who may reach the servers (the NetworkPolicy) and, where the installation makes them,
+        the PodMonitor that has Prometheus scrape their exporters."""
+
         def work() -> None:
             self._fenced_cluster(instance_id, spec, fence)
             self.api.apply(network_policy_manifest(instance_id, spec, self.options, fence))
+            if self.options.pod_monitor:
+                self.api.apply(pod_monitor_manifest(instance_id, spec, self.options, fence))
 
         await self._run(work)
 
@@ -603,7 +615,7 @@ class KubernetesProvisioner(Provisioner):
                 if backup is None:
                     self._record_fence(instance_id, fence)
             removed = False
-            for kind in DELETION_ORDER:
+            for kind in self._owned_kinds():
                 for item in self.api.list(kind, self.namespace, owned_selector(instance_id)):
                     removed = self.api.delete(kind, self.namespace, item["metadata"]["name"]) or removed
             return DeprovisionResult(backup=backup, removed=removed or current is not None)
@@ -632,6 +644,10 @@ class KubernetesProvisioner(Provisioner):
             )
         self._require_backups(instance_id, fence)
         return self._backup(instance_id, spec.org_id, final_backup_name(instance_id), "final", fence).name
+
+    def _owned_kinds(self) -> tuple[Kind, ...]:
+        """The kinds this installation creates per instance, in their order of deletion."""
+        return tuple(kind for kind in DELETION_ORDER if kind is not POD_MONITOR or self.options.pod_monitor)
 
     # ---- reading -------------------------------------------------------------------------------------
 
@@ -670,7 +686,7 @@ class KubernetesProvisioner(Provisioner):
     async def inventory(self) -> list[Resource]:
         def work() -> list[Resource]:
             found: list[Resource] = []
-            for kind in DELETION_ORDER:
+            for kind in self._owned_kinds():
                 for item in self.api.list(kind, self.namespace, {MANAGED_BY: FIELD_MANAGER}):
                     meta = item["metadata"]
                     owner = (meta.get("labels") or {}).get(INSTANCE_LABEL)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from controlplane.core import failures, lifecycle
+from controlplane.core.dbmetrics import GIB, DatabaseStats
 from controlplane.core.failures import ARCHIVE_FAILING, DATA_LOST, UNHEALTHY
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
@@ -38,6 +40,8 @@ class Observed:
     # Its continuous archive fails (what fails: `archive_detail`): its newest writes are unprotected.
     archive_failing: bool = False
     archive_detail: str = ""
+    # Its database's own metrics, read by the same look (None: not read).
+    stats: DatabaseStats | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,34 @@ class InstanceView:
     created_at: datetime | None = None
     # Seconds between scheduled backups; None: this instance is not backed up by a schedule.
     backup_interval_s: float | None = None
+    # Its storage: the allocation, the plan's maximum and the recent used space (None: not known).
+    storage: StorageView | None = None
+
+
+@dataclass(frozen=True)
+class StorageRule:
+    """When storage autoscaling grows an allocation (the RDS rule by default): at most `free_ratio`
+    of it free for `for_s` seconds, not within `cooldown_s` of the last growth; by `grow_ratio` of
+    it, at least `grow_min_gb`, never beyond the plan's maximum."""
+
+    enabled: bool = True
+    free_ratio: float = 0.10
+    for_s: float = 300.0
+    cooldown_s: float = 6 * 3600.0
+    grow_ratio: float = 0.10
+    grow_min_gb: int = 1
+
+
+@dataclass(frozen=True)
+class StorageView:
+    """An instance's storage as the reconciler sees it."""
+
+    allocated_gb: int
+    maximum_gb: int
+    # (when, bytes used) of the recent samples, oldest first; the current observation last.
+    used: Sequence[tuple[datetime, int]]
+    grown_at: datetime | None = None
+    warned_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -96,14 +128,29 @@ class ExtendDeadline:
     reason: str
 
 
-Action = Transition | Enqueue | ExtendDeadline | RecordFailure
+@dataclass(frozen=True)
+class GrowStorage:
+    """A larger allocation (a new spec generation, applied by an update job), and why."""
+
+    to_gb: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class WarnStorageFull:
+    """Tell the customer: nearly full at the plan's maximum, nothing will grow it."""
+
+    reason: str
+
+
+PlannedAction = Transition | Enqueue | ExtendDeadline | RecordFailure | GrowStorage | WarnStorageFull
 
 
 def timeout_reason(state: str, deadline_retries: int) -> str:
     return f"timeout: {state} exceeded its deadline after {deadline_retries} re-enqueue(s)"
 
 
-def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
+def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[PlannedAction]:
     """Past its deadline with no live job: re-enqueue (bounded), then fail (degrade for updating)."""
     job = DRIVING_JOB.get(view.state)
     if job is None or view.deadline_at is None or now < view.deadline_at:
@@ -118,7 +165,7 @@ def plan_deadline(view: InstanceView, now: datetime, max_retries: int) -> list[A
     return [Transition(event, reason, code=failures.deadline_missed(view.state))]
 
 
-def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
+def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
     """Health and drift of a ready, degraded or suspended instance from the provisioner's view."""
     seen = view.observed
     if seen is None or view.state not in OBSERVED_STATES:
@@ -158,7 +205,7 @@ def plan_observed(view: InstanceView, now: datetime) -> list[Action]:
     return []
 
 
-def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
+def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:
     """Lost data is never healed into an empty database: degraded with the code, and restored from
     the newest backup held (once, when the loss is first recorded), or left for a decision."""
     recorded = view.failure_code == DATA_LOST
@@ -168,7 +215,7 @@ def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
         return [] if recorded else [RecordFailure(DATA_LOST, reason)]
     if view.state == "degraded" and recorded:
         return []  # a restore runs, or someone decides
-    restore: list[Action] = []
+    restore: list[PlannedAction] = []
     if view.newest_backup_at is not None and RESTORE not in view.live_jobs:
         restore = [Enqueue(RESTORE, "data lost: restore from the newest backup held")]
     if view.state == "ready":
@@ -176,7 +223,7 @@ def plan_data_lost(view: InstanceView, why: str) -> list[Action]:
     return [RecordFailure(DATA_LOST, reason), *restore]
 
 
-def plan_backup(view: InstanceView, now: datetime) -> list[Action]:
+def plan_backup(view: InstanceView, now: datetime) -> list[PlannedAction]:
     """The first backup at once, then one whenever the newest is a plan interval old."""
     if view.backup_interval_s is None or view.state not in BACKED_UP_STATES or view.live_jobs:
         return []
@@ -188,7 +235,7 @@ def plan_backup(view: InstanceView, now: datetime) -> list[Action]:
     return [Enqueue(BACKUP, "scheduled backup")]
 
 
-def plan_intents(view: InstanceView) -> list[Action]:
+def plan_intents(view: InstanceView) -> list[PlannedAction]:
     """Deferred intents: deletion, billing hold and release, spec changes."""
     busy = bool(view.live_jobs)
     if view.deletion_requested:
@@ -205,6 +252,54 @@ def plan_intents(view: InstanceView) -> list[Action]:
     return []
 
 
+GB = GIB  # allocations are in binary gigabytes, as the volumes' `Gi`
+
+
+def full_since(storage: StorageView, free_ratio: float) -> datetime | None:
+    """The start of the unbroken run of samples, up to the newest, with at most `free_ratio` of the
+    allocation free (None: the newest has more free)."""
+    limit = storage.allocated_gb * GB * (1 - free_ratio)
+    since = None
+    for at, used in reversed(storage.used):
+        if used < limit:
+            break
+        since = at
+    return since
+
+
+def plan_storage(view: InstanceView, now: datetime, rule: StorageRule) -> list[PlannedAction]:
+    """Storage autoscaling: nearly full for long enough and out of the cooldown, a ready instance
+    with nothing under way grows (never beyond its plan's maximum); at the maximum, its customer
+    is told (once per cooldown)."""
+    storage = view.storage
+    if not rule.enabled or storage is None or view.state != "ready" or view.deletion_requested:
+        return []
+    since = full_since(storage, rule.free_ratio)
+    if since is None or now - since < timedelta(seconds=rule.for_s):
+        return []
+    used = storage.used[-1][1]
+    share = f"{used / (storage.allocated_gb * GB):.0%} of {storage.allocated_gb} GB used"
+    held = f"for {(now - since).total_seconds() / 60:.0f} min (at most {rule.free_ratio:.0%} free)"
+    cooldown = timedelta(seconds=rule.cooldown_s)
+    if storage.allocated_gb >= storage.maximum_gb:
+        if storage.warned_at is not None and now < storage.warned_at + cooldown:
+            return []
+        return [
+            WarnStorageFull(
+                f"storage nearly full: {share} {held}, and {storage.maximum_gb} GB is the plan's "
+                "maximum: free space, or move to a larger plan"
+            )
+        ]
+    if (storage.grown_at is not None and now < storage.grown_at + cooldown) or view.live_jobs:
+        return []
+    grown = max(
+        storage.allocated_gb + rule.grow_min_gb, math.ceil(storage.allocated_gb * (1 + rule.grow_ratio))
+    )
+    to_gb = min(storage.maximum_gb, grown)
+    reason = f"storage autoscaling: {share} {held}; allocation {storage.allocated_gb} GB -> {to_gb} GB"
+    return [GrowStorage(to_gb, f"{reason} (plan maximum {storage.maximum_gb} GB)")]
+
+
 def heal_backoff_s(failures: int, base_s: float, max_s: float) -> float:
     """The pause before the next heal after `failures` heals in a row were given up."""
     if failures <= 0:
@@ -212,11 +307,14 @@ def heal_backoff_s(failures: int, base_s: float, max_s: float) -> float:
     return float(min(max_s, base_s * 2 ** min(failures - 1, 32)))
 
 
-def plan(view: InstanceView, now: datetime, max_retries: int) -> list[Action]:
+def plan(
+    view: InstanceView, now: datetime, max_retries: int, storage_rule: StorageRule | None = None
+) -> list[PlannedAction]:
     """Everything to do about one instance this pass, most urgent first; at most one kind of move."""
     return (
         plan_deadline(view, now, max_retries)
         or plan_observed(view, now)
         or plan_intents(view)
+        or plan_storage(view, now, storage_rule or StorageRule())
         or plan_backup(view, now)
     )

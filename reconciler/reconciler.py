@@ -1,4 +1,7 @@
-"""The reconciler pass: job supervision, deadlines, health and drift, intents, orphans, metrics."""
+"""The reconciler's pass over the live instances (observation, deadlines, heal) and its loop.
+
+A pass observes, applies the deadlines, heals, corrects drift and honours deferred intents; the
+loop runs passes, and the leader's maintenance (`reconciler.maintenance`) while it leads."""
 
 from __future__ import annotations
 
@@ -9,52 +12,41 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane.audit.checkpoints import AuditMaintenance, MaintenanceResult
-from controlplane.core import kinds, lifecycle, plans
+from controlplane.core import kinds, plans
+from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.failures import DATA_LOST
 from controlplane.core.kinds import RESUME, SUSPEND
 from controlplane.core.records import InstancePatch, ScannedInstance
 from controlplane.db import job_rows as jobs
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, Conflict, InvariantViolation, transition
-from controlplane.queue.registry import JobRegistry
-from controlplane.queue.supervisor import PassResult, Supervisor
-from controlplane.runtime import metrics
-from controlplane.runtime.secretbox import load_box
+from controlplane.db.transitions import Actor, InvariantViolation, VersionConflict, transition
+from controlplane.runtime import liveness, metrics
 from controlplane.runtime.settings import Settings
-from controlplane.services import backups, billing_policy, usage
-from controlplane.services.policy import Policy
+from controlplane.services import backups
 from provisioners.base import InstanceSpec, Provisioner, RecoveryWindow
-from reconciler import planning
+from reconciler import autoscaling, planning
 from reconciler.leader import LeaderElection, ShardLeases
+from reconciler.maintenance import Maintenance
 
 log = logging.getLogger(__name__)
-
-LIVE_INSTANCE_STATES = lifecycle.INSTANCE.live_states()
-LIVE_JOB_STATES = lifecycle.JOB.live_states()
 
 
 @dataclass
 class PassSummary:
     """What one pass saw and did."""
 
-    jobs: PassResult = field(default_factory=PassResult)
     scanned: int = 0
     observed: int = 0
     observe_failures: int = 0
     actions: dict[str, int] = field(default_factory=dict)
     conflicts: int = 0
     invariant_violations: int = 0
-    orphans: list[str] = field(default_factory=list)
-    orphans_removed: int = 0
-    audit: MaintenanceResult | None = None
-    # Usage periods whose report to Stripe this pass enqueued.
-    usage_reports: int = 0
     duration_s: float = 0.0
 
     def count(self, action: str) -> None:
@@ -109,46 +101,77 @@ def _payload(kind: str, reason: str, billing_hold: bool) -> kinds.Payload:
     return kinds.PAYLOADS[kind](reason)
 
 
+def storage_rule(settings: Settings) -> planning.StorageRule:
+    """Storage autoscaling's rule as the settings configure it."""
+    rs = settings.reconciler
+    return planning.StorageRule(
+        enabled=rs.storage_autoscale,
+        free_ratio=rs.storage_autoscale_free_pct / 100,
+        for_s=rs.storage_autoscale_for_s,
+        cooldown_s=rs.storage_autoscale_cooldown_s,
+        grow_ratio=rs.storage_autoscale_grow_pct / 100,
+        grow_min_gb=rs.storage_autoscale_grow_min_gb,
+    )
+
+
+def allocation(inst: ScannedInstance) -> tuple[int, int]:
+    """The instance's storage allocation (GiB: its spec's, at least its plan's) and its plan's maximum."""
+    spec = InstanceSpec.for_removal(inst.spec, inst.spec_generation)
+    return spec.volume_gb, max(spec.volume_gb, plans.storage_max_gb(spec.plan))
+
+
+def sample_rows(
+    sampled: list[tuple[ScannedInstance, DatabaseStats, tuple[int, int]]], resolution_s: int, now: datetime
+) -> dict[str, Any]:
+    """RECORD_SAMPLES' parameters: a column array per metric."""
+    columns = {
+        "connections": [s.connections for _, s, _ in sampled],
+        "max_connections": [s.max_connections for _, s, _ in sampled],
+        "transactions": [s.transactions for _, s, _ in sampled],
+        "rows_read": [s.rows_read for _, s, _ in sampled],
+        "rows_written": [s.rows_written for _, s, _ in sampled],
+        "blocks_hit": [s.blocks_hit for _, s, _ in sampled],
+        "blocks_read": [s.blocks_read for _, s, _ in sampled],
+        "size_bytes": [s.size_bytes for _, s, _ in sampled],
+        "allocated_bytes": [gb[0] * planning.GB for _, _, gb in sampled],
+        "replication_lag_s": [s.replication_lag_s for _, s, _ in sampled],
+        "archive_lag_s": [s.archive_lag_s for _, s, _ in sampled],
+    }
+    return {"ids": [inst.id for inst, _, _ in sampled], "resolution_s": resolution_s, "now": now, **columns}
+
+
 class Reconciler:
-    """Compares what the database declares with what the provisioner shows, and corrects it."""
+    """Compares what the database declares with what the provisioner shows, and corrects it.
+
+    `maintenance`, when given, is the leader's: the loop (`run`) runs it on every pass it makes as
+    the leader.
+    """
 
     def __init__(
         self,
         settings: Settings,
         pool: AsyncConnectionPool[AsyncConn],
         provisioner: Provisioner,
-        registry: JobRegistry,
         *,
         reconciler_id: str = "reconciler",
-        sweep_orphans: bool = True,
-        dry_run_orphans: bool = False,
-        audit: bool = True,
+        maintenance: Maintenance | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.provisioner = provisioner
         self.actor = Actor("reconciler", reconciler_id)
-        self.supervisor = Supervisor(pool, settings, registry, supervisor_id=reconciler_id)
-        self.sweep_orphans = sweep_orphans
-        self.dry_run_orphans = dry_run_orphans
-        # Partitions of the event tables ahead, signed checkpoints of the audit log.
-        self.audit = AuditMaintenance(settings, pool, load_box(settings)) if audit else None
-        # The check of one instance's backups running in the background, if any.
-        self._verifying: asyncio.Task[str | None] | None = None
+        self.maintenance = maintenance
 
     async def run_once(
-        self, now: datetime | None = None, *, shards: ShardLeases | None = None, duties: bool = True
+        self, now: datetime | None = None, *, shards: ShardLeases | None = None
     ) -> PassSummary:
         """One bounded pass. `now` replaces the database clock in time comparisons (tests).
 
         With `shards`, the pass looks only at the instances of the shards held (and acts on one
-        only while its shard is still held); `duties` (the leader's: job supervision, orphans, the
-        audit log's upkeep, billing, the gauges) are done by one process of all.
+        only while its shard is still held).
         """
         started = time.monotonic()
         summary = PassSummary()
-        if duties:
-            summary.jobs = await self.supervisor.run_once(now)
         scanned: list[ScannedInstance] = []
         held = None if shards is None else sorted(shards.held)
         if held is None or held:
@@ -166,38 +189,22 @@ class Reconciler:
                 scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
         summary.scanned = len(scanned)
         observations = await self._observe_all(scanned, summary)
+        storage = await self._sample(scanned, observations)
         backed_up = self.provisioner.supports_backups
+        rule = storage_rule(self.settings)
         for inst in scanned:
             view = _view(inst, observations.get(inst.id), self.settings, backed_up=backed_up)
-            actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries)
+            view = replace(view, storage=storage.get(inst.id))
+            actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries, rule)
             if actions:
                 await self._apply(inst, actions, summary, shards)
-        async with self.pool.connection() as conn:
-            if scanned:
+        if scanned:
+            async with self.pool.connection() as conn:
                 await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]}, prepare=True)
-            if duties:
-                await self._record_gauges(conn)
-        if self.sweep_orphans and duties:
-            await self._sweep(summary)
-        if self.audit is not None and duties:
-            try:
-                summary.audit = await self.audit.run_once(now)
-            except Exception:  # the next pass tries again; the checkpoint gauge stops moving
-                log.exception("audit step failed (partitions ahead, checkpoint)")
-        if duties:
-            try:
-                await self._backup_upkeep(now)
-            except Exception:  # the next pass tries again
-                log.exception("backup upkeep failed (verification, expiry of deleted instances' archives)")
-        if duties:
-            try:
-                summary.usage_reports = await self._billing_step(now)
-            except Exception:  # the next pass tries again; nothing is lost (periods are kept by start)
-                log.exception("billing step failed (usage reports, grace periods, long suspensions)")
         summary.duration_s = time.monotonic() - started
         metrics.RECONCILE_PASS_DURATION.observe(summary.duration_s)
         metrics.RECONCILE_LAST_SUCCESS.set(time.time())
-        busy = summary.actions or summary.jobs.acted or summary.orphans or summary.observe_failures
+        busy = summary.actions or summary.observe_failures
         log.log(
             logging.INFO if busy else logging.DEBUG,
             "reconciler pass",
@@ -205,10 +212,6 @@ class Reconciler:
                 "scanned": summary.scanned,
                 "observed": summary.observed,
                 "actions": summary.actions,
-                "jobs_reclaimed": len(summary.jobs.reclaimed),
-                "jobs_retried": len(summary.jobs.retried),
-                "jobs_abandoned": len(summary.jobs.abandoned),
-                "orphans": len(summary.orphans),
                 "duration_s": round(summary.duration_s, 4),
             },
         )
@@ -240,6 +243,7 @@ class Reconciler:
                 data_lost=seen.data_lost,
                 archive_failing=seen.archive_failing,
                 archive_detail=seen.recovery.archive_detail if seen.recovery is not None else "",
+                stats=seen.stats,
             )
 
         windows: dict[uuid.UUID, RecoveryWindow] = {}
@@ -257,51 +261,59 @@ class Reconciler:
         metrics.ARCHIVE_FAILING.set(sum(1 for w in windows.values() if w.archive_healthy is False))
         metrics.ARCHIVE_LAG_SECONDS.set(max((w.lag_s or 0.0) for w in windows.values()))
 
-    async def _backup_upkeep(self, now: datetime | None) -> None:
-        """The leader's backup duties: one instance's backups and archive read back and checked at a
-        time (in the background: a pass never waits for it), and the archives of deleted instances
-        whose retention ran out removed."""
-        if not self.provisioner.supports_backups:
-            return
+    async def _sample(
+        self, scanned: list[ScannedInstance], observations: dict[uuid.UUID, planning.Observed]
+    ) -> dict[uuid.UUID, planning.StorageView]:
+        """Record the observed databases' metrics (one statement), and return the storage of those
+        nearly full with their recent samples (what storage autoscaling decides from)."""
+        sampled = [
+            (inst, seen.stats, allocation(inst))
+            for inst in scanned
+            if (seen := observations.get(inst.id)) is not None and seen.stats is not None
+        ]
+        if not sampled:
+            return {}
+        settings = self.settings.reconciler
+        now = scanned[0].now
         async with self.pool.connection() as conn:
-            moment = now or await usage.db_now(conn)
-            interval = self.settings.reconciler.backup_verify_interval_s
-            if interval > 0 and (self._verifying is None or self._verifying.done()):
-                before = moment - timedelta(seconds=interval)
-                cursor = await conn.execute(sql.DUE_VERIFICATIONS, {"before": before, "limit": 1})
-                due = [row["instance_id"] for row in await cursor.fetchall()]
-                if due:
-                    self._verifying = asyncio.create_task(self._verify(due[0]))
-            cursor = await conn.execute(sql.EXPIRED_WINDOWS, {"now": moment, "limit": 10})
-            expired = [row["instance_id"] for row in await cursor.fetchall()]
-        for instance_id in expired:
-            await self.provisioner.expire(instance_id)
-            async with self.pool.connection() as conn:
-                await conn.execute(sql.MARK_EXPIRED, {"instance_id": instance_id})
-            log.info("instance %s: its archive and backups removed (retention over)", instance_id)
-
-    async def close(self) -> None:
-        """Wait for the check of backups under way, if any (before the pool closes)."""
-        if self._verifying is not None:
-            await asyncio.gather(self._verifying, return_exceptions=True)
-            self._verifying = None
-
-    async def _verify(self, instance_id: uuid.UUID) -> str | None:
-        try:
-            problem = await self.provisioner.verify_backups(instance_id)
-        except Exception as exc:  # recorded as a problem: the next check tries again
-            problem = f"verification failed: {exc}"
-        async with self.pool.connection() as conn:
-            await conn.execute(sql.RECORD_VERIFICATION, {"instance_id": instance_id, "problem": problem})
-        metrics.BACKUP_VERIFICATIONS.labels("broken" if problem else "sound").inc()
-        if problem:
-            log.error("instance %s: its backups or archive do not verify: %s", instance_id, problem)
-        return problem
+            await conn.execute(
+                sql.RECORD_SAMPLES, sample_rows(sampled, settings.metrics_sample_s, now), prepare=True
+            )
+            rule = storage_rule(self.settings)
+            high = [
+                (inst, stats, gb)
+                for inst, stats, gb in sampled
+                if rule.enabled and stats.size_bytes >= gb[0] * planning.GB * (1 - rule.free_ratio)
+            ]
+            if not high:
+                return {}
+            since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
+            cursor = await conn.execute(
+                sql.RECENT_STORAGE,
+                {
+                    "ids": [inst.id for inst, _, _ in high],
+                    "resolution_s": settings.metrics_sample_s,
+                    "since": since,
+                },
+            )
+            recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
+            for row in await cursor.fetchall():
+                recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
+        return {
+            inst.id: planning.StorageView(
+                allocated_gb=gb[0],
+                maximum_gb=gb[1],
+                used=[*(s for s in recent.get(inst.id, []) if s[0] < now), (now, stats.size_bytes)],
+                grown_at=inst.storage_grown_at,
+                warned_at=inst.storage_full_warned_at,
+            )
+            for inst, stats, gb in high
+        }
 
     async def _apply(
         self,
         inst: ScannedInstance,
-        actions: list[planning.Action],
+        actions: list[planning.PlannedAction],
         summary: PassSummary,
         shards: ShardLeases | None,
     ) -> None:
@@ -317,7 +329,7 @@ class Reconciler:
                     return
                 for action in actions:
                     await self._apply_one(conn, inst, action, summary)
-        except Conflict as exc:
+        except VersionConflict as exc:
             summary.conflicts += 1
             log.info("reconciler lost a race on instance %s: %s", inst.id, exc)
         except InvariantViolation:
@@ -326,7 +338,7 @@ class Reconciler:
             summary.invariant_violations += 1
 
     async def _apply_one(
-        self, conn: AsyncConn, inst: ScannedInstance, action: planning.Action, summary: PassSummary
+        self, conn: AsyncConn, inst: ScannedInstance, action: planning.PlannedAction, summary: PassSummary
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
@@ -366,6 +378,11 @@ class Reconciler:
             summary.count(f"record_{action.code}")
             if action.code == DATA_LOST:
                 self._data_lost(inst, action.reason)
+        elif isinstance(action, planning.GrowStorage | planning.WarnStorageFull):
+            if await autoscaling.apply(conn, inst, action, self.actor, self.settings):
+                grown = isinstance(action, planning.GrowStorage)
+                summary.count("storage_grown" if grown else "storage_full_warned")
+                log.info("instance %s: %s", inst.id, action.reason)
         elif isinstance(action, planning.Enqueue):
             payload = _payload(action.kind, action.reason, inst.billing_hold)
             result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)
@@ -392,117 +409,42 @@ class Reconciler:
             extra={"instance_id": str(inst.id), "failure_code": DATA_LOST},
         )
 
-    async def _billing_step(self, now: datetime | None) -> int:
-        """Enqueue the usage reports of settled periods; apply the grace period and long suspensions."""
-        billing = self.settings.billing
-        enqueued = 0
-        async with self.pool.connection() as conn:
-            moment = now or await usage.db_now(conn)
-            if billing.stripe_api_key is not None:
-                periods = await usage.enqueue_due_reports(
-                    conn,
-                    moment,
-                    timedelta(seconds=billing.meter_interval_s),
-                    timedelta(seconds=billing.meter_settle_s),
-                    self.actor,
-                    max_attempts=50,
-                )
-                enqueued = len(periods)
-            await billing_policy.enforce(
-                conn, moment, billing, self.actor, Policy.from_settings(self.settings)
-            )
-        return enqueued
-
-    async def _record_gauges(self, conn: AsyncConn) -> None:
-        cursor = await conn.execute(sql.COUNT_LIVE_INSTANCES)
-        counts = {row["state"]: row for row in await cursor.fetchall()}
-        for state in LIVE_INSTANCE_STATES:
-            metrics.ENTITIES_BY_STATE.labels("instance", state).set(
-                counts[state]["n"] if state in counts else 0
-            )
-        metrics.OVER_DEADLINE.set(sum(row["over_deadline"] for row in counts.values()))
-        cursor = await conn.execute(sql.COUNT_LIVE_JOBS)
-        job_counts = {row["state"]: row["n"] for row in await cursor.fetchall()}
-        for state in LIVE_JOB_STATES:
-            metrics.ENTITIES_BY_STATE.labels("job", state).set(job_counts.get(state, 0))
-
-    async def find_orphans(self) -> list[tuple[uuid.UUID, str, InstanceSpec]]:
-        """Resources whose instance is unknown, deleted or failed (and no job is cleaning it up)."""
-        resources = await self.provisioner.inventory()
-        by_instance: dict[uuid.UUID, list[str]] = {}
-        for resource in resources:
-            if resource.instance_id is not None:
-                by_instance.setdefault(resource.instance_id, []).append(f"{resource.kind}/{resource.name}")
-        if not by_instance:
-            return []
-        async with self.pool.connection() as conn:
-            cursor = await conn.execute(sql.INSTANCES_BY_ID, {"ids": list(by_instance)})
-            known = {row["id"]: row for row in await cursor.fetchall()}
-        orphans = []
-        for instance_id, names in by_instance.items():
-            row = known.get(instance_id)
-            if row is None:
-                orphans.append((instance_id, f"unknown instance: {', '.join(names)}", InstanceSpec()))
-            elif row["state"] in lifecycle.INSTANCE.terminal and not row["has_live_job"]:
-                spec = InstanceSpec.for_removal(row["spec"], int(row["spec_generation"]))
-                orphans.append((instance_id, f"{row['state']} instance: {', '.join(names)}", spec))
-        return orphans
-
-    async def _sweep(self, summary: PassSummary) -> None:
-        try:
-            orphans = await self.find_orphans()
-        except Exception as exc:  # an unreachable provisioner only delays the sweep
-            log.warning("orphan sweep skipped: inventory failed: %s", exc)
-            return
-        for instance_id, why, spec in orphans:
-            summary.orphans.append(f"{instance_id}: {why}")
-            if self.dry_run_orphans:
-                log.warning("orphan (dry run, left in place): %s %s", instance_id, why)
-                continue
-            async with self.pool.connection() as conn:
-                cursor = await conn.execute(sql.NEXT_FENCE)
-                fence_row = await cursor.fetchone()
-            assert fence_row is not None
-            try:
-                result = await self.provisioner.deprovision(instance_id, spec, int(fence_row["fence"]))
-            except Exception as exc:
-                log.warning("orphan %s could not be removed: %s", instance_id, exc)
-                continue
-            summary.orphans_removed += 1
-            metrics.ORPHANS_REMOVED.inc()
-            log.warning("orphan removed: %s %s (final backup: %s)", instance_id, why, result.backup)
-
     async def run(
         self,
         stop: asyncio.Event,
         election: LeaderElection | None = None,
         shards: ShardLeases | None = None,
     ) -> None:
-        """Pass after pass: the leader does the duties, every process the instances of its shards
-        (all of them without `shards`, on the leader only). A pass that found a full batch is
-        followed by the next at once; otherwise the next comes after the interval."""
+        """Pass after pass: the leader runs its maintenance, then every process the instances of
+        its shards (all of them without `shards`, on the leader only). A pass that found a full
+        batch is followed by the next at once; otherwise the next comes after the interval."""
         interval = self.settings.reconciler.interval_s
         while not stop.is_set():
+            liveness.LOOP.turned()  # what /healthz of the reconciler's metrics port reports
             leading = election is None or await election.ensure()
             metrics.RECONCILER_LEADER.set(1 if leading else 0)
             held = None if shards is None else await shards.ensure()
             full = False
             if leading or held:
                 try:
-                    if shards is None:
-                        summary = await self.run_once()
-                    else:
-                        summary = await self.run_once(shards=shards, duties=leading)
+                    if leading and self.maintenance is not None:
+                        await self.maintenance.run_once()
+                    summary = await self.run_once(shards=shards)
                     full = summary.scanned >= self.settings.reconciler.batch_size
+                    liveness.LOOP.reached(True)
                 except (psycopg.OperationalError, PoolTimeout) as exc:
+                    liveness.LOOP.reached(False)
                     log.warning("reconciler pass failed: %s", exc)
                 except Exception:
                     # One broken pass must not stop reconciliation; the next pass tries again.
                     log.exception("reconciler pass failed")
+            if not (leading or held):
+                liveness.LOOP.reached(True)  # a standby: nothing of its own to pass over
             if full:
                 await asyncio.sleep(0)  # more instances are due: the next pass now
                 continue
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await stop.wait()
-        await self.close()
+        if self.maintenance is not None:
+            await self.maintenance.close()

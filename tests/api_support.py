@@ -67,20 +67,28 @@ async def drive(conn: AsyncConn, instance_id: uuid.UUID | str, *events: str, **p
     return await walk(conn, uuid.UUID(str(instance_id)), *events, actor=WORKER, patch=patch)
 
 
-def ready_patch(settings: Settings, password: str, port: int = 15432) -> dict[str, Any]:
-    """The patch a provisioner's last step writes: connection details and the encrypted password."""
+def ready_patch(
+    settings: Settings, password: str, port: int = 15432, ca: str | None = None
+) -> dict[str, Any]:
+    """The patch a provisioner's last step writes: connection details (with `ca`, TLS verified
+    against that CA) and the encrypted password."""
     secret = load_box(settings).encrypt(password)
+    connection: dict[str, Any] = {"host": "127.0.0.1", "port": port, "dbname": "app", "user": "app_owner"}
+    if ca is not None:
+        connection |= {"sslmode": "verify-full", "ca_certificate": ca}
     return {
-        "connection": {"host": "127.0.0.1", "port": port, "dbname": "app", "user": "app_owner"},
+        "connection": connection,
         "secret": base64.b64encode(secret).decode(),
         "observed_generation": 1,
         "observed_spec": {"plan": "dev", "region": "local"},
     }
 
 
-async def make_ready(conn: AsyncConn, settings: Settings, instance_id: Any, password: str = "pw") -> Any:
+async def make_ready(
+    conn: AsyncConn, settings: Settings, instance_id: Any, password: str = "pw", ca: str | None = None
+) -> Any:
     return await drive(
-        conn, instance_id, "start_provisioning", "provisioned", **ready_patch(settings, password)
+        conn, instance_id, "start_provisioning", "provisioned", **ready_patch(settings, password, ca=ca)
     )
 
 

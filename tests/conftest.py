@@ -170,12 +170,18 @@ def settings(runtime_url: str, owner_url: str, tmp_path: Path) -> Settings:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     os.chmod(tmp_path, 0o755)
+    # No rate limit: how many requests fit in a window depends on the machine, and a test that is
+    # not about limits must not meet one (those that are configure theirs, on an injected clock:
+    # docs/operations.md, "Time and rates in tests").
     return Settings(
         database_url=runtime_url,
         migration_database_url=owner_url,
         data_dir=data_dir,
         heartbeat_interval_s=0.2,
         pg_bindir=pg_bindir(),
+        api_rate_limit=0,
+        api_webhook_rate_limit=0,
+        console_sign_in_limit=0,
     )
 
 

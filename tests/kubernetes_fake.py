@@ -339,8 +339,9 @@ class FakeCluster:
     # ---- admission ---------------------------------------------------------------------------
 
     def admit(self, plural: str, current: dict[str, Any] | None, body: dict[str, Any]) -> None:
-        """The CRD schema, then the few rules of the operator's webhook the provisioner meets."""
-        if str(body.get("apiVersion", "")).startswith(cnpg_schema.CNPG_GROUP):
+        """The CRD's schema (a PodMonitor's: its fields'), then the few rules of the operator's
+        webhook the provisioner meets."""
+        if cnpg_schema.is_custom(body):
             try:
                 cnpg_schema.validate(body)
             except cnpg_schema.ManifestError as exc:

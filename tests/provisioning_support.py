@@ -125,14 +125,5 @@ def worker_env(settings: Settings, faults: str, worker_id: str) -> dict[str, str
     return env
 
 
-# A worker subprocess running the instance operations, configured by worker_env.
-WORKER_SCRIPT = (
-    "import asyncio\n"
-    "import provisioners\n"
-    "from controlplane.handlers import operations\n"
-    "from controlplane.queue import worker\n"
-    "from controlplane.runtime import settings\n"
-    "configured = settings.load()\n"
-    "registry = operations.registry(provisioners.build(configured))\n"
-    "asyncio.run(worker.run_worker(configured, registry))\n"
-)
+# A worker subprocess running the instance operations, configured by worker_env: `controlplane worker`.
+WORKER_SCRIPT = "import sys\nfrom controlplane.cli import main\nsys.exit(main(['worker']))\n"

@@ -29,6 +29,7 @@ from controlplane.queue.worker import Worker
 from controlplane.runtime.settings import Settings
 from provisioners.base import ConnectionInfo, Observation, Provisioner
 from provisioners.noop import NoopProvisioner
+from reconciler.maintenance import Maintenance
 from reconciler.reconciler import Reconciler
 from tests.factories import GONE_WORKER, walk
 from tests.operations_support import Condition, registry_for, scalar
@@ -47,7 +48,8 @@ async def reconciling(
     registry: JobRegistry | None = None,
     **options: Any,
 ) -> AsyncIterator[Reconciler]:
-    """A Reconciler over `provisioner` on a pool of its own, as the reconcile role builds it."""
+    """A Reconciler over `provisioner` on a pool of its own, with the leader's maintenance (`options`
+    are the maintenance's), as the reconcile role builds it."""
     assert settings.database.url_value is not None
     pool = db.pool(
         settings.database.url_value,
@@ -56,19 +58,25 @@ async def reconciling(
         name=reconciler_id,
     )
     await pool.open(wait=True)
-    reconciler = Reconciler(
+    maintenance = Maintenance(
         settings,
         pool,
         provisioner,
         registry or registry_for(provisioner),
-        reconciler_id=reconciler_id,
+        maintainer_id=reconciler_id,
         **options,
     )
     try:
-        yield reconciler
+        yield Reconciler(settings, pool, provisioner, reconciler_id=reconciler_id, maintenance=maintenance)
     finally:
-        await reconciler.close()
+        await maintenance.close()
         await pool.close()
+
+
+def duties(reconciler: Reconciler) -> Maintenance:
+    """The leader's maintenance of a Reconciler from `reconciling`."""
+    assert reconciler.maintenance is not None
+    return reconciler.maintenance
 
 
 @contextlib.asynccontextmanager
@@ -106,13 +114,15 @@ async def looping(reconciler: Reconciler) -> AsyncIterator[asyncio.Task[None]]:
 async def passes_until(
     reconciler: Reconciler, done: Condition, *, timeout_s: float = 60, interval_s: float = 0.05
 ) -> int:
-    """Run passes (real clock) until `done` holds, as the loop would at a short interval.
+    """Run the leader's passes (real clock: its maintenance, then the instances) until `done`
+    holds, as the loop would at a short interval.
 
     For conditions another actor (a worker) must bring about; returns the number of passes.
     """
     deadline = time.monotonic() + timeout_s
     passes = 0
     while True:
+        await duties(reconciler).run_once()
         await reconciler.run_once()
         passes += 1
         async with reconciler.pool.connection() as conn:

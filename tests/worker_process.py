@@ -1,4 +1,4 @@
-"""A worker process for fault tests: run_worker with the test job kinds, settings from flags."""
+"""A worker process for fault tests: the worker role with the test job kinds, settings from flags."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from controlplane.queue.worker import run_worker
+from controlplane.cli import process_roles
 from controlplane.runtime import logs
 from controlplane.runtime.settings import Settings
 from tests.queue_kinds import build_registry
@@ -31,7 +31,15 @@ def main() -> int:
         poll_interval_s=args.poll_interval,
         shutdown_grace_s=args.shutdown_grace,
     )
-    return asyncio.run(run_worker(settings, build_registry()))
+    asyncio.run(run(settings, args.database_url))
+    return 0
+
+
+async def run(settings: Settings, url: str) -> None:
+    """The worker role until SIGTERM or SIGINT, as `controlplane worker` runs it."""
+    stop = asyncio.Event()
+    process_roles.stop_on_signals(stop)
+    await process_roles.run_worker_role(settings, url, build_registry(), stop)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Driver: the project's job queue and worker (controlplane.queue.worker.Worker / run_worker) under load.
+"""Driver: the project's job queue and worker (controlplane.queue.worker.Worker, the worker role) under load.
 
 drain      enqueue N no-op jobs, then time one worker at concurrency C until all are completed
 pickup     a producer at a steady rate; enqueue-to-handler-start latency per job
-worker     run_worker() with a sleeping job kind until SIGTERM (crash-recovery workload)
+worker     the worker role (process_roles.run_worker_role) with a sleeping job kind until SIGTERM
+           (crash-recovery workload)
 supervise  the supervisor loop until SIGTERM (reclaims the jobs of a dead worker)
 claim-latency  enqueue one job, then time its claim and start; N times
 """
@@ -22,7 +23,7 @@ from controlplane.db.job_rows import NewJob, enqueue_many
 from controlplane.db.transitions import Actor
 from controlplane.queue.registry import JobContext, JobKind, JobRegistry, Verdict
 from controlplane.queue.supervisor import Supervisor
-from controlplane.queue.worker import Worker, run_worker
+from controlplane.queue.worker import Worker
 from controlplane.runtime import aio
 from controlplane.runtime.settings import Settings
 
@@ -211,9 +212,13 @@ async def claim_latency(args: argparse.Namespace) -> None:
 
 
 async def worker(args: argparse.Namespace) -> None:
+    from controlplane.cli import process_roles
+
     cfg = settings(args.url, args.concurrency, worker_id=args.worker_id)
-    code = await run_worker(cfg, registry(sleep, SLEEP))
-    emit({"exit": code})
+    stop = asyncio.Event()
+    process_roles.stop_on_signals(stop)
+    await process_roles.run_worker_role(cfg, args.url, registry(sleep, SLEEP), stop)
+    emit({"exit": 0})
 
 
 async def supervise(args: argparse.Namespace) -> None:

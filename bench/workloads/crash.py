@@ -37,7 +37,7 @@ class CrashWorkload(Workload):
     def prepare(self, ctx: Context) -> None:
         self.jobs = ctx.size(200, 80)
         self.notes = [
-            f"{self.jobs} jobs of {JOB_SECONDS:g} s on 2 worker processes (run_worker, concurrency "
+            f"{self.jobs} jobs of {JOB_SECONDS:g} s on 2 worker processes (the worker role, concurrency "
             f"{CONCURRENCY} each) and one supervisor process (Supervisor.run, product defaults: heartbeat "
             "every 2 s, reclaim after 5 missed intervals = 10 s, a pass every 2 s). Worker A is killed "
             "with SIGKILL once a third of the jobs are done.",

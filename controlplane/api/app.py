@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,9 +14,11 @@ from fastapi.openapi.utils import get_openapi
 from controlplane.api import console, docs, openapi, ratelimit
 from controlplane.api import problems as errors
 from controlplane.api.hub import Hub
+from controlplane.api.observe import Observe
 from controlplane.api.routes import admin as routes_admin
 from controlplane.api.routes import backups as routes_backups
 from controlplane.api.routes import instances as routes_instances
+from controlplane.api.routes import metrics as routes_metrics
 from controlplane.api.routes import notifications as routes_notifications
 from controlplane.api.routes import orgs as routes_orgs
 from controlplane.api.routes import public as routes_public
@@ -40,6 +43,7 @@ def create_app(
     database_url: str | None = None,
     job_registry: JobRegistry | None = None,
     provisioner: Provisioner | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
     """A new application; its database pool opens and closes with the lifespan.
 
@@ -47,7 +51,8 @@ def create_app(
     `job_registry` gives the job kinds whose abandonment hooks an operator's abandon runs (the
     process's one registry, built where it starts; without it, abandon is refused); `provisioner`
     is the one whose CA the API publishes (else one is built from the settings when first asked,
-    and closed with the application).
+    and closed with the application); `clock` is the rate limits' (monotonic seconds; tests pass
+    their own).
     """
 
     @asynccontextmanager
@@ -65,6 +70,7 @@ def create_app(
             keys=KeyCache(settings.api.key_cache_s),
             provisioner=provisioner,
             watchers=Hub(url),
+            sign_in=ratelimit.window(settings.api.sign_in_limit, settings.api.rate_window_s, clock),
         )
         try:
             yield
@@ -90,6 +96,7 @@ def create_app(
     for router in (
         routes_instances.router,
         routes_backups.router,
+        routes_metrics.router,
         routes_orgs.router,
         routes_admin.router,
         webhooks.router,
@@ -102,12 +109,13 @@ def create_app(
     console.install(app)
     app.add_middleware(errors.BodySizeLimit, max_bytes=settings.api.max_body_bytes)
     keys, webhook = ratelimit.limiters(
-        settings.api.rate_limit, settings.api.rate_window_s, settings.api.webhook_rate_limit
+        settings.api.rate_limit, settings.api.rate_window_s, settings.api.webhook_rate_limit, clock
     )
     app.add_middleware(ratelimit.RateLimit, keys=keys, webhook=webhook)
     app.add_middleware(errors.CatchAll)
+    app.add_middleware(Observe)
     app.add_middleware(errors.RequestId)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, settings.api.public_url)  # type: ignore[method-assign]
     return app
 
 
@@ -119,7 +127,7 @@ async def end_streams(app: FastAPI) -> None:
         await state.watchers.close()
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, public_url: str | None) -> dict[str, Any]:
     """The generated schema, completed for client generators (controlplane.api.openapi)."""
     if app.openapi_schema is None:
         schema = get_openapi(
@@ -127,6 +135,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             version=app.version,
             description=app.description,
             routes=app.routes,
+            servers=openapi.servers(public_url),
+            license_info=openapi.LICENSE,
         )
         app.openapi_schema = openapi.finish(schema)
     return app.openapi_schema

@@ -60,7 +60,14 @@ async def principal(
             state.keys.put(key_hash, found)
     if found is None:
         raise ProblemError("unauthorized", "the API key is not valid or has been revoked", headers=_CHALLENGE)
+    note_org(request, found.org_id)
     return found
+
+
+def note_org(request: Request, org_id: uuid.UUID | None) -> None:
+    """The organisation the request acts for, for its access-log line and its span (admin: none)."""
+    if org_id is not None:
+        request.state.org_id = str(org_id)
 
 
 # Any valid key: an organisation's or an admin's.

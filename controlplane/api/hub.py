@@ -27,7 +27,7 @@ LISTENING_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
-class Moved:
+class Transitioned:
     """An instance reached `state` at `state_version` (a transition notification)."""
 
     state: str
@@ -39,6 +39,15 @@ class Stepped:
     """A step record of the instance was written (a step notification)."""
 
     step_id: int
+
+
+@dataclass(frozen=True)
+class Changed:
+    """Some instance moved (what a follower of every instance gets: an organisation's list)."""
+
+    instance_id: str
+    state: str
+    state_version: int
 
 
 class Signal:
@@ -54,7 +63,7 @@ class Signal:
 
 RESYNC = Signal("RESYNC")
 CLOSED = Signal("CLOSED")
-Note = Moved | Stepped | Signal
+Note = Transitioned | Stepped | Changed | Signal
 
 
 class Closed(Exception):
@@ -85,23 +94,40 @@ class Hub:
     def __init__(self, database_url: str) -> None:
         self.conninfo = make_conninfo(database_url, application_name=APPLICATION_NAME)
         self._queues: dict[str, set[asyncio.Queue[Note]]] = {}
+        # The queues of the streams that follow every instance (each picks its organisation's).
+        self._everything: set[asyncio.Queue[Note]] = set()
         self._listening = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task[None] | None = None
 
     @property
     def streams(self) -> int:
-        return sum(len(queues) for queues in self._queues.values())
+        return sum(len(queues) for queues in self._queues.values()) + len(self._everything)
 
-    @contextlib.asynccontextmanager
-    async def follow(self, instance_id: uuid.UUID) -> AsyncIterator[asyncio.Queue[Note]]:
-        """A queue of the instance's transitions from now on (once the process listens)."""
+    async def _started(self) -> None:
+        """Listening (the connection opened with the first stream), else Closed or TimeoutError."""
         if self._closed:
             raise Closed
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._listen(), name="watch-listen")
         async with asyncio.timeout(LISTENING_WAIT_S):
             await self._listening.wait()
+
+    @contextlib.asynccontextmanager
+    async def follow_all(self) -> AsyncIterator[asyncio.Queue[Note]]:
+        """A queue of every instance's transitions (`Changed`) from now on, once the process listens."""
+        await self._started()
+        queue = asyncio.Queue[Note](QUEUE_SIZE)
+        self._everything.add(queue)
+        try:
+            yield queue
+        finally:
+            self._everything.discard(queue)
+
+    @contextlib.asynccontextmanager
+    async def follow(self, instance_id: uuid.UUID) -> AsyncIterator[asyncio.Queue[Note]]:
+        """A queue of the instance's transitions from now on (once the process listens)."""
+        await self._started()
         key, queue = str(instance_id), asyncio.Queue[Note](QUEUE_SIZE)
         self._queues.setdefault(key, set()).add(queue)
         try:
@@ -115,9 +141,7 @@ class Hub:
     async def close(self) -> None:
         """End every stream now (each is told CLOSED) and stop listening; no stream starts after."""
         self._closed = True
-        for queues in self._queues.values():
-            for queue in queues:
-                _put(queue, CLOSED)
+        self._to_all(CLOSED)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -153,12 +177,14 @@ class Hub:
             parsed = parse_notification(channel, payload)
             if parsed is None:
                 return
-            instance_id, note = parsed[0], Moved(parsed[1], parsed[2])
+            instance_id, note = parsed[0], Transitioned(parsed[1], parsed[2])
+            for queue in self._everything:
+                _put(queue, Changed(instance_id, parsed[1], parsed[2]))
         for queue in self._queues.get(instance_id, ()):
             _put(queue, note)
 
     def _to_all(self, note: Note) -> None:
-        for queues in self._queues.values():
+        for queues in [*self._queues.values(), self._everything]:
             for queue in queues:
                 _put(queue, note)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -32,14 +32,55 @@ def _rfc3339_only(value: object) -> object:
     return value
 
 
+# A plan's name is one schema (`PlanName`, its enum the plans offered; controlplane.api.openapi adds
+# it) for what GET /v1/plans lists and what create and change take: a client passes one to the other.
+PLAN_NAME_REF = {"$ref": "#/components/schemas/PlanName"}
+
+
+def plan_name_schema() -> dict[str, Any]:
+    return {
+        "type": "string",
+        "enum": list(plans.plan_names()),
+        "description": "A plan's name (GET /v1/plans lists the plans).",
+    }
+
+
+def _plan_name(field: str, *, nullable: bool = False) -> Callable[[dict[str, Any]], None]:
+    """A model's `json_schema_extra` that makes `field` a PlanName (its description kept)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        prop = schema["properties"][field]
+        kept = {key: prop[key] for key in ("description", "examples") if key in prop}
+        shape = {"anyOf": [PLAN_NAME_REF, {"type": "null"}]} if nullable else dict(PLAN_NAME_REF)
+        schema["properties"][field] = shape | kept
+
+    return extra
+
+
+def _all(*extras: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def extra(schema: dict[str, Any]) -> None:
+        for each in extras:
+            each(schema)
+
+    return extra
+
+
 # A date-time query parameter: RFC 3339 text only.
 Timestamp = Annotated[datetime, BeforeValidator(_rfc3339_only)]
 
 
-class Strict(BaseModel):
-    """Request bodies refuse unknown fields."""
+def _optional_in_clients(schema: dict[str, Any]) -> None:
+    """A request field that may be left out declares no `default`: client generators (openapi-typescript
+    among them) make a field with a default required, as answers always carry it; the field's
+    description says what it defaults to."""
+    for prop in schema.get("properties", {}).values():
+        prop.pop("default", None)
 
-    model_config = ConfigDict(extra="forbid")
+
+class Strict(BaseModel):
+    """Request bodies refuse unknown fields; the fields they may leave out are optional in clients."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_optional_in_clients)
 
 
 def _known_plan(value: str | None) -> str | None:
@@ -86,11 +127,11 @@ class InstanceCreate(Strict):
         examples=["orders"],
         json_schema_extra={"pattern": DNS_LABEL},
     )
-    plan: str = Field(
-        description="one of the plans listed by GET /v1/plans",
-        examples=["dev"],
-        json_schema_extra={"enum": list(plans.plan_names())},
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra=_all(_optional_in_clients, _plan_name("plan"))
     )
+
+    plan: str = Field(description="one of the plans listed by GET /v1/plans", examples=["dev"])
     region: str = Field(DEFAULT_REGION, max_length=32, pattern=REGION)
     deletion_protection: StrictBool = False
     restore_from: RestoreFrom | None = Field(
@@ -112,9 +153,11 @@ class InstanceCreate(Strict):
 
 
 class InstanceUpdate(Strict):
-    plan: str | None = Field(
-        None, examples=["small"], json_schema_extra={"enum": [*plans.plan_names(), None]}
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra=_all(_optional_in_clients, _plan_name("plan", nullable=True))
     )
+
+    plan: str | None = Field(None, examples=["small"])
     deletion_protection: StrictBool | None = None
 
     _plan = field_validator("plan")(_known_plan)
@@ -134,7 +177,15 @@ class Connection(BaseModel):
     ca_certificate: str | None = Field(
         None, description="PEM of the CA that signs the server's certificate (sslrootcert)"
     )
-    uri: str
+    sslrootcert: str | None = Field(
+        None,
+        description="the file name `uri` gives as sslrootcert (`controlplane-ca.pem`, relative to where"
+        " the client runs) when the server's certificate is verified: save ca_certificate under it",
+    )
+    uri: str = Field(
+        description="a libpq connection URI: TLS with the server's certificate verified against the CA"
+        " file `sslrootcert` names (save ca_certificate there first)"
+    )
 
 
 class StateInfo(BaseModel):
@@ -143,7 +194,13 @@ class StateInfo(BaseModel):
     label: str
     description: str
     severity: Literal["healthy", "transient", "fault", "suspended", "terminal"]
-    billing: Literal["billed", "storage_only", "not_billed"]
+    billing: Literal["billed", "storage_only", "not_billed"] = Field(
+        description="what time in the state is billed for (an instance's: for its failure code)"
+    )
+    billing_by_failure: dict[str, Literal["billed", "storage_only", "not_billed"]] = Field(
+        description="another billing class while the failure code of the move into the state is one of"
+        " these (a degradation for lost data: storage only)"
+    )
 
 
 class Failure(BaseModel):
@@ -203,8 +260,18 @@ class Instance(BaseModel):
     state_version: int
     progress: Progress | None = Field(description="set exactly while the state is transitional")
     allowed_actions: list[str]
-    spec_generation: int
-    observed_generation: int
+    settled: bool = Field(
+        description="nothing asked of the instance is still to be done: no transitional state, no"
+        " deletion waiting to run, its spec generation applied or given up. What a client waits for"
+        " after a create, PATCH or DELETE (their 202 says false until then)"
+    )
+    spec_generation: int = Field(
+        description="counts the accepted spec changes (plans): a PATCH's answer gives the generation"
+        " its change is; wait for observed_generation to reach it"
+    )
+    observed_generation: int = Field(
+        description="the last spec generation the instance was brought to (applied)"
+    )
     failed_generation: int | None = Field(
         description="the spec generation whose update was given up;"
         " not retried unless the plan is asked for again"
@@ -279,7 +346,9 @@ class AdminInstance(Instance):
 
 class AdminEvent(InstanceEvent):
     instance_id: uuid.UUID
+    instance_name: str = Field(description="the instance's name")
     org_id: uuid.UUID
+    org_name: str = Field(description="the name of the instance's organisation")
     state_version: int
     request_id: str | None
 
@@ -292,6 +361,12 @@ class AdminEventPage(BaseModel):
 class OrgCreate(Strict):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$")
     stripe_customer_id: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$")
+
+
+class OrgUpdate(Strict):
+    stripe_customer_id: str = Field(
+        min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_]+$", description="the Stripe customer (cus_...)"
+    )
 
 
 class Org(BaseModel):
@@ -432,6 +507,8 @@ class BackupSchedule(BaseModel):
 
 
 class Plan(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_plan_name("name"))
+
     name: str
     settings: dict[str, Any]
     instances: int = Field(description="PostgreSQL servers: one primary, the rest standbys it fails over to")
@@ -595,3 +672,38 @@ class WebhookAck(BaseModel):
 class Health(BaseModel):
     status: str
     detail: str | None = None
+
+
+class MetricsPoint(BaseModel):
+    """One step of a database's metrics: gauges over the step, rates since the step before."""
+
+    at: datetime = Field(description="the start of the step")
+    connections: float | None = Field(description="client connections, on average over the step")
+    connections_max: int | None = Field(description="client connections, at their highest in the step")
+    max_connections: int | None = Field(description="connections the plan allows")
+    transactions_per_s: float | None = Field(description="commits and rollbacks per second")
+    rows_read_per_s: float | None = Field(description="rows returned by scans per second")
+    rows_written_per_s: float | None = Field(description="rows inserted, updated and deleted per second")
+    cache_hit_ratio: float | None = Field(description="share of block reads served from memory (0 to 1)")
+    size_bytes: int | None = Field(description="the database's size")
+    allocated_bytes: int | None = Field(description="the storage allocated to it")
+    replication_lag_s: float | None = Field(description="how far the standbys are behind (not reported yet)")
+    archive_lag_s: float | None = Field(description="age of the newest archived WAL (not reported yet)")
+
+
+class MetricsSeries(BaseModel):
+    """A database's metrics over a range, at most 720 points."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    instance_id: uuid.UUID
+    from_: datetime = Field(alias="from", description="the start of the range (inclusive)")
+    to: datetime = Field(description="the end of the range (exclusive)")
+    step_s: int = Field(description="seconds between points (widened to keep the points bounded)")
+    resolution_s: int = Field(description="resolution of the samples the points come from (10 s or 5 min)")
+    plan: str
+    max_connections: int | None = Field(description="connections the plan allows")
+    storage_max_bytes: int | None = Field(description="the most storage autoscaling grows the allocation to")
+    points: list[MetricsPoint] = Field(
+        description="one per step with samples, oldest first (steps without are left out)"
+    )

@@ -5,17 +5,20 @@ operationId, a summary, a description or a declared response, so routes added la
 
 A route declares what is its own: `operation_id` (stable, camelCase), `summary`, `description`,
 `responses=errors.responses(...)` for the problems it answers beyond the common ones, and
-`headers(...)` for the headers of its success. The common ones are added here: 429 and 500 on
-every operation; 401 and 403 on every operation that takes a key; 422 on every operation with a
-parameter or a body; X-Request-ID and the RateLimit headers on every response; Retry-After on 429
-and 503.
+`headers(...)` for the headers of its success. The common ones are added here: 500 and 422 (an
+unknown query parameter is refused everywhere) on every operation, 429 on every one a rate limit
+counts; 401 and 403 on every operation that takes a key; `security: []` on the public ones;
+X-Request-ID on every response and the RateLimit headers on those a rate limit counts; Retry-After
+on 429 and 503.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from controlplane.api.models import plan_name_schema
 from controlplane.api.problems import PROBLEM_MEDIA_TYPE, Problem, responses
+from controlplane.api.ratelimit import UNLIMITED_PATHS
 
 # Every header the API sends that a client may read, by name.
 HEADERS: dict[str, dict[str, Any]] = {
@@ -65,7 +68,7 @@ HEADERS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Sent on every response.
+# Sent on every response (the RateLimit ones on those a rate limit counts: `/v1`).
 COMMON_HEADERS = ("X-Request-ID", "RateLimit-Policy", "RateLimit")
 
 # What each tag holds.
@@ -224,6 +227,16 @@ FIELDS: dict[str, str] = {
 # Statuses every operation can answer, whatever it declares.
 ALWAYS = (429, 500)
 
+# The project's licence (LICENSE), as the document's `info.license`.
+LICENSE = {"name": "Apache License 2.0", "identifier": "Apache-2.0"}
+
+
+def servers(public_url: str | None) -> list[dict[str, str]]:
+    """Where the API is: the configured public URL, else the host that serves the document."""
+    if public_url:
+        return [{"url": public_url.rstrip("/"), "description": "this installation (CONTROLPLANE_PUBLIC_URL)"}]
+    return [{"url": "/", "description": "the host serving this document"}]
+
 
 def headers(*names: str) -> dict[str, Any]:
     """The `headers` of a success response, by name (for a route's `responses={200: ...}`)."""
@@ -235,12 +248,13 @@ def finish(schema: dict[str, Any]) -> dict[str, Any]:
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     schemas["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas["PlanName"] = plan_name_schema()
     components["headers"] = HEADERS
     schema["tags"] = TAGS
     common = responses(*ALWAYS)
-    for path_item in schema.get("paths", {}).values():
+    for path, path_item in schema.get("paths", {}).items():
         for operation in path_item.values():
-            _complete(operation, common)
+            _complete(operation, common, limited=not path.startswith(UNLIMITED_PATHS))
     for name, model in schemas.items():
         for field, prop in model.get("properties", {}).items():
             if "description" not in prop:
@@ -250,13 +264,15 @@ def finish(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _complete(operation: dict[str, Any], common: dict[int | str, dict[str, Any]]) -> None:
+def _complete(operation: dict[str, Any], common: dict[int | str, dict[str, Any]], *, limited: bool) -> None:
+    # Public (no key): said explicitly, so that a reader (or a linter) never takes it for forgotten.
+    operation.setdefault("security", [])
     answers = operation.setdefault("responses", {})
-    wanted: list[int] = list(ALWAYS)
+    # What no rate limit counts (health, metrics) is never refused for it and carries no RateLimit.
+    wanted: list[int] = list(ALWAYS) if limited else [500]
     if operation.get("security"):
         wanted += [401, 403]
-    if operation.get("parameters") or operation.get("requestBody"):
-        wanted.append(422)
+    wanted.append(422)  # every operation refuses a query parameter it does not take
     extra = responses(*[s for s in wanted if s not in ALWAYS])
     for status in wanted:
         key = str(status)
@@ -264,7 +280,7 @@ def _complete(operation: dict[str, Any], common: dict[int | str, dict[str, Any]]
             answers[key] = dict((common | extra)[status])
     for status, answer in answers.items():
         answer_headers = answer.setdefault("headers", {})
-        for name in COMMON_HEADERS:
+        for name in COMMON_HEADERS if limited else COMMON_HEADERS[:1]:
             answer_headers.setdefault(name, {"$ref": f"#/components/headers/{name}"})
         if status in ("429", "503"):
             answer_headers.setdefault("Retry-After", {"$ref": "#/components/headers/Retry-After"})

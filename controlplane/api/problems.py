@@ -311,20 +311,31 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http)
 
 
-def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI response entries documenting problem bodies for `statuses`."""
+def responses(*statuses: int, signed: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI response entries documenting problem bodies for `statuses` (`signed`: the route
+    checks a webhook signature, so its 400 may also be about that)."""
     schema = {"$ref": "#/components/schemas/Problem"}
     return {
         status: {
-            "description": _describe(status),
+            "description": _describe(status, signed),
             "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}},
         }
         for status in statuses
     }
 
 
-def _describe(status: int) -> str:
-    titles = sorted({title for s, title in KINDS.values() if s == status})
+# Problem kinds only a signed webhook route answers.
+SIGNATURE_KINDS = frozenset({"bad-signature"})
+
+
+def _describe(status: int, signed: bool = False) -> str:
+    titles = sorted(
+        {
+            title
+            for kind, (s, title) in KINDS.items()
+            if s == status and (signed or kind not in SIGNATURE_KINDS)
+        }
+    )
     return "; ".join(titles) or "Problem"
 
 

@@ -3,7 +3,9 @@ Retry-After beyond the limit, and the RateLimit-Policy and RateLimit headers on 
 
 In-process on purpose (docs/decisions.md): no database round trip per request, and a limit of N
 per process is N times the replicas for the service, which the settings say. The Stripe webhook route has
-its own limit, shared by every sender. Health probes and metrics are not limited.
+its own limit, shared by every sender. Health probes and metrics are not limited. The console's
+sign-in form counts its attempts in a window of its own, per client address and per key prefix
+(`sign_in_refusal`); its page shows the refusal.
 """
 
 from __future__ import annotations
@@ -121,10 +123,23 @@ class RateLimit(_HttpMiddleware):
         return self.keys, bucket_of(scope)
 
 
+def window(limit: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> FixedWindow | None:
+    """A limiter of `limit` per `window_s` (None: a limit of 0 is none)."""
+    return FixedWindow(limit, window_s, clock) if limit > 0 else None
+
+
 def limiters(
     rate_limit: int, window_s: float, webhook_limit: int, clock: Callable[[], float] = time.monotonic
 ) -> tuple[FixedWindow | None, FixedWindow | None]:
     """The per-key and the webhook limiter of the settings (None: that one is off)."""
-    keys = FixedWindow(rate_limit, window_s, clock) if rate_limit > 0 else None
-    webhook = FixedWindow(webhook_limit, window_s, clock) if webhook_limit > 0 else None
-    return keys, webhook
+    return window(rate_limit, window_s, clock), window(webhook_limit, window_s, clock)
+
+
+def sign_in_refusal(limiter: FixedWindow | None, address: str, prefix: str | None) -> int | None:
+    """Count one sign-in attempt from `address` with a key of `prefix` (None: not a key's shape):
+    the seconds to wait (whole, at least 1) when either has had its limit this window, else None."""
+    if limiter is None:
+        return None
+    buckets = [f"addr:{address}", *([f"prefix:{prefix}"] if prefix is not None else [])]
+    refused = [reset for allowed, _, reset in (limiter.take(bucket) for bucket in buckets) if not allowed]
+    return max(1, math.ceil(max(refused))) if refused else None

@@ -11,6 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.requests import HTTPConnection
 
 from controlplane.api.hub import Hub
+from controlplane.api.ratelimit import FixedWindow
 from controlplane.db.connection import AsyncConn
 from controlplane.queue.registry import JobRegistry
 from controlplane.runtime.secretbox import SecretBox
@@ -68,6 +69,8 @@ class AppState:
     watchers: Hub | None = None
     # The console's cookies and form tokens (from the secret key); made with the box when not given.
     seal: Seal | None = None
+    # The console's sign-in attempts, per client address and key prefix (None: not limited).
+    sign_in: FixedWindow | None = None
 
     def __post_init__(self) -> None:
         if self.seal is None:

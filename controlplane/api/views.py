@@ -22,6 +22,12 @@ from controlplane.services.instances import Versions
 
 Row = TypeVar("Row")
 
+# The file name every connection URI the service hands out gives as its `sslrootcert` (relative: the
+# directory the client runs in), and that the console offers the CA certificate under.
+CA_FILE = "controlplane-ca.pem"
+# The sslmodes that check the server's certificate against a CA (so need one).
+VERIFYING = ("verify-full", "verify-ca")
+
 
 def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[str, Any] | None:
     info = inst.connection
@@ -33,6 +39,11 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
     credentials = quote(user, safe="") + (f":{quote(password, safe='')}" if password is not None else "")
     sslmode = info.get("sslmode")
     query = f"?sslmode={quote(str(sslmode), safe='')}" if sslmode else ""
+    # A verified connection names the CA's file, so what a customer pastes fails, if it does, with
+    # that file's name (and connects once ca_certificate is saved under it).
+    sslrootcert = CA_FILE if sslmode in VERIFYING else None
+    if sslrootcert:
+        query += f"&sslrootcert={sslrootcert}"
     return {
         "host": host,
         "port": port,
@@ -41,6 +52,7 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
         "password": password,
         "sslmode": sslmode,
         "ca_certificate": info.get("ca_certificate"),
+        "sslrootcert": sslrootcert,
         "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}{query}",
     }
 
@@ -70,10 +82,11 @@ def instance(
         "storage_gb": None if shape is None else max(shape.storage_gb, int(inst.spec.get("storage_gb") or 0)),
         "restore_from": inst.spec.get("restore_from"),
         "state": inst.state,
-        "state_info": lifecycle.INSTANCE.state_info[inst.state].as_dict(),
+        "state_info": lifecycle.INSTANCE.state_info[inst.state].as_dict(inst.failure_code),
         "state_version": inst.state_version,
         "progress": progress,
         "allowed_actions": actions.of(inst),
+        "settled": actions.settled(inst),
         "spec_generation": inst.spec_generation,
         "observed_generation": inst.observed_generation,
         "failed_generation": inst.failed_generation,

@@ -16,11 +16,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic_core import to_jsonable_python
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from controlplane.api import views
-from controlplane.api.hub import APPLICATION_NAME, CLOSED, Closed, Moved, Stepped
+from controlplane.api.hub import APPLICATION_NAME, CLOSED, Changed, Closed, Note, Stepped, Transitioned
 from controlplane.api.state import AppState, app_state
 from controlplane.core import failures, lifecycle
 from controlplane.core.kinds import STEP_LABELS
@@ -29,9 +30,19 @@ from controlplane.db import sql
 from controlplane.queue import steps
 from controlplane.services import instances
 
-__all__ = ["APPLICATION_NAME", "instance_stream", "parse_last_event_id", "response", "sse"]
+__all__ = [
+    "APPLICATION_NAME",
+    "instance_stream",
+    "org_response",
+    "org_stream",
+    "parse_last_event_id",
+    "response",
+    "sse",
+]
 
 KEEPALIVE_S = 15.0
+# How many instance ids an organisation's stream remembers as its own or another's.
+KNOWN_IDS = 10_000
 # How a client waits before it reconnects after a stream ended without a terminal state (ms).
 RECONNECT_MS = 1000
 
@@ -40,7 +51,8 @@ def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
     lines = [f"event: {event}"]
     if event_id is not None:
         lines.append(f"id: {event_id}")
-    lines.append("data: " + json.dumps(data, default=str, separators=(",", ":")))
+    # As the REST answers write them (pydantic's JSON): times in RFC 3339 (`2026-12-02T02:29:42Z`).
+    lines.append("data: " + json.dumps(to_jsonable_python(data), separators=(",", ":")))
     return ("\n".join(lines) + "\n\n").encode()
 
 
@@ -90,16 +102,16 @@ async def _step_event(
     }
 
 
-async def _missed(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, after: int) -> list[Moved]:
+async def _missed(app: AppState, instance_id: uuid.UUID, org_id: uuid.UUID, after: int) -> list[Transitioned]:
     """The instance's transitions after state_version `after`, from its audit log."""
     async with app.pool.connection() as conn:
         cursor = await conn.execute(
             sql.ORG_INSTANCE_MOVES_AFTER, {"id": instance_id, "org": org_id, "after": after}
         )
-        return [Moved(row["to_state"], row["state_version"]) for row in await cursor.fetchall()]
+        return [Transitioned(row["to_state"], row["state_version"]) for row in await cursor.fetchall()]
 
 
-def _transition(instance_id: uuid.UUID, moved: Moved) -> bytes:
+def _transition(instance_id: uuid.UUID, moved: Transitioned) -> bytes:
     data = {"id": str(instance_id), "state": moved.state, "state_version": moved.state_version}
     return sse("transition", data, moved.state_version)
 
@@ -139,22 +151,16 @@ async def instance_stream(
             state, last, sent = await _catch_up(app, instance_id, org_id, state, resume_after)
             for chunk in sent:
                 yield chunk
-        while state not in lifecycle.INSTANCE.terminal:
-            try:
-                async with asyncio.timeout(keepalive_s):
-                    note = await queue.get()
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return
-                yield b": keepalive\n\n"
-                continue
-            if note is CLOSED:
-                return
-            if isinstance(note, Stepped):
+        if state in lifecycle.INSTANCE.terminal:
+            return
+        async for note in _notes(queue, request, keepalive_s):
+            if isinstance(note, bytes):
+                yield note
+            elif isinstance(note, Stepped):
                 event = await _step_event(app, instance_id, org_id, note.step_id)
                 if event is not None:
                     yield sse("step", event)
-            elif isinstance(note, Moved):
+            elif isinstance(note, Transitioned):
                 if note.state_version > last:
                     state, last = note.state, note.state_version
                     yield _transition(instance_id, note)
@@ -162,6 +168,27 @@ async def instance_stream(
                 state, last, sent = await _catch_up(app, instance_id, org_id, state, last)
                 for chunk in sent:
                     yield chunk
+            if state in lifecycle.INSTANCE.terminal:
+                return
+
+
+async def _notes(
+    queue: asyncio.Queue[Note], request: Request, keepalive_s: float
+) -> AsyncIterator[Note | bytes]:
+    """A stream's notes, and a keepalive comment after each `keepalive_s` without one; ends when
+    the client has gone or the process shuts down (CLOSED)."""
+    while True:
+        try:
+            async with asyncio.timeout(keepalive_s):
+                note = await queue.get()
+        except TimeoutError:
+            if await request.is_disconnected():
+                return
+            yield b": keepalive\n\n"
+            continue
+        if note is CLOSED:
+            return
+        yield note
 
 
 async def _catch_up(
@@ -184,7 +211,59 @@ async def response(
     async with app.pool.connection() as conn:
         await instances.load(conn, org_id, instance_id)
     resume_after = parse_last_event_id(last_event_id)
-    stream = instance_stream(app, request, instance_id, org_id, resume_after=resume_after)
+    return _events(instance_stream(app, request, instance_id, org_id, resume_after=resume_after))
+
+
+async def org_stream(
+    app: AppState, request: Request, org_id: uuid.UUID, *, keepalive_s: float = KEEPALIVE_S
+) -> AsyncIterator[bytes]:
+    """The changes of an organisation's instances: a `list` event first (and again whenever
+    notifications may have been missed: read the list again), then one `transition` event per state
+    change of any of its instances, a new one's creation included. Ends when the client leaves or
+    the process shuts down (the client reconnects and gets `list` again)."""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            assert app.watchers is not None, "the application's lifespan makes its hub"
+            queue = await stack.enter_async_context(app.watchers.follow_all())
+        except (Closed, TimeoutError):
+            yield f"retry: {RECONNECT_MS}\n\n".encode()
+            return
+        yield f"retry: {RECONNECT_MS}\n\n".encode()
+        yield sse("list", {})
+        ours: dict[str, bool] = {}  # instance id -> whether it is this organisation's
+        async for note in _notes(queue, request, keepalive_s):
+            if isinstance(note, bytes):
+                yield note
+                continue
+            if not isinstance(note, Changed):  # notifications were missed: the list, read again
+                yield sse("list", {})
+                continue
+            if note.instance_id not in ours:
+                if len(ours) >= KNOWN_IDS:
+                    ours.clear()
+                ours[note.instance_id] = await _is_of(app, note.instance_id, org_id)
+            if ours[note.instance_id]:
+                data = {"id": note.instance_id, "state": note.state, "state_version": note.state_version}
+                yield sse("transition", data)
+
+
+async def _is_of(app: AppState, instance_id: str, org_id: uuid.UUID) -> bool:
+    try:
+        wanted = uuid.UUID(instance_id)
+    except ValueError:
+        return False
+    async with app.pool.connection() as conn:
+        cursor = await conn.execute(sql.ORG_INSTANCE, {"id": wanted, "org": org_id})
+        return await cursor.fetchone() is not None
+
+
+def org_response(request: Request, org_id: uuid.UUID) -> StreamingResponse:
+    """The stream of an organisation's instances' changes (the console's list follows it)."""
+    return _events(org_stream(app_state(request), request, org_id))
+
+
+def _events(stream: AsyncIterator[bytes]) -> StreamingResponse:
+    """A stream of Server-Sent Events, past any proxy's buffer and never cached."""
     return StreamingResponse(
         stream,
         media_type="text/event-stream",

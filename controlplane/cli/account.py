@@ -7,8 +7,19 @@ import argparse
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from controlplane.cli.client import Api
-from controlplane.cli.common import CommandError, add_output_flag, output_format, print_data, print_table
+from controlplane.cli.common import (
+    CommandError,
+    Listing,
+    add_list_flags,
+    add_output_flag,
+    api_client,
+    cell_text,
+    output_format,
+    print_data,
+    print_fields,
+    print_items,
+    print_table,
+)
 from controlplane.cli.customer_parser import _action, api_flags
 
 
@@ -40,26 +51,30 @@ def register(commands: Any) -> None:
         cmd_webhook_create,
         "controlplane webhooks create https://example.com/hooks --events instance.ready,instance.failed",
     )
-    create.add_argument("url")
+    # Not `url`: that is --url's destination, where the API is (api_flags).
+    create.add_argument("endpoint_url", metavar="URL", help="where the events are POSTed (https)")
     create.add_argument("--events", required=True, help="comma-separated event types, or '*'")
-    create.add_argument("--description", default="")
-    _action(actions, "list", "list the endpoints", cmd_webhook_list, "controlplane webhooks list")
+    create.add_argument("--description", default="", help="a note to recognise it by")
+    add_list_flags(
+        _action(actions, "list", "list the endpoints", cmd_webhook_list, "controlplane webhooks list")
+    )
     delete = _action(
         actions,
         "delete",
         "remove an endpoint",
         cmd_webhook_delete,
-        "controlplane webhooks delete ENDPOINT_ID",
+        "controlplane webhooks delete 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
     )
-    delete.add_argument("id")
+    delete.add_argument("id", metavar="ENDPOINT_ID", help="the endpoint's id (`webhooks list`)")
     deliveries = _action(
         actions,
         "deliveries",
         "an endpoint's delivery log, newest first",
         cmd_webhook_deliveries,
-        "controlplane webhooks deliveries ENDPOINT_ID",
+        "controlplane webhooks deliveries 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10",
     )
-    deliveries.add_argument("id")
+    deliveries.add_argument("id", metavar="ENDPOINT_ID", help="the endpoint's id (`webhooks list`)")
+    add_list_flags(deliveries, limit_default=100)
 
 
 def _time(value: str, name: str) -> str:
@@ -86,13 +101,21 @@ def cmd_usage(args: argparse.Namespace) -> int:
         else now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).isoformat()
     )
     end = _time(args.end, "to") if args.end else (now + timedelta(seconds=1)).isoformat()
-    report = Api(args).request("GET", "/v1/usage", params={"from": start, "to": end})
+    api = api_client(args)
+    report = api.request("GET", "/v1/usage", params={"from": start, "to": end})
     fmt = output_format(args)
     if fmt != "table":
         print_data(report, fmt)
         return 0
-    print(f"usage from {report['from']} to {report['to']} (as of {report['as_of']})")
-    rows = [[i["instance_id"], i["plan"], i["billing"], _hours(i["seconds"])] for i in report["items"]]
+    # The databases by name: those of the window, deleted and archived ones too.
+    everything = api.all_items("/v1/instances", {"limit": 100, "include": "archived"})
+    names = {i["id"]: i["name"] for i in everything}
+    window = f"{cell_text(report['from'])} to {cell_text(report['to'])}"
+    print(f"usage from {window} (as of {cell_text(report['as_of'])})")
+    rows = [
+        [names.get(i["instance_id"], i["instance_id"]), i["plan"], i["billing"], _hours(i["seconds"])]
+        for i in report["items"]
+    ]
     print_table(rows, ("instance", "plan", "billing", "time"))
     print()
     print_table(
@@ -103,13 +126,12 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def cmd_billing(args: argparse.Namespace) -> int:
-    state = Api(args).request("GET", "/v1/billing")
+    state = api_client(args).request("GET", "/v1/billing")
     fmt = output_format(args)
     if fmt != "table":
         print_data(state, fmt)
         return 0
-    rows = [[key, "" if value is None else value] for key, value in state.items()]
-    print_table(rows, ("billing", "value"))
+    print_fields(list(state.items()))
     if state.get("suspends_at"):
         print(f"the subscription is past due: the databases become read-only at {state['suspends_at']}")
     return 0
@@ -117,10 +139,10 @@ def cmd_billing(args: argparse.Namespace) -> int:
 
 def cmd_webhook_create(args: argparse.Namespace) -> int:
     events = [e.strip() for e in args.events.split(",") if e.strip()]
-    endpoint = Api(args).request(
+    endpoint = api_client(args).request(
         "POST",
         "/v1/webhook-endpoints",
-        json={"url": args.url, "event_types": events, "description": args.description},
+        json={"url": args.endpoint_url, "event_types": events, "description": args.description},
     )
     fmt = output_format(args)
     if fmt != "table":
@@ -131,37 +153,32 @@ def cmd_webhook_create(args: argparse.Namespace) -> int:
     return 0
 
 
+WEBHOOKS = Listing(
+    ("id", "url", "events", "enabled"),
+    lambda e: {
+        "events": e["event_types"],
+        "enabled": "yes" if e["enabled"] else f"no: {e['disabled_reason']}",
+    },
+)
+DELIVERIES = Listing(
+    ("created_at", "event_id", "event_type", "state", "attempts", "last_status", "last_error")
+)
+
+
 def cmd_webhook_list(args: argparse.Namespace) -> int:
-    items = Api(args).all_items("/v1/webhook-endpoints", {"limit": 100})
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(items, fmt)
-        return 0
-    rows = [
-        [
-            e["id"],
-            e["url"],
-            ",".join(e["event_types"]),
-            "yes" if e["enabled"] else f"no: {e['disabled_reason']}",
-        ]
-        for e in items
-    ]
-    print_table(rows, ("id", "url", "events", "enabled"))
+    items = api_client(args).all_items("/v1/webhook-endpoints", {"limit": 100}, limit=args.limit)
+    print_items(items, args, WEBHOOKS)
     return 0
 
 
 def cmd_webhook_delete(args: argparse.Namespace) -> int:
-    Api(args).request("DELETE", f"/v1/webhook-endpoints/{args.id}")
+    api_client(args).request("DELETE", f"/v1/webhook-endpoints/{args.id}")
     print(f"endpoint {args.id} removed")
     return 0
 
 
 def cmd_webhook_deliveries(args: argparse.Namespace) -> int:
-    page = Api(args).request("GET", f"/v1/webhook-endpoints/{args.id}/deliveries", params={"limit": 100})
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(page["items"], fmt)
-        return 0
-    columns = ("created_at", "event_id", "event_type", "state", "attempts", "last_status", "last_error")
-    print_table([[d.get(c) for c in columns] for d in page["items"]], columns)
+    path = f"/v1/webhook-endpoints/{args.id}/deliveries"
+    items = api_client(args).all_items(path, {"limit": 100}, limit=args.limit)
+    print_items(items, args, DELIVERIES)
     return 0

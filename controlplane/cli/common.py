@@ -4,25 +4,32 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import SecretStr
-
+from controlplane.cli.lazy import Parser
 from controlplane.core import exit_codes
-from controlplane.db import connection as db
-from controlplane.db.connection import AsyncConn
-from controlplane.runtime import settings as settings_module
-from controlplane.runtime.settings import Settings
+
+if TYPE_CHECKING:  # imported where used: `controlplane --help` needs no HTTP client, pydantic or psycopg
+    from controlplane.cli.client import Api
+    from controlplane.db.connection import AsyncConn
+    from controlplane.runtime.settings import Settings
 
 T = TypeVar("T")
+
+
+def api_client(args: argparse.Namespace, *, need_key: bool = True, admin: bool = False) -> Api:
+    """The REST API's client the flags, environment and profile name (`client.Api`, imported here)."""
+    from controlplane.cli.client import Api
+
+    return Api(args, need_key=need_key, admin=admin)
 
 
 class CommandError(Exception):
@@ -37,7 +44,7 @@ def shown_default(value: Any) -> str:
     """A default as a user would type it: `.controlplane`, `8700`, `(none)`, never a repr."""
     if value is None or value == "":
         return "(none)"
-    if isinstance(value, SecretStr):
+    if hasattr(value, "get_secret_value"):  # a SecretStr
         return "(secret)" if value.get_secret_value() else "(none)"
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -49,7 +56,17 @@ def shown_default(value: Any) -> str:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
-    """Add --flag for each named setting (by its flat name); each defaults to its CONTROLPLANE_* variable."""
+    """Add --flag for each named setting (by its flat name); each defaults to its CONTROLPLANE_* variable.
+    On a lazy Parser, once the command is used (the settings' model is not imported before)."""
+    if isinstance(parser, Parser):
+        parser.defer(lambda filled: _settings_flags(filled, names))
+    else:
+        _settings_flags(parser, names)
+
+
+def _settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    from controlplane.runtime import settings as settings_module
+
     for name in names:
         entry = settings_module.SETTINGS[name]
         default = entry.field.get_default(call_default_factory=True)
@@ -58,11 +75,33 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str]) ->
             dest=f"setting_{name}",
             type=entry.kind,
             default=None,
-            help=f"(env {entry.env}; default: {shown_default(default)})",
+            metavar=flag_metavar(name, entry.kind),
+            help=f"{first_sentence(entry.field.description or '')} (env {entry.env}; default:"
+            f" {shown_default(default)})",
         )
 
 
+def flag_metavar(name: str, kind: type) -> str:
+    """What a setting's flag takes, as --help shows it: SECONDS, N, PORT, PATH, URL, or its last word."""
+    last = name.rsplit("_", 1)[-1]
+    if kind is float and last == "s":
+        return "SECONDS"
+    if kind is Path:
+        return "PATH"
+    if last in ("port", "url"):
+        return last.upper()
+    return "N" if kind in (int, float) else last.upper()
+
+
+def first_sentence(markdown: str) -> str:
+    """The first sentence of a setting's description (docs/configuration.md), as plain text."""
+    text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", markdown).replace("`", "").replace("**", "")
+    return re.split(r"(?<=[.;])\s+(?=[A-Z])", text, maxsplit=1)[0].rstrip(".")
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
+    from controlplane.runtime import settings as settings_module
+
     overrides = {
         key.removeprefix("setting_"): value
         for key, value in vars(args).items()
@@ -112,13 +151,18 @@ _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d+)?([+-]\d{2}
 
 
 def cell_text(value: Any) -> str:
-    """A value as a table shows it; timestamps (datetimes, or RFC 3339 text) in the one format."""
+    """A value as a table shows it: timestamps (datetimes, or RFC 3339 text) in the one format,
+    lists joined with commas, whole numbers without a decimal point."""
     if value is None:
         return ""
     if isinstance(value, datetime):
         return timestamp(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(cell_text(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
     text = str(value)
     if _RFC3339.fullmatch(text):
         try:
@@ -126,6 +170,111 @@ def cell_text(value: Any) -> str:
         except ValueError:
             return text
     return text
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as a person reads it: `42 s`, `5 min 3 s`, `3 h 25 min`, `7 d`, `2 d 3 h`."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{seconds:.3g} s" if seconds < 10 and not float(seconds).is_integer() else f"{whole} s"
+    units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+    parts = []
+    for name, size in units:
+        count, whole = divmod(whole, size)
+        if count:
+            parts.append(f"{count} {name}")
+    return " ".join(parts[:2])
+
+
+def field_text(name: str, value: Any) -> str:
+    """A field's value in a `field value` table: `none` when unset, a duration (a name ending in
+    `_s`) in words (with its seconds from a minute on), the rest as a table cell."""
+    if value is None or value == []:
+        return "none"
+    if name.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool):
+        words = duration_text(float(value))
+        return words if value < 60 else f"{words} ({cell_text(float(round(value, 3)))} s)"
+    return cell_text(value)
+
+
+def print_fields(rows: Sequence[tuple[str, Any]], max_cell: int | None = MAX_CELL) -> None:
+    """A `field value` table of one thing."""
+    print_table(
+        [(name, field_text(name, value)) for name, value in rows], ("field", "value"), max_cell=max_cell
+    )
+
+
+# ---- lists: their columns, --columns and --limit ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listing:
+    """How a list is shown: its default columns in order, and `view`: the values an item shows
+    besides its own fields (a derived column, or a field shown otherwise in a table). `--columns`
+    picks among both; with `-o json|yaml` the picked fields are the item's own (raw) where it has
+    them."""
+
+    columns: tuple[str, ...]
+    view: Callable[[dict[str, Any]], dict[str, Any]] = lambda item: {}
+    state_column: str | None = None
+
+
+def add_list_flags(parser: argparse.ArgumentParser, *, limit_default: int | None = None) -> None:
+    """--columns (the fields to show, in order) and --limit (the first N items)."""
+    parser.add_argument(
+        "--columns",
+        type=_column_names,
+        default=None,
+        metavar="NAME[,NAME]",
+        help="the columns to show, in this order: any field of the items (-o json lists them);"
+        " with -o json|yaml, only those fields",
+    )
+    shown = f"default: {limit_default}" if limit_default else "default: all"
+    parser.add_argument(
+        "--limit", type=positive_int, default=limit_default, metavar="N", help=f"the first N items ({shown})"
+    )
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def _column_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one column")
+    return names
+
+
+def print_items(items: Sequence[dict[str, Any]], args: argparse.Namespace, listing: Listing) -> None:
+    """A list as a table of its columns (`--columns`, else the listing's), or as JSON or YAML."""
+    fmt = output_format(args)
+    chosen: tuple[str, ...] | None = getattr(args, "columns", None)
+    shown = [{**item, **listing.view(item)} for item in items]
+    if chosen and shown:
+        known = dict.fromkeys([*listing.columns, *shown[0]])
+        unknown = [c for c in chosen if c not in known]
+        if unknown:
+            raise CommandError(
+                f"no column {', '.join(unknown)}; the columns are {', '.join(known)}", exit_codes.USAGE
+            )
+    if fmt != "table":
+        if chosen:
+            print_data(
+                [
+                    {c: item[c] if c in item else view.get(c) for c in chosen}
+                    for item, view in zip(items, shown, strict=True)
+                ],
+                fmt,
+            )
+        else:
+            print_data(list(items), fmt)
+        return
+    columns = chosen or listing.columns
+    state = listing.state_column if listing.state_column in columns else None
+    print_table([[view.get(c) for c in columns] for view in shown], columns, state_column=state)
 
 
 def _jsonable(value: Any) -> Any:
@@ -205,6 +354,10 @@ def print_table(
 
 def run_with_db(args: argparse.Namespace, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
     """Run `work` on one connection to the database the flags and environment name."""
+    import asyncio
+
+    from controlplane.db import connection as db
+
     url = db.resolve_database_url(settings_from(args))
 
     async def run() -> T:

@@ -8,24 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from controlplane.cli.common import add_output_flag
-from controlplane.cli.instances import (
-    RECORDED_WHILE_SUSPENDED,
-    cmd_backup,
-    cmd_backups,
-    cmd_ca,
-    cmd_create,
-    cmd_delete,
-    cmd_events,
-    cmd_list,
-    cmd_protection,
-    cmd_resize,
-    cmd_restore,
-    cmd_retry,
-    cmd_show,
-    cmd_wait,
-    cmd_watch,
-)
+from controlplane.cli.common import add_list_flags, add_output_flag
+from controlplane.cli.lazy import LazyHandler
 from controlplane.core import exit_codes, lifecycle, plans
 
 DEFAULT_TIMEOUT = "30m"
@@ -66,7 +50,7 @@ def register(commands: Any) -> None:
         actions,
         "create",
         "create a database",
-        cmd_create,
+        _handler("cmd_create"),
         "controlplane instances create orders --plan dev --wait",
     )
     create.add_argument("name", metavar="NAME", help="a DNS label, unique among your live databases")
@@ -93,15 +77,18 @@ def register(commands: Any) -> None:
         actions,
         "list",
         "list databases (failed and deleted ones with --all)",
-        cmd_list,
-        "controlplane instances list --all -o json",
+        _handler("cmd_list"),
+        "controlplane instances list --all --columns name,state,plan --limit 20",
     )
     listing.add_argument(
         "--state", choices=lifecycle.INSTANCE.states, metavar="STATE", help="only those in this state"
     )
     listing.add_argument("--all", action="store_true", help="failed and deleted databases too")
+    add_list_flags(listing)
 
-    show = _action(actions, "show", "show one database", cmd_show, "controlplane instances show orders")
+    show = _action(
+        actions, "show", "show one database", _handler("cmd_show"), "controlplane instances show orders"
+    )
     _ref(show)
     show.add_argument("--uri", action="store_true", help="print only the connection URI (for psql)")
 
@@ -109,7 +96,7 @@ def register(commands: Any) -> None:
         actions,
         "resize",
         "change a database's plan",
-        cmd_resize,
+        _handler("cmd_resize"),
         "controlplane instances resize orders --plan small --wait",
     )
     _ref(resize)
@@ -119,14 +106,14 @@ def register(commands: Any) -> None:
         "--wait-for-resume",
         action="store_true",
         help="with --wait on a suspended instance, keep waiting until it resumes and the change is"
-        f" applied (without it, --wait says the change is recorded and exits {RECORDED_WHILE_SUSPENDED})",
+        f" applied (without it, --wait says the change is recorded and exits {exit_codes.RECORDED})",
     )
 
     delete = _action(
         actions,
         "delete",
         "delete a database (a final backup is taken first)",
-        cmd_delete,
+        _handler("cmd_delete"),
         "controlplane instances delete orders --wait",
     )
     _ref(delete)
@@ -137,7 +124,7 @@ def register(commands: Any) -> None:
         actions,
         "protection",
         "turn deletion protection on or off",
-        cmd_protection,
+        _handler("cmd_protection"),
         "controlplane instances protection orders on",
     )
     _ref(protection)
@@ -147,7 +134,7 @@ def register(commands: Any) -> None:
         actions,
         "retry",
         "create a failed database again: same name and plan, linked to the failed one",
-        cmd_retry,
+        _handler("cmd_retry"),
         "controlplane instances retry orders --wait",
     )
     _ref(retry)
@@ -157,7 +144,7 @@ def register(commands: Any) -> None:
         actions,
         "wait",
         "wait until a database reaches a state",
-        cmd_wait,
+        _handler("cmd_wait"),
         "controlplane instances wait orders --for ready --timeout 10m",
     )
     _ref(wait)
@@ -178,33 +165,51 @@ def register(commands: Any) -> None:
     )
 
     events = _action(
-        actions, "events", "a database's audit log", cmd_events, "controlplane instances events orders"
+        actions,
+        "events",
+        "a database's audit log",
+        _handler("cmd_events"),
+        "controlplane instances events orders",
     )
     _ref(events)
+    add_list_flags(events)
 
     watch = _action(
         actions,
         "watch",
         "follow a database's state changes (Ctrl-C stops)",
-        cmd_watch,
+        _handler("cmd_watch"),
         "controlplane instances watch orders",
     )
     _ref(watch)
+
+    charts = _action(
+        actions,
+        "metrics",
+        "a database's metrics (connections, transactions, rows, cache, size) as sparklines",
+        _handler("cmd_metrics"),
+        "controlplane instances metrics orders --step 60",
+    )
+    _ref(charts)
+    charts.add_argument("--from", dest="since", metavar="TIME", help="start (RFC 3339); default an hour ago")
+    charts.add_argument("--to", dest="until", metavar="TIME", help="end (RFC 3339); default now")
+    charts.add_argument("--step", type=int, metavar="SECONDS", help="seconds between points")
 
     listing = _action(
         actions,
         "backups",
         "the moments a database can be restored to, its archive's health, and its backups",
-        cmd_backups,
+        _handler("cmd_backups"),
         "controlplane instances backups orders",
     )
     _ref(listing)
+    add_list_flags(listing)
 
     backup = _action(
         actions,
         "backup",
         "take a backup now (beside the plan's schedule)",
-        cmd_backup,
+        _handler("cmd_backup"),
         "controlplane instances backup orders",
     )
     _ref(backup)
@@ -213,7 +218,7 @@ def register(commands: Any) -> None:
         actions,
         "restore",
         "bring back a database whose data is lost: from a backup, or empty",
-        cmd_restore,
+        _handler("cmd_restore"),
         "controlplane instances restore orders --newest --wait",
     )
     _ref(restore)
@@ -238,7 +243,12 @@ def register(commands: Any) -> None:
     ca.add_argument(
         "--file", "--output-file", dest="file", type=Path, help="write it to this file (default: print it)"
     )
-    ca.set_defaults(handler=cmd_ca)
+    ca.set_defaults(handler=_handler("cmd_ca"))
+
+
+def _handler(name: str) -> LazyHandler:
+    """A command of `instances.py` (which imports the HTTP client), imported when it runs."""
+    return LazyHandler(f"controlplane.cli.instances:{name}")
 
 
 def _states(text: str) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from controlplane.cli.client import Api, WaitTimeout, instance_path
-from controlplane.cli.common import cell_text, timestamp
+from controlplane.cli.common import cell_text
 from controlplane.cli.render import step_summary
 from controlplane.core import lifecycle
 
@@ -82,10 +82,12 @@ def _updates(
     api: Api, ref: str, follower: Follower | None = None, deadline: float | None = None
 ) -> Iterator[dict[str, Any]]:
     """The instance as it is now, then as it is after each change its watch stream announces; its
-    steps go to `follower` as they happen. WaitTimeout at `deadline`."""
-    path = f"/v1/instances/{instance_path(ref)}"
-    yield api.request("GET", path)
-    for name, data in api.stream_events(ref, deadline=deadline):
+    steps go to `follower` as they happen. WaitTimeout at `deadline`. A name is looked up once: by
+    id from then on, since a deleted instance's name may soon mean another one, or several."""
+    first = api.request("GET", f"/v1/instances/{instance_path(ref)}")
+    yield first
+    path = f"/v1/instances/{instance_path(str(first['id']))}"
+    for name, data in api.stream_events(str(first["id"]), deadline=deadline):
         if name == "step":
             if follower is not None:
                 follower.step(data)
@@ -127,10 +129,10 @@ def wait_for_generation(
     for the instance to resume). WaitTimeout at `deadline`."""
     told = False
     instance: dict[str, Any] = {}
+    follower = Follower(quiet)  # the same lines as `create --wait`: state changes and steps
     try:
-        for n, instance in enumerate(_updates(api, instance_id, deadline=deadline)):
-            if n and not quiet:
-                print(f"[{timestamp_now()}] {instance['state']}", flush=True)
+        for instance in _updates(api, instance_id, follower, deadline):
+            follower.instance(instance)
             done = instance["observed_generation"] >= generation and instance["state"] == "ready"
             given_up = (instance.get("failed_generation") or 0) >= generation
             if done or given_up or instance["state"] in (*TERMINAL, "degraded"):
@@ -147,12 +149,6 @@ def wait_for_generation(
             f"timed out waiting for the resize of {instance.get('name', instance_id)}{where}"
         ) from None
     return instance
-
-
-def timestamp_now() -> str:
-    from datetime import UTC, datetime
-
-    return timestamp(datetime.now(UTC))
 
 
 def _suspended_line(instance: dict[str, Any], plan: str, generation: int, waiting: bool) -> str:

@@ -9,24 +9,26 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+import uuid
 from typing import Any
 
 from controlplane.cli.client import Api, connection_uri, instance_path
-from controlplane.cli.common import CommandError, output_format, print_data
+from controlplane.cli.common import CommandError, Listing, output_format, print_data, print_items
 from controlplane.cli.follow import follow, wait_for_generation
 from controlplane.cli.render import (
+    BACKUPS,
+    EVENTS,
+    INSTANCES,
     failure_rows,
-    show_backups,
-    show_events,
+    ready_line,
     show_instance,
-    show_instances,
+    show_metrics,
     window_rows,
 )
 from controlplane.core import exit_codes
 
-# `resize --wait` on a suspended instance: the change is recorded, and applied once it resumes.
-RECORDED_WHILE_SUSPENDED = exit_codes.RECORDED
+# The page size asked of the API (its cap) when listing everything.
+PAGE = 100
 
 
 def _deadline(args: argparse.Namespace) -> float:
@@ -58,9 +60,7 @@ def wait_until_ready(api: Api, instance: dict[str, Any], fmt: str, deadline: flo
     if final["state"] != "ready":
         raise ended_failed(final, quiet)
     if not quiet:
-        print(f"{final['name']} ({final['id']}) is ready")
-        if final.get("connection"):
-            print(connection_uri(api, final["connection"]))
+        ready_line(final, api)
     return 0
 
 
@@ -76,7 +76,10 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["restore_from"] = _restore_from(api, args)
     elif args.at or args.from_backup:
         raise CommandError("--at and --from-backup need --restore-from SOURCE", exit_codes.USAGE)
-    instance = api.request("POST", "/v1/instances", json=body)
+    # One key for every try of this command: a create answered 502 (or lost) and sent again makes
+    # one database, and the API answers the first outcome again.
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    instance = api.request("POST", "/v1/instances", json=body, headers=key)
     if not args.wait:
         show_instance(instance, fmt)
         return 0
@@ -113,13 +116,13 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    params: dict[str, Any] = {"limit": 100}
+    params: dict[str, Any] = {"limit": min(args.limit or PAGE, PAGE)}
     if args.state:
         params["state"] = args.state
     elif not args.all:
         params["live"] = "true"
-    items = Api(args).all_items("/v1/instances", params)
-    show_instances(items, output_format(args))
+    items = Api(args).all_items("/v1/instances", params, limit=args.limit)
+    print_items(items, args, INSTANCES)
     return 0
 
 
@@ -141,28 +144,35 @@ def cmd_resize(args: argparse.Namespace) -> int:
     api = Api(args)
     fmt = output_format(args)
     instance = api.request("PATCH", f"/v1/instances/{instance_path(args.ref)}", json={"plan": args.plan})
-    if args.wait or args.wait_for_resume:
-        generation = int(instance["spec_generation"])
-        instance = wait_for_generation(
-            api,
-            instance["id"],
-            generation,
-            fmt != "table",
-            _deadline(args),
-            plan=args.plan,
-            through_suspension=args.wait_for_resume,
+    if not (args.wait or args.wait_for_resume):
+        show_instance(instance, fmt)
+        return 0
+    if fmt == "table":
+        print(
+            f"{instance['name']}: resize to {args.plan} requested (generation {instance['spec_generation']})"
         )
-        if instance["state"] == "suspended":
-            show_instance(instance, fmt)
-            return RECORDED_WHILE_SUSPENDED
-        if instance["observed_generation"] < generation or instance["state"] != "ready":
-            show_instance(instance, fmt)
-            raise CommandError(
-                f"resize to {args.plan} did not complete: instance is {instance['state']}"
-                f" ({(instance.get('failure') or {}).get('message') or 'no reason recorded'})",
-                exit_codes.FAILED,
-            )
-    show_instance(instance, fmt)
+    generation = int(instance["spec_generation"])
+    final = wait_for_generation(
+        api,
+        instance["id"],
+        generation,
+        fmt != "table",
+        _deadline(args),
+        plan=args.plan,
+        through_suspension=args.wait_for_resume,
+    )
+    if fmt != "table":
+        print_data(final, fmt)
+    if final["state"] == "suspended":
+        return exit_codes.RECORDED  # wait_for_generation said why, on stderr
+    if final["observed_generation"] < generation or final["state"] != "ready":
+        raise CommandError(
+            f"resize to {args.plan} did not complete: instance is {final['state']}"
+            f" ({(final.get('failure') or {}).get('message') or 'no reason recorded'})",
+            exit_codes.FAILED,
+        )
+    if fmt == "table":
+        ready_line(final, api, plan=args.plan)
     return 0
 
 
@@ -214,7 +224,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    return _show_all(args, "events", show_events)
+    return _show_all(args, "events", EVENTS)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -241,13 +251,27 @@ def cmd_backups(args: argparse.Namespace) -> int:
     for label, value in window_rows(recovery):
         print(f"{label + ':':<18}{value}")
     print()
-    show_backups(recovery["backups"], fmt)
+    backups = recovery["backups"]
+    print_items(backups[: args.limit] if args.limit else backups, args, BACKUPS)
     return 0
 
 
-def _show_all(args: argparse.Namespace, what: str, show: Callable[[list[dict[str, Any]], str], None]) -> int:
-    """Every item of one of the instance's lists (`events`, `backups`), shown."""
-    show(Api(args).all_items(f"/v1/instances/{instance_path(args.ref)}/{what}"), output_format(args))
+def _show_all(args: argparse.Namespace, what: str, listing: Listing) -> int:
+    """The items of one of the instance's lists (`events`, `backups`; the first --limit), shown."""
+    params = {"limit": min(args.limit, PAGE)} if args.limit else None
+    items = Api(args).all_items(f"/v1/instances/{instance_path(args.ref)}/{what}", params, limit=args.limit)
+    print_items(items, args, listing)
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    params = {"from": args.since, "to": args.until, "step": args.step}
+    series = Api(args).request(
+        "GET",
+        f"/v1/instances/{instance_path(args.ref)}/metrics",
+        params={k: v for k, v in params.items() if v is not None} or None,
+    )
+    show_metrics(series, output_format(args))
     return 0
 
 
@@ -280,13 +304,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             source = "empty" if args.empty else args.backup or "the newest backup"
             print(f"{instance['name']}: restore requested ({source})")
         return 0
-    final = follow(api, instance["id"], ("ready",), fmt != "table", _deadline(args))
-    if fmt != "table":
-        print_data(final, fmt)
-    if final["state"] != "ready":
-        reason = (final.get("failure") or {}).get("message") or "no reason"
-        raise CommandError(f"instance is {final['state']}: {reason}", exit_codes.FAILED)
-    return 0
+    return wait_until_ready(api, instance, fmt, _deadline(args))
 
 
 def cmd_ca(args: argparse.Namespace) -> int:

@@ -1,36 +1,17 @@
-"""The `controlplane jobs` commands: list jobs, steer them (pause, resume, retry, abandon), dwell times."""
+"""The `controlplane jobs` commands: list jobs, steer them (pause, resume, retry, abandon), dwell times.
+Their parsers; what they do is in `jobs_commands.py`."""
 
 from __future__ import annotations
 
 import argparse
-import getpass
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
-from controlplane.audit import dwell
-from controlplane.cli.client import Api
-from controlplane.cli.common import (
-    CommandError,
-    add_output_flag,
-    add_remote_flags,
-    add_settings_flags,
-    output_format,
-    print_data,
-    print_table,
-    remote,
-    run_with_db,
-    settings_from,
-)
-from controlplane.core import exit_codes, lifecycle
-from controlplane.db.connection import AsyncConn
-from controlplane.queue import moves as queue
-from controlplane.queue.registry import JobRegistry, load_registry
-from controlplane.runtime import settings as settings_module
+from controlplane.cli.common import add_list_flags, add_output_flag, add_remote_flags, add_settings_flags
+from controlplane.cli.lazy import LazyHandler
+from controlplane.core import lifecycle
 
 DB_FLAGS = ("database_url", "data_dir")
-# The instance job kinds: their abandonment hooks fail or degrade the instance (no provisioner needed).
-DEFAULT_REGISTRY = "controlplane.handlers.operations:registry"
-T = TypeVar("T")
 
 
 def register(commands: Any) -> None:
@@ -38,199 +19,56 @@ def register(commands: Any) -> None:
     actions = parser.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
 
     listing = actions.add_parser("list", help="jobs, newest first")
-    listing.add_argument("--state", choices=lifecycle.JOB.states)
-    listing.add_argument("--kind")
+    listing.add_argument(
+        "--state",
+        choices=lifecycle.JOB.states,
+        metavar="STATE",
+        help=f"only those in this state: {', '.join(lifecycle.JOB.states)} (failed: waiting for their"
+        " next attempt; abandoned: given up)",
+    )
+    listing.add_argument("--kind", help="only this kind (provision, update, backup, ...)")
     listing.add_argument("--instance", type=uuid.UUID, help="only this instance's jobs")
-    listing.add_argument("--limit", type=int, default=50, help="jobs at most (default: 50)")
+    add_list_flags(listing, limit_default=50)
     add_output_flag(listing)
     add_remote_flags(listing)
     add_settings_flags(listing, DB_FLAGS)
-    listing.set_defaults(handler=cmd_list)
+    listing.set_defaults(handler=_handler("cmd_list"))
 
     history = actions.add_parser(
         "events",
         help="a job's event history, oldest first",
         description="A job's event history, oldest first: each state change with its actor and reason.",
-        epilog="example:\n  controlplane jobs events 3f2a... --url https://cp.example.com",
+        epilog="example:\n  controlplane jobs events 5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10 --url https://cp.example.com",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    history.add_argument("job_id", metavar="ID", type=uuid.UUID)
+    history.add_argument("job_id", metavar="ID", type=uuid.UUID, help="the job's id (`jobs list`)")
+    add_list_flags(history)
     add_output_flag(history)
     add_remote_flags(history)
     add_settings_flags(history, DB_FLAGS)
-    history.set_defaults(handler=cmd_events)
+    history.set_defaults(handler=_handler("cmd_events"))
 
     stats = actions.add_parser("dwell", help="time spent in each state: count, p50, p95, max")
     stats.add_argument("--entity", choices=tuple(lifecycle.LIFECYCLES), default="job", help="(default: job)")
     add_output_flag(stats)
     add_remote_flags(stats)
     add_settings_flags(stats, DB_FLAGS)
-    stats.set_defaults(handler=cmd_dwell)
+    stats.set_defaults(handler=_handler("cmd_dwell"))
 
-    for action in queue.OPERATOR_ACTIONS:
+    for action in lifecycle.JOB_OPERATOR_ACTIONS:
         steer = actions.add_parser(action, help=f"{action} a job (as an operator, with a reason)")
-        steer.add_argument("job_id", metavar="ID", type=uuid.UUID)
+        steer.add_argument("job_id", metavar="ID", type=uuid.UUID, help="the job's id (`jobs list`)")
         steer.add_argument("--reason", required=True, help="why (recorded in the job's events)")
         steer.add_argument("--operator", default=None, help="who (default: the current OS user)")
         add_output_flag(steer)
         add_remote_flags(steer)
         if action == "abandon":
             steer.add_argument(
-                "--registry",
-                default=None,
-                help="job kinds as module:attribute, for the abandonment hook "
-                f"(env {settings_module.env_name('job_registry')}, default {DEFAULT_REGISTRY})",
-            )
-            steer.add_argument(
                 "--force", action="store_true", help="abandon even if the kind's hook cannot run here"
             )
         add_settings_flags(steer, DB_FLAGS)
-        steer.set_defaults(handler=cmd_steer, action=action)
+        steer.set_defaults(handler=_handler("cmd_steer"), action=action)
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.3f}"
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    if remote(args):
-        params = {"state": args.state, "kind": args.kind, "instance": args.instance, "limit": args.limit}
-        query = {k: str(v) for k, v in params.items() if v is not None}
-        rows = Api(args, admin=True).request("GET", "/v1/admin/jobs", params=query)["items"]
-    else:
-        rows = run_with_db(
-            args,
-            lambda conn: queue.list_jobs(
-                conn, state=args.state, kind=args.kind, instance_id=args.instance, limit=args.limit
-            ),
-        )
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(rows, fmt)
-        return 0
-    print_table(
-        [
-            (
-                r["id"],
-                r["kind"],
-                r["state"],
-                f"{r['attempt']}/{r['max_attempts']}",
-                r["priority"],
-                r["run_at"],
-                r["claimed_by"],
-                r["fence"],
-                r["last_error"] or "",
-            )
-            for r in rows
-        ],
-        ("ID", "KIND", "STATE", "ATTEMPT", "PRIO", "RUN_AT", "CLAIMED_BY", "FENCE", "LAST_ERROR"),
-        state_column="STATE",
-    )
-    return 0
-
-
-def cmd_events(args: argparse.Namespace) -> int:
-    if remote(args):
-        rows = Api(args, admin=True).request("GET", f"/v1/admin/jobs/{args.job_id}")["items"]
-    else:
-        rows = run_with_db(args, lambda conn: queue.job_events(conn, args.job_id))
-        if not rows:
-            raise CommandError(f"no job {args.job_id}", exit_codes.NOT_FOUND)
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(rows, fmt)
-        return 0
-    print_table(
-        [
-            (
-                r["at"],
-                r.get("from_state") or "",
-                r["to_state"],
-                r["event"],
-                f"{r['actor']['kind']}:{r['actor']['id']}"
-                if "actor" in r
-                else f"{r['actor_kind']}:{r['actor_id']}",
-                r.get("reason") or "",
-            )
-            for r in rows
-        ],
-        ("AT", "FROM", "TO", "EVENT", "ACTOR", "REASON"),
-        state_column="TO",
-    )
-    return 0
-
-
-def cmd_dwell(args: argparse.Namespace) -> int:
-    if remote(args):
-        found = Api(args, admin=True).request("GET", "/v1/admin/stats/dwell", params={"entity": args.entity})
-        states = found["states"]
-    else:
-        stats = run_with_db(args, lambda conn: dwell.dwell_stats(conn, args.entity))
-        states = [s.as_dict() for s in stats]
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data({"entity": args.entity, "states": states}, fmt)
-        return 0
-    print_table(
-        [
-            (
-                s["state"],
-                s["count"],
-                s["current"],
-                _seconds(s["p50_s"]),
-                _seconds(s["p95_s"]),
-                _seconds(s["max_s"]),
-            )
-            for s in states
-        ],
-        ("STATE", "STAYS", "NOW_IN", "P50_S", "P95_S", "MAX_S"),
-    )
-    return 0
-
-
-def cmd_steer(args: argparse.Namespace) -> int:
-    if remote(args):
-        # The API records the admin key as the operator, and runs the abandonment hook of its
-        # own job kinds.
-        row = Api(args, admin=True).request(
-            "POST", f"/v1/admin/jobs/{args.job_id}/{args.action}", json={"reason": args.reason}
-        )
-        _print_job(args, row)
-        return 0
-    operator = args.operator or getpass.getuser()
-    registry: JobRegistry | None = None
-    if args.action == "abandon" and not args.force:
-        spec = args.registry or settings_from(args).worker.job_registry or DEFAULT_REGISTRY
-        try:
-            registry = load_registry(spec)
-        except Exception as exc:
-            raise CommandError(
-                f"cannot load the job kinds {spec!r} for the abandonment hook ({exc}); "
-                "name them with --registry, or --force to abandon without the hook"
-            ) from exc
-
-    async def steer(conn: AsyncConn) -> Any:
-        return await queue.operator_action(
-            conn,
-            args.job_id,
-            args.action,
-            operator,
-            args.reason,
-            registry=registry,
-            force=bool(getattr(args, "force", False)),
-        )
-
-    try:
-        row = run_with_db(args, steer)
-    except (queue.ActionRefused, queue.JobNotFound, ValueError) as exc:
-        raise CommandError(str(exc), exit_codes.for_domain_error(exc)) from exc
-    _print_job(args, {k: v for k, v in row.items() if not k.startswith("_")})
-    return 0
-
-
-def _print_job(args: argparse.Namespace, row: dict[str, Any]) -> None:
-    fmt = output_format(args)
-    if fmt != "table":
-        print_data(row, fmt)
-    else:
-        print(f"job {row['id']} is now {row['state']} (version {row['state_version']})")
+def _handler(name: str) -> LazyHandler:
+    return LazyHandler(f"controlplane.cli.jobs_commands:{name}")

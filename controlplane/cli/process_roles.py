@@ -8,17 +8,22 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import uvicorn
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app, start_http_server
 from psycopg_pool import AsyncConnectionPool
 
 import provisioners
 from controlplane.api.app import create_app, end_streams
+from controlplane.cli import config
+from controlplane.cli.common import CommandError
 from controlplane.core import lifecycle
 from controlplane.db import connection as db
 from controlplane.db import sql
@@ -26,11 +31,12 @@ from controlplane.handlers import operations
 from controlplane.queue.consumers import ConsumerRunner
 from controlplane.queue.registry import JobRegistry
 from controlplane.queue.worker import Worker, default_worker_id, worker_pool
-from controlplane.runtime import crashpoints, datadir
+from controlplane.runtime import crashpoints, datadir, liveness
 from controlplane.runtime.settings import NotAvailable, Settings
 from controlplane.services import notices, tenants
 from provisioners.base import Provisioner
 from reconciler.leader import LeaderElection, ShardLeases
+from reconciler.maintenance import Maintenance
 from reconciler.reconciler import Reconciler
 
 if TYPE_CHECKING:
@@ -58,10 +64,52 @@ def stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(signum, stop.set)
 
 
-def serve_metrics(settings: Settings) -> None:
-    if settings.metrics_port:
+def serve_metrics(settings: Settings, role: str | None = None) -> None:
+    """`/metrics` on the metrics port; for a background `role` (worker, reconciler) also `/healthz`
+    and `/readyz`, from what its own loop reports (controlplane.runtime.liveness)."""
+    if not settings.metrics_port:
+        return
+    if role is None:
         start_http_server(settings.metrics_port, addr=settings.api.host)
-        log.info("metrics on %s:%d/metrics", settings.api.host, settings.metrics_port)
+    else:
+        liveness.LOOP.configure(role, stale_after_s(settings, role))
+        serve_health_and_metrics(settings.metrics_port, settings.api.host, liveness.LOOP)
+    log.info("metrics on %s:%d/metrics", settings.api.host, settings.metrics_port)
+
+
+def stale_after_s(settings: Settings, role: str) -> float:
+    """How long a role's loop may go without turning before /healthz says it hangs: the worker's
+    turns every heartbeat interval, the reconciler's every interval plus a pass (a bounded batch)."""
+    if role == "worker":
+        return 3 * settings.worker.heartbeat_interval_s + 30
+    return 3 * settings.reconciler.interval_s + 120
+
+
+def serve_health_and_metrics(port: int, host: str, loop: liveness.Liveness) -> None:
+    """A thread serving /healthz, /readyz (from `loop`) and /metrics (everything else)."""
+    metrics_app = make_wsgi_app()
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/healthz", "/readyz"):
+            health = loop.live() if path == "/healthz" else loop.ready()
+            status = "200 OK" if health.ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [health.detail.encode() + b"\n"]
+        body: Iterable[bytes] = metrics_app(environ, start_response)
+        return body
+
+    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="health-and-metrics", daemon=True).start()
+
+
+class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes every few seconds are not news."""
 
 
 def bind_api_socket(settings: Settings) -> socket.socket:
@@ -135,7 +183,7 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
 async def run_worker_role(settings: Settings, url: str, registry: JobRegistry, stop: asyncio.Event) -> None:
     crashpoints.arm(crashpoints.parse(settings.crash_points))
     worker_id = settings.worker.id or default_worker_id()
-    pool = await worker_pool(settings, url, worker_id)
+    pool = await worker_pool(settings, url, worker_id, registry)
     worker = Worker(worker_id, settings, pool, registry)
     waiter = asyncio.create_task(_forward_stop(stop, worker.request_stop))
     # The event log's consumers (one runner per consumer across the replicas, by its lock).
@@ -181,26 +229,24 @@ async def run_reconciler_role(
         timeouts=db.Timeouts.background(settings),
     )
     await pool.open(wait=True, timeout=30)
-    reconciler = Reconciler(
-        settings,
-        pool,
-        provisioner,
-        registry,
-        reconciler_id=reconciler_id,
-        dry_run_orphans=dry_run_orphans,
+    # The leader's duties (job supervision, orphans, the audit log, billing, backups): run by its loop.
+    maintenance = Maintenance(
+        settings, pool, provisioner, registry, maintainer_id=reconciler_id, dry_run_orphans=dry_run_orphans
     )
+    reconciler = Reconciler(settings, pool, provisioner, reconciler_id=reconciler_id, maintenance=maintenance)
     election = LeaderElection(url)
     try:
         if once:
             if await election.ensure():
-                summary = await reconciler.run_once()
-                for orphan in summary.orphans:
+                maintained = await maintenance.run_once()
+                await reconciler.run_once()
+                for orphan in maintained.orphans:
                     print(f"orphan: {orphan}")
             elif dry_run_orphans:
                 # Listing changes nothing, so it needs no lock: an SRE can list orphans while
                 # the running reconciler leads.
                 log.warning("another reconciler holds the leader lock; listing orphans only, no pass run")
-                for instance_id, why, _ in await reconciler.find_orphans():
+                for instance_id, why, _ in await maintenance.orphans.find():
                     print(f"orphan: {instance_id}: {why}")
             else:
                 log.warning("another reconciler holds the leader lock; no pass run")
@@ -211,6 +257,7 @@ async def run_reconciler_role(
         finally:
             await shards.release()
     finally:
+        await maintenance.close()  # the backups' check under way, if any (once: the pass started it)
         await election.release()
         await pool.close()
 
@@ -330,6 +377,27 @@ async def _adopt_instances(url: str, provisioner: Provisioner) -> None:
         print(f"started {len(started)} instance server(s) again", flush=True)
 
 
+def _admin_profile_lines(report: UpReport) -> list[str]:
+    """Keep the admin key as the CLI's profile `local-admin` (the admin profile unless one is set
+    already), so that the admin and SRE commands work in any shell; what the person should know."""
+    if not report.admin_key_file.exists():
+        return []
+    try:
+        path = config.save_profile(config.UP_PROFILE, report.url, report.admin_key_file, admin=True)
+        chosen = config.load_config().get(config.ADMIN_PROFILE)
+    except (OSError, CommandError) as exc:
+        return [f"the admin key was not kept as a CLI profile ({exc}): admin commands need --api-key"]
+    if chosen == config.UP_PROFILE:
+        return [
+            f"admin commands (orgs, keys --org, events, jobs, stuck, stats) use it: profile {chosen}"
+            f" in {path}"
+        ]
+    return [
+        f"the admin key is the profile {config.UP_PROFILE} in {path}; admin commands use the profile"
+        f" {chosen} (admin_profile): add --profile {config.UP_PROFILE}"
+    ]
+
+
 async def _announce_when_listening(
     report: UpReport, listening: asyncio.Event, services: list[asyncio.Task[None]]
 ) -> None:
@@ -353,11 +421,12 @@ async def _announce_when_listening(
         ]
     else:
         lines.append(f"admin key: created on first start (see {report.admin_key_file} if kept)")
+    lines += _admin_profile_lines(report)
+    url_flag = "" if report.url == config.DEFAULT_URL else f" --url {report.url}"
     lines += [
         "next: create an organisation and a database:",
-        f"  export CONTROLPLANE_URL={report.url}",
-        f"  .venv/bin/controlplane orgs create my-org --data-dir {report.data_dir}",
-        "  .venv/bin/controlplane login          (paste the organisation's key it printed)",
+        f"  .venv/bin/controlplane orgs create my-org{url_flag}",
+        f"  .venv/bin/controlplane login{url_flag}          (paste the organisation's key it printed)",
         "  .venv/bin/controlplane instances create mydb --plan dev --wait",
         f"or open the console at {report.url}/ and sign in with the organisation's key.",
         "Ctrl-C stops everything (instance servers too; they start again with the next `up`).",

@@ -3,13 +3,14 @@ of one, the tables of instances, events and backups (as JSON or YAML with `-o`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from controlplane.cli.client import Api, connection_uri
-from controlplane.cli.common import print_data, print_table
+from controlplane.cli.common import Listing, print_data, print_fields, print_table
+from controlplane.core import dbmetrics
 
-LIST_COLUMNS = ("name", "id", "plan", "state", "created_at")
 # Shown in their own rows by `instances show` (the rest, field by field).
 SHOWN_APART = ("connection", "progress", "failure", "failure_reason", "failure_code", "state_info")
 
@@ -54,6 +55,7 @@ def progress_rows(progress: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) -> None:
+    """One instance, field by field; the password in its URI hidden (`--uri` and `-o json` give it)."""
     if fmt != "table":
         print_data(instance, fmt)
         return
@@ -71,53 +73,50 @@ def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) ->
         rows += progress_rows(instance["progress"])
     connection = instance.get("connection")
     if connection:
-        rows.append(("uri", connection_uri(api, connection) if api else connection.get("uri")))
+        uri = connection_uri(api, connection) if api else str(connection.get("uri"))
+        rows.append(("uri", masked(uri)))
     # The values whole (a URI is copied from here): only very long ones are cut.
-    print_table(rows, ("field", "value"), max_cell=400)
+    print_fields(rows, max_cell=400)
 
 
-def show_items(
-    items: list[dict[str, Any]],
-    fmt: str,
-    columns: Sequence[str],
-    row: Callable[[dict[str, Any]], Sequence[Any]],
-    state_column: str | None = None,
-) -> None:
-    """A list as a table of `columns`, a `row` an item; with `-o json|yaml`, the items as they are."""
-    if fmt != "table":
-        print_data(items, fmt)
-        return
-    print_table([row(item) for item in items], columns, state_column=state_column)
+def masked(uri: str) -> str:
+    """A connection URI with its password replaced by ****."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    at = parts.netloc.rindex("@")
+    user = parts.netloc[:at].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:****@{parts.netloc[at + 1 :]}"))
 
 
-def show_instances(items: list[dict[str, Any]], fmt: str) -> None:
-    show_items(items, fmt, LIST_COLUMNS, lambda item: [item.get(c) for c in LIST_COLUMNS], "state")
+def ready_line(instance: dict[str, Any], api: Api, plan: str | None = None) -> None:
+    """What `create --wait`, `resize --wait`, `retry --wait` and `restore --wait` print at the end:
+    the instance ready (on its plan), then its URI for psql."""
+    on_plan = f" on plan {plan}" if plan else ""
+    print(f"{instance['name']} ({instance['id']}) is ready{on_plan}")
+    if instance.get("connection"):
+        print(connection_uri(api, instance["connection"]))
 
 
-def show_events(items: list[dict[str, Any]], fmt: str) -> None:
-    columns = ("at", "from", "to", "event", "actor", "reason")
-    show_items(items, fmt, columns, _event_row, "to")
+INSTANCES = Listing(("name", "id", "plan", "state", "created_at"), state_column="state")
 
 
-def _event_row(e: dict[str, Any]) -> tuple[Any, ...]:
-    return (e["at"], e.get("from_state") or "", e["to_state"], e["event"], _actor(e), e.get("reason") or "")
+def _event_view(e: dict[str, Any]) -> dict[str, Any]:
+    return {"from": e.get("from_state") or "", "to": e["to_state"], "actor": actor_text(e)}
 
 
-def _actor(event: dict[str, Any]) -> str:
+EVENTS = Listing(("at", "from", "to", "event", "actor", "reason"), _event_view, state_column="to")
+BACKUPS = Listing(("id", "kind", "type", "taken_at", "size_bytes"), lambda b: {"type": b.get("type") or ""})
+
+
+def actor_text(event: dict[str, Any]) -> str:
+    """The actor of an event as kind:id (the API's object, or the database's two columns)."""
     actor = event.get("actor")
     if isinstance(actor, dict):
         return f"{actor.get('kind')}:{actor.get('id')}"
+    if actor is None and "actor_kind" in event:
+        return f"{event['actor_kind']}:{event['actor_id']}"
     return str(actor)
-
-
-def show_backups(items: list[dict[str, Any]], fmt: str) -> None:
-    columns = ("id", "kind", "type", "taken_at", "size_bytes")
-    show_items(
-        items,
-        fmt,
-        columns,
-        lambda b: (b["id"], b["kind"], b.get("type") or "", b["taken_at"], b["size_bytes"]),
-    )
 
 
 def window_rows(recovery: dict[str, Any]) -> list[tuple[str, str]]:
@@ -141,3 +140,39 @@ def window_rows(recovery: dict[str, Any]) -> list[tuple[str, str]]:
         verdict = "sound" if recovery.get("verified") else "PROBLEMS FOUND"
         rows.append(("last verified", f"{recovery['verified_at']} ({verdict})"))
     return rows
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float | None], width: int = 40) -> str:
+    """The last `width` values as block characters, scaled between their least and greatest; a gap
+    where a value is missing."""
+    shown = list(values)[-width:]
+    known = [v for v in shown if v is not None]
+    if not known:
+        return ""
+    low, high = min(known), max(known)
+    span = (high - low) or 1.0
+    return "".join(" " if v is None else SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in shown)
+
+
+def show_metrics(series: dict[str, Any], fmt: str) -> None:
+    """A database's metrics: a row per metric with its latest value, its range and a sparkline."""
+    if fmt != "table":
+        print_data(series, fmt)
+        return
+    points = series["points"]
+    rows = []
+    for shown in dbmetrics.SHOWN:
+        write = shown.write
+        values = [p[shown.field] for p in points]
+        known = [v for v in values if v is not None]
+        latest = write(known[-1]) if known else "-"
+        spread = f"{write(min(known))} .. {write(max(known))}" if known else "-"
+        rows.append((shown.title.lower(), latest, spread, sparkline(values)))
+    print(
+        f"{series['from']} .. {series['to']}, every {series['step_s']} s; plan {series['plan']} allows "
+        f"{series['max_connections']} connections"
+    )
+    print_table(rows, ("metric", "latest", "range", "trend"), max_cell=None)

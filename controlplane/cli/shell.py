@@ -11,16 +11,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controlplane.cli.client import (
+from controlplane.cli.common import CommandError
+from controlplane.cli.config import (
+    ADMIN_PROFILE,
+    DEFAULT_PROFILE,
     DEFAULT_URL,
-    Api,
-    ApiError,
     config_dir,
     load_config,
     local_url,
-    save_config,
+    save_profile,
 )
-from controlplane.cli.common import CommandError
 from controlplane.core import exit_codes, lifecycle, plans
 
 EXAMPLE = "example:\n  {}"
@@ -37,12 +37,18 @@ def register(commands: Any) -> None:
         epilog=EXAMPLE.format("controlplane login --profile prod --url https://api.example.com"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    login.add_argument("--profile", default=None, help="the profile to store it for (default: default)")
+    login.add_argument(
+        "--profile",
+        default=None,
+        help="the profile to store it for (default: default, or admin for an admin key)",
+    )
     login.add_argument(
         "--url", default=None, help=f"the API's URL (default: the profile's, else {DEFAULT_URL})"
     )
     login.add_argument(
-        "--default", action="store_true", help="make this profile the one used when none is named"
+        "--default",
+        action="store_true",
+        help="make this profile the one used when none is named (by admin commands, for an admin key)",
     )
     login.set_defaults(handler=cmd_login)
 
@@ -57,10 +63,11 @@ def register(commands: Any) -> None:
         "  controlplane completion fish > ~/.config/fish/completions/controlplane.fish",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    completion.add_argument("shell", choices=("bash", "zsh", "fish"))
+    completion.add_argument("shell", choices=("bash", "zsh", "fish"), help="the shell to complete in")
     completion.set_defaults(handler=cmd_completion)
 
-    hidden = commands.add_parser("__complete", help=argparse.SUPPRESS)
+    # No `help`: argparse lists every sub-command given one, even `help=SUPPRESS` (as "==SUPPRESS==").
+    hidden = commands.add_parser("__complete")
     hidden.add_argument("words", nargs=argparse.REMAINDER)
     hidden.set_defaults(handler=cmd_complete)
 
@@ -72,24 +79,26 @@ def _read_key() -> str:
 
 
 def cmd_login(args: argparse.Namespace) -> int:
+    from controlplane.cli.client import Api, ApiError
+
     config = load_config()
-    name = args.profile or os.environ.get("CONTROLPLANE_PROFILE") or "default"
-    profiles = config.setdefault("profiles", {})
-    profile = dict(profiles.get(name, {}))
-    url = args.url or profile.get("url") or os.environ.get("CONTROLPLANE_URL") or local_url()
+    named = args.profile or os.environ.get("CONTROLPLANE_PROFILE")
+    known = config.get("profiles", {}).get(named or "default", {})
+    url = args.url or known.get("url") or os.environ.get("CONTROLPLANE_URL") or local_url()
     key = _read_key()
     if not key:
         raise CommandError("no key given", exit_codes.USAGE)
     # Checked before it is kept: an organisation's key lists instances, an admin key is refused
     # there as "not an organisation's key" (403), a bad key is 401.
     check = Api(argparse.Namespace(url=url, api_key=key, profile=None))
-    kind = "organisation"
+    admin = False
     try:
         check.request("GET", "/v1/instances", params={"limit": 1})
     except ApiError as exc:
         if exc.status != 403:
             raise
-        kind = "admin"
+        admin = True
+    name = named or ("admin" if admin else "default")
     keys = config_dir() / "keys"
     keys.mkdir(parents=True, exist_ok=True)
     os.chmod(keys, 0o700)
@@ -98,11 +107,10 @@ def cmd_login(args: argparse.Namespace) -> int:
     with os.fdopen(fd, "w") as out:
         out.write(key + "\n")
     os.chmod(key_file, 0o600)
-    profiles[name] = {**profile, "url": url, "key_file": str(key_file)}
-    if args.default or "default_profile" not in config:
-        config["default_profile"] = name
-    path = save_config(config)
-    print(f"profile {name}: an {kind} key for {url}, kept in {key_file} (mode 0600); config {path}")
+    path = save_profile(name, url, key_file, admin=admin, default=args.default)
+    kind, which = ("an admin", ADMIN_PROFILE) if admin else ("an organisation", DEFAULT_PROFILE)
+    chosen = " (its " + which + ")" if load_config().get(which) == name else ""
+    print(f"profile {name}{chosen}: {kind} key for {url}, kept in {key_file} (mode 0600); config {path}")
     return 0
 
 
@@ -160,9 +168,10 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def _instance_names(args: argparse.Namespace) -> list[str]:
     """The caller's live databases' names (nothing when no API or key answers)."""
+    from controlplane.cli.client import Api
+
     try:
-        api = Api(args)
-        api.client.timeout = api.client.timeout.__class__(2.0)
+        api = Api(args, timeout=2.0)
         return [str(i["name"]) for i in api.all_items("/v1/instances", {"limit": 100})]
     except CommandError:
         return []

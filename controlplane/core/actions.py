@@ -37,9 +37,10 @@ def can_back_up(state: str) -> bool:
     return state in lifecycle.BACKED_UP
 
 
-def can_restore(state: str, failure_code: str | None) -> bool:
-    """A restore is for an instance whose data is lost (and that is waiting for it)."""
-    return state in lifecycle.RESTORABLE and failure_code == DATA_LOST
+def can_restore(state: str, failure_code: str | None, *, deletion_requested: bool) -> bool:
+    """A restore is for an instance whose data is lost (and that is waiting for it), unless its
+    deletion has been requested: nothing is brought back to be deleted."""
+    return state in lifecycle.RESTORABLE and failure_code == DATA_LOST and not deletion_requested
 
 
 def can_retry(state: str, failure_code: str | None) -> bool:
@@ -71,7 +72,7 @@ def allowed_actions(
         actions.append("delete")
     if can_back_up(state):
         actions.append("backup")
-    if can_restore(state, failure_code):
+    if can_restore(state, failure_code, deletion_requested=deletion_requested):
         actions.append("restore")
     return actions
 
@@ -86,3 +87,14 @@ def of(instance: Instance) -> list[str]:
         archived=instance.archived_at is not None,
         replaced=instance.replaced_by is not None,
     )
+
+
+def settled(inst: Instance) -> bool:
+    """Nothing asked of the instance is still to be done (what a client waits for after a create,
+    PATCH or DELETE): it is in no transitional state, no deletion waits to run, and its spec
+    generation is applied (`observed_generation`) or was given up (`failed_generation`)."""
+    if inst.state in lifecycle.INSTANCE.terminal:
+        return True
+    if inst.state in lifecycle.INSTANCE.transitional or inst.deletion_requested:
+        return False
+    return inst.observed_generation >= inst.spec_generation or inst.failed_generation == inst.spec_generation

@@ -23,7 +23,7 @@ SUBSCRIPTION_EVENT_TYPES = frozenset(
 )
 
 
-class Action(StrEnum):
+class HoldAction(StrEnum):
     HOLD = "hold"
     RELEASE = "release"
     NO_CHANGE = "no_change"
@@ -31,14 +31,14 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True)
-class Decision:
-    action: Action
+class HoldDecision:
+    action: HoldAction
     reason: str
 
     @property
     def applies(self) -> bool:
         """True when the decision changes the organisation's billing record (hold or release)."""
-        return self.action in (Action.HOLD, Action.RELEASE)
+        return self.action in (HoldAction.HOLD, HoldAction.RELEASE)
 
 
 @dataclass(frozen=True)
@@ -75,25 +75,35 @@ def is_subscription_event(event_type: str) -> bool:
     return event_type in SUBSCRIPTION_EVENT_TYPES
 
 
-def decide(status: str | None, event_created: int, last_applied_created: int | None) -> Decision:
+def decide(status: str | None, event_created: int, last_applied_created: int | None) -> HoldDecision:
     """Hold, release, no change, or stale, from the subscription status and the event ordering.
 
     Only hold and release advance the organisation's watermark (`last_applied_created`), so a
     `past_due` event never hides an older decisive one that arrives after it.
     """
     if last_applied_created is not None and event_created < last_applied_created:
-        return Decision(
-            Action.STALE, f"event of {event_created} is older than the last applied ({last_applied_created})"
+        return HoldDecision(
+            HoldAction.STALE,
+            f"event of {event_created} is older than the last applied ({last_applied_created})",
         )
     if status in HOLD_STATUSES:
-        return Decision(Action.HOLD, f"subscription {status}")
+        return HoldDecision(HoldAction.HOLD, f"subscription {status}")
     if status in RELEASE_STATUSES:
-        return Decision(Action.RELEASE, f"subscription {status}")
-    return Decision(Action.NO_CHANGE, f"subscription {status or 'without status'}: no change")
+        return HoldDecision(HoldAction.RELEASE, f"subscription {status}")
+    return HoldDecision(HoldAction.NO_CHANGE, f"subscription {status or 'without status'}: no change")
 
 
 # How far a signature's timestamp may be from our clock, either way (Stripe's default, 300 s).
 SIGNATURE_TOLERANCE_S = 300
+
+
+def signed_at(header: str) -> int | None:
+    """The time (`t=`) of a Stripe-Signature header, or None when it has none."""
+    stamps = [part[2:] for part in header.split(",") if part.startswith("t=")]
+    try:
+        return int(stamps[0])
+    except (IndexError, ValueError):
+        return None
 
 
 def signature_time_problem(header: str, now: float, tolerance_s: float = SIGNATURE_TOLERANCE_S) -> str | None:
@@ -103,13 +113,25 @@ def signature_time_problem(header: str, now: float, tolerance_s: float = SIGNATU
     here too: a signature made "later" than now is a replay prepared in advance or a clock that
     is wrong, and in both cases the event must not be applied.
     """
-    stamps = [part[2:] for part in header.split(",") if part.startswith("t=")]
-    try:
-        timestamp = int(stamps[0])
-    except (IndexError, ValueError):
+    timestamp = signed_at(header)
+    if timestamp is None:
         return "the signature has no timestamp"
     if timestamp < now - tolerance_s:
         return f"the signature is {now - timestamp:.0f} s old (more than {tolerance_s:.0f} s)"
     if timestamp > now + tolerance_s:
         return f"the signature is dated {timestamp - now:.0f} s ahead of our clock (over {tolerance_s:.0f} s)"
+    return None
+
+
+def created_problem(created: int, header: str, tolerance_s: float = SIGNATURE_TOLERANCE_S) -> str | None:
+    """Why a verified event's `created` cannot order it, or None: it is later than the signature's
+    time (beyond the tolerance), which Stripe never sends (an event exists before any delivery of it
+    is signed). Taken as the organisation's watermark, such a time would make every genuine event
+    that follows `stale` until that moment came."""
+    timestamp = signed_at(header)
+    if timestamp is not None and created > timestamp + tolerance_s:
+        return (
+            f"the event's created time is {created - timestamp} s after its signature's"
+            f" (over {tolerance_s:.0f} s): an event is created before it is sent"
+        )
     return None

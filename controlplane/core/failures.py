@@ -50,7 +50,7 @@ UNKNOWN = "unknown"
 
 _RETRY = "Retry it: a new database with the same name and plan is created. If it fails too, contact support."
 _REPAIRED = "Nothing to do: it is repaired automatically. If it stays degraded, contact support."
-_DELETE_AGAIN = "Delete it again: what remains of it is removed."
+_DELETE_AGAIN = "Remove it (delete it again): what remains of it is removed."
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,8 @@ REASONS: Mapping[str, Reason] = _reasons(
         FINAL_BACKUP_FAILED,
         "The final backup before the deletion could not be taken, so the database was not removed.",
         False,
-        "Delete it again (the final backup is tried again), or delete it with skip_final_backup.",
+        "Remove it (delete it again): the final backup is tried again; or remove it without one"
+        " (skip_final_backup).",
         FAILED,
     ),
     Reason(DEPROVISION_FAILED, "Deleting this database failed.", False, _DELETE_AGAIN, FAILED),

@@ -12,8 +12,8 @@ from controlplane.core.kinds import STEP_LABELS
 
 STEPS = tuple(STEP_LABELS)
 
-Action = Literal["fail", "fail_permanent", "quota", "hang", "kill"]
-ACTIONS: tuple[Action, ...] = ("fail", "fail_permanent", "quota", "hang", "kill")
+FaultAction = Literal["fail", "fail_permanent", "quota", "hang", "kill"]
+ACTIONS: tuple[FaultAction, ...] = ("fail", "fail_permanent", "quota", "hang", "kill")
 
 
 class FaultSpecError(ValueError):
@@ -29,7 +29,7 @@ class Fault:
     """
 
     step: str
-    action: Action
+    action: FaultAction
     attempt: int | None = 1
     when: str = "before"
 

@@ -8,6 +8,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Literal
 
+from controlplane.core.failures import DATA_LOST
+
 EntityKind = Literal["instance", "job"]
 
 # What a state asks of the person looking at it (the console's colour, the CLI's marker).
@@ -41,13 +43,22 @@ class StateInfo:
     description: str
     severity: Severity
     billing: Billing
+    # Another class while the failure code of the move into the state is one of these: time lost
+    # to the service's own fault (lost data) is not billed as compute.
+    billing_by_failure: Mapping[str, Billing] = field(default_factory=lambda: MappingProxyType({}))
 
-    def as_dict(self) -> dict[str, str]:
+    def billing_for(self, failure_code: str | None) -> Billing:
+        """The class of time in this state entered with `failure_code` (None: no failure)."""
+        return self.billing_by_failure.get(failure_code or "", self.billing)
+
+    def as_dict(self, failure_code: str | None = None) -> dict[str, object]:
+        """The metadata; `billing` as it is for `failure_code` (an instance's current one)."""
         return {
             "label": self.label,
             "description": self.description,
             "severity": self.severity,
-            "billing": self.billing,
+            "billing": self.billing_for(failure_code),
+            "billing_by_failure": dict(self.billing_by_failure),
         }
 
 
@@ -275,6 +286,9 @@ INSTANCE = Lifecycle(
                 "Something is wrong with the database; the reason says what, and what is done about it.",
                 "fault",
                 "billed",
+                # Its data is lost: no server serves it while a restore (or a decision) is awaited;
+                # what the customer stored is kept in backups (docs/decisions.md).
+                MappingProxyType({DATA_LOST: "storage_only"}),
             ),
             "suspended": StateInfo(
                 "Suspended",
@@ -291,7 +305,7 @@ INSTANCE = Lifecycle(
             "deleted": StateInfo("Deleted", "The database has been deleted.", "terminal", "not_billed"),
             "failed": StateInfo(
                 "Failed",
-                "The database could not be created (or removed); the reason says why. Retry it or delete it.",
+                "The database could not be created (or removed); the reason says why. Retry it or remove it.",
                 "fault",
                 "not_billed",
             ),
@@ -323,6 +337,9 @@ JOB = Lifecycle(
 )
 
 LIFECYCLES: Mapping[str, Lifecycle] = MappingProxyType({"instance": INSTANCE, "job": JOB})
+
+# The job events an operator may cause by hand (`controlplane jobs ACTION`, the admin API).
+JOB_OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
 
 
 def _in_table_order(table: Lifecycle, states: frozenset[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -1,10 +1,11 @@
 """Usage from the event log (pure): billable time per instance, plan and billing class, exactly.
 
 Each instance event starts a segment in the state it moved to, which lasts until the instance's
-next event (or `now`); its billing class is the state's (`lifecycle.INSTANCE.state_info`) and its
-plan the one in effect (the creation's spec, then each applied update's plan). Usage over a
-window is the segments clipped to it, summed. Nothing is kept between calls, so a restart of the
-control plane changes nothing: the same log gives the same usage.
+next event (or `now`); its billing class is the state's (`lifecycle.INSTANCE.state_info`), or the
+one the state gives the failure code of the event (`detail.code`: a degradation for lost data is
+storage only), and its plan the one in effect (the creation's spec, then each applied update's
+plan). Usage over a window is the segments clipped to it, summed. Nothing is kept between calls,
+so a restart of the control plane changes nothing: the same log gives the same usage.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class UsageEvent:
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> UsageEvent:
         return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+
+def failure_code_of(detail: Mapping[str, Any]) -> str | None:
+    """The failure code an event records (`detail.code` of a `fail` or a `degrade`), if any."""
+    code = detail.get("code")
+    return code if isinstance(code, str) else None
 
 
 def plan_set_by(detail: Mapping[str, Any]) -> str | None:
@@ -73,7 +80,7 @@ def segments(events: Iterable[UsageEvent], until: datetime) -> list[Segment]:
             end = following.at if following is not None else max(until, event.at)
             if event.to_state in INSTANCE.terminal:
                 continue
-            billing = INSTANCE.state_info[event.to_state].billing
+            billing = INSTANCE.state_info[event.to_state].billing_for(failure_code_of(event.detail))
             found.append(
                 Segment(event.instance_id, event.org_id, plan, event.to_state, billing, event.at, end)
             )

@@ -46,6 +46,18 @@ SHAPES: Mapping[str, Shape] = MappingProxyType(
 )
 
 
+# The most storage autoscaling grows a plan's volume to (GB); the allocation starts at the shape's.
+STORAGE_MAX_GB: Mapping[str, int] = MappingProxyType({"dev": 10, "small": 100, "medium": 500})
+
+
+def storage_max_gb(name: str) -> int:
+    """The largest allocation of plan `name` (what autoscaling stops at), or UnknownPlan."""
+    try:
+        return STORAGE_MAX_GB[name]
+    except KeyError:
+        raise UnknownPlan(name) from None
+
+
 @dataclass(frozen=True)
 class BackupSchedule:
     """A backup every `interval_s` seconds: a full one every `full_every` backups (at least that

@@ -114,6 +114,10 @@ class ScannedInstance(_Record):
     newest_backup_at: datetime | None
     # The time of the scan: the injected `now`, else the database's.
     now: datetime
+    org_id: uuid.UUID | None = None
+    # Storage autoscaling: when it last grew the allocation, when it last warned at the maximum.
+    storage_grown_at: datetime | None = None
+    storage_full_warned_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ScannedInstance:

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 ErrorKind = Literal["temporary", "permanent"]
-Action = Literal["retry", "abandon"]
+RetryAction = Literal["retry", "abandon"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("temporary", "permanent")
 
 
 @dataclass(frozen=True)
-class Decision:
+class RetryDecision:
     """What happens to a failed job, and when (seconds after the failure)."""
 
-    action: Action
+    action: RetryAction
     delay_s: float
     why: str
 
@@ -45,19 +45,19 @@ class RetryPolicy:
         max_attempts: int,
         error_kind: str,
         requested_delay_s: float | None = None,
-    ) -> Decision:
+    ) -> RetryDecision:
         """Abandon after a permanent error or the last attempt; otherwise retry after a delay.
 
         A delay the handler asked for (TemporaryError(delay_s)) replaces the backoff, capped at
         `max_delay_s`.
         """
         if error_kind == "permanent":
-            return Decision("abandon", 0.0, "permanent error")
+            return RetryDecision("abandon", 0.0, "permanent error")
         if error_kind != "temporary":
             raise ValueError(f"unknown error kind {error_kind!r}; expected one of {ERROR_KINDS}")
         if attempt >= max_attempts:
-            return Decision("abandon", 0.0, f"attempt {attempt} of {max_attempts} failed")
+            return RetryDecision("abandon", 0.0, f"attempt {attempt} of {max_attempts} failed")
         if requested_delay_s is not None:
             delay = min(self.max_delay_s, max(0.0, requested_delay_s))
-            return Decision("retry", delay, "delay requested by the handler")
-        return Decision("retry", self.backoff_s(attempt), f"backoff after attempt {attempt}")
+            return RetryDecision("retry", delay, "delay requested by the handler")
+        return RetryDecision("retry", self.backoff_s(attempt), f"backoff after attempt {attempt}")

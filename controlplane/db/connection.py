@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import psycopg
+from opentelemetry.trace import SpanKind
 from psycopg import pq
 from psycopg import sql as pgsql
+from psycopg.abc import Params, Query, QueryNoTemplate
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import DictRow, dict_row
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
 from controlplane.db import sql
-from controlplane.runtime import metrics
+from controlplane.runtime import metrics, tracing
 from controlplane.runtime.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -41,6 +44,53 @@ MIGRATIONS, ALEMBIC_INI = (
 
 AsyncConn = psycopg.AsyncConnection[DictRow]
 T = TypeVar("T")
+
+
+class TracedCursor(psycopg.AsyncCursor[DictRow]):
+    """The cursor of every connection of the services: inside a traced request or job, each
+    statement is a span of its own, named after its name in `controlplane.db.sql`. Tracing off (or
+    outside a traced request or job), it is psycopg's cursor plus one test."""
+
+    async def execute(
+        self,
+        query: Query,
+        params: Params | None = None,
+        *,
+        prepare: bool | None = None,
+        binary: bool | None = None,
+    ) -> Self:
+        statement = cast(QueryNoTemplate, query)  # no template strings here (Python 3.14's t"")
+        if not tracing.active():
+            return await super().execute(statement, params, prepare=prepare, binary=binary)
+        name, attributes = _statement(statement)
+        with tracing.span(name, kind=SpanKind.CLIENT, attributes=attributes):
+            return await super().execute(statement, params, prepare=prepare, binary=binary)
+
+
+@functools.cache
+def _statement_names() -> dict[str, str]:
+    """Each statement's text, to the name it has in `controlplane.db.sql` (those made per entity,
+    the transitions: `TRANSITION_ONE[instance]`)."""
+    names: dict[str, str] = {}
+    for name in sql.__all__:
+        value = getattr(sql, name)
+        if isinstance(value, str):
+            names[value] = name
+        elif isinstance(value, Mapping):
+            names.update({text: f"{name}[{key}]" for key, text in value.items() if isinstance(text, str)})
+    return names
+
+
+def _statement(query: QueryNoTemplate) -> tuple[str, dict[str, str]]:
+    """A statement's span name and attributes: its name in `sql` (else its first word) and its text,
+    which holds placeholders, never values."""
+    text = query if isinstance(query, str) else None
+    name = _statement_names().get(text) if text is not None else None
+    summary = name or (text.split(None, 1)[0].upper() if text and text.strip() else "statement")
+    attributes = {"db.system.name": "postgresql", "db.query.summary": summary}
+    if text is not None:
+        attributes["db.query.text"] = text
+    return f"sql {summary}", attributes
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +263,9 @@ async def transaction(conn: AsyncConn) -> AsyncIterator[None]:
 
 async def connect(url: str, *, autocommit: bool = True, timeouts: Timeouts | None = None) -> AsyncConn:
     conninfo = url if timeouts is None else timeouts.conninfo(url)
-    return await psycopg.AsyncConnection.connect(conninfo, autocommit=autocommit, row_factory=dict_row)
+    return await psycopg.AsyncConnection.connect(
+        conninfo, autocommit=autocommit, row_factory=dict_row, cursor_factory=TracedCursor
+    )
 
 
 @dataclass(frozen=True)
@@ -398,6 +450,42 @@ class Pool(AsyncConnectionPool[AsyncConn]):
                 await self._waiting.popleft().fail(PoolTimeout("the database is unavailable"))
 
 
+# Errors after which a database write is retried on a fresh connection (a read-only database too:
+# a failover in progress, after which the new connections reach the writable server).
+DATABASE_GONE = (psycopg.OperationalError, PoolTimeout, READ_ONLY)
+# How long a lease waits for a pooled connection before counting the database as unreachable.
+LEASE_WAIT_S = 5.0
+
+
+class Lease:
+    """A pooled connection kept across operations (sparing the pool's check on every checkout),
+    given back to the pool, which discards it if broken, when an operation fails on it."""
+
+    def __init__(self, pool: AsyncConnectionPool[AsyncConn]) -> None:
+        self.pool = pool
+        self.conn: AsyncConn | None = None
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConn]:
+        if self.conn is not None and (self.conn.closed or self.conn.broken):
+            await self.release()
+        if self.conn is None:
+            self.conn = await self.pool.getconn(timeout=LEASE_WAIT_S)
+        try:
+            yield self.conn
+        except BaseException as exc:
+            if isinstance(exc, READ_ONLY) and isinstance(self.pool, Pool):
+                await self.pool.discard_read_only(self.conn)
+            await self.release()
+            raise
+
+    async def release(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(PoolClosed):
+                await self.pool.putconn(conn)
+
+
 def pool(
     url: str,
     *,
@@ -421,7 +509,11 @@ def pool(
         conninfo if timeouts is None else timeouts.conninfo(conninfo),
         min_size=min_size,
         max_size=max_size,
-        kwargs={"row_factory": dict_row, "connect_timeout": CONNECT_TIMEOUT_S},
+        kwargs={
+            "row_factory": dict_row,
+            "cursor_factory": TracedCursor,
+            "connect_timeout": CONNECT_TIMEOUT_S,
+        },
         configure=configure,
         open=False,
         name=name,

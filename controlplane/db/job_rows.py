@@ -14,6 +14,7 @@ from controlplane.core.kinds import Payload
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.db.transitions import Actor
+from controlplane.runtime import tracing
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,10 @@ class NewJob:
             raise ValueError(f"a {self.kind} job cannot take a {type(self.payload).__name__}")
 
     def payload_json(self) -> str:
+        """The payload column; with tracing on, it carries the trace context of the enqueuer (its
+        `traceparent`): the job's span continues the trace of the request that asked for it."""
         payload = self.payload.to_json() if isinstance(self.payload, Payload) else dict(self.payload)
-        return json.dumps(payload)
+        return json.dumps({**payload, **tracing.carrier()})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    Double,
     Float,
     ForeignKey,
     Index,
@@ -163,6 +164,10 @@ instances = Table(
     Column("replaces", UUID(as_uuid=True), ForeignKey("instances.id")),
     # When its customer deleted this failed instance: out of the default lists, its leftovers removed.
     Column("archived_at", TZ),
+    # When storage autoscaling last grew its allocation (the cooldown runs from here), and when the
+    # customer was last told that it is nearly full at the plan's maximum.
+    Column("storage_grown_at", TZ),
+    Column("storage_full_warned_at", TZ),
     *chain_head_columns(),
     Index("ix_instances_live_state", "state", postgresql_where=text(INSTANCE_LIVE)),
     Index("ux_instances_replaces", "replaces", unique=True, postgresql_where=text("replaces IS NOT NULL")),
@@ -416,6 +421,31 @@ recovery_windows = Table(
         postgresql_where=text("retained_until IS NOT NULL AND expired_at IS NULL"),
     ),
     Index("ix_recovery_windows_verify", "verified_at", postgresql_where=text("expired_at IS NULL")),
+)
+
+
+# Samples of a customer database's own metrics, taken by the reconciler's observation: every
+# `resolution_s` seconds (10, kept a day), rolled up into 5-minute rows (kept 30 days). Counters are
+# cumulative (rates are differences); the lags are empty until the servers report them.
+instance_metrics = Table(
+    "instance_metrics",
+    metadata,
+    Column("instance_id", UUID(as_uuid=True), nullable=False),
+    Column("resolution_s", Integer, nullable=False),
+    Column("at", TZ, nullable=False),
+    Column("connections", Integer, nullable=False),
+    Column("max_connections", Integer, nullable=False),
+    Column("transactions", BigInteger, nullable=False),
+    Column("rows_read", BigInteger, nullable=False),
+    Column("rows_written", BigInteger, nullable=False),
+    Column("blocks_hit", BigInteger, nullable=False),
+    Column("blocks_read", BigInteger, nullable=False),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("allocated_bytes", BigInteger, nullable=False),
+    Column("replication_lag_s", Double),
+    Column("archive_lag_s", Double),
+    PrimaryKeyConstraint("instance_id", "resolution_s", "at"),
+    Index("ix_instance_metrics_age", "resolution_s", "at"),
 )
 
 stripe_events = Table(

@@ -65,7 +65,7 @@ class TransitionError(Exception):
     """Base of the ways a legal transition can fail to apply."""
 
 
-class Conflict(TransitionError):
+class VersionConflict(TransitionError):
     """Someone else moved the row first: its state_version is no longer the expected one."""
 
     def __init__(self, entity: str, move: Move, current_state: str | None, current_version: int | None):
@@ -194,7 +194,7 @@ async def _explain_misses(
         else:
             metrics.CONFLICTS.labels(entity, move.event).inc()
             failures.append(
-                Conflict(
+                VersionConflict(
                     entity,
                     move,
                     None if row is None else row["state"],
@@ -218,7 +218,8 @@ async def transition(
     patch: Patch | None = None,
     request_id: str | None = None,
 ) -> DictRow:
-    """Move one row; return it as it is now, or raise Conflict / InvariantViolation / IllegalTransition."""
+    """Move one row; return it as it is now, or raise VersionConflict, InvariantViolation or
+    IllegalTransition."""
     move = Move(entity_id, expected_state, expected_version, event, reason, detail, patch or {})
     result = await transition_many(conn, entity, [move], actor, request_id=request_id)
     if result.failed:

@@ -29,10 +29,11 @@ from controlplane.core.refusals import NotFound
 from controlplane.core.step_errors import PermanentError, StaleFence, TemporaryError
 from controlplane.db import sql
 from controlplane.db.instance_rows import transition_instance
-from controlplane.db.transitions import Conflict
+from controlplane.db.transitions import VersionConflict
 from controlplane.handlers import abandonment, delivery, usage_reports
 from controlplane.queue import steps
 from controlplane.queue.registry import AbandonHook, Handler, JobContext, JobKind, JobRegistry, Verdict
+from controlplane.runtime import tracing
 from controlplane.runtime.secretbox import SecretBox, load_box
 from controlplane.services import backups
 from provisioners.base import (
@@ -53,7 +54,7 @@ MAX_DECISIONS = 8
 NOTHING_TO_DO: Verdict = {"result": "nothing to do"}
 
 
-class Moved(Exception):
+class DecideAgain(Exception):
     """The instance changed under the handler (a progress write matched nothing): decide again."""
 
 
@@ -129,16 +130,23 @@ class Operations:
                 {"progress": text, "id": inst.id, "state": inst.state, "state_version": inst.state_version},
             )
         if cursor.rowcount == 0:
-            raise Moved(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
+            raise DecideAgain(f"instance {inst.id} left {inst.state!r} v{inst.state_version}")
 
     async def _step(self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one provisioner step, recorded as it starts and as it finishes or fails (and shown on
-        the instance while it runs); its errors name the step."""
+        the instance while it runs), in a span of its own; its errors name the step."""
+        attributes = {"controlplane.step": step, "controlplane.instance.id": str(inst.id)}
+        with tracing.child_span(f"step {step}", attributes):
+            return await self._recorded_step(ctx, inst, step, work)
+
+    async def _recorded_step(
+        self, ctx: JobContext, inst: Instance, step: str, work: Callable[[], Awaitable[T]]
+    ) -> T:
         async with ctx.pool.connection() as conn:
             try:
                 await steps.started(conn, ctx, inst, step)
             except steps.InstanceMoved as exc:
-                raise Moved(str(exc)) from None
+                raise DecideAgain(str(exc)) from None
         try:
             result = await _named(step, work)
         except (asyncio.CancelledError, StaleFence):
@@ -170,7 +178,7 @@ class Operations:
                 inst = await self._load(ctx)
                 try:
                     return await decide(ctx, inst)
-                except (Conflict, Moved) as exc:
+                except (VersionConflict, DecideAgain) as exc:
                     log.info("job %s: %s; deciding again", ctx.job_id, exc)
             raise TemporaryError(f"instance {ctx.instance_id} kept moving under the job")
         finally:
@@ -255,6 +263,8 @@ class Operations:
                 ctx,
                 inst,
                 "update",
+                reason=ctx.typed_payload(kinds.UpdatePayload).reason,
+                detail={"storage_gb": self._spec(inst).volume_gb},
                 patch=InstancePatch("apply_plan", ctx.settings.reconciler.deadline_s("updating")),
             )
         if inst.state != "updating":
@@ -267,8 +277,13 @@ class Operations:
             ctx,
             inst,
             "updated",
-            reason=f"plan {spec.plan} applied",
-            detail={"plan": spec.plan, "generation": spec.generation, "restarted_or_changed": changed},
+            reason=f"plan {spec.plan} applied, {spec.volume_gb} GB allocated",
+            detail={
+                "plan": spec.plan,
+                "storage_gb": spec.volume_gb,
+                "generation": spec.generation,
+                "restarted_or_changed": changed,
+            },
             patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
@@ -440,8 +455,9 @@ class Operations:
 
     async def _restore(self, ctx: JobContext, inst: Instance) -> Verdict:
         """degraded (data lost) -> ready with the data of a held backup, or empty once accepted."""
-        if not actions.can_restore(inst.state, inst.failure_code):
-            return {"result": "nothing to do", "why": f"instance is {inst.state}, its data not lost"}
+        if not actions.can_restore(inst.state, inst.failure_code, deletion_requested=inst.deletion_requested):
+            why = "its deletion was requested" if inst.deletion_requested else "its data not lost"
+            return {"result": "nothing to do", "why": f"instance is {inst.state}, {why}"}
         payload = ctx.typed_payload(kinds.RestorePayload)
         async with ctx.pool.connection() as conn:
             try:

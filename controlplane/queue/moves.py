@@ -15,17 +15,17 @@ from psycopg.rows import DictRow
 from controlplane.core import lifecycle
 from controlplane.core.records import JobPatch
 from controlplane.core.refusals import InvalidRequest, InvalidState, NotFound
-from controlplane.core.retry import Decision, ErrorKind
+from controlplane.core.retry import ErrorKind, RetryDecision
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.db.job_rows import get_job
 from controlplane.db.transitions import (
     Actor,
     BatchResult,
-    Conflict,
     InvariantViolation,
     Move,
     TransitionError,
+    VersionConflict,
     observe_transition,
     transition_many,
 )
@@ -35,7 +35,7 @@ from controlplane.runtime import metrics
 log = logging.getLogger(__name__)
 
 # What an operator may do to a job; each is an event of the job lifecycle.
-OPERATOR_ACTIONS = ("pause", "resume", "retry", "abandon")
+OPERATOR_ACTIONS = lifecycle.JOB_OPERATOR_ACTIONS
 # Longest error message kept on the job row (the full text is the handler's to log).
 MAX_ERROR_CHARS = 4000
 
@@ -180,7 +180,7 @@ class JobFailure:
     job: Mapping[str, Any]
     message: str
     kind: ErrorKind
-    decision: Decision
+    decision: RetryDecision
     requested_delay_s: float | None = None
     # The failure code the error carried (controlplane.core.failures), if any: kept in the event.
     code: str | None = None
@@ -214,7 +214,7 @@ async def error_many(conn: AsyncConn, failures: Sequence[JobFailure], actor: Act
 
 
 async def error(conn: AsyncConn, failure: JobFailure, actor: Actor) -> DictRow:
-    """One running -> failed; raises Conflict when the job is no longer where the caller saw it."""
+    """One running -> failed; raises VersionConflict when the job is no longer where the caller saw it."""
     result = await error_many(conn, [failure], actor)
     if result.failed:
         raise result.failed[0]
@@ -254,7 +254,7 @@ async def abandon_job(
 ) -> DictRow:
     """failed/paused -> abandoned and the kind's on_abandoned hook, in one transaction.
 
-    Raises Conflict (nothing done) when the job moved meanwhile; a failing hook rolls the
+    Raises VersionConflict (nothing done) when the job moved meanwhile; a failing hook rolls the
     abandonment back.
     """
     kind = registry.get(job["kind"]) if registry else None
@@ -291,7 +291,7 @@ async def own_conflicts(
       leaves it in the same state, claimed by the same worker with the same fence, a few versions
       on: the worker's outcome is still the job's, to be applied again at the current version.
     """
-    conflicts = [f for f in failures if isinstance(f, Conflict) and f.move.id in fences]
+    conflicts = [f for f in failures if isinstance(f, VersionConflict) and f.move.id in fences]
     if not conflicts:
         return OwnConflicts({}, [])
     cursor = await conn.execute(sql.JOBS_BY_IDS, {"ids": [c.move.id for c in conflicts]})
@@ -323,7 +323,7 @@ async def apply_again(conn: AsyncConn, moves: list[Move], actor: Actor) -> Batch
 
 def move_of(failure: TransitionError) -> Move:
     """The move a failed transition was asked to make."""
-    assert isinstance(failure, Conflict | InvariantViolation)
+    assert isinstance(failure, VersionConflict | InvariantViolation)
     return failure.move
 
 
@@ -380,7 +380,7 @@ async def operator_action(
             if result.failed:
                 raise result.failed[0]
             return result.moved[0]
-        except Conflict:
+        except VersionConflict:
             log.info("job %s moved while %s was applying %s; re-reading", job_id, operator, action)
     raise ActionRefused(job_id, action, last_state, "the job keeps changing; try again")
 

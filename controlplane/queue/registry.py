@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -76,6 +75,9 @@ class JobKind:
     handler: Handler | None = None
     on_abandoned: AbandonHook | None = None
     max_attempts: int = 5
+    # Slots of its own in each worker (how many, from the settings), beside the `concurrency` the
+    # other kinds share: its jobs never take those slots, nor wait for them. None: a shared kind.
+    own_slots: Callable[[Settings], int] | None = None
 
 
 class JobRegistry:
@@ -97,18 +99,15 @@ class JobRegistry:
     def names(self) -> list[str]:
         return sorted(self._kinds)
 
+    def own_slots(self, settings: Settings) -> dict[str, int]:
+        """The runnable kinds that have slots of their own in a worker, with how many."""
+        found: dict[str, int] = {}
+        for name in self.runnable():
+            slots = self._kinds[name].own_slots
+            if slots is not None:
+                found[name] = slots(settings)
+        return found
+
     def runnable(self) -> list[str]:
         """The kinds that have a handler here: what a worker claims."""
         return sorted(name for name, kind in self._kinds.items() if kind.handler is not None)
-
-
-def load_registry(spec: str) -> JobRegistry:
-    """A registry named "module:attribute": a JobRegistry, or a function returning one."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"job registry {spec!r}: expected 'module:attribute'")
-    value = getattr(importlib.import_module(module_name), attribute)
-    registry = value() if callable(value) and not isinstance(value, JobRegistry) else value
-    if not isinstance(registry, JobRegistry):
-        raise TypeError(f"job registry {spec!r} is a {type(registry).__name__}, not a JobRegistry")
-    return registry

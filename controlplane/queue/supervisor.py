@@ -14,10 +14,10 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from controlplane.core.retry import Decision, RetryPolicy
+from controlplane.core.retry import RetryDecision, RetryPolicy
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, BatchResult, Conflict
+from controlplane.db.transitions import Actor, BatchResult, VersionConflict
 from controlplane.queue import moves as queue
 from controlplane.queue.registry import JobRegistry
 from controlplane.runtime.settings import Settings
@@ -133,7 +133,7 @@ class Supervisor:
                     job,
                     f"worker {job['claimed_by']} lost ({reason}) on attempt {job['attempt']}",
                     "temporary",
-                    Decision("abandon", 0.0, "worker lost beyond the last attempt"),
+                    RetryDecision("abandon", 0.0, "worker lost beyond the last attempt"),
                 )
                 for job in last
             ]
@@ -162,7 +162,9 @@ class Supervisor:
             result.conflicts += _conflicts(retried)
         return len(due)
 
-    async def _abandon(self, conn: AsyncConn, job: DictRow, decision: Decision, result: PassResult) -> None:
+    async def _abandon(
+        self, conn: AsyncConn, job: DictRow, decision: RetryDecision, result: PassResult
+    ) -> None:
         if self.registry.get(job["kind"]) is None:
             log.warning(
                 "abandoning job %s of unregistered kind %r: no on_abandoned hook runs",
@@ -179,7 +181,7 @@ class Supervisor:
                 self.registry,
                 detail={"attempt": job["attempt"], "error_kind": job["error_kind"]},
             )
-        except Conflict:
+        except VersionConflict:
             result.conflicts += 1
             return
         except (psycopg.OperationalError, PoolTimeout):
@@ -204,4 +206,4 @@ class Supervisor:
 
 
 def _conflicts(result: BatchResult) -> int:
-    return sum(1 for failure in result.failed if isinstance(failure, Conflict))
+    return sum(1 for failure in result.failed if isinstance(failure, VersionConflict))

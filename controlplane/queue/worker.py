@@ -1,45 +1,39 @@
-"""The worker runtime: claims jobs, runs their handlers concurrently, heartbeats, reports, shuts down."""
+"""Running jobs: the claim loop, the handlers' slots, heartbeats, cancellation, graceful shutdown.
+
+What became of each job is recorded by `controlplane.queue.outcomes`."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any
 
-import psycopg
+from opentelemetry.trace import SpanKind
 from psycopg.rows import DictRow
-from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
-from controlplane.core.retry import ErrorKind, RetryPolicy
+from controlplane.core.retry import RetryPolicy
 from controlplane.core.step_errors import PermanentError, StaleFence, TemporaryError
 from controlplane.db import connection as db
 from controlplane.db import sql, transitions
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, BatchResult
 from controlplane.queue import moves as queue
-from controlplane.queue.registry import JobContext, JobRegistry, Verdict
-from controlplane.runtime import crashpoints, metrics
+from controlplane.queue.outcomes import Held, Outcomes
+from controlplane.queue.registry import JobContext, JobRegistry
+from controlplane.runtime import crashpoints, liveness, metrics, tracing
 from controlplane.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-# Errors after which a database write is retried on a fresh connection (a read-only database too:
-# a failover in progress, after which the new connections reach the writable server).
-DATABASE_GONE = (psycopg.OperationalError, PoolTimeout, db.READ_ONLY)
-# How long to wait for a pooled connection before counting the database as unreachable.
-CONNECTION_TIMEOUT_S = 5.0
 # Longest wait for more free slots before claiming into a backlog (bigger, fewer claim batches).
 CLAIM_LINGER_S = 0.05
 # Jobs are claimed ahead of free slots only while handlers take less than this on average: a ready
@@ -53,85 +47,50 @@ PREFETCH_BELOW_S = 0.05
 FULL_CLAIM_EVERY_S = 10.0
 # How far before the run_at of the fresh jobs it claimed last a worker's next claim starts.
 CLAIM_FROM_MARGIN = timedelta(seconds=1)
-# Under a trickle, how long the writer waits for more outcomes to share a statement with.
-WRITE_LINGER_S = 0.002
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-@dataclass
-class Held:
-    """A job this worker holds: the row as last written, its handler task, and its fate."""
-
-    job: DictRow
-    task: asyncio.Task[None] | None = None
-    # The job is no longer ours (reclaimed, paused, abandoned, stale fence): report nothing.
-    lost: bool = False
-    # Cancelled by the worker's shutdown: to be handed back to the queue.
-    handing_back: bool = False
-    # A write of its outcome is in flight: the write's result, not a heartbeat, decides its fate.
-    writing: bool = False
-    # When (this process's monotonic clock) the last statement that renewed its lease was sent:
-    # its claim, then each heartbeat that found it still held. The database cannot have reclaimed
-    # it before this + reclaim_after_s, so the worker stops acting on it then (see _expire_leases).
-    lease_from: float = field(default_factory=time.monotonic)
-
-    @property
-    def id(self) -> uuid.UUID:
-        value: uuid.UUID = self.job["id"]
-        return value
-
-    @property
-    def fence(self) -> int:
-        return int(self.job["fence"])
-
-
-class Lease:
-    """A pooled connection kept across operations (sparing the pool's check on every checkout),
-    given back to the pool, which discards it if broken, when an operation fails on it."""
-
-    def __init__(self, pool: AsyncConnectionPool[AsyncConn]) -> None:
-        self.pool = pool
-        self.conn: AsyncConn | None = None
-
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[AsyncConn]:
-        if self.conn is not None and (self.conn.closed or self.conn.broken):
-            await self.release()
-        if self.conn is None:
-            self.conn = await self.pool.getconn(timeout=CONNECTION_TIMEOUT_S)
-        try:
-            yield self.conn
-        except BaseException as exc:
-            if isinstance(exc, db.READ_ONLY) and isinstance(self.pool, db.Pool):
-                await self.pool.discard_read_only(self.conn)
-            await self.release()
-            raise
-
-    async def release(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            with contextlib.suppress(PoolClosed):
-                await self.pool.putconn(conn)
+# The lane of the shared slots in the slot metrics (a lane of its own is named after its kind).
+SHARED_LANE = "shared"
 
 
 @dataclass
-class Outcome:
-    held: Held
-    kind: Literal["finish", "error"]
-    verdict: Verdict | None = None
-    failure: queue.JobFailure | None = None
+class Lane:
+    """Slots of a worker: the shared ones (`concurrency`), or those of a kind of its own
+    (JobKind.own_slots). Its running handlers, and its jobs started and waiting for a slot."""
+
+    name: str
+    slots: int
+    running: set[asyncio.Task[None]] = field(default_factory=set)
+    waiting: collections.deque[Held] = field(default_factory=collections.deque)
+
+    def __post_init__(self) -> None:
+        metrics.WORKER_SLOTS.labels(self.name).set(self.slots)
+        self.count()
+
+    def free(self) -> int:
+        return self.slots - len(self.running) - len(self.waiting)
+
+    def count(self) -> None:
+        """The slots in use, for the metrics (after each start and end of a handler)."""
+        metrics.WORKER_SLOTS_IN_USE.labels(self.name).set(len(self.running))
 
 
 class Worker:
-    """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`.
+    """Runs up to `settings.worker.concurrency` jobs at once, of the kinds in `registry`, and
+    beside them, a kind with slots of its own (JobKind.own_slots: deliveries) up to that many.
 
     Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), claiming and starting
     a batch in one statement, and keeps up to half its concurrency more started jobs ready (claimed
     while the others run) for the slots that free up; heartbeats all held jobs in one statement on
-    its own connection, and writes completions and errors in batches on a third.
+    its own connection; its `outcomes` are written in batches on a third.
+    A kind with slots of its own is claimed, with the others, only while one of its slots is free
+    (a claim may take more of it than that, at most the shared free slots: those wait, started, for
+    one of its slots); its jobs never take a shared slot. While the shared slots are full it is
+    claimed alone, when one of its slots frees up or at the poll interval.
     `request_stop()` begins a graceful shutdown.
     """
 
@@ -152,10 +111,6 @@ class Worker:
         self.pool = pool
         self.registry = registry
         self.services = services or {}
-        self.policy = policy or RetryPolicy(
-            settings.worker.retry_base_delay_s, settings.worker.retry_max_delay_s
-        )
-        self.actor = Actor("worker", worker_id)
         # Dedicated connections (heartbeat, LISTEN) go to the pool's database.
         self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
         self.kinds = registry.runnable()
@@ -169,21 +124,30 @@ class Worker:
         # Where the next claim starts (None: the whole queue), and when the next whole one is due.
         self._claim_from: queue.ClaimFrom | None = None
         self._full_claim_at = 0.0
-        self._ready: collections.deque[Held] = collections.deque()
+        # The shared slots (with the jobs ready for them), and those of the kinds with slots of their own.
+        self._shared = Lane(SHARED_LANE, self.concurrency)
+        self._lanes = {name: Lane(name, slots) for name, slots in registry.own_slots(settings).items()}
+        # With the shared slots full, when the next claim for the others is due, and whether one of
+        # their slots has freed up since the last.
+        self._own_claim_at = 0.0
+        self._own_slot_freed = False
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
         self.counts: collections.Counter[str] = collections.Counter()
         self._held: dict[uuid.UUID, Held] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._outcomes: list[Outcome] = []
-        # One connection for claiming and starting, one for reporting outcomes.
-        self._claiming = Lease(pool)
-        self._reporting = Lease(pool)
+        # One connection for claiming and starting; the outcomes are written on one of their own.
+        self._claiming = db.Lease(pool)
+        self.outcomes = Outcomes(
+            worker_id,
+            pool,
+            registry,
+            policy or RetryPolicy(settings.worker.retry_base_delay_s, settings.worker.retry_max_delay_s),
+            counts=self.counts,
+            forget=self._forget,
+            batch_min=self._batch_min,
+        )
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
-        self._outcome_ready = asyncio.Event()
-        self._writer_closing = False
-        # Monotonic time after which writes stop retrying (set when stopping): the supervisor's turn.
-        self._give_up_at: float | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -191,7 +155,7 @@ class Worker:
         """Stop claiming; running handlers get shutdown_grace_s, the rest is handed back."""
         if not self._stop.is_set():
             log.info("worker %s stopping", self.worker_id)
-            self._give_up_at = (
+            self.outcomes.give_up_at = (
                 time.monotonic()
                 + self.settings.worker.shutdown_grace_s
                 + self.settings.worker.reclaim_after_s
@@ -211,7 +175,7 @@ class Worker:
         log.info("worker %s starts: kinds %s, concurrency %d", self.worker_id, self.kinds, self.concurrency)
         listener = asyncio.create_task(self._listen(), name=f"{self.worker_id}-listen")
         beater = asyncio.create_task(self._heartbeat_loop(), name=f"{self.worker_id}-heartbeat")
-        writer = asyncio.create_task(self._write_loop(), name=f"{self.worker_id}-write")
+        writer = asyncio.create_task(self.outcomes.run(), name=f"{self.worker_id}-write")
         try:
             await self._claim_loop()
         finally:
@@ -221,7 +185,7 @@ class Worker:
             beater.cancel()
             await asyncio.gather(listener, beater, return_exceptions=True)
             await self._claiming.release()
-            await self._reporting.release()
+            await self.outcomes.release()
             log.info("worker %s stopped: %s", self.worker_id, dict(self.counts))
 
     async def _shutdown(self, writer: asyncio.Task[None]) -> None:
@@ -231,45 +195,25 @@ class Worker:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        self._writer_closing = True
-        self._outcome_ready.set()
+        self.outcomes.close()
         await asyncio.gather(writer, return_exceptions=True)
         back = [h for h in self._held.values() if not h.lost]
         if back:
-            await self._hand_back(back)
-
-    async def _hand_back(self, back: list[Held]) -> None:
-        """reclaim (actor: this worker) every job it still holds, started or not."""
-
-        async def reclaim(conn: AsyncConn) -> BatchResult:
-            result = await queue.reclaim_many(conn, [h.job for h in back], self.actor, "worker shutting down")
-            return await self._settle(conn, result, {h.id: h.fence for h in back})
-
-        result = await self._with_retry("hand back", reclaim, self._reporting)
-        if result is None:
-            log.warning(
-                "worker %s could not hand back %d job(s): left to the supervisor", self.worker_id, len(back)
-            )
-        else:
-            self.counts["handed_back"] += len(result.moved)
-            self.counts["conflicts"] += len(result.failed)
-        for held in back:
-            self._forget(held)
+            await self.outcomes.hand_back(back)
 
     # ----------------------------------------------------------------- claiming
 
     def _room(self) -> int:
         """How many more jobs this worker may take: free slots, plus the ready jobs it may keep."""
         quick = self._handler_s is not None and self._handler_s < PREFETCH_BELOW_S
-        return self.concurrency + (self.prefetch if quick else 0) - len(self._tasks) - len(self._ready)
+        return self._shared.free() + (self.prefetch if quick else 0)
 
     async def _claim_loop(self) -> None:
         backlog = False  # the last claim was full: more jobs are likely waiting
         while not self._stop.is_set():
             room = self._room()
             if room <= 0:
-                self._kick.clear()
-                await self._kick.wait()
+                await self._claim_for_own_slots()
                 continue
             if backlog and room < self._batch_min:
                 await self._gather_slots()
@@ -277,7 +221,8 @@ class Worker:
                     break
                 room = self._room()
             self._kick.clear()
-            backlog = await self._claim_and_start(room) == room
+            kinds = [kind for kind in self.kinds if kind not in self._lanes or self._lanes[kind].free() > 0]
+            backlog = await self._claim_and_start(kinds, room) == room
             if self._stop.is_set():
                 break
             if self._room() <= 0:
@@ -298,12 +243,28 @@ class Worker:
                 async with asyncio.timeout(remaining):
                     await self._kick.wait()
 
-    async def _claim_and_start(self, room: int) -> int:
-        """Claim and start up to `room` jobs in one statement; returns how many were started.
+    async def _claim_for_own_slots(self) -> None:
+        """The shared slots are full: claim for the kinds with free slots of their own when one of
+        those has just freed up, or at the poll interval, not at every wake-up (such a claim reads
+        past the other kinds' queued jobs); else wait to be woken."""
+        self._kick.clear()
+        kinds = [kind for kind, lane in self._lanes.items() if lane.free() > 0]
+        wait_s = self._own_claim_at - time.monotonic() if kinds else None
+        if wait_s is not None and (wait_s <= 0 or self._own_slot_freed):
+            self._own_slot_freed = False
+            self._own_claim_at = time.monotonic() + self.settings.worker.poll_interval_s
+            await self._claim_and_start(kinds, sum(self._lanes[kind].free() for kind in kinds))
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await self._kick.wait()
+
+    async def _claim_and_start(self, kinds: list[str], room: int) -> int:
+        """Claim and start up to `room` jobs of `kinds` in one statement; returns how many were started.
 
         One round trip per batch on the path to the handlers. The jobs become this worker's
         (heartbeated, handed back at shutdown) once the statement's commit is known; those beyond
-        the free slots wait, started, in `_ready` (a kill -9 leaves them to the supervisor, as it
+        the free slots wait, started, in their lane (a kill -9 leaves them to the supervisor, as it
         does the running ones).
         """
         now = time.monotonic()
@@ -313,48 +274,63 @@ class Worker:
 
         async def claim_and_start() -> list[DictRow]:
             async with self._claiming.connection() as conn:
-                return await queue.claim_and_start(conn, self.worker_id, self.kinds, room, start)
+                return await queue.claim_and_start(conn, self.worker_id, kinds, room, start)
 
         sent = time.monotonic()
         try:
             # A claim that loses a race (a deadlock with a writer of the same rows) is run again.
             started = await db.retry_lost_races(claim_and_start)
-        except DATABASE_GONE as exc:
+        except db.DATABASE_GONE as exc:
             # Not applied, or applied with its reply lost: then its jobs go stale and are reclaimed.
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
+            liveness.LOOP.reached(False)
             await self._pause_after_failure()
             return 0
+        liveness.LOOP.reached(True)
         self.counts["claimed"] += len(started)
         fresh = next((row for row in started if row["attempt"] == 1), None)
-        if fresh is not None:  # what sorts before fresh work is read at every claim anyway
+        # What sorts before fresh work is read at every claim anyway; a claim that left out a kind
+        # (its slots full) does not move the point past that kind's queued jobs.
+        if fresh is not None and len(kinds) == len(self.kinds):
             self._claim_from = queue.ClaimFrom.before(fresh, CLAIM_FROM_MARGIN)
         for row in started:
             held = Held(row, lease_from=sent)
             self._held[held.id] = held
-            self._ready.append(held)
+            self._lanes.get(row["kind"], self._shared).waiting.append(held)
         self._launch_ready()
         return len(started)
 
     def _launch_ready(self) -> None:
-        """Start handlers for ready jobs while slots are free (none once the worker is stopping)."""
-        while self._ready and len(self._tasks) < self.concurrency and not self._stop.is_set():
-            held = self._ready.popleft()
-            if not held.lost:
-                self._launch(held)
+        """Start handlers for ready jobs while their slots are free (none once the worker is stopping)."""
+        for lane in (self._shared, *self._lanes.values()):
+            while lane.waiting and len(lane.running) < lane.slots and not self._stop.is_set():
+                held = lane.waiting.popleft()
+                if not held.lost:
+                    self._launch(held, lane)
 
     async def _pause_after_failure(self) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(1.0, self.settings.worker.poll_interval_s)):
                 await self._stop.wait()
 
-    def _launch(self, held: Held) -> None:
+    def _launch(self, held: Held, lane: Lane) -> None:
         task = asyncio.create_task(self._run_handler(held), name=f"job-{held.id}")
         held.task = task
         self._tasks.add(task)
+        lane.running.add(task)
+        lane.count()
         task.add_done_callback(self._slot_freed)
 
     def _slot_freed(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        if task in self._shared.running:
+            self._shared.running.discard(task)
+            self._shared.count()
+        for lane in self._lanes.values():
+            if task in lane.running:
+                lane.running.discard(task)
+                lane.count()
+                self._own_slot_freed = True
         self._launch_ready()
         self._kick.set()
 
@@ -372,7 +348,8 @@ class Worker:
         )
         began = time.monotonic()
         try:
-            verdict = await kind.handler(context)
+            with _job_span(held.job):
+                verdict = await kind.handler(context)
         except asyncio.CancelledError:
             if not held.lost:
                 held.handing_back = True
@@ -383,39 +360,18 @@ class Worker:
             self._lose(held)
             return
         except TemporaryError as exc:
-            self._fail(held, str(exc) or type(exc).__name__, "temporary", exc.delay_s, exc.code)
+            self.outcomes.fail(held, str(exc) or type(exc).__name__, "temporary", exc.delay_s, exc.code)
         except PermanentError as exc:
-            self._fail(held, str(exc) or type(exc).__name__, "permanent", None, exc.code)
+            self.outcomes.fail(held, str(exc) or type(exc).__name__, "permanent", None, exc.code)
         except Exception as exc:
             log.exception("worker %s: job %s (%s) raised", self.worker_id, held.id, held.job["kind"])
-            self._fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
+            self.outcomes.fail(held, f"{type(exc).__name__}: {exc}", "temporary", None)
         else:
             crashpoints.reached("worker.after_handler")
             took = time.monotonic() - began
-            self._handler_s = took if self._handler_s is None else 0.9 * self._handler_s + 0.1 * took
-            problem = _not_a_verdict(verdict)
-            if problem:
-                self._fail(held, problem, "temporary", None)
-            else:
-                self._report(Outcome(held, "finish", verdict=verdict if verdict is not None else {}))
-
-    def _fail(
-        self, held: Held, message: str, kind: ErrorKind, delay_s: float | None, code: str | None = None
-    ) -> None:
-        decision = self.policy.decide(
-            attempt=int(held.job["attempt"]),
-            max_attempts=queue.attempts_allowed(held.job, self.registry),
-            error_kind=kind,
-            requested_delay_s=delay_s,
-        )
-        failure = queue.JobFailure(held.job, message, kind, decision, delay_s, code)
-        self._report(Outcome(held, "error", failure=failure))
-
-    def _report(self, outcome: Outcome) -> None:
-        if outcome.held.lost:
-            return
-        self._outcomes.append(outcome)
-        self._outcome_ready.set()
+            if held.job["kind"] not in self._lanes:  # the prefetch is for the shared slots
+                self._handler_s = took if self._handler_s is None else 0.9 * self._handler_s + 0.1 * took
+            self.outcomes.finish(held, verdict)
 
     def _lose(self, held: Held) -> None:
         """The job is no longer ours: stop its handler, report nothing, stop heartbeating it."""
@@ -431,103 +387,6 @@ class Worker:
         if self._held.get(held.id) is held:
             del self._held[held.id]
 
-    # ----------------------------------------------------------------- reporting
-
-    async def _write_loop(self) -> None:
-        while True:
-            await self._outcome_ready.wait()
-            if not self._writer_closing and len(self._outcomes) < self._batch_min:
-                await asyncio.sleep(WRITE_LINGER_S)  # more outcomes may share the statement
-            self._outcome_ready.clear()
-            batch = [o for o in self._outcomes if not o.held.lost]
-            self._outcomes = []
-            if batch:
-                try:
-                    await self._write(batch)
-                except Exception:  # a bug must not stop all reporting: these are left to the supervisor
-                    log.exception("worker %s: writing %d outcome(s) failed", self.worker_id, len(batch))
-                    for outcome in batch:
-                        outcome.held.writing = False
-                        self._forget(outcome.held)
-            if self._writer_closing and not self._outcomes:
-                return
-
-    async def _write(self, batch: list[Outcome]) -> None:
-        for outcome in batch:
-            outcome.held.writing = True
-        finishes = [o for o in batch if o.kind == "finish"]
-        errors = [o for o in batch if o.kind == "error"]
-        fences = {o.held.id: o.held.fence for o in batch}
-
-        async def write(conn: AsyncConn) -> tuple[BatchResult, BatchResult]:
-            done = await queue.finish_many(
-                conn, [(o.held.job, o.verdict or {}) for o in finishes], self.actor
-            )
-            failed = await queue.error_many(conn, [o.failure for o in errors if o.failure], self.actor)
-            return await self._settle(conn, done, fences), await self._settle(conn, failed, fences)
-
-        written = await self._with_retry("report", write, self._reporting)
-        for outcome in batch:
-            outcome.held.writing = False
-            self._forget(outcome.held)
-        if written is None:
-            log.warning(
-                "worker %s: %d outcome(s) not written: left to the supervisor", self.worker_id, len(batch)
-            )
-            return
-        done, failed = written
-        by_id = {o.held.id: o for o in batch}
-        for row in done.moved:
-            metrics.JOBS_FINISHED.labels(row["kind"], "completed").inc()
-        for row in failed.moved:
-            metrics.JOBS_FINISHED.labels(row["kind"], f"failed_{row['error_kind']}").inc()
-        self.counts["completed"] += len(done.moved)
-        self.counts["failed"] += len(failed.moved)
-        for failure in done.failed + failed.failed:
-            held = by_id[queue.move_of(failure).id].held
-            held.lost = True
-            self.counts["conflicts"] += 1
-            log.info("worker %s: outcome of job %s refused: %s", self.worker_id, held.id, failure)
-
-    async def _settle(
-        self, conn: AsyncConn, result: BatchResult, fences: Mapping[uuid.UUID, int]
-    ) -> BatchResult:
-        """Resolve conflicts that do not mean the job was taken from us.
-
-        Our own earlier write (its reply lost with the connection) counts as done; a job still ours
-        at a later version (paused and resumed by an operator between two heartbeats) gets the move
-        again at its current version.
-        """
-        if not result.failed:
-            return result
-        own = await queue.own_conflicts(conn, result.failed, fences, self.worker_id)
-        rows = list(own.applied.values())
-        settled = own.applied.keys() | {move.id for move in own.again}
-        failed = [f for f in result.failed if queue.move_of(f).id not in settled]
-        if own.again:
-            retried = await queue.apply_again(conn, own.again, self.actor)
-            rows += retried.moved
-            failed += retried.failed
-        return BatchResult(result.moved + rows, failed)
-
-    async def _with_retry(
-        self, what: str, operation: Callable[[AsyncConn], Awaitable[T]], lease: Lease
-    ) -> T | None:
-        """Run `operation` on the lease's connection until it succeeds; None once the worker gives up."""
-        delay = 0.05
-        while True:
-            try:
-                async with lease.connection() as conn:
-                    return await operation(conn)
-            except DATABASE_GONE as exc:
-                if isinstance(exc, PoolClosed) or (
-                    self._give_up_at is not None and time.monotonic() > self._give_up_at
-                ):
-                    return None
-                log.warning("worker %s: %s failed (%s); retrying", self.worker_id, what, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
     # ----------------------------------------------------------------- heartbeats and wake-ups
 
     async def _heartbeat_loop(self) -> None:
@@ -536,6 +395,7 @@ class Worker:
             interval = self.settings.worker.heartbeat_interval_s
             while True:
                 await asyncio.sleep(interval)
+                liveness.LOOP.turned()  # what /healthz of the worker's metrics port reports
                 self._expire_leases()
                 holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
                 if not holdings:
@@ -549,6 +409,7 @@ class Worker:
                     async with asyncio.timeout(self._beat_timeout_s):
                         still = await transitions.heartbeat(conn, self.worker_id, holdings)
                 except Exception as exc:  # the heartbeat must outlive any failure: reconnect next time
+                    liveness.LOOP.reached(False)
                     log.warning("worker %s: heartbeat failed (%s)", self.worker_id, exc or type(exc).__name__)
                     if conn is not None:
                         with contextlib.suppress(Exception):
@@ -557,6 +418,7 @@ class Worker:
                     conn = None
                     continue
                 self.counts["heartbeats"] += 1
+                liveness.LOOP.reached(True)
                 for job_id in holdings.keys() & still:
                     renewed = self._held.get(job_id)
                     if renewed is not None:
@@ -610,53 +472,35 @@ class Worker:
                 delay = min(delay * 2, 2.0)
 
 
-def _not_a_verdict(verdict: object) -> str | None:
-    """Why a handler's return value cannot be recorded as a verdict (None when it can)."""
-    if verdict is None:
-        return None
-    if not isinstance(verdict, Mapping):
-        return f"handler returned {type(verdict).__name__}, not a verdict mapping"
-    try:
-        json.dumps(dict(verdict))
-    except (TypeError, ValueError) as exc:
-        return f"handler returned a verdict that is not JSON: {exc}"
-    return None
+def _job_span(job: Mapping[str, Any]) -> contextlib.AbstractContextManager[object]:
+    """The job's span, in the trace of the request that enqueued it (its payload's `traceparent`),
+    else the root of a trace of its own."""
+    if not tracing.enabled():
+        return contextlib.nullcontext()
+    attributes: dict[str, str | int] = {
+        "controlplane.job.id": str(job["id"]),
+        "controlplane.job.kind": str(job["kind"]),
+        "controlplane.job.attempt": int(job["attempt"]),
+    }
+    if job.get("instance_id") is not None:
+        attributes["controlplane.instance.id"] = str(job["instance_id"])
+    parent = tracing.parent_of(job.get("payload")) or tracing.ROOT
+    return tracing.span(f"job {job['kind']}", kind=SpanKind.CONSUMER, attributes=attributes, parent=parent)
 
 
-async def worker_pool(settings: Settings, url: str, worker_id: str) -> db.Pool:
-    """The open pool of a worker: a connection per job it runs at once, and a few for its
-    listener and heartbeats; its sessions under the background roles' timeouts."""
+async def worker_pool(
+    settings: Settings, url: str, worker_id: str, registry: JobRegistry | None = None
+) -> db.Pool:
+    """The open pool of a worker: a connection per job it runs at once (of `registry`'s kinds with
+    slots of their own too), and a few for its listener and heartbeats; its sessions under the
+    background roles' timeouts."""
+    own = sum(registry.own_slots(settings).values()) if registry is not None else 0
     pool = db.pool(
         url,
         min_size=2,
-        max_size=settings.worker.concurrency + 3,
+        max_size=settings.worker.concurrency + own + 3,
         name=f"worker-{worker_id}",
         timeouts=db.Timeouts.background(settings),
     )
     await pool.open(wait=True, timeout=30)
     return pool
-
-
-async def run_worker(
-    settings: Settings,
-    registry: JobRegistry,
-    *,
-    services: Mapping[str, Any] | None = None,
-    policy: RetryPolicy | None = None,
-) -> int:
-    """The worker role: a pool, a Worker, SIGTERM/SIGINT for a graceful stop; returns the exit code."""
-    crashpoints.arm(crashpoints.parse(settings.crash_points))
-    url = db.resolve_database_url(settings)
-    worker_id = settings.worker.id or default_worker_id()
-    pool = await worker_pool(settings, url, worker_id)
-    worker = Worker(worker_id, settings, pool, registry, services=services, policy=policy)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, worker.request_stop)
-    try:
-        await worker.run()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        await pool.close()
-    return 0

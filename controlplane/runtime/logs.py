@@ -11,7 +11,14 @@ from datetime import UTC, datetime
 # The request id of the API request being served (also written into audit rows).
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
-_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+# The record's own attributes, and extras that are not for a JSON line: uvicorn's `color_message`
+# (its message again, with terminal colour codes) would put escape sequences into the logs.
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):

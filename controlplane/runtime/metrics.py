@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+
+def configure_process() -> None:
+    """What a serving process sets once, where it starts: no `_created` series (one more series per
+    counter and histogram child that dashboards and alerts never read)."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+# The API's requests, named and labelled as OpenTelemetry's HTTP server conventions name them in
+# Prometheus (http.server.request.duration): the route as its template (`/v1/instances/{instance_id}`;
+# `unmatched` for a path no route serves), the method, and the status class (`2xx` ... `5xx`). The
+# request count is the histogram's `_count`. Buckets: OpenTelemetry's advice for this instrument.
+HTTP_REQUEST_DURATION = Histogram(
+    "http_server_request_duration_seconds",
+    "Duration of the API's HTTP requests, until the last byte of the answer, by method, route template"
+    " and status class.",
+    ["method", "route", "status_class"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10),
+)
 
 TRANSITIONS = Counter(
     "controlplane_transitions_total",
@@ -146,4 +165,32 @@ NOTIFICATION_DELIVERIES = Counter(
     "controlplane_notification_deliveries_total",
     "Notification delivery attempts, by channel (webhook, email) and outcome.",
     ["channel", "outcome"],
+)
+QUEUE_DEPTH = Gauge(
+    "controlplane_queue_depth",
+    "Queued jobs by kind (due or not yet due), as of the last reconciler pass.",
+    ["kind"],
+)
+QUEUE_OLDEST_AGE = Gauge(
+    "controlplane_queue_oldest_age_seconds",
+    "How long the oldest due queued job of a kind has waited for a worker (since its run_at; 0: none"
+    " waits), as of the last reconciler pass.",
+    ["kind"],
+)
+WORKER_SLOTS = Gauge(
+    "controlplane_worker_slots",
+    "Slots of this worker, by lane: `shared` (the instance operations and the other kinds), or a kind"
+    " with slots of its own (deliveries). Exported by worker processes only.",
+    ["lane"],
+)
+WORKER_SLOTS_IN_USE = Gauge(
+    "controlplane_worker_slots_in_use",
+    "Slots of this worker running a handler now, by lane.",
+    ["lane"],
+)
+BILLING_ORGANISATIONS = Gauge(
+    "controlplane_billing_organisations",
+    "Organisations on billing hold (`held`) and past due within their grace period (`grace`), as of"
+    " the last reconciler pass.",
+    ["state"],
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
 
-from controlplane.runtime.settings import Settings
+from controlplane.runtime.settings import FERNET_KEY_FORM, Settings, SettingsError, is_fernet_key
 
 
 class SecretBox:
@@ -47,4 +47,7 @@ def load_box(settings: Settings) -> SecretBox:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(Fernet.generate_key())
-    return SecretBox(path.read_bytes().strip())
+    key = path.read_bytes().strip()
+    if not is_fernet_key(key):
+        raise SettingsError(f"{path} must hold {FERNET_KEY_FORM}")
+    return SecretBox(key)

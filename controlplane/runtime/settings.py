@@ -13,6 +13,8 @@ flat names (`worker_concurrency=3`), and read no environment: only `load` does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import os
 import typing
@@ -36,6 +38,22 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 ENV_PREFIX = "CONTROLPLANE_"
 FILE_SUFFIX = "_FILE"
 MASK = "**********"
+
+
+# What CONTROLPLANE_SECRET_KEY (or data_dir/secret.key) must be: a Fernet key.
+FERNET_KEY_FORM = (
+    "a Fernet key: 32 bytes in URL-safe base64, 44 characters (make one with `python3 -c"
+    " 'import base64, os; print(base64.urlsafe_b64encode(os.urandom(32)).decode())'`)"
+)
+
+
+def is_fernet_key(text: str | bytes) -> bool:
+    """Whether `text` is what Fernet takes as a key: 32 bytes in URL-safe base64."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    try:
+        return len(base64.urlsafe_b64decode(raw.strip())) == 32 and len(raw.strip()) == 44
+    except (binascii.Error, ValueError):
+        return False
 
 
 class SettingsError(ValueError):
@@ -216,6 +234,13 @@ class ApiSettings(_Group):
         "(0: no limit); Stripe retries what is refused with 429.",
         ge=0,
     )
+    sign_in_limit: int = _setting(
+        10,
+        "console_sign_in_limit",
+        "Console sign-in attempts per window from one client address, and with one key prefix, on each "
+        "API process (beyond, the form is refused with 429 until the window resets; 0: no limit).",
+        ge=0,
+    )
 
     @property
     def url(self) -> str:
@@ -252,14 +277,6 @@ class WorkerSettings(_Group):
         1.0, "retry_base_delay_s", "First retry delay; doubled per attempt, with jitter.", ge=0
     )
     retry_max_delay_s: float = _setting(300.0, "retry_max_delay_s", "Largest retry delay.", ge=0)
-    job_registry: str | None = _setting(
-        None,
-        "job_registry",
-        "The job kinds (`module:attribute`, a JobRegistry or a function returning one) whose "
-        "abandonment hooks the API and `controlplane jobs abandon` run; default: the instance "
-        "operations.",
-        pattern=r"^[\w.]+:\w+$",
-    )
 
     @property
     def reclaim_after_s(self) -> float:
@@ -349,6 +366,58 @@ class ReconcilerSettings(_Group):
         "Months of the event tables' monthly partitions the reconciler keeps made ahead of the current one.",
         ge=1,
         le=24,
+    )
+
+    metrics_sample_s: int = _setting(
+        10,
+        "metrics_sample_s",
+        "Resolution of the samples of each database's metrics that the reconciler's observation "
+        "takes (at most one per instance per interval).",
+        ge=1,
+        le=300,
+    )
+    metrics_sample_keep_s: int = _setting(
+        86_400, "metrics_sample_keep_s", "How long those samples are kept.", ge=3600
+    )
+    metrics_rollup_s: int = _setting(
+        300,
+        "metrics_rollup_s",
+        "Resolution of the rolled-up samples kept after that (a multiple of the sample resolution).",
+        ge=60,
+    )
+    metrics_rollup_keep_s: int = _setting(
+        30 * 86_400, "metrics_rollup_keep_s", "How long the rolled-up samples are kept.", ge=86_400
+    )
+    storage_autoscale: bool = _setting(
+        True,
+        "storage_autoscale",
+        "Grow a database's storage allocation when it stays nearly full (up to its plan's maximum).",
+    )
+    storage_autoscale_free_pct: float = _setting(
+        10.0,
+        "storage_autoscale_free_pct",
+        "Grow when at most this share of the allocation (percent) is free ...",
+        gt=0,
+        lt=100,
+    )
+    storage_autoscale_for_s: float = _setting(
+        300.0, "storage_autoscale_for_s", "... for at least this long (seconds) ...", ge=0
+    )
+    storage_autoscale_cooldown_s: float = _setting(
+        21_600.0,
+        "storage_autoscale_cooldown_s",
+        "... and not again before this long after the last growth (also how often the customer is "
+        "warned at the maximum).",
+        ge=0,
+    )
+    storage_autoscale_grow_pct: float = _setting(
+        10.0,
+        "storage_autoscale_grow_pct",
+        "Each growth adds this share of the allocation (percent) ...",
+        gt=0,
+    )
+    storage_autoscale_grow_min_gb: int = _setting(
+        1, "storage_autoscale_grow_min_gb", "... and at least this many GB.", ge=1
     )
 
     def deadline_s(self, state: str) -> float | None:
@@ -458,6 +527,19 @@ class ProvisionerSettings(_Group):
         "Namespace of the CloudNativePG operator, whose pods the NetworkPolicy admits to the instances' "
         "status port.",
     )
+    kubernetes_monitoring_namespace: str = _setting(
+        "monitoring",
+        "kubernetes_monitoring_namespace",
+        "Namespace of the Prometheus that scrapes the instances, whose pods the NetworkPolicy admits to "
+        "the instances' metrics exporter (port 9187).",
+    )
+    kubernetes_pod_monitor: bool = _setting(
+        False,
+        "kubernetes_pod_monitor",
+        "Create a Prometheus Operator `PodMonitor` per instance (its exporter's metrics, labelled with "
+        "the instance and organisation ids). Needs the Prometheus Operator's CRDs in the cluster; "
+        "`deploy/kubernetes` turns it on.",
+    )
     faults: str | None = _setting(
         None,
         "faults",
@@ -563,6 +645,13 @@ class BillingSettings(_Group):
         "Delete instances suspended by billing for this many days (with their final backup); empty: never.",
         gt=0,
     )
+    portal_url: str | None = _setting(
+        None,
+        "billing_portal_url",
+        "Where customers settle a payment (for example your Stripe customer portal's login link): the"
+        " console's billing notices link to it; empty: they say to pay the invoice that was sent.",
+        pattern=r"^https?://",
+    )
 
 
 class NotificationSettings(_Group):
@@ -574,8 +663,8 @@ class NotificationSettings(_Group):
     allow_private: bool = _setting(
         False,
         "notify_allow_private",
-        "Accept webhook endpoints on private, loopback and link-local addresses (checked at registration "
-        "and again at each delivery).",
+        "Accept webhook endpoints on addresses that are not globally reachable: private, loopback, "
+        "link-local, shared (checked at registration and again at each delivery).",
     )
     retry_window_s: float = _setting(
         86400.0,
@@ -584,7 +673,27 @@ class NotificationSettings(_Group):
         "disabled.",
         ge=0,
     )
-    timeout_s: float = _setting(10.0, "notify_timeout_s", "Timeout of one webhook delivery.", gt=0)
+    timeout_s: float = _setting(
+        10.0,
+        "notify_timeout_s",
+        "Longest one webhook delivery may take in all (resolving, connecting, sending, the answer's "
+        "status); longer is a failed attempt.",
+        gt=0,
+    )
+    concurrency: int = _setting(
+        4,
+        "notify_concurrency",
+        "Deliveries one worker sends at once, in slots of their own beside `worker_concurrency`'s: slow "
+        "receivers never hold the slots of the instances' jobs.",
+        ge=1,
+    )
+    endpoint_concurrency: int = _setting(
+        1,
+        "notify_endpoint_concurrency",
+        "Webhook deliveries one worker process sends to one endpoint at once; the next one for it is "
+        "queued again (for one to two `notify_timeout_s`) instead of waiting in a slot.",
+        ge=1,
+    )
     smtp_host: str | None = _setting(
         None, "smtp_host", "SMTP server notification emails are sent through; empty: no email."
     )
@@ -619,6 +728,31 @@ class LoggingSettings(_Group):
         return value.strip().upper() if isinstance(value, str) else value
 
 
+class TracingSettings(_Group):
+    otlp_endpoint: str | None = _setting(
+        None,
+        "otlp_endpoint",
+        "OpenTelemetry collector receiving the traces over OTLP/HTTP (`http://collector:4318`; "
+        "`/v1/traces` is added unless the URL ends with it). Empty: no tracing, at no cost. The "
+        "exporter's own `OTEL_EXPORTER_OTLP_HEADERS`, `..._CERTIFICATE` and `..._TIMEOUT` apply.",
+    )
+    trace_sample_ratio: float = _setting(
+        1.0,
+        "trace_sample_ratio",
+        "Share of the API's requests (and of the jobs no request started) traced, 0 to 1; a job "
+        "follows the decision of the request that enqueued it.",
+        ge=0,
+        le=1,
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL (OTLP over HTTP)")
+        return value
+
+
 def _cross(flat: str, allowed: str, value: object) -> str:
     """The sentence of a refusal that depends on another setting (the variable is named in it)."""
     return f"{env_name(flat)} must be {allowed}, not {str(value)!r}"
@@ -640,7 +774,8 @@ class Settings(BaseSettings):
         None,
         "secret_key",
         "Fernet key encrypting instance passwords and the audit log's signing key at rest; keys "
-        "derived from it seal the console's cookies and form tokens. Empty: generated once into "
+        "derived from it seal the console's cookies and form tokens. 32 bytes in URL-safe base64 "
+        "(44 characters); anything else is refused at start. Empty: generated once into "
         "`data_dir/secret.key`.",
     )
     metrics_port: int | None = _setting(
@@ -656,6 +791,13 @@ class Settings(BaseSettings):
         "Fault injection for tests: names of places where the process kills itself, comma-separated "
         "(`controlplane/runtime/crashpoints.py`); empty: none.",
     )
+
+    @field_validator("secret_key")
+    @classmethod
+    def _secret_key_is_a_fernet_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not is_fernet_key(value.get_secret_value()):
+            raise ValueError(FERNET_KEY_FORM)
+        return value
 
     @field_validator("crash_points")
     @classmethod
@@ -681,6 +823,7 @@ class Settings(BaseSettings):
     billing: BillingSettings = Field(default_factory=BillingSettings)
     notifications: NotificationSettings = Field(default_factory=NotificationSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @classmethod
     def settings_customise_sources(

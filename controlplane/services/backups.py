@@ -129,10 +129,15 @@ async def request_restore(
     by `actor` (named in the job's enqueue event and in the `recover` that ends it)."""
     async with db.transaction(conn):
         inst = await instances.load(conn, request.org_id, request.instance_id, lock=True)
-        if not actions.can_restore(inst.state, inst.failure_code):
+        if not actions.can_restore(inst.state, inst.failure_code, deletion_requested=inst.deletion_requested):
+            why = (
+                "its deletion has been requested"
+                if inst.deletion_requested
+                else f"it is {inst.state} and its data is not lost"
+            )
             raise InvalidState(
-                f"instance {inst.id} is {inst.state} and its data is not lost: a restore brings back an "
-                "instance whose data is lost (to start from a backup otherwise, create a new instance)",
+                f"instance {inst.id} cannot be restored: {why}. A restore brings back an instance whose "
+                "data is lost (to start from a backup otherwise, create a new instance)",
                 current_state=inst.state,
                 allowed_actions=actions.of(inst),
             )

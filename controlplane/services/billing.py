@@ -82,10 +82,10 @@ async def _apply(
     decision = billing.decide(event.status, event.created, org["billing_event_created"])
     outcome: Outcome = decision.action.value
     if not decision.applies:
-        if event.status == "past_due" and decision.action is billing.Action.NO_CHANGE:
+        if event.status == "past_due" and decision.action is billing.HoldAction.NO_CHANGE:
             await _past_due(conn, org["id"], event, policy)
         return StripeEventApplied(outcome)
-    hold = decision.action is billing.Action.HOLD
+    hold = decision.action is billing.HoldAction.HOLD
     await conn.execute(
         sql.SET_BILLING_HOLD,
         {"hold": hold, "status": event.status, "created": event.created, "id": org["id"]},
@@ -191,7 +191,7 @@ async def apply_on_mapping(conn: AsyncConn, org_id: object, customer_id: str) ->
         await conn.execute(
             sql.SET_BILLING_HOLD,
             {
-                "hold": decision.action is billing.Action.HOLD,
+                "hold": decision.action is billing.HoldAction.HOLD,
                 "status": event["status"],
                 "created": event["created"],
                 "id": org_id,

@@ -461,6 +461,13 @@ async def list_page(
     return cursors.page_of(found, limit, lambda last: cursors.created_cursor(last.created_at, last.id))
 
 
+async def last_event(conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID) -> DictRow | None:
+    """The newest audit event of an organisation's instance (a deleted one's says what its deletion
+    kept: `detail.backup`), None if it has none of that id."""
+    cursor = await conn.execute(sql.ORG_INSTANCE_LAST_EVENT, {"id": instance_id, "org": org_id})
+    return await cursor.fetchone()
+
+
 async def events_page(
     conn: AsyncConn, org_id: uuid.UUID, instance_id: uuid.UUID, *, limit: int, cursor: str | None
 ) -> tuple[Sequence[DictRow], str | None]:

@@ -9,14 +9,14 @@ as a signed POST (`controlplane.core.webhook_signatures`), an email through the 
 failure schedules the next attempt as a new job after a growing delay, until the retry window
 (a day by default) is over; then the delivery is given up and its target disabled. An endpoint's
 address is checked at registration and again before every delivery (server-side request
-forgery: https only, and no private, loopback or link-local address unless the operator allows).
+forgery: https only, and only globally reachable addresses unless the operator allows); the
+delivery connects to the addresses it checked.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-import secrets
 import socket
 import uuid
 from collections.abc import Mapping
@@ -46,6 +46,8 @@ EVENT_TYPES: Mapping[str, str] = {
     "instance.resumed": "a suspended database is writable again",
     "instance.deleted": "the database was deleted (with its final backup's name)",
     "instance.deadline_overdue": "an operation missed its deadline and was given up (with the reason)",
+    "instance.storage_grown": "storage autoscaling grew the database's allocation (with why)",
+    "instance.storage_full": "nearly full at the plan's maximum storage: nothing will grow it",
     "billing.past_due": "the subscription is past due: the databases become read-only at `suspends_at`",
 }
 # The first delay after a failed delivery, doubled per attempt up to the largest.
@@ -157,24 +159,49 @@ def consumer() -> Consumer:
 # ---- endpoint addresses (server-side request forgery) ---------------------------------------------
 
 
+# Not globally reachable (IANA's special-purpose registry) though the `is_global` of some Python
+# versions says they are: IETF protocol assignments (192.0.0.8 among them), the 6to4 relays'
+# anycast, IPv6 site-local, NAT64 for local use.
+NOT_GLOBAL = tuple(
+    ipaddress.ip_network(net) for net in ("192.0.0.0/24", "192.88.99.0/24", "fec0::/10", "64:ff9b:1::/48")
+)
+# NAT64's well-known prefix: an IPv4 address in its last 32 bits.
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def wrapped_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 one carries to: 6to4, Teredo (its server and client), NAT64."""
+    found = [ip.sixtofour] if ip.sixtofour is not None else []
+    found += list(ip.teredo or ())
+    if ip in NAT64:
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return found
+
+
 def address_allowed(address: str) -> bool:
-    """A public unicast address: not private, loopback, link-local, multicast, reserved or unspecified."""
+    """A globally reachable unicast address (`is_global`, and none of NOT_GLOBAL), and so is every
+    IPv4 address it carries to; an IPv4-mapped address is its IPv4 one."""
     ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (
-        ip.is_private
-        or ip.is_loopback
-        or ip.is_link_local
-        or ip.is_multicast
-        or ip.is_reserved
-        or ip.is_unspecified
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return address_allowed(str(ip.ipv4_mapped))
+        if not all(address_allowed(str(inner)) for inner in wrapped_ipv4(ip)):
+            return False
+    return (
+        ip.is_global
+        and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified or ip.is_loopback or ip.is_link_local)
+        and not any(ip in net for net in NOT_GLOBAL)
     )
 
 
-def check_url(url: str, policy: NotificationSettings) -> None:
+def check_url(url: str, policy: NotificationSettings) -> list[str]:
     """Refuse a webhook URL customers may not use (InvalidRequest on the `url` field): its scheme,
-    then every address its host resolves to now (so it is checked again at each delivery)."""
+    then every address its host resolves to now (so it is checked again at each delivery). Returns
+    those addresses, for the delivery to connect to (no second look-up between the check and the
+    connection), or none where the operator allows any address (`allow_private`).
+
+    A name that does not resolve is refused with the same words as one that resolves to an address
+    that is not public: the answer tells nothing of the names that resolve inside the network."""
     allowed = ("https", "http") if policy.allow_http else ("https",)
     try:
         parts = urlsplit(url)
@@ -186,14 +213,16 @@ def check_url(url: str, policy: NotificationSettings) -> None:
     if parts.username or parts.password:
         raise InvalidRequest("url", "the URL must not carry credentials")
     if policy.allow_private:
-        return
+        return []
+    refused = InvalidRequest("url", f"the host {parts.hostname[:100]} must resolve to public addresses only")
     try:
         infos = socket.getaddrinfo(parts.hostname, port or 443, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError, ValueError):  # no such name, or not a name at all
-        raise InvalidRequest("url", f"the host {parts.hostname[:100]} does not resolve") from None
-    refused = sorted({str(info[4][0]) for info in infos if not address_allowed(str(info[4][0]))})
-    if refused:
-        raise InvalidRequest("url", f"the host {parts.hostname} resolves to an address that is not public")
+        raise refused from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    if not addresses or not all(address_allowed(address) for address in addresses):
+        raise refused
+    return addresses
 
 
 def check_email(address: str) -> None:
@@ -209,7 +238,3 @@ def check_event_types(types: list[str]) -> None:
             "event_types",
             f"event types must be among {', '.join(EVENT_TYPES)} (or '*'); not {unknown or 'none'}",
         )
-
-
-def new_secret() -> str:
-    return "whsec_" + secrets.token_urlsafe(32)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from psycopg.rows import DictRow
 
+from controlplane.core import webhook_signatures as signatures
 from controlplane.core.refusals import NotFound
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
@@ -49,7 +50,7 @@ async def register(
     secret = None
     if asked.kind == "webhook":
         await asyncio.to_thread(notices.check_url, asked.address, policy)
-        secret = notices.new_secret()
+        secret = signatures.new_secret()
     else:
         notices.check_email(asked.address)
     cursor = await conn.execute(

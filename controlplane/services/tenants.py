@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -11,13 +12,15 @@ from datetime import datetime
 
 from psycopg.rows import DictRow
 
-from controlplane.core.refusals import LimitReached, NotFound
+from controlplane.core.refusals import Conflict, LimitReached, NotFound
 from controlplane.core.refusals import OrgExists as OrgExists
 from controlplane.db import connection as db
 from controlplane.db import sql
 from controlplane.db.connection import AsyncConn
 from controlplane.db.constraints import unique_violations
 from controlplane.services.billing import apply_on_mapping
+
+log = logging.getLogger(__name__)
 
 KEY_SCHEME = "cpk"
 # The public part of a key (looked up in the database) and the secret part (256 random bits).
@@ -134,6 +137,36 @@ async def create_org(
                 org = await cursor.fetchone()
                 assert org is not None
     return org, key
+
+
+async def link_stripe_customer(conn: AsyncConn, org_id: uuid.UUID, customer_id: str) -> DictRow:
+    """Link an organisation made without one to its Stripe customer: from then on its usage is
+    reported to that customer and the customer's subscription events apply to it, the newest
+    decisive one recorded before the link included (as at creation). Linking the customer it has
+    already changes nothing; NotFound without the organisation; Conflict when it is linked to
+    another customer (a link is not moved: usage already reported stays with its customer);
+    OrgExists when another organisation has this customer."""
+    with unique_violations(stripe_customer_id=customer_id):
+        async with conn.transaction():
+            cursor = await conn.execute(sql.LOCK_ORGANISATION_FOR_LINK, {"id": org_id})
+            org = await cursor.fetchone()
+            if org is None:
+                raise NotFound(f"no organisation {org_id}")
+            linked = org["stripe_customer_id"]
+            if linked == customer_id:
+                return org
+            if linked is not None:
+                raise Conflict(
+                    f"organisation {org['name']} is linked to Stripe customer {linked} already;"
+                    " a link is not moved to another customer"
+                )
+            await conn.execute(sql.LINK_STRIPE_CUSTOMER, {"id": org_id, "customer": customer_id})
+            await apply_on_mapping(conn, org_id, customer_id)
+            cursor = await conn.execute(sql.ORGANISATION_BY_ID, {"id": org_id})
+            org = await cursor.fetchone()
+            assert org is not None
+    log.info("organisation %s linked to Stripe customer %s", org["name"], customer_id)
+    return org
 
 
 async def create_admin_key(conn: AsyncConn, name: str = "admin") -> NewKey:

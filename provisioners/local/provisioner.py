@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import psycopg.sql
 
+from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.step_errors import TemporaryError
 from controlplane.runtime.postgres import RunAs
 from controlplane.runtime.secretbox import SecretBox
@@ -195,8 +196,12 @@ class LocalProvisioner(Provisioner):
                 server.restart()
                 changed = True
         state = self.storage.load_state(instance_id)
-        if (state.get("plan"), state.get("generation")) != (spec.plan, spec.generation):
-            state.update(plan=spec.plan, generation=spec.generation)
+        applied = (state.get("plan"), state.get("generation"), state.get("allocated_gb"))
+        if applied != (spec.plan, spec.generation, spec.volume_gb):
+            # The allocation is the control plane's record here (no volume of that size exists):
+            # kept beside the plan, what the reconciler holds the database's size to.
+            changed = changed or state.get("allocated_gb") != spec.volume_gb
+            state.update(plan=spec.plan, generation=spec.generation, allocated_gb=spec.volume_gb)
             self.storage.save_state(instance_id, state)
         return changed
 
@@ -276,7 +281,7 @@ class LocalProvisioner(Provisioner):
             )
         try:
             with self.admin.connect(instance_id, server.port, timeout=3) as admin:
-                row = admin.execute("SELECT pg_is_in_recovery()").fetchone()
+                row = admin.execute(OBSERVE, {"dbname": DBNAME}).fetchone()
                 recovery = self._archive_window(instance_id, admin)
         except psycopg.Error as exc:
             return Observation(
@@ -288,8 +293,12 @@ class LocalProvisioner(Provisioner):
                 detail=f"not accepting connections: {str(exc).strip()[:200]}",
             )
         read_only = bool(row and row[0])
+        stats = _stats(row)
+        if stats is not None and recovery.lag_s is not None:
+            stats = replace(stats, archive_lag_s=recovery.lag_s)
         return Observation(
             True,
+            stats=stats,
             running=True,
             healthy=True,
             read_only=read_only,
@@ -385,6 +394,29 @@ class LocalProvisioner(Provisioner):
                 "SELECT rolname FROM pg_roles WHERE rolcanlogin AND rolname <> %s ORDER BY 1", (ADMIN_USER,)
             ).fetchall()
         return [row[0] for row in rows]
+
+
+# What observe reads, in one round trip: whether the server is read-only, and the customer
+# database's own metrics (the control plane's admin sessions are not counted as connections).
+OBSERVE = """
+SELECT pg_is_in_recovery(), s.*
+FROM (SELECT 1) AS one LEFT JOIN (
+    SELECT (SELECT count(*) FROM pg_stat_activity a
+            WHERE a.backend_type = 'client backend' AND a.usename <> current_user)::int AS connections,
+           current_setting('max_connections')::int AS max_connections,
+           d.xact_commit + d.xact_rollback AS transactions, d.tup_returned AS rows_read,
+           d.tup_inserted + d.tup_updated + d.tup_deleted AS rows_written,
+           d.blks_hit AS blocks_hit, d.blks_read AS blocks_read, pg_database_size(d.datid) AS size_bytes
+    FROM pg_stat_database d WHERE d.datname = %(dbname)s
+) AS s ON true
+"""
+
+
+def _stats(row: tuple[Any, ...] | None) -> DatabaseStats | None:
+    """The customer database's metrics from observe's row (None before its database exists)."""
+    if row is None or row[1] is None:
+        return None
+    return DatabaseStats(*(int(value) for value in row[1:9]))
 
 
 def _as_uuid(text: str) -> uuid.UUID | None:

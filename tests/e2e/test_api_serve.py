@@ -174,9 +174,11 @@ def test_resize_wait_on_a_suspended_instance_says_the_change_is_recorded_and_exi
             out, err = resize.communicate(timeout=30)
         finally:
             resize.kill()
+        applied = http.get(f"/v1/instances/{iid}").json()
     assert resize.returncode == 0, (out, err)
-    fields = [tuple(line.split()) for line in out.splitlines()]
-    assert ("state", "ready") in fields and ("observed_generation", "2") in fields
+    # It ends as `create --wait` does: the instance ready (on its new plan), then its URI.
+    assert f"({iid}) is ready on plan small" in out
+    assert (applied["state"], applied["observed_generation"]) == ("ready", 2)
 
 
 def test_watchers_share_one_connection_sigterm_ends_their_streams_and_the_cli_resumes_after_a_restart(

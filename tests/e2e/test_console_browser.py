@@ -5,6 +5,7 @@ servers) and, for failures, the fault-injecting one."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 
 from controlplane.db import connection as db
@@ -21,12 +21,14 @@ from controlplane.services import tenants
 from tests.api_support import sign, stripe_event
 from tests.browser_support import (
     CHROMIUM,
+    CLI,
     WEBHOOK_SECRET,
     Stack,
     chromium_args,
     screenshot,
     stack_on_a_copy,
 )
+from tests.support import ROOT
 
 if not CHROMIUM.exists():  # dev.py test installs it (as root); say so rather than skip quietly
     pytest.fail(f"{CHROMIUM} is missing: `python3 dev.py test` installs it as root", pytrace=False)
@@ -102,7 +104,7 @@ def _sign_in(page: Page, stack: Stack, key: str) -> None:
 def _create(page: Page, name: str, plan: str = "dev") -> float:
     """Create a database through the form; the moment Create was clicked."""
     page.get_by_role("link", name="Create database").first.click()
-    page.get_by_label("Name").fill(name)
+    page.get_by_label("Name", exact=True).fill(name)
     page.get_by_role("radio", name=plan).check()
     clicked = time.monotonic()
     page.get_by_role("button", name="Create database").click()
@@ -134,6 +136,14 @@ def _wider_than_the_screen(page: Page) -> list[str]:
             .map(e => e.tagName + '.' + e.className)"""
     )
     return wider
+
+
+def _psql_ssl(uri: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """psql run in `cwd` with `uri` as pasted: whether its session is TLS (`t`)."""
+    query = "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"
+    return subprocess.run(
+        ["psql", uri, "-X", "-A", "-t", "-c", query], cwd=cwd, capture_output=True, text=True, check=False
+    )
 
 
 def _deliver(stack: Stack, customer: str, status: str) -> None:
@@ -169,13 +179,41 @@ def test_sign_in_refuses_a_wrong_key_and_works_by_keyboard(page: Page, stack: St
     expect(page).to_have_url(f"{stack.url}/sign-in")
 
 
+@pytest.mark.parametrize("path", ["/docs", "/redoc"])
+def test_the_api_reference_renders_under_its_security_headers(page: Page, stack: Stack, path: str) -> None:
+    """Swagger UI and ReDoc, from the pinned local assets, render the document under the policy the
+    page is sent with: nothing it needs is refused (a refusal is a securitypolicyviolation event),
+    and nothing is fetched from another origin."""
+    page.add_init_script(
+        """document.addEventListener('securitypolicyviolation', e =>
+             (window.__refused = window.__refused || []).push(e.violatedDirective + ' ' + e.blockedURI))"""
+    )
+    fetched: list[str] = []
+    page.on("response", lambda answer: fetched.append(answer.url))
+    response = page.goto(f"{stack.url}{path}")
+    assert response is not None and response.ok
+    headers = response.headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert (headers["x-frame-options"], headers["x-content-type-options"]) == ("DENY", "nosniff")
+    expect(page.get_by_text("Managed PostgreSQL control plane").first).to_be_visible()
+    summary = "Create an instance (provisioned in the background)"
+    expect(page.locator(f"text={summary} >> visible=true").first).to_be_visible()
+    screenshot(page, f"20-api-reference{path.replace('/', '-')}")
+    # Only what would come from elsewhere is refused: ReDoc's "powered by" logo, from its CDN.
+    refused = page.evaluate("window.__refused || []")
+    assert all(r.startswith("img-src https://cdn.redoc.ly/") for r in refused), refused
+    assert fetched and all(url.startswith((stack.url, "data:", f"blob:{stack.url}")) for url in fetched), (
+        fetched
+    )
+
+
 def test_create_follows_the_steps_live_to_ready_and_the_copied_uri_connects(
     page: Page, stack: Stack, tmp_path: Path
 ) -> None:
     _, key, _ = _org(stack, "live")
     _sign_in(page, stack, key)
     page.get_by_role("link", name="Create database").first.click()
-    page.get_by_label("Name").fill("Not_Valid")
+    page.get_by_label("Name", exact=True).fill("Not_Valid")
     page.get_by_role("button", name="Create database").click()
     expect(page.locator("#name-error")).to_contain_text("lower-case letters")
     expect(page.get_by_label("Name")).to_have_attribute("aria-invalid", "true")
@@ -203,15 +241,18 @@ def test_create_follows_the_steps_live_to_ready_and_the_copied_uri_connects(
     expect(page.locator('[data-copy="uri"]')).to_have_text("Copied")
     copied = page.evaluate("navigator.clipboard.readText()")
     assert copied == uri_box.inner_text() and copied.startswith("postgresql://")
+    # The URI as copied, pasted into psql: before the one step the panel shows above it, the error
+    # names the file to save; after it (the download, into the directory psql runs in), it connects.
+    assert copied.endswith("sslmode=verify-full&sslrootcert=controlplane-ca.pem")
+    before = _psql_ssl(copied, tmp_path)
+    assert before.returncode != 0 and "controlplane-ca.pem" in before.stderr, before.stderr
     with page.expect_download() as download:
         page.get_by_role("link", name="Download the CA certificate").click()
     ca = tmp_path / download.value.suggested_filename
     download.value.save_as(ca)
     assert ca.name == "controlplane-ca.pem" and ca.read_text().startswith("-----BEGIN CERTIFICATE-----")
-    # What `psql "<uri>&sslrootcert=controlplane-ca.pem"` does: TLS, the server verified by the CA.
-    with psycopg.connect(f"{copied}&sslrootcert={ca}", connect_timeout=10) as conn:
-        conn.execute("CREATE TABLE t (x int)")
-        assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
+    after = _psql_ssl(copied, tmp_path)
+    assert after.returncode == 0 and after.stdout.strip() == "t", after.stderr
     # Readable at phone width: nothing wider than the screen.
     page.set_viewport_size({"width": 390, "height": 844})
     assert _wider_than_the_screen(page) == []
@@ -241,6 +282,14 @@ def test_a_failed_creation_says_why_and_its_retry_reaches_ready(page: Page, stac
     screenshot(page, "10-retried-ready")
     page.goto(failed_url)
     expect(page.get_by_role("link", name="follow the new database")).to_be_visible()
+    # In the list the retried failure is folded away and marked, not shown as one to act on.
+    page.get_by_role("link", name="Databases").first.click()
+    expect(page.get_by_role("heading", name="Failed")).to_have_count(0)
+    listed = page.get_by_role("region", name="Your databases")
+    expect(listed.get_by_role("link", name="flaky")).to_be_visible()
+    page.locator("#ended summary").click()
+    expect(page.locator("#ended")).to_contain_text("retried: flaky")
+    screenshot(page, "10b-list-after-retry")
 
 
 def test_suspension_shows_live_resume_clears_it_and_delete_needs_the_name(page: Page, stack: Stack) -> None:
@@ -313,7 +362,7 @@ def test_api_keys_are_shown_once_and_revoked(page: Page, stack: Stack) -> None:
     _, key, _ = _org(stack, "keys")
     _sign_in(page, stack, key)
     page.get_by_role("link", name="API keys").click()
-    page.get_by_label("Name").fill("ci deploys")
+    page.get_by_label("Name", exact=True).fill("ci deploys")
     page.get_by_role("button", name="Create key").click()
     shown = page.locator("#new-key-value")
     expect(shown).to_contain_text("cpk_")
@@ -331,3 +380,90 @@ def test_api_keys_are_shown_once_and_revoked(page: Page, stack: Stack) -> None:
         f"{stack.url}/v1/instances", headers={"Authorization": f"Bearer {new_key}"}, timeout=10
     )
     assert listed.status_code == 401
+
+
+def _cli(stack: Stack, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `controlplane` command against the stack's API, as a customer runs it."""
+    env = {**stack.env, "CONTROLPLANE_URL": stack.url, "CONTROLPLANE_API_KEY": key}
+    return subprocess.run(
+        [*CLI, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_the_list_follows_the_organisation_live_filters_sorts_and_fits_a_phone(
+    page: Page, stack: Stack
+) -> None:
+    _, key, _ = _org(stack, "list")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    _sign_in(page, stack, key)
+    status = page.locator("[data-live-status]")
+    expect(status).to_have_attribute("data-connections", "1")  # the organisation's stream is open
+    page.evaluate("window.__notReloaded = true")
+    # Made elsewhere (the CLI): the list shows it, and follows it to ready, without a reload.
+    made = _cli(stack, key, "instances", "create", "from-the-cli", "--plan", "dev")
+    assert made.returncode == 0, made.stderr
+    rows = page.get_by_role("region", name="Your databases")
+    row = rows.get_by_role("row").filter(has_text="from-the-cli")
+    expect(row).to_be_visible(timeout=WAIT_MS)
+    expect(row.locator(".badge")).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
+    assert _cli(stack, key, "instances", "create", "another-one", "--plan", "dev").returncode == 0
+    expect(rows.get_by_role("row").filter(has_text="another-one")).to_be_visible(timeout=WAIT_MS)
+    assert page.evaluate("window.__notReloaded") is True
+    names = rows.locator("tbody th")
+    expect(names).to_have_text(["another-one", "from-the-cli"])  # newest first
+    screenshot(page, "18-list-live")
+    # Sort and filter: the list is queried again, the address keeps the choice.
+    page.get_by_label("Sort", exact=True).select_option("name")
+    expect(names).to_have_text(["another-one", "from-the-cli"])
+    page.get_by_label("Sort", exact=True).select_option("oldest")
+    expect(names).to_have_text(["from-the-cli", "another-one"])
+    page.get_by_label("Name", exact=True).fill("cli")
+    expect(names).to_have_text(["from-the-cli"])
+    assert "q=cli" in page.url and "sort=oldest" in page.url
+    page.get_by_label("Name", exact=True).fill("nothing-like-it")
+    expect(page.get_by_text("No database matches this filter")).to_be_visible()
+    page.get_by_label("Name", exact=True).fill("")
+    expect(names).to_have_count(2)
+    # At phone width every row fits: nothing sticks out, no table scrolls sideways.
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert _wider_than_the_screen(page) == []
+    cut: list[str] = page.evaluate(
+        """() => [...document.querySelectorAll('#list .table-wrap')]
+            .filter(w => w.scrollWidth > w.clientWidth + 1).map(w => w.getAttribute('aria-label'))"""
+    )
+    assert cut == []
+    expect(row.get_by_role("cell", name="Plan dev")).to_be_visible()  # each cell labelled in its card
+    screenshot(page, "19-list-phone")
+    page.get_by_role("link", name="Create database").first.click()
+    screenshot(page, "20-create-phone")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    screenshot(page, "21-create-plans")
+
+
+def test_a_databases_page_charts_its_metrics_at_desk_and_phone_width(page: Page, stack: Stack) -> None:
+    """The reconciler samples a ready database; its page charts the samples, each chart an image
+    with its numbers as text, readable at 1280 and at 390 px."""
+    _, key, _ = _org(stack, "charts")
+    made = _cli(stack, key, "instances", "create", "charted", "--plan", "dev", "--wait", "-o", "json")
+    assert made.returncode == 0, made.stderr
+    page.set_viewport_size({"width": 1280, "height": 900})
+    _sign_in(page, stack, key)
+    page.get_by_role("link", name="charted").first.click()
+    connections = page.locator('[data-chart="connections"] svg[role="img"]')
+
+    def drawn() -> bool:  # two samples, 10 s apart, are a line: the page shows the newest on a reload
+        page.reload()
+        return connections.count() == 1
+
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not drawn():
+        assert time.monotonic() < deadline, "no chart within the wait"
+        page.wait_for_timeout(1000)
+    expect(page.get_by_role("heading", name="The last hour")).to_be_visible()
+    expect(page.get_by_role("img", name="Connections, the last hour")).to_be_visible()
+    screenshot(page, "22-charts")
+    page.locator('[data-chart="size"] summary').click()
+    expect(page.locator('[data-chart="size"] table')).to_contain_text("MiB")
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert _wider_than_the_screen(page) == []
+    screenshot(page, "23-charts-phone")

@@ -20,6 +20,7 @@ import psycopg
 from controlplane.runtime.embedded import DBNAME, SUPERUSER
 from controlplane.runtime.postgres import url
 from tests.api_support import WEBHOOK_SECRET, sign, stripe_event
+from tests.support import eventually_sync
 from tests.up_support import org_client, postmaster_pid, read_until, run_cli, running_up, scratch_dir, up_env
 
 WRITERS = 6
@@ -37,13 +38,6 @@ class Answer:
     content_type: str = ""
     problem: str = ""
     retry_after: str = ""
-
-
-def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        time.sleep(0.05)
 
 
 def _database_url(data_dir: Path) -> str:
@@ -69,11 +63,14 @@ def test_a_storm_a_lock_holder_hostile_webhooks_and_a_killed_database_give_only_
             stripe_webhook_secret=WEBHOOK_SECRET,
             api_lock_timeout_s="0.5",
             api_rate_limit="0",
+            # Warnings only: the storm's access lines would fill the output pipe, which the test
+            # reads only while it waits for a line, and `up` would block writing its logs.
+            log_level="WARNING",
         )
         with running_up(data_dir, env, launcher=False) as (up, output), org_client(data_dir, env) as client:
             made = client.post("/v1/instances", json={"name": "storm", "plan": "dev"}).json()
             path = f"/v1/instances/{made['id']}"
-            _until(lambda: client.get(path).json()["state"] == "ready", 30, "the instance is ready")
+            eventually_sync(lambda: client.get(path).json()["state"] == "ready", "the instance is ready", 30)
             answers: list[Answer] = []
             stop = threading.Event()
 
@@ -108,16 +105,16 @@ def test_a_storm_a_lock_holder_hostile_webhooks_and_a_killed_database_give_only_
             for writer in writers:
                 writer.start()
             try:
-                _until(accepted_since(0, 20), 30, "the storm runs")
+                eventually_sync(accepted_since(0, 20), "the storm runs", 30)
 
                 # A long lock holder: the writers are answered 409 busy by the lock timeout.
                 with psycopg.connect(_database_url(data_dir)) as holder:
                     holder.execute("SELECT 1 FROM instances WHERE id = %s FOR UPDATE", (made["id"],))
                     held_at = time.monotonic()
-                    _until(
+                    eventually_sync(
                         lambda: any(a.sent_at > held_at and a.status == 409 for a in list(answers)),
-                        10,
                         "a writer is refused while the row is locked",
+                        10,
                     )
                     released_at = time.monotonic()
                     holder.rollback()
@@ -133,13 +130,13 @@ def test_a_storm_a_lock_holder_hostile_webhooks_and_a_killed_database_give_only_
                     assert response.headers["content-type"] == PROBLEM
 
                 # kill -9 of the embedded PostgreSQL: `up` restarts it, service returns by itself.
-                _until(accepted_since(released_at, 5), 10, "changes are accepted again")
+                eventually_sync(accepted_since(released_at, 5), "changes are accepted again", 10)
                 killed_at = time.monotonic()
                 os.kill(postmaster_pid(data_dir / "db" / "pg"), signal.SIGKILL)
                 read_until(up, r"embedded PostgreSQL is back", timeout=60, seen=output)
-                _until(lambda: client.get("/readyz").status_code == 200, 30, "/readyz is 200 again")
+                eventually_sync(lambda: client.get("/readyz").status_code == 200, "/readyz is 200 again", 30)
                 recovered_at = time.monotonic()
-                _until(accepted_since(recovered_at + AFTER_RECOVERY_S, 20), 30, "the storm goes on")
+                eventually_sync(accepted_since(recovered_at + AFTER_RECOVERY_S, 20), "the storm goes on", 30)
             finally:
                 stop.set()
                 for writer in writers:

@@ -56,7 +56,7 @@ def claimed_by(job_id: object, worker: str) -> Condition:
 async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_the_instance_gets_ready(
     conn: AsyncConn, fault_settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="reconciler.reconciler")
+    caplog.set_level(logging.DEBUG, logger="reconciler.maintenance")
     assert fault_settings.database.url_value is not None
     url = fault_settings.database.url_value
     local = LocalProvisioner(fault_settings)
@@ -96,10 +96,11 @@ async def test_a_worker_killed_mid_provision_is_reclaimed_by_the_reconciler_and_
         f" ready after {to_ready:.2f}s (reclaim threshold {fault_settings.worker.reclaim_after_s:g}s"
         f" + one pass interval {INTERVAL_S}s = {bound:g}s)"
     )
-    # The first pass that could see the heartbeat stale reclaimed the job: no pass started after
-    # the threshold and finished before the reclaim without doing it (the loop's own clock).
+    # The first pass that could see the heartbeat stale reclaimed the job: no pass's maintenance
+    # started after the threshold and finished before the reclaim without doing it (the loop's
+    # own clock).
     stale_at = (last_heartbeat + timedelta(seconds=fault_settings.worker.reclaim_after_s)).timestamp()
-    passes = [r for r in caplog.records if r.getMessage() == "reconciler pass"]
+    passes = [r for r in caplog.records if r.getMessage() == "reconciler maintenance"]
     (reclaiming,) = [r for r in passes if r.__dict__["jobs_reclaimed"]]
     missed = [
         r

@@ -20,6 +20,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from provisioners.base import Observation
 from reconciler.leader import LeaderElection
+from reconciler.maintenance import Maintenance
 from reconciler.reconciler import PassSummary, Reconciler
 from tests.factories import make_instance, make_org
 from tests.operations_support import registry_for, scalar
@@ -141,13 +142,11 @@ async def test_of_two_reconciler_loops_only_the_leader_runs_passes(
     stop = asyncio.Event()
     for i, pool in enumerate(pools):
         await pool.open(wait=True)
-        rec = Counting(
-            settings,
-            pool,
-            ScriptedProvisioner(),
-            registry_for(ScriptedProvisioner()),
-            reconciler_id=f"rec-{i}",
+        provisioner = ScriptedProvisioner()
+        maintenance = Maintenance(
+            settings, pool, provisioner, registry_for(provisioner), maintainer_id=f"rec-{i}"
         )
+        rec = Counting(settings, pool, provisioner, reconciler_id=f"rec-{i}", maintenance=maintenance)
         rec.woke = asyncio.Event()
         recs.append(rec)
     loops = [

@@ -118,11 +118,29 @@ async def test_get_shows_connection_with_password_once_ready(
         "password": "s3cret/with:chars",
         "sslmode": None,
         "ca_certificate": None,
+        "sslrootcert": None,
         "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
     }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
     assert listed["connection"]["password"] is None
     assert listed["connection"]["uri"] == "postgresql://app_owner@127.0.0.1:15432/app"
+
+
+async def test_a_verified_connection_uri_names_the_ca_file_to_save(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """What a customer pastes first names the CA's file: psql then fails with that file's name
+    until ca_certificate is saved under it, and connects once it is."""
+    made = await create(client, tenant, "orders")
+    await make_ready(conn, api_settings, made["id"], password="pw", ca="-----BEGIN CERTIFICATE-----\n")
+    got = await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)
+    connection = got.json()["connection"]
+    assert connection["sslrootcert"] == "controlplane-ca.pem"
+    assert connection["uri"] == (
+        "postgresql://app_owner:pw@127.0.0.1:15432/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem"
+    )
+    listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
+    assert listed["connection"]["uri"].endswith("/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem")
 
 
 async def test_unknown_instance_is_404_problem(client: httpx.AsyncClient, tenant: Tenant) -> None:
@@ -431,3 +449,52 @@ async def test_a_response_carrying_a_password_is_never_stored_by_a_cache(
     # The keys a request creates are secrets too: shown once, never stored.
     key = await client.post("/v1/keys", json={"name": "ci"}, headers=tenant.headers)
     assert key.status_code == 201 and key.headers["cache-control"] == "no-store"
+
+
+async def test_a_restore_once_the_deletion_was_requested_is_refused(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """A lost instance's DELETE, then its restore: 409 (its allowed_actions are empty), no job."""
+    made = await create(client, tenant, "lost")
+    await make_ready(conn, api_settings, made["id"])
+    await drive(conn, made["id"], "degrade", failure_code="data_lost", failure_reason="data lost: gone")
+    path = f"/v1/instances/{made['id']}"
+    assert "restore" in (await client.get(path, headers=tenant.headers)).json()["allowed_actions"]
+    assert (await client.delete(path, headers=tenant.headers)).status_code == 202
+    shown = (await client.get(path, headers=tenant.headers)).json()
+    assert (shown["state"], shown["allowed_actions"]) == ("degraded", [])
+    refused = await client.post(f"{path}/restore", json={"empty": True}, headers=tenant.headers)
+    assert refused.status_code == 409, refused.text
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert "its deletion has been requested" in refused.json()["detail"]
+    cursor = await conn.execute("SELECT kind FROM jobs WHERE instance_id = %s ORDER BY kind", (made["id"],))
+    assert [row["kind"] for row in await cursor.fetchall()] == ["deprovision", "provision"]  # no restore
+
+
+async def test_a_202_is_not_settled_until_its_own_change_is_done(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """A client waits for its change (the PATCH's generation, the DELETE's end), not for `ready`,
+    which the instance still is when the change is accepted."""
+    made = await create(client, tenant, "orders")
+    assert made["settled"] is False  # pending
+    await make_ready(conn, api_settings, made["id"])
+    one = f"/v1/instances/{made['id']}"
+    assert (await client.get(one, headers=tenant.headers)).json()["settled"] is True
+    protected = (await client.patch(one, json={"deletion_protection": True}, headers=tenant.headers)).json()
+    assert protected["settled"] is True and protected["spec_generation"] == 1  # done at once
+    await client.patch(one, json={"deletion_protection": False}, headers=tenant.headers)
+    resized = await client.patch(one, json={"plan": "small"}, headers=tenant.headers)
+    body = resized.json()
+    assert resized.status_code == 202 and body["state"] == "ready"  # still ready: that is not the news
+    assert body["settled"] is False and (body["spec_generation"], body["observed_generation"]) == (2, 1)
+    await drive(conn, made["id"], "update")
+    assert (await client.get(one, headers=tenant.headers)).json()["settled"] is False  # updating
+    await drive(conn, made["id"], "updated", observed_generation=2, observed_spec={"plan": "small"})
+    applied = (await client.get(one, headers=tenant.headers)).json()
+    assert applied["settled"] is True and applied["observed_generation"] == 2
+    deleting = (await client.delete(one, headers=tenant.headers)).json()
+    assert deleting["state"] == "ready" and deleting["settled"] is False  # the deletion waits to run
+    await drive(conn, made["id"], "deprovision")
+    await drive(conn, made["id"], "deprovisioned")
+    assert (await client.get(one, headers=tenant.headers)).json()["settled"] is True  # deleted

@@ -13,7 +13,7 @@ import pytest
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.db.transitions import Actor, VersionConflict, transition
 from controlplane.runtime.settings import Settings
 from tests.api_support import Tenant, create, deliver, drive, make_ready, stripe_event
 
@@ -54,7 +54,7 @@ async def test_patch_and_billing_suspension_race_one_transition_wins(
                     expected_state="ready",
                     actor=Actor("worker", worker),
                 )
-            except Conflict:
+            except VersionConflict:
                 return "conflict"
             return "moved"
 

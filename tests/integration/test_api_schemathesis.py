@@ -95,12 +95,14 @@ def _fresh_idempotency_key(case: Any) -> None:
 def _call(case: Any, key: str) -> None:
     _fresh_idempotency_key(case)
     # A cursor is an opaque token only the API makes, a webhook needs Stripe's signature, an
-    # endpoint's host must resolve to public addresses and a usage window must end after it
-    # starts: anything else is refused (422, 400), which the "schema-valid data is accepted"
-    # check cannot know.
+    # endpoint's host must resolve to public addresses, a usage window must end after it starts
+    # and a metrics range must lie within what is kept: anything else is refused (422, 400),
+    # which the "schema-valid data is accepted" check cannot know.
     semantic = ("/v1/webhooks/stripe", "/v1/webhook-endpoints", "/v1/usage")
-    opaque = "cursor" in (case.query or {}) or (
-        (case.method == "POST" or case.path == "/v1/usage") and case.path in semantic
+    opaque = (
+        "cursor" in (case.query or {})
+        or ((case.method == "POST" or case.path == "/v1/usage") and case.path in semantic)
+        or case.path.endswith("/metrics")
     )
     excluded = [positive_data_acceptance] if opaque else []
     timeout = WATCH_READ_S if case.path.endswith("/watch") else 10

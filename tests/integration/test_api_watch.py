@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -218,3 +219,18 @@ async def test_streams_end_at_once_when_the_server_stops(api_settings: Settings,
             # The stream ends (no event), and the server stops, without waiting for the client.
             assert await asyncio.wait_for(_events_until(lines, 1), 5) == []
             await asyncio.wait_for(asyncio.shield(serving), 5)
+
+
+async def test_the_stream_writes_times_as_the_rest_answers_do(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    """RFC 3339 (`2026-12-02T02:29:42.1Z`), the same text as GET's: a typed client parses both alike."""
+    made = await create(client, tenant, "orders")
+    await drive(conn, made["id"], "fail")
+    ((_, snapshot),) = parse_sse(
+        (await client.get(f"/v1/instances/{made['id']}/watch", headers=tenant.headers)).text
+    )
+    read = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()
+    for field in ("created_at", "updated_at", "state_entered_at"):
+        assert snapshot[field] == read[field], field
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", snapshot[field])

@@ -20,14 +20,14 @@ from controlplane.audit import chain, checkpoints, export, export_verify, public
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db.connection import AsyncConn
-from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.db.transitions import Actor, VersionConflict, transition
 from controlplane.runtime.secretbox import SecretBox
 from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from tests.factories import make_instance, walk
 from tests.integration.test_audit import busy_history, run_cli
 from tests.integration.test_schema import alembic_config
-from tests.reconciler_support import reconciling
+from tests.reconciler_support import duties, reconciling
 
 EVENT_HASH_SIGNATURE = (
     "cp_event_hash(text, uuid, bigint, bytea, text, text, text, text, text, text, jsonb, text, bigint,"
@@ -459,7 +459,7 @@ async def test_pythons_jsonb_text_is_postgresqls(conn: AsyncConn, text: str) -> 
 async def test_the_reconciler_makes_partitions_ahead_and_checkpoints(settings: Settings) -> None:
     later = datetime.now(UTC).replace(day=15) + timedelta(days=400)
     async with reconciling(settings, NoopProvisioner()) as rec:
-        summary = await rec.run_once(now=later)
+        summary = await duties(rec).run_once(now=later)
         assert summary.audit is not None
         made = set(summary.audit.partitions)
         months = [checkpoints.month_start(later, n) for n in range(4)]
@@ -467,7 +467,7 @@ async def test_the_reconciler_makes_partitions_ahead_and_checkpoints(settings: S
             f"{t}{m.strftime('_y%Ym%m')}" for t in ("instance_events", "job_events") for m in months
         }
         assert summary.audit.checkpoint == 1
-        again = await rec.run_once(now=later)
+        again = await duties(rec).run_once(now=later)
         assert again.audit is not None and (again.audit.partitions, again.audit.checkpoint) == ([], None)
         # An instance created now lands in this month's partition; one at the later time in its own.
         async with rec.pool.connection() as runtime:
@@ -574,7 +574,7 @@ async def test_the_chain_holds_under_racing_writers_as_the_runtime_role(
                         expected_state=row["state"],
                         actor=Actor("worker", "racer"),
                     )
-                except Conflict:
+                except VersionConflict:
                     continue
                 moved += 1
                 break

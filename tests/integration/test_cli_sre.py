@@ -49,6 +49,16 @@ async def test_events_stats_and_stuck(
     assert await cli(["events", *db, "--actor", "system:tests"]) == 0
     table = capsys.readouterr().out
     assert table.count("\n") == 4 and "start_provisioning" in table
+    # By name, under one header case; --columns picks any field, --limit the first ones.
+    assert table.splitlines()[0].split() == ["at", "instance", "from", "to", "event", "actor", "reason"]
+    assert moved["name"] in table and str(moved["id"]) not in table
+    assert (
+        await cli(
+            ["events", *db, "--actor", "system:tests", "--columns", "instance_id,event", "--limit", "1"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.splitlines()[1].split() == [str(late["id"]), "create"]
 
     assert await cli(["stats", "dwell", *db, "--json"]) == 0
     stats = {s["state"]: s for s in json.loads(capsys.readouterr().out)["states"]}

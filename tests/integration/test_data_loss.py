@@ -16,11 +16,12 @@ import pytest
 
 from controlplane.api.app import create_app
 from controlplane.audit import verify as audit
+from controlplane.core import metering
 from controlplane.core.kinds import HEAL, RESTORE
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime import metrics
 from controlplane.runtime.settings import Settings
-from controlplane.services import backups
+from controlplane.services import backups, usage
 from provisioners.base import DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_ready, make_tenant
@@ -43,8 +44,12 @@ def recovered(instance_id: uuid.UUID) -> Condition:
 
 
 def held_backups(instance_id: uuid.UUID, count: int) -> Condition:
+    """`count` backups are held and the job that took the last is over (it records the backup,
+    then finishes: asking for another before that finds it under way)."""
+
     async def check(conn: AsyncConn) -> bool:
-        return len(await backups.held(conn, instance_id, limit=100)) >= count
+        held = len(await backups.held(conn, instance_id, limit=100)) >= count
+        return held and not await live_jobs(conn, instance_id)
 
     return check
 
@@ -125,6 +130,20 @@ async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
     with connect(credentials(local_settings, row)) as customer:
         assert customer.execute("SELECT array_agg(x ORDER BY x) FROM kept").fetchone() == ([1, 2, 3],)
         assert customer.execute("SELECT x FROM written_after_the_backups").fetchall() == [(4,)]
+    # The time it spent degraded for its lost data, with no server, is billed as storage only.
+    cursor = await conn.execute(
+        "SELECT event, at, detail FROM instance_events"
+        " WHERE instance_id = %s AND event IN ('degrade', 'recover') ORDER BY id",
+        (iid,),
+    )
+    degrade, recover = await cursor.fetchall()
+    assert degrade["detail"] == {"code": "data_lost"}
+    created = row["created_at"]
+    lines = await usage.usage_of_org(conn, who.org_id, created, recover["at"], now=recover["at"])
+    totals = metering.totals_by(lines, "billing")
+    assert totals[("storage_only",)] == pytest.approx((recover["at"] - degrade["at"]).total_seconds())
+    billed = (degrade["at"] - row["created_at"]).total_seconds() - totals[("not_billed",)]
+    assert totals[("billed",)] == pytest.approx(billed)
     assert await audit.verify(conn) == []
 
 

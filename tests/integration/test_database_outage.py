@@ -4,7 +4,6 @@ by itself."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 import uuid
@@ -18,6 +17,7 @@ from controlplane.audit import verify as audit
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from tests.api_support import create, make_ready, make_tenant, serving
+from tests.support import eventually
 from tests.tcp_proxy import Proxy
 
 PROBLEM = "application/problem+json"
@@ -43,13 +43,6 @@ def _refused(response: httpx.Response) -> None:
     assert response.headers["content-type"] == PROBLEM
     assert response.json()["type"] == "urn:controlplane:problem:unavailable"
     assert int(response.headers["retry-after"]) >= 1
-
-
-async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def _as_a_client_does(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
@@ -122,7 +115,7 @@ async def _through_an_outage(
     async def reads_served() -> bool:
         return (await client.get(path, headers=tenant.headers)).status_code == 200
 
-    await _until(reads_served, "reads are served by the read-only database")
+    await eventually(reads_served, "reads are served by the read-only database")
     for _ in range(3):
         for response in await attempts():
             _refused(response)
@@ -134,7 +127,7 @@ async def _through_an_outage(
     async def ready() -> bool:
         return (await client.get("/readyz")).status_code == 200
 
-    await _until(ready, "/readyz answers 200 again")
+    await eventually(ready, "/readyz answers 200 again")
     changed = await _as_a_client_does(
         lambda: client.patch(path, json={"plan": "small"}, headers=tenant.headers)
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import re
 import shlex
 import shutil
@@ -96,6 +97,27 @@ def workload_for(component: str) -> Doc:
     ]
     assert len(found) == 1, f"expected one workload for {component}, found {len(found)}"
     return found[0]
+
+
+# A Fernet key in place of the placeholder an operator replaces: the settings refuse a secret key
+# that is not one (a placeholder left in a deployment fails at start, in one line).
+FILLED_IN_SECRET_KEY = "Jg3T6aWMm4fGg0nZkXq3pQnVQ9bE6xYbU2rJ0cL8hPs="
+
+
+def load_filled_in(values: dict[str, str]) -> Settings:
+    """The settings a deployment's files give once the operator has replaced its placeholders."""
+    key = settings_module.env_name("secret_key")
+    if values.get(key) == "REPLACE_ME":
+        values = {**values, key: FILLED_IN_SECRET_KEY}
+    for name, value in values.items():
+        if (
+            name.endswith(settings_module.FILE_SUFFIX)
+            and name.removesuffix(settings_module.FILE_SUFFIX) == key
+        ):
+            path = Path(value)
+            if path.read_text().strip() == "REPLACE_ME":
+                path.write_text(FILLED_IN_SECRET_KEY + "\n")
+    return settings_module.load(values)
 
 
 def config_map() -> Doc:
@@ -195,6 +217,9 @@ def test_each_role_runs_its_command_from_the_same_image() -> None:
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
     image_names = {entry["name"] for entry in kustomization.get("images", [])}
     assert {image.split(":")[0] for image in images} <= image_names
+    # By digest, never a tag that can move (checkov CKV_K8S_43).
+    for entry in kustomization["images"]:
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", entry["digest"]) and "newTag" not in entry, entry
 
 
 def test_reconciler_runs_two_replicas() -> None:
@@ -202,26 +227,26 @@ def test_reconciler_runs_two_replicas() -> None:
 
 
 def test_serving_containers_have_probes_on_healthz_and_readyz() -> None:
+    """The API's on its port; the worker's and the reconciler's on their metrics port, where /healthz
+    and /readyz report what the role's own loop does (controlplane/runtime/liveness.py)."""
     api_port = int(config_map()["data"]["CONTROLPLANE_API_PORT"])
-    serving = 0
+    probed = set()
     for workload in workloads():
+        if workload["kind"] == "Job":
+            continue
         for container in containers(workload):
-            # A metrics-only container has no health endpoint: its metrics server is a thread
-            # that answers whatever the role's own loop is doing, so it would prove nothing.
-            ports = [port for port in container.get("ports", []) if port.get("name") != "metrics"]
-            if not ports:
-                continue
-            serving += 1
-            by_name = {port["name"]: port["containerPort"] for port in ports if "name" in port}
-            assert api_port in {port["containerPort"] for port in ports}
+            by_name = {port["name"]: port["containerPort"] for port in container["ports"]}
+            metrics_only = set(by_name) == {"metrics"}
+            wanted_port = by_name["metrics"] if metrics_only else api_port
+            if metrics_only:
+                env = {item["name"]: item.get("value") for item in container.get("env", [])}
+                assert env[METRICS_PORT_VARIABLE] == str(wanted_port)
             for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
                 http = container[probe]["httpGet"]
                 assert http["path"] == path, f"{container['name']} {probe}"
-                port = http["port"]
-                assert by_name.get(port, port) == api_port
-    assert serving >= 1
-    (api,) = containers(workload_for("api"))
-    assert "livenessProbe" in api and "readinessProbe" in api
+                assert by_name.get(http["port"], http["port"]) == wanted_port, f"{container['name']} {probe}"
+            probed.add(container["name"])
+    assert probed == {"api", "worker", "reconciler"}
 
 
 def test_pods_run_as_non_root_with_a_read_only_root_filesystem() -> None:
@@ -266,17 +291,44 @@ def test_every_controlplane_variable_is_a_setting() -> None:
         names |= set(re.findall(r"Environment=(CONTROLPLANE_[A-Z0-9_]+)=", unit.read_text()))
     controlplane_names = {name for name in names if name.startswith("CONTROLPLANE_")}
     assert controlplane_names, "no CONTROLPLANE_ variable found"
-    assert controlplane_names - SETTING_VARIABLES == set()
+    secret_files = {
+        entry.env + settings_module.FILE_SUFFIX for entry in settings_module.SETTINGS.values() if entry.secret
+    }
+    assert controlplane_names - SETTING_VARIABLES - secret_files == set()
 
 
-def test_every_role_gets_the_config_map_and_the_secret() -> None:
+SECRETS_DIR = "/etc/controlplane/secrets"
+MIGRATION_DIR = "/etc/controlplane/migration"
+
+
+def secret_mounts(workload: Doc, container: Doc) -> dict[str, str]:
+    """Secret name -> where the container mounts it (read-only, as files)."""
+    by_volume = {
+        volume["name"]: volume["secret"]["secretName"]
+        for volume in pod_spec(workload).get("volumes", [])
+        if "secret" in volume
+    }
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in by_volume:
+            assert mount.get("readOnly") is True, mount
+            mounts[by_volume[mount["name"]]] = mount["mountPath"]
+    return mounts
+
+
+def test_every_role_gets_the_config_map_and_the_secrets_as_files() -> None:
+    """Secrets are mounted files read through CONTROLPLANE_*_FILE, never environment variables
+    (checkov CKV_K8S_35): the environment shows in /proc and crash reports."""
     config_name = config_map()["metadata"]["name"]
     secret_name = secret()["metadata"]["name"]
     for workload in workloads():
         for container in containers(workload):
-            sources = container["envFrom"]
-            assert {"configMapRef": {"name": config_name}} in sources
-            assert {"secretRef": {"name": secret_name}} in sources
+            assert container["envFrom"] == [{"configMapRef": {"name": config_name}}]
+            assert "secretKeyRef" not in json.dumps(container.get("env", []))
+            assert secret_mounts(workload, container)[secret_name] == SECRETS_DIR
+            env = {item["name"]: item.get("value") for item in container.get("env", [])}
+            for variable in SECRET_VARIABLES:
+                assert env[variable + settings_module.FILE_SUFFIX] == f"{SECRETS_DIR}/{variable}"
 
 
 def test_only_the_migration_gets_the_owner_role() -> None:
@@ -285,9 +337,12 @@ def test_only_the_migration_gets_the_owner_role() -> None:
     assert set(secret_values(secret(MIGRATION_SECRET))) == {"CONTROLPLANE_MIGRATION_DATABASE_URL"}
     for workload in workloads():
         for container in containers(workload):
-            gets_it = {"secretRef": {"name": MIGRATION_SECRET}} in container["envFrom"]
+            gets_it = MIGRATION_SECRET in secret_mounts(workload, container)
             assert gets_it == (workload["metadata"]["name"] == "controlplane-migrate"), workload["metadata"]
-    settings = settings_module.load(
+            env = {item["name"]: item.get("value") for item in container.get("env", [])}
+            named = env.get("CONTROLPLANE_MIGRATION_DATABASE_URL_FILE")
+            assert named == (f"{MIGRATION_DIR}/CONTROLPLANE_MIGRATION_DATABASE_URL" if gets_it else None)
+    settings = load_filled_in(
         {**config_map()["data"], **secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
     )
     assert db.url_user(settings.database.url_value) == "controlplane_app"
@@ -299,6 +354,26 @@ def test_only_the_migration_gets_the_owner_role() -> None:
         assert files == (["/etc/controlplane/migrate.env"] if migrate else []) + ["/etc/controlplane/env"]
     (line,) = env_example_lines("migrate.env.example")
     assert line.startswith("CONTROLPLANE_MIGRATION_DATABASE_URL=") and "REPLACE_ME" in line
+
+
+def pod_environ(container: Doc, secrets_dir: Path) -> dict[str, str]:
+    """What the container's process reads: the ConfigMap as variables, its own env, and each secret
+    from a file (written under `secrets_dir`) that its _FILE variable names."""
+    files = {**secret_values(secret()), **secret_values(secret(MIGRATION_SECRET))}
+    environ = {**config_map()["data"], **container_env(container)}
+    for name, value in list(environ.items()):
+        if name.endswith(settings_module.FILE_SUFFIX):
+            key = value.rsplit("/", 1)[1]
+            (secrets_dir / key).write_text(files[key] + "\n")  # as a Secret volume may end a value
+            environ[name] = str(secrets_dir / key)
+    return environ
+
+
+def test_the_secrets_as_mounted_files_load_as_the_settings(tmp_path: Path) -> None:
+    (container,) = containers(workload_for("migrate"))
+    settings = load_filled_in(pod_environ(container, tmp_path))
+    assert settings.database.url_value == secret_values(secret())["CONTROLPLANE_DATABASE_URL"]
+    assert db.url_user(db.migration_target(settings).url) == "controlplane"
 
 
 def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
@@ -313,7 +388,7 @@ def test_secret_holds_the_secrets_as_marked_placeholders() -> None:
 
 
 def kubernetes_settings() -> Settings:
-    return settings_module.load({**config_map()["data"], **secret_values(secret())})
+    return load_filled_in({**config_map()["data"], **secret_values(secret())})
 
 
 def database_cluster() -> Doc:
@@ -477,14 +552,14 @@ def metrics_port(component: str) -> int:
 
 
 @pytest.mark.parametrize("component", METRICS_COMPONENTS)
-def test_metrics_roles_serve_the_port_they_declare(component: str) -> None:
+def test_metrics_roles_serve_the_port_they_declare(component: str, tmp_path: Path) -> None:
     workload = workload_for(component)
     (container,) = containers(workload)
     port = metrics_port(component)
     env = container_env(container)
     assert env.get(METRICS_PORT_VARIABLE) == str(port), f"{component}: {METRICS_PORT_VARIABLE}"
-    # What the process sees: the ConfigMap and the Secret, then the container's own env.
-    settings = settings_module.load({**config_map()["data"], **secret_values(secret()), **env})
+    # What the process sees: the ConfigMap, then the container's own env, the secrets as files.
+    settings = load_filled_in(pod_environ(container, tmp_path))
     assert settings.metrics_port == port
     assert settings.api.host == "0.0.0.0", "the metrics server binds CONTROLPLANE_API_HOST"
     assert port != settings.api.port
@@ -554,6 +629,8 @@ def test_kustomize_build_places_resources_in_their_namespaces() -> None:
 # --------------------------------------------------------------------------------------------
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
+# The control plane's metrics, and the API's request metrics (OpenTelemetry's HTTP server names).
+METRIC_NAME = r"(?:controlplane|http_server)_[a-z0-9_]+"
 
 
 def alert_rules() -> list[Doc]:
@@ -621,11 +698,11 @@ def test_alert_expressions_use_exported_metrics_and_parse_structurally() -> None
         expr = strip_strings(rule["expr"])
         assert balanced(expr), f"{rule['alert']}: unbalanced brackets"
         assert rule["expr"].count('"') % 2 == 0
-        used = set(re.findall(r"\b(controlplane_[a-z0-9_]+)\b", expr))
+        used = set(re.findall(rf"\b({METRIC_NAME})\b", expr))
         assert used, f"{rule['alert']} uses no control plane metric"
         assert used <= set(series), f"{rule['alert']}: unknown {used - set(series)}"
         known_labels = set().union(*(series[name] for name in used))
-        for name, matchers in re.findall(r"\b(controlplane_[a-z0-9_]+)\{([^}]*)\}", rule["expr"]):
+        for name, matchers in re.findall(rf"\b({METRIC_NAME})\{{([^}}]*)\}}", rule["expr"]):
             for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=|!=|=~|!~)", matchers):
                 assert label in series[name], f"{rule['alert']}: {name} has no label {label}"
         for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
@@ -658,6 +735,18 @@ def test_alerts_page_and_warn_on_what_the_design_asks() -> None:
     assert faults["labels"]["severity"] == "warning" and "for" not in faults
     lagging = rule_using("controlplane_consumer_lag_seconds")
     assert lagging["labels"]["severity"] == "warning" and "max by (consumer)" in lagging["expr"]
+    errors = rule_using('status_class="5xx"')
+    assert errors["labels"]["severity"] == "page" and "> 0.05" in errors["expr"]
+    slow = rule_using("histogram_quantile(0.99")
+    assert slow["labels"]["severity"] == "warning" and ".*/watch" in slow["expr"]
+    for rule in (errors, slow):  # what customers ask for: probes and scrapes left out
+        assert rule["expr"].count("http_server_request_duration_seconds") == rule["expr"].count('route!~"'), (
+            rule["alert"]
+        )
+    backlog = rule_using("controlplane_queue_oldest_age_seconds")
+    assert backlog["labels"]["severity"] == "warning" and "max by (kind)" in backlog["expr"]
+    absent = rule_using("absent(controlplane_worker_slots)")
+    assert absent["labels"]["severity"] == "page" and absent["for"] == "5m"
 
 
 # A reconciler that led and stood down keeps exporting the gauges of its last pass; the rules
@@ -666,7 +755,13 @@ LEADER_ONLY = (
     "and on (job, instance) (controlplane_reconciler_last_success_timestamp_seconds"
     " == scalar(max(controlplane_reconciler_last_success_timestamp_seconds)))"
 )
-LEADER_GAUGES = ("controlplane_instances_over_deadline", "controlplane_entities")
+LEADER_GAUGES = (
+    "controlplane_instances_over_deadline",
+    "controlplane_entities",
+    "controlplane_queue_depth",
+    "controlplane_queue_oldest_age_seconds",
+    "controlplane_billing_organisations",
+)
 
 
 def test_alerts_read_reconciler_gauges_from_the_leader_only() -> None:
@@ -698,6 +793,101 @@ def test_promtool_checks_and_unit_tests_the_rules() -> None:
         check=False,
     )
     assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Grafana dashboard
+# --------------------------------------------------------------------------------------------
+
+DASHBOARD = DEPLOY / "grafana" / "controlplane.json"
+# What the dashboard's queries may use beyond the metrics' own labels: Prometheus's target labels.
+TARGET_LABELS = {"job", "instance"}
+# Grafana's variables in the queries, as a query is run (what promtool checks).
+GRAFANA_VARIABLES = {"$job": ".*", "$__rate_interval": "5m"}
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expression) of every query of the dashboard."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    return [(panel["title"], target["expr"]) for panel in panels for target in panel.get("targets", [])]
+
+
+def test_dashboard_is_importable_into_any_grafana() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "controlplane" and dashboard["title"]
+    source = next(v for v in dashboard["templating"]["list"] if v["name"] == "datasource")
+    assert source["type"] == "datasource" and source["query"] == "prometheus"
+    occupied: set[tuple[int, int]] = set()
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        cells = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not cells & occupied, f"{panel['title']} overlaps another panel"
+        occupied |= cells
+        if panel["type"] == "row":
+            continue
+        assert panel["description"] and panel["targets"], panel["title"]
+        # No data source of one installation: the one chosen on import.
+        for holder in (panel, *panel["targets"]):
+            assert holder["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+
+
+def test_dashboard_queries_use_exported_metrics_and_labels() -> None:
+    series = exported_series()
+    for title, expr in dashboard_queries():
+        stripped = strip_strings(expr)
+        assert balanced(stripped), f"{title}: unbalanced brackets"
+        used = set(re.findall(rf"\b({METRIC_NAME})\b", stripped))
+        assert used and used <= set(series), f"{title}: unknown {used - set(series)}"
+        known = set().union(*(series[name] for name in used)) | TARGET_LABELS
+        for name, matchers in re.findall(rf"\b({METRIC_NAME})\{{([^}}]*)\}}", expr):
+            for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=|!=|=~|!~)", matchers):
+                assert label in series[name] | TARGET_LABELS, f"{title}: {name} has no label {label}"
+        for grouping in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", stripped):
+            for label in (part.strip() for part in grouping.split(",") if part.strip()):
+                assert label in known, f"{title}: {label}"
+
+
+def test_dashboard_shows_what_an_operator_watches() -> None:
+    queries = "\n".join(expr for _, expr in dashboard_queries())
+    for wanted in (
+        "rate(http_server_request_duration_seconds_count",  # API rate
+        'status_class="5xx"',  # API errors
+        "histogram_quantile(0.99, sum by (le) (rate(http_server_request_duration_seconds_bucket",  # latency
+        "controlplane_queue_depth",
+        "controlplane_queue_oldest_age_seconds",
+        "controlplane_worker_slots_in_use",
+        "time() - max(controlplane_reconciler_last_success_timestamp_seconds",  # freshness
+        "controlplane_billing_organisations",
+        "controlplane_audit_last_checkpoint_timestamp_seconds",
+    ):
+        assert wanted in queries, wanted
+    # The leader's gauges are read from the leader only, as the alert rules do.
+    for title, expr in dashboard_queries():
+        if any(re.search(rf"\b{gauge}\b", expr) for gauge in LEADER_GAUGES):
+            assert "== scalar(max(controlplane_reconciler_last_success_timestamp_seconds" in expr, title
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed; the structural checks above still ran")
+    rules = []
+    for number, (_, expr) in enumerate(dashboard_queries()):
+        for variable, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(variable, value)
+        rules.append({"record": f"dashboard:query_{number}", "expr": expr})
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    check = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def heading_anchors(markdown: str) -> set[str]:
@@ -789,7 +979,7 @@ def test_unit_runs_its_role_hardened_as_a_dedicated_user(name: str) -> None:
 
 
 def env_example_settings() -> Settings:
-    return settings_module.load(dict(line.split("=", 1) for line in env_example_lines()))
+    return load_filled_in(dict(line.split("=", 1) for line in env_example_lines()))
 
 
 def unit_environment(path: Path) -> dict[str, str]:
@@ -817,7 +1007,7 @@ def test_units_serving_metrics_have_ports_of_their_own() -> None:
         if name not in UNIT_METRICS:
             assert METRICS_PORT_VARIABLE not in assignments, name
             continue
-        unit_settings = settings_module.load({**assignments, **environment})
+        unit_settings = load_filled_in({**assignments, **environment})
         assert unit_settings.metrics_port is not None, f"{name} serves no metrics"
         ports[name] = unit_settings.metrics_port
     assert set(ports) == set(UNIT_METRICS)
@@ -898,6 +1088,11 @@ def test_image_is_multi_stage_on_python_slim() -> None:
         c for c in instructions(runtime, "COPY") if c.startswith(f"--from={builder_from[2]}")
     ]
     assert any("/opt/controlplane/venv" in copy for copy in copies_from_builder)
+
+
+def test_image_has_a_healthcheck_of_the_roles_own_health() -> None:
+    (check,) = instructions(dockerfile_stages()[-1], "HEALTHCHECK")
+    assert '"python", "-m", "controlplane.runtime.healthcheck"' in check and "--interval=" in check
 
 
 def test_image_runs_as_a_fixed_non_root_user() -> None:

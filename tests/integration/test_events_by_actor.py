@@ -24,7 +24,7 @@ async def test_the_moves_of_a_stripe_events_jobs_are_found_by_its_actor(
 ) -> None:
     registry = registry_for(NoopProvisioner())
     iid = await ready_instance(conn, settings, registry, tenant.org_id)
-    payload = stripe_event("evt_hold_1", tenant.stripe_customer_id, "unpaid", 1_800_000_000)
+    payload = stripe_event("evt_hold_1", tenant.stripe_customer_id, "unpaid", 1_700_000_000)
     assert (await deliver(client, payload, sign(payload))).status_code == 200
     await run_until(settings, registry, instance_in(iid, "suspended"))
 

@@ -40,6 +40,7 @@ from controlplane.runtime.postgres import (
 from controlplane.runtime.settings import Settings
 from provisioners.noop import NoopProvisioner
 from reconciler.leader import LeaderElection
+from reconciler.maintenance import Maintenance
 from reconciler.reconciler import PassSummary, Reconciler
 from tests.factories import TEST_ACTOR
 from tests.queue_kinds import build_registry, create_tables
@@ -128,7 +129,10 @@ async def test_the_control_plane_rides_a_failover_of_its_database(pair: Pair) ->
     pool = db.pool(through, min_size=1, max_size=8, name="drill")
     await pool.open(wait=True)
     worker = Worker("drill-worker", settings, pool, registry)
-    reconciler = Reconciler(settings, pool, NoopProvisioner(), registry, reconciler_id="drill-reconciler")
+    maintenance = Maintenance(settings, pool, NoopProvisioner(), registry, maintainer_id="drill-reconciler")
+    reconciler = Reconciler(
+        settings, pool, NoopProvisioner(), reconciler_id="drill-reconciler", maintenance=maintenance
+    )
     passes: list[float] = []
     real_pass = reconciler.run_once
 

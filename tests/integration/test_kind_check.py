@@ -26,7 +26,7 @@ def load_script() -> ModuleType:
 
 def test_the_dry_run_lists_the_lifecycle_and_validates_everything() -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--object-store", "backups"],
+        [sys.executable, str(SCRIPT), "--dry-run", "--object-store", "backups", "--pod-monitor"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -38,7 +38,10 @@ def test_the_dry_run_lists_the_lifecycle_and_validates_everything() -> None:
         "create -> ready -> write -> resize -> suspend -> write refused -> resume -> backup -> delete" in out
     )
     assert "CloudNativePG 1.30.0" in out and "every manifest is valid" in out
-    assert "instance: 9 manifests valid (Backup, Cluster, NetworkPolicy, ScheduledBackup, Secret)" in out
+    assert (
+        "instance: 10 manifests valid (Backup, Cluster, NetworkPolicy, PodMonitor, ScheduledBackup, Secret)"
+        in out
+    )
 
 
 def test_placeholders_are_filled_consistently() -> None:

@@ -67,7 +67,8 @@ async def test_an_instance_on_cloudnativepg_from_create_to_delete_and_restored(
     connection = body["connection"]
     assert connection["host"] == f"pg-{made['id']}-rw.{NAMESPACE}.svc"
     assert connection["sslmode"] == "verify-full" and "BEGIN CERTIFICATE" in connection["ca_certificate"]
-    assert connection["uri"].endswith("/app?sslmode=verify-full") and connection["password"]
+    assert connection["uri"].endswith("/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem")
+    assert connection["password"] and connection["sslrootcert"] == "controlplane-ca.pem"
     assert (body["instances"], body["storage_gb"]) == (1, 1)
     cluster = state.get("clusters", NAMESPACE, f"pg-{made['id']}")
     assert cluster is not None

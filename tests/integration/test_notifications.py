@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import standardwebhooks
 
 from controlplane.api.app import create_app
 from controlplane.core import webhook_signatures as signatures
@@ -118,6 +119,9 @@ async def test_a_provisioned_instance_sends_one_signed_ready_delivery_and_an_ema
         assert body["type"] == "instance.ready" and body["data"]["instance"]["name"] == "orders"
         assert sent_headers[signatures.EVENT_ID_HEADER] == body["id"]
         stamp = signatures.verify(secret, sent_headers[signatures.SIGNATURE_HEADER], raw, now=time.time())
+        # A Standard Webhooks library verifies the same delivery, its event id signed with it.
+        assert standardwebhooks.Webhook(secret).verify(raw, dict(sent_headers))["id"] == body["id"]
+        assert sent_headers[signatures.STANDARD_ID_HEADER] == body["id"]
         assert abs(stamp - time.time()) < 60
         with pytest.raises(signatures.SignatureError):
             signatures.verify("whsec_other", sent_headers[signatures.SIGNATURE_HEADER], raw, now=time.time())
@@ -233,7 +237,7 @@ async def test_an_endpoint_that_resolves_privately_at_delivery_is_not_called(
         assert received.requests == []
     cursor = await conn.execute("SELECT last_error FROM notification_deliveries")
     row = await cursor.fetchone()
-    assert row is not None and "not public" in row["last_error"]
+    assert row is not None and "must resolve to public addresses only" in row["last_error"]
 
 
 async def test_a_consumer_killed_between_its_effects_and_its_position_delivers_nothing_twice(

@@ -10,10 +10,10 @@ import pytest
 
 from controlplane.audit import verify as audit
 from controlplane.core import lifecycle
-from controlplane.core.retry import Decision
+from controlplane.core.retry import RetryDecision
 from controlplane.db import connection as db
 from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
-from controlplane.db.transitions import Actor, Conflict, transition
+from controlplane.db.transitions import Actor, VersionConflict, transition
 from controlplane.queue import moves as queue
 from tests.factories import TEST_ACTOR, make_instance
 from tests.queue_kinds import WORKER, events_of
@@ -158,7 +158,7 @@ async def test_start_and_finish_are_batched_and_record_the_verdict(conn: db.Asyn
         assert [e for e, _, _ in await events_of(conn, row["id"])] == ["enqueue", "claim", "start", "finish"]
     # A stale copy cannot finish twice: it conflicts, nothing is written.
     again = await queue.finish_many(conn, [(started.moved[0], {"result": "again"})], ACTOR)
-    assert not again.moved and isinstance(again.failed[0], Conflict)
+    assert not again.moved and isinstance(again.failed[0], VersionConflict)
     assert await audit.verify(conn) == []
 
 
@@ -166,7 +166,9 @@ async def test_error_stores_message_kind_attempt_and_retry_time(conn: db.AsyncCo
     await enqueue(conn, NewJob("noop"), TEST_ACTOR)
     (claimed,) = await queue.claim(conn, WORKER, ["noop"], 1)
     (running,) = (await queue.start_many(conn, [claimed], ACTOR)).moved
-    failure = queue.JobFailure(running, "disk full", "temporary", Decision("retry", 30.0, "backoff"), 30.0)
+    failure = queue.JobFailure(
+        running, "disk full", "temporary", RetryDecision("retry", 30.0, "backoff"), 30.0
+    )
     failed = await queue.error(conn, failure, ACTOR)
     assert failed["state"] == "failed"
     assert (failed["last_error"], failed["error_kind"], failed["attempt"]) == ("disk full", "temporary", 1)
@@ -178,7 +180,7 @@ async def test_error_stores_message_kind_attempt_and_retry_time(conn: db.AsyncCo
     event = await cursor.fetchone()
     assert event is not None and event["reason"] == "disk full"
     assert event["detail"]["attempt"] == 1 and event["detail"]["requested_delay_s"] == 30.0
-    with pytest.raises(Conflict):
+    with pytest.raises(VersionConflict):
         await queue.error(conn, failure, ACTOR)
 
 

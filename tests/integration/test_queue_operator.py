@@ -13,7 +13,7 @@ from controlplane.audit import verify as audit
 from controlplane.cli import main as cli_main
 from controlplane.core import exit_codes
 from controlplane.core.lifecycle import IllegalTransition
-from controlplane.core.retry import Decision
+from controlplane.core.retry import RetryDecision
 from controlplane.db import connection as db
 from controlplane.db.job_rows import NewJob, enqueue, get_job
 from controlplane.db.transitions import Actor
@@ -52,7 +52,7 @@ async def test_pause_resume_retry_abandon_with_operator_and_reason(conn: db.Asyn
     resumed = await queue.resume(conn, row["id"], "alice", "false alarm")
     assert resumed["state"] == "running"
     failed = await queue.error(
-        conn, queue.JobFailure(resumed, "boom", "temporary", Decision("retry", 600, "backoff")), ACTOR
+        conn, queue.JobFailure(resumed, "boom", "temporary", RetryDecision("retry", 600, "backoff")), ACTOR
     )
     retried = await queue.retry(conn, failed["id"], "bob", "fixed the network")
     assert retried["state"] == "queued" and retried["run_at"] <= failed["run_at"]
@@ -124,7 +124,7 @@ def test_cli_lists_steers_and_reports_dwell(fresh_database: str, capsys: pytest.
     assert {j["state"] for j in json.loads(capsys.readouterr().out)} == {"paused", "queued"}
     assert cli_main(["jobs", "dwell", *url]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["STATE", "STAYS", "NOW_IN", "P50_S", "P95_S", "MAX_S"]
+    assert table[0].split() == ["state", "stays", "now_in", "p50_s", "p95_s", "max_s"]
     assert {line.split()[0] for line in table[1:]} == {"queued", "claimed", "running", "paused"}
     assert cli_main(["jobs", "dwell", "--json", "--entity", "instance", *url]) == 0
     assert json.loads(capsys.readouterr().out) == {"entity": "instance", "states": []}
@@ -136,8 +136,7 @@ def test_cli_lists_steers_and_reports_dwell(fresh_database: str, capsys: pytest.
                 str(job_id),
                 "--reason",
                 "x",
-                "--registry",
-                "tests.queue_kinds:build_registry",
+                "--force",
                 *url,
             ]
         )

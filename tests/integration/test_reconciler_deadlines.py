@@ -14,7 +14,7 @@ from psycopg.rows import DictRow
 
 from controlplane.audit import verify as audit
 from controlplane.core.kinds import DEPROVISION, PROVISION, UPDATE
-from controlplane.core.retry import Decision
+from controlplane.core.retry import RetryDecision
 from controlplane.db.connection import AsyncConn
 from controlplane.db.instance_rows import create_instance
 from controlplane.db.job_rows import NewJob, enqueue
@@ -23,13 +23,14 @@ from controlplane.queue import moves as queue
 from controlplane.runtime.settings import Settings
 from provisioners.base import DeprovisionResult, InstanceSpec
 from provisioners.noop import NoopProvisioner
-from reconciler.reconciler import LIVE_INSTANCE_STATES
+from reconciler.maintenance import LIVE_INSTANCE_STATES
 from tests.factories import GONE_WORKER, TEST_ACTOR, make_instance, make_org, walk
 from tests.operations_support import instance, instance_in, job, registry_for, scalar
 from tests.queue_kinds import db_now, events_of, until
 from tests.reconciler_support import (
     RECONCILER_ID,
     ScriptedProvisioner,
+    duties,
     enqueued_by,
     finish_job,
     instance_events,
@@ -55,15 +56,15 @@ async def test_a_pass_runs_the_supervisor_as_the_reconciler(conn: AsyncConn, set
     failing = await running(conn, PROVISION, (await make_instance(conn))["id"])
     await queue.error(
         conn,
-        queue.JobFailure(failing, "boom", "temporary", Decision("retry", 5.0, "test backoff")),
+        queue.JobFailure(failing, "boom", "temporary", RetryDecision("retry", 5.0, "test backoff")),
         GONE_WORKER,
     )
     async with reconciling(settings, ScriptedProvisioner()) as rec:
         now = await db_now(conn)
-        first = await rec.run_once(now)
+        first = await duties(rec).run_once(now)
         assert (first.jobs.reclaimed, first.jobs.retried) == ([], [])  # fresh heartbeat, backoff not over
         later = now + timedelta(seconds=settings.worker.reclaim_after_s + 10)
-        summary = await rec.run_once(later)
+        summary = await duties(rec).run_once(later)
     assert summary.jobs.reclaimed == [stale["id"]]
     assert summary.jobs.retried == [failing["id"]]
     for job_id, event in ((stale["id"], "reclaim"), (failing["id"], "retry")):
@@ -156,13 +157,15 @@ async def test_a_live_heartbeating_job_keeps_an_instance_from_failing_for_time_a
         for _ in range(3):
             held = await heartbeat(conn, "w-alive", {provision["id"]: provision["fence"]})
             assert held == {provision["id"]}
-            summary = await rec.run_once()  # the database's clock: the heartbeat is fresh
-            assert (summary.actions, summary.jobs.reclaimed) == ({}, [])
+            maintained = await duties(rec).run_once()  # the database's clock: the heartbeat is fresh
+            summary = await rec.run_once()
+            assert (summary.actions, maintained.jobs.reclaimed) == ({}, [])
         assert (await instance(conn, iid))["state"] == "provisioning"
         # Its worker goes silent: the job is reclaimed (still live), the instance still not failed.
         silent = await db_now(conn) + timedelta(seconds=settings.worker.reclaim_after_s + 1)
+        maintained = await duties(rec).run_once(silent)
         summary = await rec.run_once(silent)
-        assert summary.jobs.reclaimed == [provision["id"]] and summary.actions == {}
+        assert maintained.jobs.reclaimed == [provision["id"]] and summary.actions == {}
         assert (await instance(conn, iid))["state"] == "provisioning"
         # Only once no job is left does the deadline fail it.
         await finish_job(conn, provision["id"], {"result": "deferred", "state": "provisioning"})
@@ -289,6 +292,7 @@ async def test_after_a_pass_the_gauges_match_the_database(conn: AsyncConn, setti
     passes_before = gauge("controlplane_reconciler_pass_seconds_count") or 0.0
     async with reconciling(settings, ScriptedProvisioner()) as rec:
         summary = await rec.run_once()
+        await duties(rec).run_once()
     assert summary.scanned == 7 and summary.actions == {}
     cursor = await conn.execute("SELECT state, count(*) AS n FROM instances GROUP BY state")
     counts = {r["state"]: r["n"] for r in await cursor.fetchall()}

@@ -23,7 +23,7 @@ from reconciler.leader import LeaderElection
 from tests.factories import make_instance, walk
 from tests.operations_support import enqueue
 from tests.provisioning_support import real_instances
-from tests.reconciler_support import ROOT, next_fence, reconciling, to_ready
+from tests.reconciler_support import ROOT, duties, next_fence, reconciling, to_ready
 
 
 @pytest.fixture
@@ -105,10 +105,10 @@ async def test_orphans_are_listed_in_dry_run_and_removed_with_a_final_backup_oth
     assert len(lines) == 2 and {line.split()[1].rstrip(":") for line in lines} == {str(unknown), str(failed)}
     assert any(f"orphan: {unknown}: unknown instance: data_directory/" in line for line in lines)
 
-    caplog.set_level(logging.WARNING, logger="reconciler.reconciler")
+    caplog.set_level(logging.WARNING, logger="reconciler.maintenance")
     before = removed_total()
     async with reconciling(local_settings, local, dry_run_orphans=True) as rec:
-        summary = await rec.run_once()
+        summary = await duties(rec).run_once()
     assert sorted(o.split(":")[0] for o in summary.orphans) == sorted([str(unknown), str(failed)])
     assert summary.orphans_removed == 0 and removed_total() == before
     assert await local.inventory() == everything and (await local.observe(unknown)).healthy
@@ -118,9 +118,9 @@ async def test_orphans_are_listed_in_dry_run_and_removed_with_a_final_backup_oth
 
     caplog.clear()
     async with reconciling(local_settings, local) as rec:
-        summary = await rec.run_once()
+        summary = await duties(rec).run_once()
         assert summary.orphans_removed == 2 and removed_total() == before + 2
-        assert (await rec.run_once()).orphans == []  # gone: nothing found the next time
+        assert (await duties(rec).run_once()).orphans == []  # gone: nothing found the next time
     assert owners(await local.inventory()) == {cleaning, alive}
     assert not local.instance_dir(unknown).exists() and not (await local.observe(unknown)).exists
     # The final backup is kept in the unknown instance's stanza (the plan's retention).

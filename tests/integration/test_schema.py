@@ -36,7 +36,13 @@ TABLES = {
     "audit_checkpoints",
     "audit_checkpoint_heads",
 }
-GUARD_FUNCTIONS = {"cp_guard_state", "cp_append_only", "cp_event_hash", "cp_ensure_event_partitions"}
+GUARD_FUNCTIONS = {
+    "cp_guard_state",
+    "cp_guard_event",
+    "cp_append_only",
+    "cp_event_hash",
+    "cp_ensure_event_partitions",
+}
 APPEND_ONLY = (
     "instance_events",
     "job_events",
@@ -50,6 +56,8 @@ TRIGGERS = {
     "jobs_guard_state",
     "instances_guard_chain",
     "jobs_guard_chain",
+    "instance_events_guard_event",
+    "job_events_guard_event",
     *(f"{table}_{kind}" for table in APPEND_ONLY for kind in ("append_only", "no_truncate")),
 }
 # Finished jobs behind the live ones in the supervisor-scan test: 250 per live job.
@@ -175,6 +183,79 @@ async def test_database_edge_set_equals_the_python_table(conn: AsyncConn, entity
                 continue
             allowed.add((src, dst))
     assert allowed == table.edges()
+
+
+# An event row as a writer could insert one by hand (the hash made up: the chain is the audit's).
+INSERT_EVENT = """
+INSERT INTO {table} ({fk}, from_state, to_state, event, actor_kind, actor_id, state_version, seq, hash{at})
+VALUES (%s, %s, %s, %s, 'operator', 'hand', %s, %s, '\\x00'{at_value})
+"""
+
+
+async def _insert_event(
+    conn: AsyncConn, entity: str, row_id: uuid.UUID, src: str | None, dst: str, event: str, at: Any = None
+) -> None:
+    table, fk = ("instance_events", "instance_id") if entity == "instance" else ("job_events", "job_id")
+    version = 0 if src is None else 7
+    dated = ("", "") if at is None else (", at", ", %s")
+    await conn.execute(
+        INSERT_EVENT.format(table=table, fk=fk, at=dated[0], at_value=dated[1]),
+        (row_id, src, dst, event, version, version, *(() if at is None else (at,))),
+    )
+
+
+@pytest.mark.parametrize("entity", ["instance", "job"])
+async def test_database_event_moves_equal_the_python_table(runtime_url: str, entity: str) -> None:
+    """As the runtime role, an event row of every (from, event, to) of the table's states and events:
+    exactly the table's moves, and its creation, are accepted (the row's own guard is not asked)."""
+    table = lifecycle.lifecycle(entity)
+    async with await db.connect(runtime_url) as conn:
+        if entity == "instance":
+            row_id = (await make_instance(conn))["id"]
+        else:
+            row_id = (await enqueue(conn, NewJob("probe"), TEST_ACTOR)).job["id"]
+        accepted: set[tuple[str | None, str, str]] = set()
+        events = (table.creation_event, *table.events())
+        for src in (None, *table.states):
+            for event in events:
+                for dst in table.states:
+                    try:
+                        async with conn.transaction(force_rollback=True):
+                            await _insert_event(conn, entity, row_id, src, dst, event)
+                    except psycopg.errors.CheckViolation as refused:
+                        assert "illegal event" in str(refused)
+                        continue
+                    accepted.add((src, event, dst))
+    moves = {(src, event, dst) for (src, event), dst in table.transitions.items()}
+    assert accepted == moves | {(None, table.creation_event, table.initial)}
+
+
+async def test_an_illegal_event_is_refused_in_a_partition_made_later_and_moves_still_land(
+    conn: AsyncConn, runtime_url: str
+) -> None:
+    """The trigger is the partitioned table's: a month's partition made after the migration has it."""
+    inst = await make_instance(conn)
+    month = await _scalar(conn, "SELECT date_trunc('month', now()) + interval '3 years' AS month")
+    made = await _scalar(conn, "SELECT array_agg(p) AS made FROM cp_ensure_event_partitions(%s) p", (month,))
+    assert made and any(name.startswith("instance_events_") for name in made)
+    async with await db.connect(runtime_url) as runtime:
+        with pytest.raises(psycopg.errors.CheckViolation, match="is not a move of the instance lifecycle"):
+            await _insert_event(runtime, "instance", inst["id"], "pending", "ready", "provisioned", at=month)
+        with pytest.raises(psycopg.errors.CheckViolation, match="must be created by create in state pending"):
+            await _insert_event(runtime, "instance", inst["id"], None, "ready", "create", at=month)
+        moved = await transition(
+            runtime,
+            "instance",
+            inst["id"],
+            "start_provisioning",
+            0,
+            expected_state="pending",
+            actor=TEST_ACTOR,
+        )
+    assert (moved["state"], moved["state_version"]) == ("provisioning", 1)
+    assert (
+        await _scalar(conn, "SELECT count(*) FROM instance_events WHERE instance_id = %s", (inst["id"],)) == 2
+    )
 
 
 async def _scalar(conn: AsyncConn, query: str, params: Any = None) -> Any:

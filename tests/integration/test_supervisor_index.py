@@ -6,7 +6,7 @@ import asyncio
 import time
 from datetime import timedelta
 
-from controlplane.core.retry import Decision
+from controlplane.core.retry import RetryDecision
 from controlplane.db import connection as db
 from controlplane.db import sql
 from controlplane.db.job_rows import NewJob, enqueue_many
@@ -56,7 +56,7 @@ async def test_supervisor_scans_use_the_partial_indexes(
         row = await running_job(conn)
         await queue.error(
             conn,
-            queue.JobFailure(row, "boom", "temporary", Decision("retry", 5, "test")),
+            queue.JobFailure(row, "boom", "temporary", RetryDecision("retry", 5, "test")),
             LOADER,
         )
     await conn.execute("VACUUM ANALYZE jobs")

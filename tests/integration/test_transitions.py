@@ -18,9 +18,9 @@ from controlplane.db.connection import AsyncConn
 from controlplane.db.job_rows import NewJob, enqueue, get_job
 from controlplane.db.transitions import (
     Actor,
-    Conflict,
     InvariantViolation,
     Move,
+    VersionConflict,
     heartbeat,
     transition,
     transition_many,
@@ -130,7 +130,7 @@ async def test_a_moved_version_raises_conflict_and_writes_nothing(conn: AsyncCon
     await step(conn, "instance", inst, "start_provisioning")
     before_row = await row_of(conn, "instance", inst["id"])
     before_events = await events_of(conn, "instance", inst["id"])
-    with pytest.raises(Conflict) as caught:
+    with pytest.raises(VersionConflict) as caught:
         await transition(conn, "instance", inst["id"], "fail", 0, expected_state="pending", actor=TEST_ACTOR)
     assert (caught.value.current_state, caught.value.current_version) == ("provisioning", 1)
     assert "version 0" in str(caught.value) and str(inst["id"]) in str(caught.value)
@@ -140,7 +140,7 @@ async def test_a_moved_version_raises_conflict_and_writes_nothing(conn: AsyncCon
 
 async def test_a_missing_row_is_a_conflict(conn: AsyncConn) -> None:
     missing = uuid.uuid4()
-    with pytest.raises(Conflict, match="no longer exists") as caught:
+    with pytest.raises(VersionConflict, match="no longer exists") as caught:
         await transition(conn, "job", missing, "claim", 0, expected_state="queued", actor=TEST_ACTOR)
     assert caught.value.current_state is None and caught.value.current_version is None
 
@@ -161,7 +161,7 @@ async def test_same_version_other_state_is_an_invariant_violation(
         await transition(
             conn, "instance", inst["id"], "start_provisioning", 0, expected_state="pending", actor=TEST_ACTOR
         )
-    assert not isinstance(caught.value, Conflict)
+    assert not isinstance(caught.value, VersionConflict)
     assert caught.value.current_state == "ready"
     critical = [r for r in caplog.records if r.levelno == logging.CRITICAL]
     assert len(critical) == 1
@@ -240,8 +240,8 @@ async def test_transition_many_returns_moved_rows_and_failures(conn: AsyncConn) 
     assert set(moved) == {first["id"], second["id"]}
     assert (moved[first["id"]]["state"], moved[first["id"]]["state_version"]) == ("provisioning", 1)
     assert (moved[second["id"]]["state"], moved[second["id"]]["failure_reason"]) == ("failed", "quota")
-    assert all(isinstance(f, Conflict) for f in result.failed)
-    failures = {f.move.id: f for f in result.failed if isinstance(f, Conflict)}
+    assert all(isinstance(f, VersionConflict) for f in result.failed)
+    failures = {f.move.id: f for f in result.failed if isinstance(f, VersionConflict)}
     assert set(failures) == {stale["id"], missing}
     assert (failures[stale["id"]].current_state, failures[stale["id"]].current_version) == ("provisioning", 1)
     assert failures[missing].current_state is None
@@ -259,7 +259,7 @@ async def test_two_moves_of_one_row_in_a_batch_one_moves_one_fails(conn: AsyncCo
     first = Move(inst["id"], "pending", 0, "start_provisioning")
     result = await transition_many(conn, "instance", [first, first], TEST_ACTOR)
     assert len(result.moved) == 1 and len(result.failed) == 1
-    assert isinstance(result.failed[0], Conflict) and result.failed[0].current_version == 1
+    assert isinstance(result.failed[0], VersionConflict) and result.failed[0].current_version == 1
 
     provisioned = Move(inst["id"], "provisioning", 1, "provisioned")
     failed = Move(inst["id"], "provisioning", 1, "fail")
@@ -267,7 +267,7 @@ async def test_two_moves_of_one_row_in_a_batch_one_moves_one_fails(conn: AsyncCo
     assert len(result.moved) == 1 and len(result.failed) == 1
     (row,) = result.moved
     (lost,) = result.failed
-    assert isinstance(lost, Conflict) and lost.move.event != row["_event"]
+    assert isinstance(lost, VersionConflict) and lost.move.event != row["_event"]
     assert (lost.current_state, lost.current_version) == (row["state"], 2)
     assert len(await events_of(conn, "instance", inst["id"])) == 3
     assert await audit.verify(conn) == []
@@ -398,7 +398,7 @@ async def test_sixteen_concurrent_writers_exactly_one_wins(conn: AsyncConn, fres
             await writer.close()
 
     winners = [i for i, outcome in enumerate(outcomes) if not isinstance(outcome, BaseException)]
-    conflicts = [outcome for outcome in outcomes if isinstance(outcome, Conflict)]
+    conflicts = [outcome for outcome in outcomes if isinstance(outcome, VersionConflict)]
     assert len(winners) == 1 and len(conflicts) == 15, outcomes
     assert all((c.current_state, c.current_version) == ("provisioning", 1) for c in conflicts)
     moves = await fetch_all(
@@ -443,7 +443,7 @@ async def test_stale_worker_finish_loses_to_supervisor_reclaim(conn: AsyncConn) 
     after_reclaim = await row_of(conn, "job", job["id"])
     events_after_reclaim = await events_of(conn, "job", job["id"])
 
-    with pytest.raises(Conflict) as caught:
+    with pytest.raises(VersionConflict) as caught:
         await transition(
             conn,
             "job",

@@ -12,7 +12,7 @@ import httpx
 from controlplane.core import metering
 from controlplane.db.connection import AsyncConn
 from controlplane.services import tenants, usage
-from tests.factories import append_event
+from tests.factories import append_event, make_instance, walk
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -106,3 +106,57 @@ async def test_bad_usage_windows_are_problems(conn: AsyncConn, client: httpx.Asy
     assert (
         await client.get("/v1/usage", params={"from": "2026-05-01T00:00:00Z", "to": "2026-05-02T00:00:00Z"})
     ).status_code == 401
+
+
+async def test_time_degraded_for_lost_data_is_shown_storage_only(
+    conn: AsyncConn, client: httpx.AsyncClient
+) -> None:
+    """A day: ready, degraded while still serving (billed), ready, degraded for lost data with no
+    server while a decision is awaited (storage only, as the instance itself says), then restored."""
+    org, key = await tenants.create_org(conn, "acme-lost")
+    headers = {"Authorization": f"Bearer {key.plaintext}"}
+    now = await usage.db_now(conn)
+    start = metering.period_floor(now - 2 * DAY, DAY)
+    await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now, start))
+    cursor = await conn.execute(
+        "INSERT INTO instances (org_id, name, spec, state, created_at)"
+        " VALUES (%s, 'lost', '{\"plan\": \"small\"}', 'pending', %s) RETURNING id",
+        (org["id"], start),
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    instance: uuid.UUID = row["id"]
+    await append_event(
+        conn, "instance", instance, None, "pending", "create", 0, at=start, detail={"spec": {"plan": "small"}}
+    )
+    hours = timedelta(hours=1)
+    day: list[tuple[timedelta, str, str, str, dict[str, Any]]] = [
+        (timedelta(0), "pending", "start_provisioning", "provisioning", {}),
+        (timedelta(0), "provisioning", "provisioned", "ready", {}),
+        (2 * hours, "ready", "degrade", "degraded", {"code": "unhealthy"}),
+        (3 * hours, "degraded", "recover", "ready", {}),
+        (5 * hours, "ready", "degrade", "degraded", {"code": "data_lost"}),
+        (12 * hours, "degraded", "recover", "ready", {"plan": "small"}),
+        (DAY, "ready", "degrade", "degraded", {"code": "data_lost"}),
+    ]
+    for version, (offset, source, event, target, detail) in enumerate(day, start=1):
+        await append_event(
+            conn, "instance", instance, source, target, event, version, at=start + offset, detail=detail
+        )
+    params = {"from": start.isoformat(), "to": (start + DAY).isoformat()}
+    report = (await client.get("/v1/usage", params=params, headers=headers)).json()
+    assert [(i["billing"], i["seconds"]) for i in report["items"]] == [
+        ("billed", (2 + 1 + 2 + 12) * 3600.0),
+        ("storage_only", 7 * 3600.0),
+    ]
+    assert report["totals"] == [
+        {"plan": "small", "billing": "billed", "seconds": 17 * 3600.0},
+        {"plan": "small", "billing": "storage_only", "seconds": 7 * 3600.0},
+    ]
+    # An instance degraded for lost data now says so too.
+    lost = await make_instance(conn, org["id"])
+    await walk(
+        conn, lost["id"], "start_provisioning", "provisioned", "degrade", patch={"failure_code": "data_lost"}
+    )
+    shown = (await client.get(f"/v1/instances/{lost['id']}", headers=headers)).json()["state_info"]
+    assert (shown["billing"], shown["billing_by_failure"]) == ("storage_only", {"data_lost": "storage_only"})

@@ -177,3 +177,26 @@ async def _hostile_events_refused(client: httpx.AsyncClient, conn: AsyncConn, te
     # The endpoint still takes a good event after them.
     good = await deliver(client, stripe_event("evt_good", tenant.stripe_customer_id, "unpaid", 100))
     assert good.status_code == 200 and good.json()["outcome"] == "hold"
+
+
+async def test_an_event_created_after_its_signature_is_refused_and_later_events_still_apply(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    """A validly signed event whose `created` is 10^7 s ahead would become the ordering watermark and
+    make every genuine event after it `stale`: it is refused (400 problem), nothing recorded."""
+    signed = int(time.time())
+    ahead = stripe_event("evt_ahead", tenant.stripe_customer_id, "active", signed + 10**7)
+    refused = await deliver(client, ahead, signature=sign(ahead, timestamp=signed))
+    assert refused.status_code == 400, refused.text
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert refused.json()["type"] == "urn:controlplane:problem:bad-request"
+    assert "created" in refused.json()["detail"]
+    assert await _outcome(conn, "evt_ahead") is None
+    assert (await _org(conn, tenant))["billing_event_created"] is None
+    # Within the signature's tolerance it is Stripe's own clock: accepted.
+    near = stripe_event("evt_near", tenant.stripe_customer_id, "unpaid", signed + 200)
+    assert (await deliver(client, near, signature=sign(near, timestamp=signed))).json()["outcome"] == "hold"
+    genuine = stripe_event("evt_genuine", tenant.stripe_customer_id, "active", signed + 201)
+    assert (await deliver(client, genuine, signature=sign(genuine, timestamp=signed + 1))).json()[
+        "outcome"
+    ] == "release"

@@ -10,20 +10,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db import transitions
 from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
-from controlplane.db.transitions import Conflict
+from controlplane.db.transitions import VersionConflict
 from controlplane.queue import moves as queue
-from controlplane.queue.registry import JobRegistry
+from controlplane.queue.registry import JobKind, JobRegistry
 from controlplane.queue.supervisor import Supervisor
 from controlplane.queue.worker import Worker
 from controlplane.runtime.fencing import FileFences
 from controlplane.runtime.settings import Settings
 from tests.factories import TEST_ACTOR
-from tests.queue_kinds import Gates, build_registry, count_in, db_now, events_of, gate_registry, until
+from tests.queue_kinds import (
+    Gates,
+    build_registry,
+    count_in,
+    db_now,
+    events_of,
+    gate,
+    gate_registry,
+    until,
+)
+from tests.support import eventually
 
 
 @pytest.fixture
@@ -230,8 +241,8 @@ async def test_a_hung_worker_is_fenced_off_after_reclaim(
     await b.stop()
     assert a.worker.counts["stale_fence"] == 1 and a.worker.counts["completed"] == 0
     assert resource.read_text() == f"w-b:{ctx_b.fence}"  # A's write was refused
-    late = await queue.finish_many(conn, [(ctx_a.job, {"result": "late"})], a.worker.actor)
-    assert late.moved == [] and isinstance(late.failed[0], Conflict)
+    late = await queue.finish_many(conn, [(ctx_a.job, {"result": "late"})], a.worker.outcomes.actor)
+    assert late.moved == [] and isinstance(late.failed[0], VersionConflict)
     assert [(e, who) for e, _, who in await events_of(conn, job["id"])] == [
         ("enqueue", "tests"),
         ("claim", "w-a"),
@@ -294,3 +305,42 @@ async def test_stopping_hands_back_what_did_not_finish_within_the_grace(
     assert (await events_of(conn, other))[-1] == ("reclaim", "worker", "w1")
     row = await get_job(conn, other)
     assert row is not None and row["state"] == "queued"
+
+
+async def test_a_kind_with_slots_of_its_own_never_takes_nor_waits_for_a_shared_one(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    """One shared slot and one of `side`'s own: three `side` jobs queued before a `gate` job. The
+    first `side` runs in its slot, the `gate` job in the shared one, the other two wait, queued;
+    when the first `side` ends the next one takes its slot, while the `gate` job still holds its."""
+    gates = Gates()
+    registry = JobRegistry([JobKind("gate", gate), JobKind("side", gate, own_slots=lambda s: 1)])
+    sides = await enqueue_many(conn, [NewJob("side") for _ in range(3)], TEST_ACTOR)
+    await enqueue(conn, NewJob("gate"), TEST_ACTOR)
+    running = start_worker("w1", settings, pool, registry, {"gates": gates}, worker_concurrency=1)
+    try:
+        async with asyncio.timeout(20):
+            started = [await gates.contexts.get(), await gates.contexts.get()]
+        assert sorted(ctx.job["kind"] for ctx in started) == ["gate", "side"]
+        assert await count_in("queued", 2)(conn)  # the other two sides: not claimed into a backlog
+        for lane in ("shared", "side"):  # the slot metrics: one slot each, in use
+            assert REGISTRY.get_sample_value("controlplane_worker_slots", {"lane": lane}) == 1
+            assert REGISTRY.get_sample_value("controlplane_worker_slots_in_use", {"lane": lane}) == 1
+        side = next(ctx for ctx in started if ctx.job["kind"] == "side")
+        assert side.job_id == sides[0].job["id"]
+        gates.open(side.job_id)
+        async with asyncio.timeout(20):
+            after = await gates.contexts.get()
+        assert after.job_id == sides[1].job["id"]
+        gates.open(after.job_id)
+        gates.open(next(ctx for ctx in started if ctx.job["kind"] == "gate").job_id)
+        async with asyncio.timeout(20):
+            third = await gates.contexts.get()
+        gates.open(third.job_id)
+        await eventually(lambda: in_use("side") == 0 and in_use("shared") == 0, "every slot free again")
+    finally:
+        await running.stop()
+
+
+def in_use(lane: str) -> float | None:
+    return REGISTRY.get_sample_value("controlplane_worker_slots_in_use", {"lane": lane})

@@ -106,3 +106,33 @@ def test_completion_offers_commands_flags_plans_and_states() -> None:
     assert "--timeout" in complete(parser, ["instances", "create", "orders", "--"])
     assert complete(parser, ["instances", "wait", "orders", "--for", "rea"]) == ["ready"]
     assert complete(parser, ["completion", ""]) == ["bash", "zsh", "fish"]
+
+
+def test_help_hides_the_completion_helper_and_every_settings_flag_says_what_it_is() -> None:
+    top = build_parser().format_help()
+    assert "__complete" not in top and "==SUPPRESS==" not in top
+    up = dict(leaves(build_parser()))[("up",)]
+    text = " ".join(up.format_help().split())
+    assert "SETTING_" not in text
+    assert "--faults FAULTS Fault injection for tests" in text
+    assert "--api-port PORT Port of the API (env CONTROLPLANE_API_PORT; default: 8700)" in text
+    assert "--data-dir PATH" in text and "--reconcile-interval-s SECONDS" in text
+    for action in up._actions:
+        if action.option_strings and action.option_strings[0] != "-h":
+            assert action.help and not action.help.startswith("(env"), action.option_strings
+
+
+def test_a_role_started_with_faults_says_so_first(capsys: pytest.CaptureFixture[str]) -> None:
+    from controlplane.cli.server_commands import fault_warnings
+    from controlplane.runtime.settings import Settings
+
+    assert fault_warnings(Settings()) == []
+    (line,) = fault_warnings(Settings(faults="apply_plan:fail"))
+    assert "fault injection is on" in line and "apply_plan:fail" in line
+
+
+def test_every_argument_says_what_it_is() -> None:
+    for path, parser in leaves(build_parser()):
+        for action in parser._actions:
+            if action.dest != "help" and path != ("__complete",):
+                assert action.help, (path, action.option_strings or action.dest)

@@ -49,3 +49,28 @@ def test_the_failure_reasons_in_the_api_reference_are_the_table_the_code_has() -
 def test_every_problem_type_is_in_the_api_reference() -> None:
     text = (DOCS / "api.md").read_text()
     assert [kind for kind in KINDS if f"`{kind}`" not in text] == []
+
+
+def test_the_stripe_signing_snippet_makes_signatures_stripe_accepts() -> None:
+    """docs/api.md, "Sending a test event": its `stripe_signature` is what Stripe's library (which the
+    webhook route verifies with) accepts."""
+    import json
+    import re
+    import time
+
+    import stripe
+
+    text = (DOCS / "api.md").read_text()
+    section = text[text.index("### Sending a test event") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    definition = re.search(r"def stripe_signature\(.*?\n\n", code.group(1), re.S)
+    assert definition is not None
+    namespace: dict[str, object] = {}
+    exec("import hashlib, hmac\n" + definition.group(0), namespace)
+    sign = namespace["stripe_signature"]
+    body = json.dumps({"id": "evt_doc", "type": "customer.subscription.updated"}).encode()
+    now = int(time.time())
+    header = sign("whsec_test_secret", body, now)  # type: ignore[operator]
+    stripe.WebhookSignature.verify_header(body.decode(), header, "whsec_test_secret", tolerance=300)
+    assert "stripe_signature(secret, body, now)" in code.group(1)

@@ -33,6 +33,7 @@ FULL = cnpg.ClusterOptions(
     expose="loadbalancer",
     external_domain="db.example.com",
     client_cidrs=("203.0.113.0/24",),
+    pod_monitor=True,
 )
 
 
@@ -47,6 +48,7 @@ def test_every_manifest_is_valid_against_the_crd_and_kubernetes_schemas(
     assert kinds >= {"Secret", "NetworkPolicy", "Cluster"}
     if options.object_store:
         assert kinds >= {"ScheduledBackup", "Backup"}
+    assert ("PodMonitor" in kinds) == options.pod_monitor
     for manifest in manifests:
         for version in K8S_VERSIONS:
             cnpg_schema.validate(manifest, version)
@@ -75,6 +77,10 @@ def test_the_schema_check_refuses_what_the_api_server_would() -> None:
     cluster["spec"]["instances"] = 0
     with pytest.raises(cnpg_schema.ManifestError, match="minimum of 1"):
         cnpg_schema.validate(cluster)
+    monitor = cnpg.pod_monitor_manifest(uuid.uuid4(), InstanceSpec(), FULL, 1)
+    monitor["spec"]["podMetricsEndpoint"] = monitor["spec"].pop("podMetricsEndpoints")
+    with pytest.raises(cnpg_schema.ManifestError, match="'podMetricsEndpoint' was unexpected"):
+        cnpg_schema.validate(monitor)
 
 
 @pytest.mark.parametrize("plan", plans.plan_names())
@@ -111,14 +117,18 @@ def test_the_cluster_carries_the_plan_and_requires_tls(plan: str) -> None:
     ] == (f"{shape.storage_gb}Gi")
 
 
-def test_the_network_policy_admits_peers_the_operator_and_the_organisation_only() -> None:
+def test_the_network_policy_admits_peers_the_operator_the_monitoring_and_the_organisation_only() -> None:
     iid, org = uuid.uuid4(), uuid.uuid4()
     policy = cnpg.network_policy_manifest(iid, InstanceSpec(org_id=org), FULL, 1)["spec"]
     assert policy["podSelector"] == {"matchLabels": {"cnpg.io/cluster": f"pg-{iid}"}}
     sources = [(rule["from"], {p["port"] for p in rule["ports"]}) for rule in policy["ingress"]]
     assert sources[0] == ([{"podSelector": {"matchLabels": {"cnpg.io/cluster": f"pg-{iid}"}}}], {5432, 8000})
     assert sources[1][1] == {8000}  # the operator reads status, it does not need PostgreSQL
-    customers, ports = sources[2]
+    # The monitoring namespace's Prometheus reaches the exporter, and nothing else.
+    by_name = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert sources[2] == ([by_name], {9187})
+    assert all(9187 not in ports for _, ports in sources[:2] + sources[3:])
+    customers, ports = sources[3]
     assert ports == {5432}
     assert {"namespaceSelector": {"matchLabels": {cnpg.ORG_LABEL: str(org)}}} in customers
     assert {"ipBlock": {"cidr": "203.0.113.0/24"}} in customers
@@ -127,11 +137,40 @@ def test_the_network_policy_admits_peers_the_operator_and_the_organisation_only(
     assert not any("ipBlock" in peer for rule in inside["ingress"] for peer in rule["from"])
 
 
+def test_the_pod_monitor_scrapes_every_server_of_the_cluster_with_its_ids() -> None:
+    iid, org = uuid.uuid4(), uuid.uuid4()
+    monitor = cnpg.pod_monitor_manifest(iid, InstanceSpec(org_id=org), FULL, 4)
+    assert monitor["metadata"]["name"] == f"pg-{iid}" and monitor["metadata"]["namespace"] == NAMESPACE
+    spec = monitor["spec"]
+    servers = {"cnpg.io/cluster": f"pg-{iid}", "cnpg.io/podRole": "instance"}
+    assert spec["selector"] == {"matchLabels": servers}
+    assert spec["podMetricsEndpoints"] == [{"port": "metrics"}]  # CloudNativePG's name for 9187
+    # The Cluster's pods inherit these labels: every exporter series names its instance and org.
+    cluster = cnpg.cluster_manifest(iid, InstanceSpec(org_id=org), FULL, 4)
+    inherited = cluster["spec"]["inheritedMetadata"]["labels"]
+    assert set(spec["podTargetLabels"]) == set(inherited) == {cnpg.INSTANCE_LABEL, cnpg.ORG_LABEL}
+
+
+async def test_without_pod_monitors_their_kind_is_never_touched() -> None:
+    """A cluster without the Prometheus Operator's CRDs has no podmonitors collection at all."""
+    with provisioner_on_fake(role_from()) as (k8s, state):
+        iid = uuid.uuid4()
+        await ready(k8s, iid, InstanceSpec())
+        await k8s.inventory()
+        await k8s.deprovision(iid, InstanceSpec(), 2, skip_backup=True)
+    assert not any(resource == "podmonitors" for _, resource, _ in state.calls)
+    assert state.denied == []
+
+
 async def test_the_whole_lifecycle_with_the_role_enforced() -> None:
-    with provisioner_on_fake(role_from(), kubernetes_backup_object_store="backups") as (k8s, state):
+    with provisioner_on_fake(
+        role_from(), kubernetes_backup_object_store="backups", kubernetes_pod_monitor=True
+    ) as (k8s, state):
         run = await run_lifecycle(k8s, state)
         notes = run.notes
         name = f"pg-{run.first}"
+        kinds = {resource.kind for resource in notes["inventory"] if resource.instance_id == run.first}
+        assert kinds == {"Cluster", "ScheduledBackup", "NetworkPolicy", "PodMonitor", "Secret"}
 
         info = notes["info"]
         assert (info.host, info.port, info.dbname, info.user) == (

@@ -13,7 +13,9 @@ from tests.kubernetes_support import provisioner_on_fake, role_from, run_lifecyc
 
 async def test_the_role_grants_exactly_what_the_whole_lifecycle_issues() -> None:
     role = role_from()
-    with provisioner_on_fake(role, kubernetes_backup_object_store="backups") as (k8s, state):
+    # As deploy/kubernetes configures it: with backups and a PodMonitor per instance.
+    settings = {"kubernetes_backup_object_store": "backups", "kubernetes_pod_monitor": True}
+    with provisioner_on_fake(role, **settings) as (k8s, state):
         await run_lifecycle(k8s, state)
     # Nothing was refused (a missing verb fails the lifecycle with a 403 first) ...
     assert state.denied == []

@@ -89,6 +89,27 @@ def test_hourly_periods_cover_the_time_once() -> None:
     )
 
 
+def test_time_degraded_for_lost_data_is_storage_only_and_a_degradation_still_serving_is_billed() -> None:
+    db = uuid.uuid4()
+    events = history(
+        db,
+        (0, "pending", {"spec": {"plan": "standard"}}),
+        (0, "provisioning", {}),
+        (0, "ready", {}),
+        (60, "degraded", {"code": "unhealthy"}),
+        (70, "ready", {}),
+        (100, "degraded", {"code": "data_lost"}),  # no server while a restore, or a decision, is awaited
+        (280, "ready", {"plan": "standard"}),
+        (300, "degraded", {"code": "data_lost"}),
+        (310, "failed", {"code": "data_lost"}),
+    )
+    lines = metering.usage(events, T0, T0 + timedelta(days=1), T0 + timedelta(days=1))
+    assert by_class(lines) == {
+        ("standard", "billed"): (60 + 10 + 30 + 20) * 60.0,
+        ("standard", "storage_only"): (180 + 10) * 60.0,
+    }
+
+
 def test_periods_and_identifiers() -> None:
     hour = timedelta(hours=1)
     start = metering.period_floor(T0 + timedelta(minutes=75), hour)

@@ -7,15 +7,17 @@ import secrets
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
+from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from controlplane.api import auth, views, watch
+from controlplane.api import auth, ratelimit, views, watch
 from controlplane.api import problems as errors
-from controlplane.api.console import present
+from controlplane.api.console import charts, present
 from controlplane.api.console.session import (
     CSRF_FIELD,
     SIGN_IN_COOKIE,
@@ -27,7 +29,7 @@ from controlplane.api.console.session import (
     seal_of,
     set_session_cookie,
 )
-from controlplane.api.console.web import read_form, redirect, render
+from controlplane.api.console.web import is_https, read_form, redirect, render
 from controlplane.api.models import InstanceCreate, InstanceUpdate, KeyCreate
 from controlplane.api.problems import ProblemError
 from controlplane.api.state import AppState, app_state
@@ -36,13 +38,30 @@ from controlplane.core.records import Instance as InstanceRecord
 from controlplane.core.refusals import DomainError, InvalidRequest, LimitReached, NotFound
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import BillingSettings
-from controlplane.services import backups, billing_policy, idempotency, instances, sessions, tenants
+from controlplane.services import backups, billing_policy, idempotency, instances, metrics, sessions, tenants
 from provisioners.base import RestoreSource
 
 router = APIRouter(include_in_schema=False)
 
-# Instances on one page of the list.
-PAGE = 100
+# Instances on one page of the list (its filter and order apply to the page).
+PAGE = 500
+# The list's filter by the severity class of the lifecycle metadata, and its orders.
+SHOWN: Mapping[str, str] = {
+    "": "Every state",
+    "fault": "Needs attention",
+    "transient": "In progress",
+    "healthy": "Available",
+    "suspended": "Suspended",
+    "terminal": "Ended",
+}
+SORTS: Mapping[str, str] = {
+    "newest": "Newest first",
+    "oldest": "Oldest first",
+    "name": "Name",
+    "state": "State",
+}
+# Sorted by state: what needs the customer first, what ended last.
+SEVERITY_ORDER = ("fault", "transient", "suspended", "healthy", "terminal")
 # Rows of the audit timeline on one page.
 HISTORY_PAGE = 25
 # The most keys the console lists or names actors from (an organisation holds at most
@@ -50,6 +69,8 @@ HISTORY_PAGE = 25
 KEYS_SHOWN = 1000
 # Where a failure leaves an instance (listed apart from the live ones and the deleted ones).
 FAILED = lifecycle.INSTANCE.targets_of("fail")
+# Where a deletion leaves an instance (its page then says what the deletion kept).
+DELETED = lifecycle.INSTANCE.targets_of("deprovisioned")
 
 # What a redirect after a form tells the person (the `done` query parameter names one).
 NOTICES: Mapping[str, str] = {
@@ -57,6 +78,7 @@ NOTICES: Mapping[str, str] = {
     "protection-on": "Deletion protection is on: the database cannot be deleted until it is turned off.",
     "protection-off": "Deletion protection is off.",
     "delete": "The deletion is under way; it runs now, or as soon as the database can be deleted.",
+    "remove": "Removing it: what its failure left behind is cleaned up, and it leaves your list.",
     "retry": "A new database replaces the failed one; follow it here.",
     "restored": "A new database is being made from the other's backups; follow it here.",
     "revoked": "The key is revoked: requests and console sessions with it are refused from now on.",
@@ -94,6 +116,15 @@ async def sign_in(request: Request) -> Response:
     key = fields.get("key", "").strip()
     if not key:
         return _sign_in_form(request, error="Paste your organisation's API key.", status=422)
+    client = request.client.host if request.client else "unknown"
+    wait_s = ratelimit.sign_in_refusal(state.sign_in, client, tenants.split_key(key))
+    if wait_s is not None:
+        return _sign_in_form(
+            request,
+            error=f"Too many sign-in attempts. Try again in {wait_s} seconds.",
+            status=429,
+            headers={"Retry-After": str(wait_s)},
+        )
     async with state.pool.connection() as conn:
         who = await tenants.authenticate(conn, key)
         if who is not None and who.org_id is not None:
@@ -114,14 +145,28 @@ async def sign_in(request: Request) -> Response:
 
 
 def _sign_in_form(
-    request: Request, *, notice: str | None = None, error: str | None = None, status: int = 200
+    request: Request,
+    *,
+    notice: str | None = None,
+    error: str | None = None,
+    status: int = 200,
+    headers: Mapping[str, str] | None = None,
 ) -> Response:
-    seal = seal_of(app_state(request))
+    """The form; `error` is shown next to the key's field."""
+    state = app_state(request)
+    seal = seal_of(state)
     nonce = seal.sign_in_nonce()
-    context = {"visitor": None, "org": None, "notice": notice, "error": error}
+    context = {"visitor": None, "org": None, "notice": notice, "error": None, "key_error": error}
     response = render("sign_in.html", context | {"csrf": seal.sign_in_token(nonce)}, status)
+    response.headers.update(headers or {})
     response.set_cookie(
-        SIGN_IN_COOKIE, nonce, max_age=3600, path="/sign-in", httponly=True, samesite="strict"
+        SIGN_IN_COOKIE,
+        nonce,
+        max_age=3600,
+        path="/sign-in",
+        httponly=True,
+        samesite="strict",
+        secure=is_https(request, state.settings.api.public_url),
     )
     return response
 
@@ -138,35 +183,92 @@ async def sign_out(request: Request, who: SignedIn, _: Form) -> Response:
 # ---- the instances ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ListQuery:
+    """What the list shows: a name filter, a state class, an order, the archived ones, a page."""
+
+    q: Annotated[str, Query(max_length=63)] = ""
+    show: Annotated[str, Query(max_length=20)] = ""
+    sort: Annotated[str, Query(max_length=20)] = "newest"
+    include: str | None = None
+    cursor: str | None = None
+
+
+ListView = Annotated[ListQuery, Depends()]
+
+
 @router.get("/", response_class=HTMLResponse)
-async def instance_list(
-    request: Request, who: SignedIn, cursor: str | None = None, include: str | None = None
-) -> Response:
+async def instance_list(request: Request, who: SignedIn, view: ListView) -> Response:
+    try:
+        context = await _list_context(request, who, view)
+    except InvalidRequest:  # a cursor that is not one of ours: the first page
+        return redirect("/")
+    return render("instances.html", context)
+
+
+@router.get("/live", response_class=HTMLResponse)
+async def instance_list_live(request: Request, who: SignedIn, view: ListView) -> Response:
+    """The list's part that follows the organisation's databases (fetched again on each event)."""
+    try:
+        context = await _list_context(request, who, view)
+    except InvalidRequest:
+        raise Missing() from None
+    return render("_list.html", context)
+
+
+@router.get("/watch")
+async def instance_list_watch(request: Request, who: SignedIn) -> StreamingResponse:
+    """The organisation's stream of its databases' changes: its events drive the list."""
+    return watch.org_response(request, who.org_id)
+
+
+async def _list_context(request: Request, who: Visitor, view: ListQuery) -> dict[str, Any]:
     app = app_state(request)
-    archived = include == "archived"
+    archived = view.include == "archived"
     async with app.pool.connection() as conn:
-        try:
-            page, next_cursor = await instances.list_page(
-                conn, instances.ListInstances(who.org_id, archived=archived), limit=PAGE, cursor=cursor
-            )
-        except InvalidRequest:  # a cursor that is not one of ours: the first page
-            return redirect("/")
+        page, next_cursor = await instances.list_page(
+            conn, instances.ListInstances(who.org_id, archived=archived), limit=PAGE, cursor=view.cursor
+        )
         docs = await views.instances(conn, page, app.box)
         org = await _org(conn, who, app.settings.billing)
+    shown = SHOWN.get(view.show) and view.show
+    order = view.sort if view.sort in SORTS else "newest"
+    wanted = view.q.strip().lower()
+    picked = [
+        doc
+        for doc in docs
+        if wanted in str(doc["name"]).lower() and (not shown or doc["state_info"]["severity"] == shown)
+    ]
     groups: dict[str, list[dict[str, Any]]] = {"live": [], "failed": [], "ended": []}
-    for doc in docs:
+    for doc in _sorted(picked, order):
         if doc["state"] not in lifecycle.INSTANCE.terminal:
             groups["live"].append(doc)
-        elif doc["state"] in FAILED and doc["archived_at"] is None:
-            groups["failed"].append(doc)
+        elif doc["state"] in FAILED and doc["archived_at"] is None and doc["replaced_by"] is None:
+            groups["failed"].append(doc)  # a failure nobody has acted on yet: shown, never folded
         else:
-            groups["ended"].append(doc)
-    context = _page(who, org, "instances") | {
+            groups["ended"].append(doc)  # deleted, removed, or replaced by a retry
+    query = {"q": view.q, "show": shown or "", "sort": order, "include": "archived" if archived else ""}
+    return _page(who, org, "instances") | {
         "groups": groups,
+        "names": {doc["id"]: doc["name"] for doc in docs},
         "next_cursor": next_cursor,
         "archived": archived,
+        "query": query,
+        "query_string": urlencode({k: v for k, v in query.items() if v and (k, v) != ("sort", "newest")}),
+        "filtered": len(picked) < len(docs),
+        "total": len(docs),
+        "shows": SHOWN,
+        "sorts": SORTS,
     }
-    return render("instances.html", context)
+
+
+def _sorted(docs: list[dict[str, Any]], order: str) -> list[dict[str, Any]]:
+    if order == "name":
+        return sorted(docs, key=lambda doc: (doc["name"], doc["created_at"]))
+    if order == "state":
+        rank = {severity: n for n, severity in enumerate(SEVERITY_ORDER)}
+        return sorted(docs, key=lambda doc: (rank.get(doc["state_info"]["severity"], 99), doc["name"]))
+    return sorted(docs, key=lambda doc: doc["created_at"], reverse=order == "newest")
 
 
 @router.get("/instances/new", response_class=HTMLResponse)
@@ -225,7 +327,7 @@ def _new_instance_form(
 async def instance_page(
     request: Request, instance_id: uuid.UUID, who: SignedIn, done: str | None = None
 ) -> Response:
-    return await _instance_view(request, who, instance_id, notice=NOTICES.get(done or ""))
+    return await _instance_view(request, who, instance_id, done=done)
 
 
 @router.get("/instances/{instance_id}/live", response_class=HTMLResponse)
@@ -261,6 +363,21 @@ async def instance_connection(request: Request, instance_id: uuid.UUID, who: Sig
     return JSONResponse(formats, headers={"Cache-Control": "no-store"})
 
 
+@router.get("/instances/{instance_id}/ca.pem")
+async def instance_ca(request: Request, instance_id: uuid.UUID, who: SignedIn) -> Response:
+    """The CA certificate the instance's server certificate is checked against, as the file its
+    connection URI names (`sslrootcert`)."""
+    async with app_state(request).pool.connection() as conn:
+        record = await _load(conn, who, instance_id)
+    pem = (record.connection or {}).get("ca_certificate")
+    if not pem:
+        raise Missing()
+    disposition = f'attachment; filename="{present.CA_FILE}"'
+    return Response(
+        str(pem), media_type="application/x-pem-file", headers={"Content-Disposition": disposition}
+    )
+
+
 @router.post("/instances/{instance_id}/resize", response_class=HTMLResponse)
 async def resize(request: Request, instance_id: uuid.UUID, who: SignedIn, form: Form) -> Response:
     try:
@@ -290,6 +407,7 @@ async def delete(request: Request, instance_id: uuid.UUID, who: SignedIn, form: 
         return await _instance_view(request, who, instance_id, failed={"delete": message}, status=422)
     skip = form.get("final_backup") != "on"
     asked = instances.RequestDeletion(who.org_id, instance_id, skip_final_backup=skip)
+    done = "remove" if record.state in FAILED else "delete"  # what its button said
     async with app.pool.connection() as conn:
         try:
             await instances.request_deletion(
@@ -299,7 +417,7 @@ async def delete(request: Request, instance_id: uuid.UUID, who: SignedIn, form: 
             raise Missing() from None
         except DomainError as exc:
             return await _instance_view(request, who, instance_id, failed={"delete": exc.detail}, status=409)
-    return redirect(f"/instances/{instance_id}?done=delete")
+    return redirect(f"/instances/{instance_id}?done={done}")
 
 
 @router.post("/instances/{instance_id}/retry", response_class=HTMLResponse)
@@ -401,7 +519,7 @@ async def _instance_view(
     who: Visitor,
     instance_id: uuid.UUID,
     *,
-    notice: str | None = None,
+    done: str | None = None,
     failed: Mapping[str, str] | None = None,
     status: int = 200,
 ) -> Response:
@@ -410,7 +528,18 @@ async def _instance_view(
         record = await _load(conn, who, instance_id)
         org = await _org(conn, who, app.settings.billing)
         context = await _instance_context(conn, app, who, org, record)
+        shown = None
+        if record.state not in lifecycle.INSTANCE.terminal:
+            series = await metrics.series(
+                conn, who.org_id, record.id, None, None, None, metrics.retention(app.settings.reconciler)
+            )
+            shown = charts.charts(series)
+    # What a form's redirect says, while it is news: a deletion that is over is told by the page.
+    notice = None if context["ended"] else NOTICES.get(done or "")
     context |= {
+        "charts": shown,
+        "chart_width": charts.WIDTH,
+        "chart_height": charts.HEIGHT,
         "notice": notice,
         "errors": defaultdict(str, failed or {}),
         "plans": _plans(),
@@ -427,13 +556,19 @@ async def _instance_context(
     shown = [
         {"id": b.backup_id, "kind": b.kind, "type": b.type, "taken_at": b.taken_at} for b in found.backups
     ]
+    ended = None
+    if record.state in DELETED:
+        # Its deletion's event: when, and the final backup it kept (its name; where it is kept is
+        # the service's to know).
+        last = await instances.last_event(conn, who.org_id, record.id)
+        ended = None if last is None else views.event(last)
     return _page(who, org, "instance") | {
+        "ended": ended,
         "i": doc,
         "recovery": views.recovery(found, shown),
         "restore_key": secrets.token_urlsafe(16),
         "terminal": record.state in lifecycle.INSTANCE.terminal,
         "formats": present.connection_formats(doc["connection"], reveal=False) if connectable else None,
-        "ca_file": present.CA_FILE,
     }
 
 
@@ -598,7 +733,11 @@ async def _org(conn: AsyncConn, who: Visitor, billing: BillingSettings) -> Mappi
     org = await tenants.get_org(conn, who.org_id)
     if org is None:  # a session outlives no organisation (they are not deleted)
         raise Missing()
-    return {**org, "billing": billing_policy.billing_view(dict(org), billing)}
+    return {
+        **org,
+        "billing": billing_policy.billing_view(dict(org), billing),
+        "portal_url": billing.portal_url,
+    }
 
 
 async def _load(conn: AsyncConn, who: Visitor, instance_id: uuid.UUID) -> InstanceRecord:

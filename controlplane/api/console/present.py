@@ -11,10 +11,21 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from controlplane.api.views import CA_FILE
 from controlplane.core import lifecycle
 
-# The file name the console offers the CA certificate under, and that its commands name.
-CA_FILE = "controlplane-ca.pem"
+__all__ = [
+    "CA_FILE",
+    "CONNECTABLE",
+    "badge",
+    "connection_formats",
+    "cpu",
+    "duration",
+    "every",
+    "iso",
+    "memory",
+    "when",
+]
 MASK = "\u2022" * 8
 
 # The badge colour of each severity class of the lifecycle metadata: wait, act, fine, suspended.
@@ -55,6 +66,39 @@ def duration(seconds: float | None) -> str:
     return f"{secs} s"
 
 
+# Interval units as people say them, the largest first: "every 12 hours", "every day".
+_UNITS = (("week", 7 * 86400), ("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
+# Kubernetes binary suffixes of memory quantities, as bytes.
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def every(seconds: float) -> str:
+    """A schedule's interval in the largest whole unit: every day, every 12 hours, every 90 minutes."""
+    total = max(1, round(seconds))
+    for unit, size in _UNITS:
+        if total % size == 0:
+            count = total // size
+            return f"every {unit}" if count == 1 else f"every {count} {unit}s"
+    return f"every {total} seconds"  # pragma: no cover (the seconds unit divides every total)
+
+
+def cpu(quantity: str) -> str:
+    """A Kubernetes CPU quantity in words: 250m is a quarter of a CPU core, 1 is one, 2 two."""
+    cores = float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+    shown = f"{cores:g}"
+    return f"{shown} CPU core" + ("" if cores == 1 else "s")
+
+
+def memory(quantity: str) -> str:
+    """A Kubernetes memory quantity in binary units: 256Mi is 256 MiB, 1536Mi 1.5 GiB, 1Gi 1 GiB."""
+    suffix = quantity[-2:]
+    size = float(quantity[:-2]) * _BINARY[suffix] if suffix in _BINARY else float(quantity)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size:g} bytes"
+
+
 def iso(at: datetime | str | None) -> str:
     if at is None:
         return ""
@@ -79,11 +123,11 @@ def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[s
         raise ValueError("reveal the password from a revealed connection, mask it from one without it")
     shown = MASK if password is None else str(password)
     host, port, sslmode = str(connection["host"]), int(connection["port"]), connection.get("sslmode")
-    # The API's URI: with the password when revealed, else without it (where the mask then goes).
+    # The API's URI (naming the CA file as sslrootcert when the server is verified): with the
+    # password when revealed, else without it (where the mask then goes).
     uri = str(connection["uri"])
     if password is None:
         uri = uri.replace("@", f":{MASK}@", 1)
-    verified = f"{uri}&sslrootcert={CA_FILE}" if sslmode else uri
     env = {
         "PGHOST": host,
         "PGPORT": str(port),
@@ -92,9 +136,11 @@ def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[s
         "PGPASSWORD": shown,
     }
     if sslmode:
-        env |= {"PGSSLMODE": str(sslmode), "PGSSLROOTCERT": CA_FILE}
+        env["PGSSLMODE"] = str(sslmode)
+    if connection.get("sslrootcert"):
+        env["PGSSLROOTCERT"] = str(connection["sslrootcert"])
     return {
         "uri": uri,
-        "psql": f"psql {shlex.quote(verified)}",
+        "psql": f"psql {shlex.quote(uri)}",
         "env": "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items()),
     }

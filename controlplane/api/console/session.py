@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
-from controlplane.api.auth import Customer
+from controlplane.api.auth import Customer, note_org
 from controlplane.api.console.web import is_https, read_form
 from controlplane.api.problems import request_id
 from controlplane.api.state import AppState, app_state
@@ -67,6 +67,7 @@ async def visitor(request: Request) -> Visitor:
             session = await sessions.resolve(conn, session_id)
     if session is None:
         raise SignInRequired(ended=value is not None)
+    note_org(request, session.org_id)
     customer = Customer(session.org_id, session.key_id, request_id(request))
     return Visitor(session, seal.csrf_token(session.id), customer)
 

@@ -54,6 +54,9 @@ def templates() -> jinja2.Environment:
         when=present.when,
         iso=present.iso,
         badge=present.badge,
+        every=present.every,
+        cpu=present.cpu,
+        memory=present.memory,
     )
     return env
 

@@ -100,7 +100,9 @@ async def admin_events(
         {
             **views.sre_event(r),
             "instance_id": r["instance_id"],
+            "instance_name": r["instance_name"],
             "org_id": r["org_id"],
+            "org_name": r["org_name"],
             "state_version": r["state_version"],
             "request_id": r["request_id"],
         }

@@ -41,6 +41,8 @@ EventType = Literal[
     "instance.resumed",
     "instance.deleted",
     "instance.deadline_overdue",
+    "instance.storage_grown",
+    "instance.storage_full",
     "billing.past_due",
     "*",
 ]
@@ -408,8 +410,9 @@ async def delete_notification_email(email_id: uuid.UUID, request: Request, who: 
     operation_id="getUsage",
     description=(
         "Billable time from the audit log over [from, to): seconds per instance, plan and billing class "
-        "(`billed`, `storage_only`, `not_billed`, from the lifecycle metadata), with totals per plan and "
-        "class. Exact to the second across plan changes and restarts."
+        "(`billed`, `storage_only`, `not_billed`, from the lifecycle metadata: time degraded for lost data, "
+        "with no server, is `storage_only`), with totals per plan and class. Exact to the second across "
+        "plan changes and restarts."
     ),
     summary="The organisation's usage over [from, to): seconds per instance, plan and billing class",
 )

@@ -10,7 +10,16 @@ from fastapi import APIRouter, Query, Request, Response
 from controlplane.api import auth, views
 from controlplane.api import problems as errors
 from controlplane.api.auth import AdminKey, AnyKey
-from controlplane.api.models import KeyCreate, KeyList, NewApiKey, OrgCreate, OrgCreated, OrgList
+from controlplane.api.models import (
+    KeyCreate,
+    KeyList,
+    NewApiKey,
+    Org,
+    OrgCreate,
+    OrgCreated,
+    OrgList,
+    OrgUpdate,
+)
 from controlplane.api.problems import ProblemError
 from controlplane.api.state import app_state
 from controlplane.core import cursors
@@ -81,6 +90,25 @@ async def list_orgs(
     async with app_state(request).pool.connection() as conn:
         rows = await tenants.list_orgs(conn, name)
     return {"items": [_org(r) for r in rows]}
+
+
+@router.patch(
+    "/v1/orgs/{org_id}",
+    response_model=Org,
+    responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
+    summary="Link an organisation to its Stripe customer (admin)",
+    operation_id="updateOrg",
+    description=(
+        "Links an organisation made without a Stripe customer to one (admin key only): its usage is "
+        "reported to that customer from then on, and the customer's subscription events apply to it, "
+        "the newest decisive one received before included. The customer it has already: no change; "
+        "another customer, or one another organisation has: 409."
+    ),
+)
+async def update_org(org_id: uuid.UUID, body: OrgUpdate, request: Request, _: AdminKey) -> Any:
+    async with app_state(request).pool.connection() as conn:
+        org = await tenants.link_stripe_customer(conn, org_id, body.stripe_customer_id)
+    return _org(org)
 
 
 @router.get(

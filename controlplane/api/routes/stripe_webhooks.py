@@ -28,7 +28,7 @@ router = APIRouter(tags=["webhooks"])
 @router.post(
     "/v1/webhooks/stripe",
     response_model=WebhookAck,
-    responses=errors.responses(400, 413, 503),
+    responses=errors.responses(400, 413, 503, signed=True),
     summary="Stripe events (signed with the webhook secret)",
     openapi_extra={
         "parameters": [
@@ -78,6 +78,11 @@ async def stripe_webhook(request: Request) -> Any:
         raise ProblemError("bad-signature", untimely)
     event = signed_event(payload)
     parsed = billing.parse_event(event)
+    future = billing.created_problem(parsed.created, signature)
+    if future is not None:
+        metrics.WEBHOOKS.labels("bad_payload").inc()
+        log.warning("Stripe webhook %r refused: %s", parsed.id, future)
+        raise ProblemError("bad-request", future)
     actor, request_id = Actor("stripe", parsed.id), errors.request_id(request)
     applied = await db.in_transaction(
         app.pool, lambda conn: apply_stripe_event(conn, actor, request_id, parsed, app.policy)

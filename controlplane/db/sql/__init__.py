@@ -4,8 +4,8 @@
 share one path (guarded UPDATE (id + state_version + state), version bump, event row, pg_notify, in
 one statement), and the fragments the modules share. The statements are in the modules by table
 family (`transitions`, `queue`, `instances`, `audit`, `tenants`, `billing`, `notifications`,
-`consumers`, `backups`, `steps`, `grants`, `meta`). Each statement, so each write, is in exactly one
-module; a statement that writes two tables is with the family it serves (an instance created with
+`consumers`, `backups`, `metrics`, `steps`, `grants`, `meta`). Each statement, so each write, is in
+exactly one module; a statement that writes two tables is with the family it serves (an instance created with
 its first job in `instances`, a step's start shown on its instance in `steps`), and the billing
 columns of `organisations` are written in `billing`. Every write to `instances` and `jobs` is in
 this package. (The servers the control plane runs, its embedded database and the local
@@ -65,6 +65,7 @@ from controlplane.db.sql.backups import (
 )
 from controlplane.db.sql.billing import (
     CLEAR_PAST_DUE,
+    COUNT_BILLING_HOLDS,
     FINISH_USAGE_REPORT,
     GRACE_OVER,
     HOLD_AFTER_GRACE,
@@ -133,13 +134,17 @@ from controlplane.db.sql.instances import (
     ORG_HAS_INSTANCE,
     ORG_INSTANCE,
     ORG_INSTANCE_EVENTS,
+    ORG_INSTANCE_LAST_EVENT,
     ORG_INSTANCE_MOVES_AFTER,
+    QUEUED_BY_KIND,
     RECORD_DEGRADED_FAILURE,
     REQUEST_DELETION,
     SCAN_LIVE_INSTANCES,
     SET_FAILURE_IN_PLACE,
     SET_PROGRESS,
+    SET_STORAGE_GROWN,
     TOUCH_RECONCILED,
+    WARN_STORAGE_FULL,
 )
 from controlplane.db.sql.meta import (
     HOLDS_SHARD_OF,
@@ -152,6 +157,13 @@ from controlplane.db.sql.meta import (
     SHARD_MEMBERS,
     TRY_LEADER_LOCK,
     TRY_SHARD,
+)
+from controlplane.db.sql.metrics import (
+    METRICS_SERIES,
+    PRUNE_SAMPLES,
+    RECENT_STORAGE,
+    RECORD_SAMPLES,
+    ROLL_UP_SAMPLES,
 )
 from controlplane.db.sql.notifications import (
     CREATE_DELIVERY,
@@ -226,12 +238,14 @@ from controlplane.db.sql.tenants import (
     CREATE_API_KEY,
     CREATE_ORGANISATION,
     END_CONSOLE_SESSION,
+    LINK_STRIPE_CUSTOMER,
     LIST_API_KEYS,
     LIST_ORGANISATIONS,
     LIVE_CONSOLE_SESSION,
     LIVE_KEY_BY_PREFIX,
     LOCK_ADMIN_KEY_CREATION,
     LOCK_ORGANISATION,
+    LOCK_ORGANISATION_FOR_LINK,
     ORGANISATION_BY_ID,
     PURGE_CONSOLE_SESSIONS,
     PURGE_IDEMPOTENCY_KEYS,
@@ -275,6 +289,7 @@ __all__ = [
     "CONSUMER_LAG",
     "CONSUMER_POSITION",
     "COPY_CHECKPOINT_HEADS",
+    "COUNT_BILLING_HOLDS",
     "COUNT_EVENTS",
     "COUNT_EVENTS_SINCE",
     "COUNT_LIVE_INSTANCES",
@@ -343,6 +358,7 @@ __all__ = [
     "LAST_STEP_OF_JOB",
     "LAST_USAGE_REPORT",
     "LATEST_CHECKPOINT",
+    "LINK_STRIPE_CUSTOMER",
     "LISTEN_INSTANCE_CHANNELS",
     "LISTEN_JOB_QUEUED",
     "LISTEN_STEP_CHANNEL",
@@ -360,6 +376,7 @@ __all__ = [
     "LOCK_CHECKPOINTS",
     "LOCK_INSTANCE",
     "LOCK_ORGANISATION",
+    "LOCK_ORGANISATION_FOR_LINK",
     "LOCK_ORGANISATION_OF_CUSTOMER",
     "LOCK_ORG_INSTANCE",
     "LONG_SUSPENDED",
@@ -367,6 +384,7 @@ __all__ = [
     "MARK_PAST_DUE",
     "METER_EVENTS_SENT",
     "METER_EVENTS_SENT_IN",
+    "METRICS_SERIES",
     "NEWEST_CHECKPOINT_AT_OR_BEFORE",
     "NEWEST_UNMAPPED_STRIPE_EVENT",
     "NEXT_FENCE",
@@ -379,21 +397,26 @@ __all__ = [
     "ORG_INSTANCES_IN",
     "ORG_INSTANCES_SUSPENDED_BY_BILLING",
     "ORG_INSTANCE_EVENTS",
+    "ORG_INSTANCE_LAST_EVENT",
     "ORG_INSTANCE_MOVES_AFTER",
     "PING",
+    "PRUNE_SAMPLES",
     "PUBLIC_KEYS",
     "PUBLIC_TABLES",
     "PURGE_CONSOLE_SESSIONS",
     "PURGE_IDEMPOTENCY_KEYS",
+    "QUEUED_BY_KIND",
     "READ_ONLY_PRIVILEGES",
     "READ_ONLY_SNAPSHOT",
     "READ_WRITE_PRIVILEGES",
+    "RECENT_STORAGE",
     "RECORDED_HEADS_IN_LOG",
     "RECORD_BACKUPS",
     "RECORD_CHECKPOINT",
     "RECORD_DEGRADED_FAILURE",
     "RECORD_METER_EVENT",
     "RECORD_RECOVERY_WINDOWS",
+    "RECORD_SAMPLES",
     "RECORD_STEP_ENDED",
     "RECORD_STEP_STARTED",
     "RECORD_STRIPE_EVENT",
@@ -408,6 +431,7 @@ __all__ = [
     "REVOKE_FUNCTION_FROM_PUBLIC",
     "REVOKE_TABLE",
     "ROLE_ATTRIBUTES",
+    "ROLL_UP_SAMPLES",
     "SAVE_RESPONSE",
     "SCAN_DUE_FAILED_JOBS",
     "SCAN_LIVE_INSTANCES",
@@ -418,6 +442,7 @@ __all__ = [
     "SET_BILLING_HOLD",
     "SET_FAILURE_IN_PLACE",
     "SET_PROGRESS",
+    "SET_STORAGE_GROWN",
     "SET_STRIPE_EVENT_OUTCOME",
     "SET_USAGE_REPORT_JOB",
     "SHARD_MEMBERS",
@@ -446,6 +471,7 @@ __all__ = [
     "USAGE_EVENTS_BILLED",
     "USAGE_EVENTS_OF_ORG",
     "USAGE_REPORTS",
+    "WARN_STORAGE_FULL",
     "EntityTable",
     "event_hash",
     "state_list",

@@ -9,7 +9,8 @@ from controlplane.db.sql.template import ENTITY_TABLES, HELD, EntityTable, _live
 
 # The audit log of all instances, filtered, oldest first after a cursor (SRE views: API and CLI).
 SEARCH_INSTANCE_EVENTS = """
-SELECT e.*, i.org_id FROM instance_events e JOIN instances i ON i.id = e.instance_id
+SELECT e.*, i.org_id, i.name AS instance_name, o.name AS org_name
+FROM instance_events e JOIN instances i ON i.id = e.instance_id JOIN organisations o ON o.id = i.org_id
 WHERE e.id > %(after)s
   AND (%(instance)s::uuid IS NULL OR e.instance_id = %(instance)s::uuid)
   AND (%(org)s::uuid IS NULL OR i.org_id = %(org)s::uuid)

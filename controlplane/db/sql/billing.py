@@ -96,6 +96,12 @@ ORDER BY past_due_since
 FOR UPDATE SKIP LOCKED
 """
 HOLD_AFTER_GRACE = "UPDATE organisations SET billing_hold = true WHERE id = %(id)s"
+# The gauges: organisations on hold, and past due but still within their grace period.
+COUNT_BILLING_HOLDS = """
+SELECT count(*) FILTER (WHERE billing_hold) AS held,
+       count(*) FILTER (WHERE past_due_since IS NOT NULL AND NOT billing_hold) AS grace
+FROM organisations WHERE billing_hold OR past_due_since IS NOT NULL
+"""
 # Instances suspended by billing for longer than the deletion delay, not being deleted yet.
 LONG_SUSPENDED = """
 SELECT id, org_id, state_entered_at FROM instances

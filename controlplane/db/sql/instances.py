@@ -83,7 +83,8 @@ SCAN_LIVE_INSTANCES = f"""
 SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_generation,
        i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
-       i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at,
+       i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at, i.org_id,
+       i.storage_grown_at, i.storage_full_warned_at,
        ARRAY(SELECT j.kind FROM jobs j
              WHERE j.instance_id = i.id AND j.state NOT IN {FINISHED}) AS live_jobs,
        (SELECT max(b.taken_at) FROM backups b
@@ -101,6 +102,24 @@ LIMIT %(limit)s
 SET_FAILURE_IN_PLACE = """
 UPDATE instances
 SET failure_code = %(code)s, failure_reason = %(reason)s, updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s
+"""
+
+# Reconciler (storage autoscaling): a larger allocation as a new spec generation, and when it was
+# grown (the cooldown), guarded by version; the update job then applies it.
+SET_STORAGE_GROWN = """
+UPDATE instances
+SET spec = spec || jsonb_build_object('storage_gb', %(storage_gb)s::int),
+    spec_generation = spec_generation + 1, storage_grown_at = COALESCE(%(now)s::timestamptz, now()),
+    storage_full_warned_at = NULL, updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s AND state = 'ready'
+RETURNING spec_generation
+"""
+
+# Reconciler (storage autoscaling): the customer was told the database is nearly full at its
+# plan's maximum (once per cooldown).
+WARN_STORAGE_FULL = """
+UPDATE instances SET storage_full_warned_at = COALESCE(%(now)s::timestamptz, now()), updated_at = now()
 WHERE id = %(id)s AND state_version = %(state_version)s
 """
 
@@ -123,6 +142,14 @@ FROM instances WHERE {_live_states("", INSTANCE.terminal, INSTANCE.states)} GROU
 """
 COUNT_LIVE_JOBS = f"""
 SELECT state, count(*) AS n FROM jobs WHERE {_live_states("", JOB.terminal, JOB.states)} GROUP BY state
+"""
+# The queue by kind: how many wait, and how long the oldest due one has waited past its run_at
+# (served by ix_jobs_queued_order, partial on the queued jobs).
+QUEUED_BY_KIND = """
+SELECT kind, count(*) AS depth,
+       coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now())), 0)::float8
+         AS oldest_s
+FROM jobs WHERE state = 'queued' GROUP BY kind
 """
 
 # Orphan sweep: what the database knows of the instances the provisioner's inventory names.
@@ -186,6 +213,13 @@ ORDER BY i.created_at, i.id LIMIT %(limit)s
 ORG_INSTANCE_EVENTS = """
 SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
 WHERE e.instance_id = %(id)s AND i.org_id = %(org)s AND e.id > %(after)s ORDER BY e.id LIMIT %(limit)s
+"""
+
+# The newest audit event of an organisation's instance (a deleted one's: its deletion, with the
+# final backup it kept).
+ORG_INSTANCE_LAST_EVENT = """
+SELECT e.* FROM instance_events e JOIN instances i ON i.id = e.instance_id
+WHERE e.instance_id = %(id)s AND i.org_id = %(org)s ORDER BY e.id DESC LIMIT 1
 """
 
 # The transitions of an organisation's instance after a state_version (a watch that reconnects).

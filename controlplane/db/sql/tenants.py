@@ -6,6 +6,11 @@ CREATE_ORGANISATION = """
 INSERT INTO organisations (name, stripe_customer_id) VALUES (%(name)s, %(stripe_customer_id)s) RETURNING *
 """
 ORGANISATION_BY_ID = "SELECT * FROM organisations WHERE id = %(id)s"
+# The organisation, locked while its Stripe customer is linked (a unique key column: FOR UPDATE).
+LOCK_ORGANISATION_FOR_LINK = "SELECT * FROM organisations WHERE id = %(id)s FOR UPDATE"
+LINK_STRIPE_CUSTOMER = """
+UPDATE organisations SET stripe_customer_id = %(customer)s WHERE id = %(id)s AND stripe_customer_id IS NULL
+"""
 
 CREATE_API_KEY = """
 INSERT INTO api_keys (org_id, is_admin, prefix, key_hash, name)

@@ -120,6 +120,69 @@
     };
   }
 
+  // ---- the list: the organisation's stream fetches the list again; the filter and order re-query it --
+
+  function followList(list) {
+    var status = document.querySelector("[data-live-status]");
+    var form = document.querySelector("[data-list-form]");
+    var fetching = null, pending = false;
+
+    function query() {
+      if (!form) return window.location.search;
+      var params = new URLSearchParams(new FormData(form));
+      ["q", "show", "include"].forEach(function (name) { if (!params.get(name)) params.delete(name); });
+      if (params.get("sort") === "newest") params.delete("sort");
+      var text = params.toString();
+      return text ? "?" + text : "";
+    }
+
+    function refresh() {
+      if (fetching) { pending = true; return; }
+      var search = query();
+      fetching = fetch(list.getAttribute("data-list-live") + search, { credentials: "same-origin", cache: "no-store" })
+        .then(function (response) {
+          if (response.status === 401) { window.location.reload(); return null; }
+          return response.ok ? response.text() : null;
+        })
+        .then(function (html) {
+          if (html === null || html === undefined) return;
+          // Keep what the person opened (a folded group) and where focus was (a row's link).
+          var open = Array.prototype.map.call(list.querySelectorAll("details[open]"), function (d) { return d.id; });
+          var focused = list.contains(document.activeElement) ? document.activeElement.getAttribute("href") : null;
+          list.innerHTML = html;
+          open.forEach(function (id) { var d = id && document.getElementById(id); if (d) d.open = true; });
+          if (focused) { var again = list.querySelector('a[href="' + focused + '"]'); if (again) again.focus(); }
+          syncClock(list);
+          tick();
+        })
+        .catch(function () { /* the next event, or the stream's reconnection, fetches again */ })
+        .then(function () {
+          fetching = null;
+          if (pending) { pending = false; refresh(); }
+        });
+    }
+
+    if (form) {
+      var timer = null;
+      var apply = function () {
+        window.history.replaceState(null, "", window.location.pathname + query());
+        refresh();
+      };
+      form.addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(apply, 200); });
+      form.addEventListener("change", apply);
+      form.addEventListener("submit", function (event) { event.preventDefault(); apply(); });
+    }
+    if (!window.EventSource) return;
+    var source = new EventSource(list.getAttribute("data-list-watch"));
+    // `list` after each (re)connection (whatever was missed), `transition` per change of a database.
+    ["list", "transition"].forEach(function (name) { source.addEventListener(name, refresh); });
+    var opened = 0;
+    source.onopen = function () {
+      opened += 1;
+      if (status) status.setAttribute("data-connections", String(opened));
+    };
+  }
+
   // ---- reveal and copy ----------------------------------------------------------------------------
 
   function revealed(panel) {
@@ -230,5 +293,7 @@
     document.querySelectorAll("[data-confirm-form]").forEach(confirmState);
     var live = document.querySelector("[data-watch]");
     if (live && window.EventSource) follow(live);
+    var list = document.querySelector("[data-list-live]");
+    if (list) followList(list);
   });
 })();

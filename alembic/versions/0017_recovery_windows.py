@@ -1,15 +1,13 @@
 """recovery_windows, backups.type
 
-Revision ID: 0015
-Revises: 0013
+Revision ID: 0017
+Revises: 0016
 Create Date: 2026-12-02
 
 Continuous archiving: each instance's recoverable window (the earliest and latest moment a restore
 can reach), the health and lag of its archive and the last check of its backups, as its provisioner
 last reported them (the reconciler's observations, the backup and deletion jobs); a deleted
 instance's stays until its retention runs out. Backups say their type (full, diff, incr).
-
-(Named 0015 beside a branch that adds 0014: the merge puts it after that one.)
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from sqlalchemy.dialects import postgresql
 
 from alembic import op
 
-revision: str = "0015"
-down_revision: str | None = "0013"
+revision: str = "0017"
+down_revision: str | None = "0016"
 branch_labels: str | None = None
 depends_on: str | None = None
 
