@@ -152,7 +152,8 @@ class Cluster:
     orgs: list[Org]
     admin_key: str
     stop: asyncio.Event = field(default_factory=asyncio.Event)
-    # Instances the workload does not delete for now (a fault is looking at what comes back).
+    # Instances the workload neither resizes nor deletes for now (a fault is making ready to remove
+    # its data directory, or looking at what comes back).
     spared: set[str] = field(default_factory=set)
 
     def of(self, role: str) -> list[Proc]:
@@ -457,9 +458,7 @@ class Workload:
         if what == "create":
             await self.create()
         elif what in {"resize", "delete"}:
-            deletable = (
-                sorted(set(self.live) - self.cluster.spared) if what == "delete" else sorted(self.live)
-            )
+            deletable = sorted(set(self.live) - self.cluster.spared)
             if not deletable:
                 return
             iid = self.rng.choice(deletable)
@@ -566,6 +565,8 @@ class Faults:
         self.http = httpx.AsyncClient()
         self.recoveries: list[asyncio.Task[None]] = []
         self.started = time.monotonic()
+        # The instance spared from the workload for its first backup (the data directory fault's).
+        self.backing_up: str | None = None
 
     async def inject(self, kind: str) -> None:
         at = round(time.monotonic() - self.started, 1)
@@ -691,16 +692,14 @@ class Faults:
     async def _data_directory(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
         """Remove a ready instance's data directory once it has a backup: a row written more than
         the archive timeout before must survive its restore to the end of the archive."""
-        rows = await _query(
-            self.cluster.url,
-            "SELECT i.id, i.connection, i.secret FROM instances i"
-            " JOIN recovery_windows w ON w.instance_id = i.id"
-            " WHERE i.state = 'ready' AND i.deletion_requested_at IS NULL AND w.earliest_at IS NOT NULL",
-        )
+        rows = await _query(self.cluster.url, BACKED_UP_TARGETS)
         if not rows:
-            return None
+            return None  # `keep_a_target_backed_up` is making one
         row = self.rng.choice(rows)
         iid, info = row["id"], customer_info(self.cluster.settings, row)
+        if self.backing_up is not None and self.backing_up != str(iid):
+            self.cluster.spared.discard(self.backing_up)  # another one is the target
+        self.backing_up = None
         local = LocalProvisioner(self.cluster.settings)
         self.cluster.spared.add(str(iid))  # until what comes back is looked at
         try:
@@ -731,11 +730,64 @@ class Faults:
 
         return f"instance {iid} (data directory removed)", recovered
 
+    async def keep_a_target_backed_up(self) -> None:
+        """Until the soak stops: while no ready instance has a backup (the workload keeps them busy,
+        and a first backup waits for no job to run), one is spared from the workload and its backup
+        asked for, so that the data directory fault finds a target when its turn comes. One that has
+        no backup a minute later (suspended meanwhile, its backup refused) is let go for another."""
+        asked_at = 0.0
+        while not self.cluster.stop.is_set():
+            with contextlib.suppress(psycopg.Error, OSError):  # the database is away: later
+                rows = await _query(self.cluster.url, BACKED_UP_TARGETS)
+                stale = time.monotonic() - asked_at > BACKUP_WAIT_S
+                if not rows and self.backing_up is not None and stale:
+                    self.cluster.spared.discard(self.backing_up)  # another one, then
+                    self.backing_up = None
+                if not rows and self.backing_up is None:
+                    await self._back_up_one()
+                    asked_at = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self.cluster.stop.wait()
+
+    async def _back_up_one(self) -> None:
+        """Spare a ready instance from the workload and ask for its backup."""
+        rows = await _query(
+            self.cluster.url,
+            "SELECT i.id, i.org_id FROM instances i WHERE i.state = 'ready'"
+            " AND i.deletion_requested_at IS NULL ORDER BY i.created_at",
+        )
+        keys = {org.id: org.key for org in self.cluster.orgs}
+        rows = [row for row in rows if str(row["org_id"]) in keys]
+        if not rows:
+            return
+        row = self.rng.choice(rows)
+        iid = str(row["id"])
+        self.cluster.spared.add(iid)
+        self.backing_up = iid
+        for base in self.cluster.api_urls:
+            with contextlib.suppress(httpx.HTTPError):  # an API killed meanwhile: the next one
+                asked = await self.http.post(
+                    f"{base}/v1/instances/{iid}/backups",
+                    headers={"Authorization": f"Bearer {keys[str(row['org_id'])]}"},
+                    timeout=10,
+                )
+                log.info("chaos: a backup of %s asked for: %s", iid, asked.status_code)
+                return
+
     async def close(self) -> None:
         await self.http.aclose()
 
 
 STATE_OF = "SELECT state, state_version FROM instances WHERE id = %(id)s"
+# Ready instances with a backup: what the data directory fault removes the data of.
+BACKED_UP_TARGETS = (
+    "SELECT i.id, i.connection, i.secret FROM instances i"
+    " JOIN recovery_windows w ON w.instance_id = i.id"
+    " WHERE i.state = 'ready' AND i.deletion_requested_at IS NULL AND w.earliest_at IS NOT NULL"
+)
+# How long an instance spared for its first backup may take to have one before another is tried.
+BACKUP_WAIT_S = 60.0
 # How old the row that must survive a removed data directory is (more than the soak's archive
 # timeout, plus a reconciler interval: the observation closes a segment whose writes waited).
 ARCHIVE_TIMEOUT_S = 5.0
@@ -889,6 +941,8 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
             options.seed, duration, options.min_interval_s, options.max_interval_s, kinds=options.kinds
         )
         clients = [asyncio.create_task(workload.client()) for _ in range(3)]
+        if plan.DATA_DIRECTORY in options.kinds:
+            clients.append(asyncio.create_task(faults.keep_a_target_backed_up()))
         faults.started = time.monotonic()
         for fault in schedule:
             await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - faults.started)))
