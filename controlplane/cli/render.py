@@ -120,6 +120,8 @@ def actor_text(event: dict[str, Any]) -> str:
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
+
+
 def sparkline(values: Sequence[float | None], width: int = 40) -> str:
     """The last `width` values as block characters, scaled between their least and greatest; a gap
     where a value is missing."""

@@ -62,6 +62,7 @@ BILLING = (
     "meter_settle_s",
     "meter_event_billed",
     "meter_event_storage_only",
+    "meter_event_storage_gb",
     "billing_grace_period_s",
     "deprovision_after_days",
 )

@@ -617,6 +617,14 @@ class BillingSettings(_Group):
         min_length=1,
         max_length=100,
     )
+    meter_event_storage_gb: str = _setting(
+        "database_storage_gb_seconds",
+        "meter_event_storage_gb",
+        "The Stripe meter (`event_name`) of the allocated storage, in GB-seconds (in every billed or"
+        " storage-only state, at the allocation in effect).",
+        min_length=1,
+        max_length=100,
+    )
     grace_period_s: float = _setting(
         7 * 86400.0,
         "billing_grace_period_s",
