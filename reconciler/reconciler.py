@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from controlplane.core import kinds, plans
 from controlplane.core.dbmetrics import DatabaseStats
-from controlplane.core.failures import DATA_LOST
+from controlplane.core.failures import DATA_LOST, STORAGE_FULL
 from controlplane.core.kinds import RESUME, SUSPEND
 from controlplane.core.records import InstancePatch, ScannedInstance
 from controlplane.db import job_rows as jobs
@@ -91,13 +91,14 @@ def _view(
     )
 
 
-def _payload(kind: str, reason: str, billing_hold: bool) -> kinds.Payload:
-    """What the reconciler asks of a job it enqueues: why, and for suspend and resume the billing side."""
-    if kind == SUSPEND:
-        return kinds.SuspendPayload(reason, billing=True if billing_hold else None)
-    if kind == RESUME:
-        return kinds.ResumePayload(reason, billing=False)
-    return kinds.PAYLOADS[kind](reason)
+def _payload(action: planning.Enqueue, billing_hold: bool) -> kinds.Payload:
+    """What the reconciler asks of a job it enqueues: why, and for suspend and resume the billing
+    side (and the code a suspension records)."""
+    if action.kind == SUSPEND:
+        return kinds.SuspendPayload(action.reason, billing=True if billing_hold else None, code=action.code)
+    if action.kind == RESUME:
+        return kinds.ResumePayload(action.reason, billing=False)
+    return kinds.PAYLOADS[action.kind](action.reason)
 
 
 def storage_rule(settings: Settings) -> planning.StorageRule:
@@ -120,7 +121,10 @@ def allocation(inst: ScannedInstance) -> tuple[int, int]:
 
 
 def sample_rows(
-    sampled: list[tuple[ScannedInstance, DatabaseStats, tuple[int, int]]], resolution_s: int, now: datetime
+    sampled: list[tuple[ScannedInstance, DatabaseStats, tuple[int, int]]],
+    resolution_s: int,
+    now: datetime,
+    gb_bytes: int = planning.GB,
 ) -> dict[str, Any]:
     """RECORD_SAMPLES' parameters: a column array per metric."""
     columns = {
@@ -132,7 +136,7 @@ def sample_rows(
         "blocks_hit": [s.blocks_hit for _, s, _ in sampled],
         "blocks_read": [s.blocks_read for _, s, _ in sampled],
         "size_bytes": [s.size_bytes for _, s, _ in sampled],
-        "allocated_bytes": [gb[0] * planning.GB for _, _, gb in sampled],
+        "allocated_bytes": [gb[0] * gb_bytes for _, _, gb in sampled],
         "replication_lag_s": [s.replication_lag_s for _, s, _ in sampled],
         "archive_lag_s": [s.archive_lag_s for _, s, _ in sampled],
     }
@@ -143,7 +147,8 @@ class Reconciler:
     """Compares what the database declares with what the provisioner shows, and corrects it.
 
     `maintenance`, when given, is the leader's: the loop (`run`) runs it on every pass it makes as
-    the leader.
+    the leader. `gb_bytes` is the bytes of one allocated GB (a GiB; a test makes it small, so that
+    a real write can fill an allocation).
     """
 
     def __init__(
@@ -154,12 +159,14 @@ class Reconciler:
         *,
         reconciler_id: str = "reconciler",
         maintenance: Maintenance | None = None,
+        gb_bytes: int = planning.GB,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.provisioner = provisioner
         self.actor = Actor("reconciler", reconciler_id)
         self.maintenance = maintenance
+        self.gb_bytes = gb_bytes
 
     async def run_once(
         self, now: datetime | None = None, *, shards: ShardLeases | None = None
@@ -249,7 +256,9 @@ class Reconciler:
         self, scanned: list[ScannedInstance], observations: dict[uuid.UUID, planning.Observed]
     ) -> dict[uuid.UUID, planning.StorageView]:
         """Record the observed databases' metrics (one statement), and return the storage of those
-        nearly full with their recent samples (what storage autoscaling decides from)."""
+        nearly full with their recent samples (what storage autoscaling decides from), of those
+        beyond their allocation, and of those held read-only for it (what holding a database to
+        its allocation decides from)."""
         sampled = [
             (inst, seen.stats, allocation(inst))
             for inst in scanned
@@ -259,30 +268,34 @@ class Reconciler:
             return {}
         settings = self.settings.reconciler
         now = scanned[0].now
+        unit = self.gb_bytes
         async with self.pool.connection() as conn:
             await conn.execute(
-                sql.RECORD_SAMPLES, sample_rows(sampled, settings.metrics_sample_s, now), prepare=True
+                sql.RECORD_SAMPLES, sample_rows(sampled, settings.metrics_sample_s, now, unit), prepare=True
             )
             rule = storage_rule(self.settings)
-            high = [
+            watched = [
                 (inst, stats, gb)
                 for inst, stats, gb in sampled
-                if rule.enabled and stats.size_bytes >= gb[0] * planning.GB * (1 - rule.free_ratio)
+                if (rule.enabled and stats.size_bytes >= gb[0] * unit * (1 - rule.free_ratio))
+                or stats.size_bytes > gb[0] * unit
+                or inst.failure_code == STORAGE_FULL
             ]
-            if not high:
+            if not watched:
                 return {}
-            since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
-            cursor = await conn.execute(
-                sql.RECENT_STORAGE,
-                {
-                    "ids": [inst.id for inst, _, _ in high],
-                    "resolution_s": settings.metrics_sample_s,
-                    "since": since,
-                },
-            )
             recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
-            for row in await cursor.fetchall():
-                recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
+            if rule.enabled:  # the samples before this one matter only to autoscaling
+                since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
+                cursor = await conn.execute(
+                    sql.RECENT_STORAGE,
+                    {
+                        "ids": [inst.id for inst, _, _ in watched],
+                        "resolution_s": settings.metrics_sample_s,
+                        "since": since,
+                    },
+                )
+                for row in await cursor.fetchall():
+                    recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
         return {
             inst.id: planning.StorageView(
                 allocated_gb=gb[0],
@@ -290,8 +303,9 @@ class Reconciler:
                 used=[*(s for s in recent.get(inst.id, []) if s[0] < now), (now, stats.size_bytes)],
                 grown_at=inst.storage_grown_at,
                 warned_at=inst.storage_full_warned_at,
+                gb_bytes=unit,
             )
-            for inst, stats, gb in high
+            for inst, stats, gb in watched
         }
 
     async def _apply(
@@ -368,7 +382,7 @@ class Reconciler:
                 summary.count("storage_grown" if grown else "storage_full_warned")
                 log.info("instance %s: %s", inst.id, action.reason)
         elif isinstance(action, planning.Enqueue):
-            payload = _payload(action.kind, action.reason, inst.billing_hold)
+            payload = _payload(action, inst.billing_hold)
             result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)
             if result.created:
                 summary.count(f"enqueue_{action.kind}")
