@@ -34,6 +34,7 @@ API = (
 PROVISIONER = (
     "provisioner",
     "noop_observe_latency_s",
+    "noop_observe_stats",
     "local_port_min",
     "local_port_max",
     "local_listen_host",

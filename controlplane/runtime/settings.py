@@ -442,6 +442,12 @@ class ProvisionerSettings(_Group):
         "How long the noop provisioner's observe takes (benchmarks of the reconciler).",
         ge=0,
     )
+    noop_observe_stats: bool = _setting(
+        False,
+        "noop_observe_stats",
+        "The noop provisioner's observe reports database metrics, as the local one's does, so that the"
+        " reconciler samples them (benchmarks of the sampling's cost).",
+    )
     local_port_min: int = _setting(
         15432, "local_port_min", "Lowest port the local provisioner gives an instance.", ge=1, le=65535
     )

@@ -266,3 +266,24 @@ async def test_a_real_database_beyond_its_allocation_is_held_read_only_until_its
     suspend, resume = await cursor.fetchall()
     assert suspend["detail"]["code"] == STORAGE_FULL and suspend["reason"].startswith("storage full: ")
     assert resume["reason"].startswith("storage allocation holds the data again")
+
+
+async def test_the_noop_provisioner_reports_metrics_only_when_asked_and_the_pass_samples_them(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    """What the bench's sampled freshness variant relies on (`noop_observe_stats`)."""
+    iid = await filling(conn, settings, 1)
+    count = "SELECT count(*) FROM instance_metrics WHERE instance_id = %s"
+    async with reconciling(settings, NoopProvisioner()) as rec:
+        await rec.run_once()
+    assert await scalar(conn, count, (iid,)) == 0
+    sampling = NoopProvisioner.from_settings(settings.replace(noop_observe_stats=True))
+    async with reconciling(settings, sampling) as rec:
+        now = await scalar(conn, "SELECT now()")
+        assert (await rec.run_once(now)).actions == {}  # a small database: nothing to decide
+        await rec.run_once(now + timedelta(seconds=10))
+    assert await scalar(conn, count, (iid,)) == 2
+    sizes = await scalar(
+        conn, "SELECT array_agg(DISTINCT size_bytes) FROM instance_metrics WHERE instance_id = %s", (iid,)
+    )
+    assert sizes == [8 * 2**20]
