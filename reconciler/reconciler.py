@@ -195,7 +195,7 @@ class Reconciler:
                 scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
         summary.scanned = len(scanned)
         observations = await self._observe_all(scanned, summary)
-        storage = await self._sample(scanned, observations)
+        samples, storage = await self._sample(scanned, observations)
         backed_up = self.provisioner.supports_backups
         rule = storage_rule(self.settings)
         for inst in scanned:
@@ -205,7 +205,10 @@ class Reconciler:
             if actions:
                 await self._apply(inst, actions, summary, shards)
         if scanned:
-            async with self.pool.connection() as conn:
+            # The samples and the pass's mark in one commit: sampling adds a statement, not a flush.
+            async with self.pool.connection() as conn, conn.transaction():
+                if samples is not None:
+                    await conn.execute(sql.RECORD_SAMPLES, samples, prepare=True)
                 await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]}, prepare=True)
         summary.duration_s = time.monotonic() - started
         metrics.RECONCILE_PASS_DURATION.observe(summary.duration_s)
@@ -254,37 +257,35 @@ class Reconciler:
 
     async def _sample(
         self, scanned: list[ScannedInstance], observations: dict[uuid.UUID, planning.Observed]
-    ) -> dict[uuid.UUID, planning.StorageView]:
-        """Record the observed databases' metrics (one statement), and return the storage of those
-        nearly full with their recent samples (what storage autoscaling decides from), of those
-        beyond their allocation, and of those held read-only for it (what holding a database to
-        its allocation decides from)."""
+    ) -> tuple[dict[str, Any] | None, dict[uuid.UUID, planning.StorageView]]:
+        """The observed databases' metrics as RECORD_SAMPLES' parameters (recorded with the pass's
+        mark, one statement), and the storage of those nearly full with their recent samples (what
+        storage autoscaling decides from), of those beyond their allocation, and of those held
+        read-only for it (what holding a database to its allocation decides from)."""
         sampled = [
             (inst, seen.stats, allocation(inst))
             for inst in scanned
             if (seen := observations.get(inst.id)) is not None and seen.stats is not None
         ]
         if not sampled:
-            return {}
+            return None, {}
         settings = self.settings.reconciler
         now = scanned[0].now
         unit = self.gb_bytes
-        async with self.pool.connection() as conn:
-            await conn.execute(
-                sql.RECORD_SAMPLES, sample_rows(sampled, settings.metrics_sample_s, now, unit), prepare=True
-            )
-            rule = storage_rule(self.settings)
-            watched = [
-                (inst, stats, gb)
-                for inst, stats, gb in sampled
-                if (rule.enabled and stats.size_bytes >= gb[0] * unit * (1 - rule.free_ratio))
-                or stats.size_bytes > gb[0] * unit
-                or inst.failure_code == STORAGE_FULL
-            ]
-            if not watched:
-                return {}
-            recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
-            if rule.enabled:  # the samples before this one matter only to autoscaling
+        samples = sample_rows(sampled, settings.metrics_sample_s, now, unit)
+        rule = storage_rule(self.settings)
+        watched = [
+            (inst, stats, gb)
+            for inst, stats, gb in sampled
+            if (rule.enabled and stats.size_bytes >= gb[0] * unit * (1 - rule.free_ratio))
+            or stats.size_bytes > gb[0] * unit
+            or inst.failure_code == STORAGE_FULL
+        ]
+        if not watched:
+            return samples, {}
+        recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
+        if rule.enabled:  # the samples before this one matter only to autoscaling
+            async with self.pool.connection() as conn:
                 since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
                 cursor = await conn.execute(
                     sql.RECENT_STORAGE,
@@ -296,7 +297,7 @@ class Reconciler:
                 )
                 for row in await cursor.fetchall():
                     recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
-        return {
+        return samples, {
             inst.id: planning.StorageView(
                 allocated_gb=gb[0],
                 maximum_gb=gb[1],
