@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -91,8 +92,10 @@ def ensure_venv(command: str) -> None:
     STAMP.write_text(json.dumps({"lock": digest, "extras": sorted(extras)}))
 
 
-# Debian packages the tests need, each found by a file it installs: installed when missing (one
-# apt-get as root, else one line saying how). Chromium: the console's browser tests drive it;
+# Debian packages, each found by a file it installs (or a command on the PATH): installed when
+# missing (one apt-get as root, else one line saying how). pgBackRest: every local instance archives
+# its WAL and keeps its backups with it (`up`, the tests, the chaos soak and the bench all run local
+# instances). For the tests only: Chromium: the console's browser tests drive it;
 # libfaketime: the clock-skew tests LD_PRELOAD it into a worker; npm: the OpenAPI lint and the
 # generated TypeScript client's test install their tools with it (tests/npm_tools.py); promtool:
 # the alert rules' unit tests (tests/integration/test_deploy.py) run it.
@@ -106,6 +109,15 @@ LIBFAKETIME = "usr/lib/*/faketime/libfaketime.so.1"
 PROMTOOL = Path("/usr/bin/promtool")
 PROMTOOL_PACKAGES = ("prometheus",)
 LEAN = ("--no-install-recommends",)
+PGBACKREST = Path("/usr/bin/pgbackrest")
+# What each command needs: (package names, the file or command that says they are installed).
+RUNTIME_PACKAGES = ((("pgbackrest",), str(PGBACKREST)),)
+TEST_PACKAGES = (
+    *RUNTIME_PACKAGES,
+    (BROWSER_PACKAGES, str(CHROMIUM)),
+    (("libfaketime",), "/" + LIBFAKETIME),
+    (("npm",), "npm"),  # the OpenAPI lint and the TypeScript client's test install with it
+)
 
 
 def debian_install(
@@ -133,28 +145,41 @@ def promtool_install(promtool_present: bool, is_root: bool) -> list[list[str]] |
     return debian_install(missing, is_root, f"{PROMTOOL} is missing and the alert rules' tests need it", LEAN)
 
 
-def ensure_debian_packages() -> None:
-    missing = () if CHROMIUM.exists() else BROWSER_PACKAGES
-    if not any(Path("/").glob(LIBFAKETIME)):
-        missing = (*missing, "libfaketime")
-    if shutil.which("npm") is None:  # the OpenAPI lint and the TypeScript client's test install with it
-        missing = (*missing, "npm")
+def missing_packages(
+    needed: tuple[tuple[tuple[str, ...], str], ...], present: Callable[[str], bool]
+) -> tuple[str, ...]:
+    """The packages of `needed` whose file (a path, a glob from /, or a command) `present` does not
+    find."""
+    return tuple(name for packages, found_by in needed if not present(found_by) for name in packages)
+
+
+def _present(found_by: str) -> bool:
+    if not found_by.startswith("/"):
+        return shutil.which(found_by) is not None
+    return any(Path("/").glob(found_by.lstrip("/"))) if "*" in found_by else Path(found_by).exists()
+
+
+def ensure_debian_packages(command: str) -> None:
+    needed = TEST_PACKAGES if command == "test" else RUNTIME_PACKAGES
     is_root = os.geteuid() == 0
     plans = [
-        debian_install(missing, is_root, "Debian packages the tests need are missing"),
-        promtool_install(PROMTOOL.exists(), is_root),
+        debian_install(
+            missing_packages(needed, _present), is_root, "Debian packages the control plane needs are missing"
+        )
     ]
+    if command == "test":
+        plans.append(promtool_install(PROMTOOL.exists(), is_root))
     done: list[list[str]] = []
     for plan in plans:
         if isinstance(plan, str):
             print(plan, file=sys.stderr)
             continue
-        for command in plan or []:
-            if command in done:  # one `apt-get update` is enough
+        for command_line in plan or []:
+            if command_line in done:  # one `apt-get update` is enough
                 continue
-            print("+", " ".join(command), flush=True)
-            subprocess.run(command, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-            done.append(command)
+            print("+", " ".join(command_line), flush=True)
+            subprocess.run(command_line, check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+            done.append(command_line)
 
 
 # Signals that stop the child: passed on to it, and we wait for it to finish (SIGTERM is what
@@ -196,10 +221,12 @@ def main() -> int:
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
     ensure_venv(command)
+    if command in {"up", "test", "chaos", "bench"}:
+        ensure_debian_packages(command)
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":
-        ensure_debian_packages()
+        ensure_debian_packages(TEST_PACKAGES)
         code = run([venv_bin("python"), "-m", "pytest", *rest])
         return code or checks()
     if command == "check":

@@ -82,7 +82,7 @@ async def measure(count: int, root: Path) -> list[float]:
             durations.append(float(row["s"]))
             print(f"instance {index + 1:2d}: create-to-ready {durations[-1]:.3f} s", flush=True)
             await jobs.enqueue(
-                conn, jobs.NewJob(DEPROVISION, inst["id"], payload={"skip_backup": True}), ACTOR
+                conn, jobs.NewJob(DEPROVISION, inst["id"], payload={"skip_final_backup": True}), ACTOR
             )
             await wait_for(conn, "SELECT 1 FROM instances WHERE id = %s AND state = 'deleted'", (inst["id"],))
     finally:

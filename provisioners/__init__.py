@@ -48,3 +48,8 @@ def supports_restore(kind: str) -> bool:
 def supports_backups(kind: str) -> bool:
     """Whether provisioner `kind` takes the backups the control plane schedules and restores in place."""
     return provisioner_class(kind).supports_backups
+
+
+def reports_windows(kind: str) -> bool:
+    """Whether provisioner `kind` reports each instance's recoverable window (continuous archiving)."""
+    return provisioner_class(kind).reports_windows

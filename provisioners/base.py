@@ -167,6 +167,17 @@ class ConnectionInfo:
     sslmode: str | None = None
     ca_certificate: str | None = None
 
+    def libpq(self) -> dict[str, Any]:
+        """The keywords a libpq connection takes (psycopg.connect(**info.libpq(), ...)), without TLS
+        options: the caller says how it checks the server."""
+        return {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "dbname": self.dbname,
+        }
+
     def public(self) -> dict[str, Any]:
         """The connection details that may be stored in the clear and shown (no password)."""
         shown: dict[str, Any] = {
@@ -183,6 +194,63 @@ class ConnectionInfo:
 
 
 @dataclass(frozen=True)
+class RecoveryWindow:
+    """The moments an instance's data can be restored to, and the health of its continuous archive.
+
+    `earliest` and `latest` (RFC 3339) bound the points a restore can reach: the end of the oldest
+    backup held, and the newest moment up to which every acknowledged commit is archived. The
+    archive is `archive_healthy` when its last attempt succeeded (`archive_detail` says what fails,
+    in words for SREs); `lag_s` is how far `latest` trails the observation, `lag_bytes` the WAL
+    written and not archived yet. A deleted instance's window stays until `retained_until`.
+    """
+
+    earliest: str | None = None
+    latest: str | None = None
+    archive_healthy: bool | None = None
+    archive_detail: str = ""
+    lag_s: float | None = None
+    lag_bytes: int | None = None
+    last_archived_at: str | None = None
+    observed_at: str | None = None
+    retained_until: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "earliest": self.earliest,
+            "latest": self.latest,
+            "archive_healthy": self.archive_healthy,
+            "archive_detail": self.archive_detail,
+            "lag_s": self.lag_s,
+            "lag_bytes": self.lag_bytes,
+            "last_archived_at": self.last_archived_at,
+            "observed_at": self.observed_at,
+            "retained_until": self.retained_until,
+        }
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """What a restore in place puts back: everything archived (the default: the newest state the
+    archive holds), one backup as it was (`backup`), or nothing at all (`empty`, once the loss was
+    accepted)."""
+
+    backup: str | None = None
+    empty: bool = False
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore reached: the time of the last transaction it replayed (`recovered_to`), how
+    far the archive covered the instance's writes (`covered_until`) and how many seconds of writes
+    before the loss it could not bring back (`lost_s`: 0 when the archive was current)."""
+
+    recovered_to: str | None = None
+    covered_until: str | None = None
+    lost_s: float | None = None
+    backup: str | None = None
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the provisioner sees of an instance right now."""
 
@@ -196,6 +264,12 @@ class Observation:
     detail: str = ""
     # The instance had storage and it is gone (not merely stopped): only a restore brings it back.
     data_lost: bool = False
+    # Its recoverable window and archive, where the provisioner archives continuously.
+    recovery: RecoveryWindow | None = None
+
+    @property
+    def archive_failing(self) -> bool:
+        return self.recovery is not None and self.recovery.archive_healthy is False
     # The customer database's own metrics, read on the same connection (None: not read).
     stats: DatabaseStats | None = None
 
@@ -222,8 +296,9 @@ class Resource:
     instance_id: uuid.UUID | None
 
 
-# Kinds of backup: taken by the plan's schedule, or asked for (by a customer or an SRE).
-BACKUP_KINDS = ("scheduled", "on_demand")
+# Kinds of backup: taken by the plan's schedule, or asked for (by a customer or an SRE), or the
+# last one, taken when the instance is deleted.
+BACKUP_KINDS = ("scheduled", "on_demand", "final")
 
 
 @dataclass(frozen=True)
@@ -240,6 +315,8 @@ class BackupInfo:
     size_bytes: int | None = None
     # Where the provisioner keeps it (a path, an object name): shown to SREs, never to customers.
     location: str = ""
+    # full, diff or incr (what it holds: everything, or what changed since the full or the last one).
+    type: str | None = None
 
     @property
     def taken_at(self) -> datetime | None:
@@ -308,6 +385,9 @@ class Provisioner(abc.ABC):
     # Whether `take_backup`, `list_backups` and `restore` work, on the control plane's schedule
     # (see "backups and restore" below).
     supports_backups: bool = False
+    # Whether `observe` and `recovery_window` report each instance's recoverable window (it archives
+    # continuously): a restore's point in time is then checked against it when it is asked for.
+    reports_windows: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Provisioner:
@@ -331,6 +411,27 @@ class Provisioner(abc.ABC):
         `password` keeps existing credentials (heal); otherwise one already generated for this
         instance is adopted, or a new one is generated with `secrets`.
         """
+
+    async def configure_archive(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        """Start (or check) the continuous archive of the running instance's WAL: where the
+        provisioner archives, its repository made and a segment seen arriving there. By default
+        nothing: the provisioner archives by other means (an operator), or not at all."""
+        return None
+
+    async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
+        """The instance's recoverable window as last known, also once it is gone or deleted (takes
+        no fence); None where the provisioner keeps no archive of it."""
+        return None
+
+    async def verify_backups(self, instance_id: uuid.UUID) -> str | None:
+        """Read back and check every backup and archived segment of the instance; None when sound,
+        else what is wrong. By default nothing is checked."""
+        return None
+
+    async def expire(self, instance_id: uuid.UUID) -> bool:
+        """Remove what is kept of a deleted instance once its retention ran out (its archive and
+        backups); True when something was removed."""
+        return False
 
     @abc.abstractmethod
     async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
@@ -414,13 +515,13 @@ class Provisioner(abc.ABC):
         return []
 
     async def restore(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
-    ) -> None:
-        """Put the instance's storage back from backup `backup_id` (one `list_backups` names).
-
-        `backup_id=None` re-creates the storage empty: only when someone accepted that the data
-        is lost. Existing storage is never destroyed (it is set aside). The operations then run
-        `configure_network`, `initialize_database` and `apply_plan` as a heal does.
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, point: RestorePoint
+    ) -> Restored:
+        """Put the instance's storage back in place: to the end of its archive (the default), from
+        one backup `list_backups` names, or empty (`point.empty`: only when someone accepted that
+        the data is lost). Existing storage is never destroyed (it is set aside). The operations
+        then run `configure_network`, `initialize_database`, `apply_plan` and `configure_archive`
+        as a heal does.
         """
         raise PermanentError(f"the {self.name} provisioner cannot restore")
 

@@ -8,6 +8,7 @@ import secrets
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from kubernetes.utils import quantity
 
 from controlplane.core.step_errors import PermanentError
 from controlplane.runtime.settings import Settings
-from provisioners.base import InstanceSpec, RestoreSource
+from provisioners.base import InstanceSpec, RecoveryWindow, RestoreSource
 
 FIELD_MANAGER = "controlplane"
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -568,6 +569,43 @@ def cluster_health(cluster: Mapping[str, Any]) -> tuple[bool, str]:
     if switching:
         detail += f"; primary moving from {primary} to {status.get('targetPrimary')}"
     return healthy, detail
+
+
+# CloudNativePG's default archive_timeout: a segment is archived at least this often while written to.
+ARCHIVE_TIMEOUT_S = 300.0
+
+
+def recovery_window(
+    cluster: Mapping[str, Any], archives: bool, now: datetime, archive_timeout_s: float = ARCHIVE_TIMEOUT_S
+) -> RecoveryWindow | None:
+    """The recoverable window the operator's status shows (None where nothing is archived): from its
+    first recoverability point; up to `archive_timeout_s` before `now` while its continuous
+    archiving works (every segment written before then is archived); the archiving's health from
+    its `ContinuousArchiving` condition."""
+    if not archives:
+        return None
+    status = status_of(cluster)
+    earliest = status.get("firstRecoverabilityPoint")
+    condition = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "ContinuousArchiving"), None
+    )
+    healthy = None if condition is None else condition.get("status") == "True"
+    detail = ""
+    if condition is not None and healthy is False:
+        reason = condition.get("reason") or "ContinuousArchivingFailing"
+        detail = f"{reason}: {condition.get('message') or ''}".strip()
+    latest = None
+    if healthy and earliest:
+        start = datetime.fromisoformat(str(earliest))
+        latest = max(start, now - timedelta(seconds=archive_timeout_s)).isoformat()
+    return RecoveryWindow(
+        earliest=None if earliest is None else str(earliest),
+        latest=latest,
+        archive_healthy=healthy,
+        archive_detail=detail,
+        lag_s=archive_timeout_s if healthy else None,
+        observed_at=now.isoformat(),
+    )
 
 
 def _container(pod: Mapping[str, Any], name: str = "postgres") -> Mapping[str, Any]:

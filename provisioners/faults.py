@@ -20,7 +20,10 @@ from provisioners.base import (
     InstanceSpec,
     Observation,
     Provisioner,
+    RecoveryWindow,
     Resource,
+    Restored,
+    RestorePoint,
 )
 
 T = TypeVar("T")
@@ -48,6 +51,7 @@ class FaultyProvisioner(Provisioner):
         self.name = f"faulty-{inner.name}"
         self.supports_restore = inner.supports_restore
         self.supports_backups = inner.supports_backups
+        self.reports_windows = inner.reports_windows
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.
         self.fired: list[tuple[str, int]] = []
@@ -106,6 +110,20 @@ class FaultyProvisioner(Provisioner):
     async def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return await self._around("apply_plan", lambda: self.inner.apply_plan(instance_id, spec, fence))
 
+    async def configure_archive(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        await self._around(
+            "configure_archive", lambda: self.inner.configure_archive(instance_id, spec, fence)
+        )
+
+    async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
+        return await self.inner.recovery_window(instance_id)
+
+    async def verify_backups(self, instance_id: uuid.UUID) -> str | None:
+        return await self.inner.verify_backups(instance_id)
+
+    async def expire(self, instance_id: uuid.UUID) -> bool:
+        return await self.inner.expire(instance_id)
+
     async def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return await self._around("suspend", lambda: self.inner.suspend(instance_id, spec, fence))
 
@@ -137,10 +155,10 @@ class FaultyProvisioner(Provisioner):
         return await self.inner.list_backups(instance_id)
 
     async def restore(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
-    ) -> None:
-        await self._around(
-            "restore", lambda: self.inner.restore(instance_id, spec, fence, backup_id=backup_id)
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, point: RestorePoint
+    ) -> Restored:
+        return await self._around(
+            "restore", lambda: self.inner.restore(instance_id, spec, fence, point=point)
         )
 
     async def ca_certificate(self) -> str | None:

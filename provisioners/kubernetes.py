@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import kubernetes
@@ -27,6 +28,7 @@ from provisioners.base import (
     InstanceSpec,
     Observation,
     Provisioner,
+    RecoveryWindow,
     Resource,
     RestoreSource,
 )
@@ -62,6 +64,7 @@ from provisioners.cnpg import (
     owned_selector,
     pod_monitor_manifest,
     recovery_target,
+    recovery_window,
     resource_name,
     restore_reference,
     scheduled_backup_manifest,
@@ -254,6 +257,8 @@ class KubernetesProvisioner(Provisioner):
 
     name = "kubernetes"
     supports_restore = True
+    # The window comes from the Cluster's status (its first recoverability point, its archiving).
+    reports_windows = True
 
     def __init__(
         self,
@@ -663,7 +668,18 @@ class KubernetesProvisioner(Provisioner):
                 plan_applied=annotations.get(PLAN_ANNOTATION),
                 generation=int(generation) if generation else None,
                 detail=detail,
+                recovery=self._window(current),
             )
+
+        return await self._run(work)
+
+    def _window(self, cluster: Mapping[str, Any]) -> RecoveryWindow | None:
+        return recovery_window(cluster, bool(self.options.object_store), datetime.now(UTC))
+
+    async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
+        def work() -> RecoveryWindow | None:
+            current = self._cluster(instance_id)
+            return None if current is None else self._window(current)
 
         return await self._run(work)
 

@@ -1,11 +1,13 @@
 """The reconciler leader's once-only duties, a service each with `run_once(now)`, and their runner.
 
 The duties: job supervision, the gauges, the orphan sweep, the audit log's upkeep, usage reports,
-the billing policy, the customer databases' metrics (roll-up and retention). `Maintenance` runs
+the billing policy, the customer databases' metrics (roll-up and retention), the backups' upkeep
+(verification, expiry). `Maintenance` runs
 them; the reconciler's loop calls it while it leads."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -222,6 +224,62 @@ class MetricsRetention:
         return pruned
 
 
+class BackupUpkeep:
+    """The backups' upkeep: one instance's backups and archive read back and checked at a time (in
+    the background: a run never waits for it), and the archives of deleted instances whose
+    retention ran out removed."""
+
+    def __init__(
+        self, settings: Settings, pool: AsyncConnectionPool[AsyncConn], provisioner: Provisioner
+    ) -> None:
+        self.settings = settings.reconciler
+        self.pool = pool
+        self.provisioner = provisioner
+        # The check of one instance's backups running in the background, if any.
+        self._verifying: asyncio.Task[str | None] | None = None
+
+    async def run_once(self, now: datetime | None = None) -> int:
+        """Start a due check, remove expired archives as of `now` (the database's clock if None);
+        returns how many archives were removed."""
+        if not self.provisioner.supports_backups:
+            return 0
+        async with self.pool.connection() as conn:
+            moment = now or await usage.db_now(conn)
+            interval = self.settings.backup_verify_interval_s
+            if interval > 0 and (self._verifying is None or self._verifying.done()):
+                before = moment - timedelta(seconds=interval)
+                cursor = await conn.execute(sql.DUE_VERIFICATIONS, {"before": before, "limit": 1})
+                due = [row["instance_id"] for row in await cursor.fetchall()]
+                if due:
+                    self._verifying = asyncio.create_task(self._verify(due[0]))
+            cursor = await conn.execute(sql.EXPIRED_WINDOWS, {"now": moment, "limit": 10})
+            expired = [row["instance_id"] for row in await cursor.fetchall()]
+        for instance_id in expired:
+            await self.provisioner.expire(instance_id)
+            async with self.pool.connection() as conn:
+                await conn.execute(sql.MARK_EXPIRED, {"instance_id": instance_id})
+            log.info("instance %s: its archive and backups removed (retention over)", instance_id)
+        return len(expired)
+
+    async def close(self) -> None:
+        """Wait for the check of backups under way, if any (before the pool closes)."""
+        if self._verifying is not None:
+            await asyncio.gather(self._verifying, return_exceptions=True)
+            self._verifying = None
+
+    async def _verify(self, instance_id: uuid.UUID) -> str | None:
+        try:
+            problem = await self.provisioner.verify_backups(instance_id)
+        except Exception as exc:  # recorded as a problem: the next check tries again
+            problem = f"verification failed: {exc}"
+        async with self.pool.connection() as conn:
+            await conn.execute(sql.RECORD_VERIFICATION, {"instance_id": instance_id, "problem": problem})
+        metrics.BACKUP_VERIFICATIONS.labels("broken" if problem else "sound").inc()
+        if problem:
+            log.error("instance %s: its backups or archive do not verify: %s", instance_id, problem)
+        return problem
+
+
 @dataclass
 class MaintenanceSummary:
     """What one run of the leader's duties did."""
@@ -235,6 +293,8 @@ class MaintenanceSummary:
     billing: billing_policy.Enforced | None = None
     # Samples of the customer databases' metrics pruned after their retention.
     metrics_pruned: int = 0
+    # Archives of deleted instances removed, their retention over.
+    archives_expired: int = 0
     duration_s: float = 0.0
 
 
@@ -268,6 +328,7 @@ class Maintenance:
         self.usage_reports = UsageReports(settings, pool, actor)
         self.billing = BillingPolicy(settings, pool, actor)
         self.metrics = MetricsRetention(settings, pool)
+        self.backups = BackupUpkeep(settings, pool, provisioner)
 
     async def run_once(self, now: datetime | None = None) -> MaintenanceSummary:
         """Every duty once. `now` replaces the database clock in time comparisons (tests)."""
@@ -290,6 +351,13 @@ class Maintenance:
         summary.metrics_pruned = (
             await _logged(self.metrics.run_once(now), "metrics step failed (roll-up, retention)") or 0
         )
+        summary.archives_expired = (
+            await _logged(
+                self.backups.run_once(now),
+                "backup upkeep failed (verification, expiry of deleted instances' archives)",
+            )
+            or 0
+        )
         summary.duration_s = time.monotonic() - started
         log.log(
             logging.INFO if summary.jobs.acted or summary.orphans else logging.DEBUG,
@@ -304,6 +372,10 @@ class Maintenance:
             },
         )
         return summary
+
+    async def close(self) -> None:
+        """Wait for the duties' work under way in the background (before the pool closes)."""
+        await self.backups.close()
 
 
 async def _logged(duty: Awaitable[T], failure: str) -> T | None:

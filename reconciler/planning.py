@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 from controlplane.core import failures, lifecycle
 from controlplane.core.dbmetrics import GIB, DatabaseStats
-from controlplane.core.failures import DATA_LOST, STORAGE_FULL, UNHEALTHY
+from controlplane.core.failures import ARCHIVE_FAILING, DATA_LOST, STORAGE_FULL, UNHEALTHY
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
 assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
@@ -21,8 +21,9 @@ OBSERVED_STATES = frozenset(lifecycle.SETTLED)
 # degrades) decides. Degrading under it would defer it, and the heal would undo it.
 WORKING_ON_READY = frozenset({SUSPEND, RESUME})
 DEPROVISIONABLE = frozenset(lifecycle.DEPROVISIONABLE)
-# States in which an instance is backed up by its plan's schedule (its server runs).
-BACKED_UP_STATES = frozenset(lifecycle.BACKED_UP)
+# States in which an instance is backed up by its plan's schedule: its server runs and takes writes
+# (a suspended one changes nothing: its newest backup and archive hold it).
+BACKED_UP_STATES = frozenset(lifecycle.INSTANCE.states_allowing("suspend"))
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Observed:
     detail: str = ""
     # The instance had storage and it is gone: nothing but a restore may bring it back.
     data_lost: bool = False
+    # Its continuous archive fails (what fails: `archive_detail`): its newest writes are unprotected.
+    archive_failing: bool = False
+    archive_detail: str = ""
     # Its database's own metrics, read by the same look (None: not read).
     stats: DatabaseStats | None = None
 
@@ -186,6 +190,11 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
         return [Transition("degrade", f"observed {why}", code=UNHEALTHY), Enqueue(HEAL, f"heal: {why}")]
+    if seen.archive_failing and not broken:
+        broken, why = True, f"archive failing: {seen.archive_detail or 'archive-push fails'}"
+        if view.state == "ready" and not WORKING_ON_READY.intersection(view.live_jobs):
+            # Never silently ready: the database serves, its newest writes are not protected.
+            return [Transition("degrade", why, code=ARCHIVE_FAILING), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
         if broken:
             backing_off = view.heal_not_before is not None and now < view.heal_not_before
@@ -223,11 +232,13 @@ def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:
 
 
 def plan_backup(view: InstanceView, now: datetime) -> list[PlannedAction]:
-    """A scheduled backup once the newest one (or, before the first, the creation) is an interval old."""
+    """The first backup at once, then one whenever the newest is a plan interval old."""
     if view.backup_interval_s is None or view.state not in BACKED_UP_STATES or view.live_jobs:
         return []
-    since = view.newest_backup_at or view.created_at
-    if since is not None and now < since + timedelta(seconds=view.backup_interval_s):
+    if view.newest_backup_at is None:
+        # The first, at once: a point-in-time restore (or a lost data directory) starts from one.
+        return [Enqueue(BACKUP, "first backup")]
+    if now < view.newest_backup_at + timedelta(seconds=view.backup_interval_s):
         return []
     return [Enqueue(BACKUP, "scheduled backup")]
 

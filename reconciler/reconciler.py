@@ -28,7 +28,8 @@ from controlplane.db.connection import AsyncConn
 from controlplane.db.transitions import Actor, InvariantViolation, VersionConflict, transition
 from controlplane.runtime import liveness, metrics
 from controlplane.runtime.settings import Settings
-from provisioners.base import InstanceSpec, Provisioner
+from controlplane.services import backups
+from provisioners.base import InstanceSpec, Provisioner, RecoveryWindow
 from reconciler import autoscaling, planning
 from reconciler.leader import LeaderElection, ShardLeases
 from reconciler.maintenance import Maintenance
@@ -241,6 +242,8 @@ class Reconciler:
                     log.warning("observe of %s failed: %s", instance_id, exc)
                     summary.observe_failures += 1
                     return instance_id, None
+            if seen.recovery is not None:
+                windows[instance_id] = seen.recovery
             return instance_id, planning.Observed(
                 exists=seen.exists,
                 running=seen.running,
@@ -248,12 +251,25 @@ class Reconciler:
                 read_only=bool(seen.read_only),
                 detail=seen.detail,
                 data_lost=seen.data_lost,
+                archive_failing=seen.archive_failing,
+                archive_detail=seen.recovery.archive_detail if seen.recovery is not None else "",
                 stats=seen.stats,
             )
 
+        windows: dict[uuid.UUID, RecoveryWindow] = {}
         results = await asyncio.gather(*(observe(i) for i in targets))
         summary.observed = sum(1 for _, seen in results if seen is not None)
+        await self._record_windows(windows)
         return {instance_id: seen for instance_id, seen in results if seen is not None}
+
+    async def _record_windows(self, windows: dict[uuid.UUID, RecoveryWindow]) -> None:
+        """The recoverable windows the observations reported, recorded in one statement."""
+        if not windows:
+            return
+        async with self.pool.connection() as conn:
+            await backups.record_windows(conn, windows)
+        metrics.ARCHIVE_FAILING.set(sum(1 for w in windows.values() if w.archive_healthy is False))
+        metrics.ARCHIVE_LAG_SECONDS.set(max((w.lag_s or 0.0) for w in windows.values()))
 
     async def _sample(
         self, scanned: list[ScannedInstance], observations: dict[uuid.UUID, planning.Observed]
@@ -445,3 +461,5 @@ class Reconciler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await stop.wait()
+        if self.maintenance is not None:
+            await self.maintenance.close()

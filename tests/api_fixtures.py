@@ -48,3 +48,13 @@ async def tenant(conn: AsyncConn) -> Tenant:
 @pytest.fixture
 async def other_tenant(conn: AsyncConn) -> Tenant:
     return await make_tenant(conn, "globex")
+
+
+@pytest.fixture
+async def local_app(local_settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The API over the same database, data directory and secret key as the local worker's."""
+    application: FastAPI = create_app(local_settings)
+    async with application.router.lifespan_context(application):
+        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            yield http

@@ -188,7 +188,10 @@ def settings(runtime_url: str, owner_url: str, tmp_path: Path) -> Settings:
 @pytest.fixture
 def local_settings(pg_root: Path, runtime_url: str) -> Iterator[Settings]:
     """Settings for real instance servers with quick retries; the servers are stopped after the test."""
-    with real_instances(pg_root, runtime_url, **QUICK_RETRIES, shutdown_grace_s=0.5) as settings:
+    # WAL segments closed within a second of a write: what the archive holds catches up at once.
+    with real_instances(
+        pg_root, runtime_url, **QUICK_RETRIES, shutdown_grace_s=0.5, local_archive_timeout_s=1
+    ) as settings:
         yield settings
 
 

@@ -93,6 +93,8 @@ class FakeCluster:
     operator_running: bool = True
     backup_reads: int = 2
     fail_backups: int = 0
+    # What the WAL archiving of every archiving Cluster reports failing (None: it works).
+    archive_error: str | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     pending: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -226,9 +228,40 @@ class FakeCluster:
             instanceNames=names,
             currentPrimary=primary,
             targetPrimary=primary,
-            conditions=[{"type": "Ready", "status": "True", "reason": "ClusterIsReady"}],
+            conditions=[
+                {"type": "Ready", "status": "True", "reason": "ClusterIsReady"},
+                *self._archiving(cluster),
+            ],
         )
         self._bump(cluster)
+
+    def _archiving(self, cluster: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ContinuousArchiving condition of a Cluster whose WAL a plugin archives."""
+        if not any(plugin.get("isWALArchiver") for plugin in cluster["spec"].get("plugins") or []):
+            return []
+        if self.archive_error is None:
+            return [{"type": "ContinuousArchiving", "status": "True", "reason": "ContinuousArchivingSuccess"}]
+        return [
+            {
+                "type": "ContinuousArchiving",
+                "status": "False",
+                "reason": "ContinuousArchivingFailing",
+                "message": self.archive_error,
+            }
+        ]
+
+    def archiving_fails(self, error: str | None) -> None:
+        """The operator reports every archiving Cluster's WAL archiving failing (None: working again)."""
+        with self.lock:
+            self.archive_error = error
+            for (plural, _, _), cluster in self.objects.items():
+                if plural == "clusters" and cluster.get("status"):
+                    kept = [
+                        c
+                        for c in cluster["status"].get("conditions", [])
+                        if c["type"] != "ContinuousArchiving"
+                    ]
+                    cluster["status"]["conditions"] = [*kept, *self._archiving(cluster)]
 
     def _replica_role(self, cluster: dict[str, Any], status: dict[str, Any]) -> None:
         """Demotion writes a fresh token; a promotion with that token records it as used."""
@@ -262,6 +295,11 @@ class FakeCluster:
                 stoppedAt="2026-01-01T00:00:00Z",
                 method=backup["spec"].get("method"),
             )
+            # The cluster's recoverable window opens at its first backup's end.
+            assert cluster is not None
+            cluster_status = cluster.setdefault("status", {})
+            cluster_status.setdefault("firstRecoverabilityPoint", status["stoppedAt"])
+            cluster_status["lastSuccessfulBackup"] = status["stoppedAt"]
         self._bump(backup)
 
     def after_apply(self, plural: str, obj: dict[str, Any], changed: bool, created: bool) -> None:

@@ -64,16 +64,7 @@ def real_instances(pg_root: Path, database_url: str | None = None, **overrides: 
 
 
 def connect(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:
-    return psycopg.connect(
-        host=info.host,
-        port=info.port,
-        user=info.user,
-        password=info.password,
-        dbname=info.dbname,
-        autocommit=True,
-        connect_timeout=5,
-        **kwargs,
-    )
+    return psycopg.connect(**info.libpq(), autocommit=True, connect_timeout=5, **kwargs)
 
 
 def stop_all_servers(data_dir: Path) -> None:
@@ -112,6 +103,7 @@ WORKER_SETTINGS = (
     "heartbeat_interval_s",
     "poll_interval_s",
     "provisioner",
+    "local_archive_timeout_s",
 )
 
 

@@ -58,17 +58,18 @@ async def reconciling(
         name=reconciler_id,
     )
     await pool.open(wait=True)
+    maintenance = Maintenance(
+        settings,
+        pool,
+        provisioner,
+        registry or registry_for(provisioner),
+        maintainer_id=reconciler_id,
+        **options,
+    )
     try:
-        maintenance = Maintenance(
-            settings,
-            pool,
-            provisioner,
-            registry or registry_for(provisioner),
-            maintainer_id=reconciler_id,
-            **options,
-        )
         yield Reconciler(settings, pool, provisioner, reconciler_id=reconciler_id, maintenance=maintenance)
     finally:
+        await maintenance.close()
         await pool.close()
 
 

@@ -10,6 +10,7 @@ def all_workloads() -> list[Workload]:
     from bench.workloads.audit import AuditWorkload
     from bench.workloads.crash import CrashWorkload
     from bench.workloads.drain import DrainWorkload
+    from bench.workloads.durability import DurabilityWorkload
     from bench.workloads.freshness import FreshnessWorkload
     from bench.workloads.mvcc import MvccWorkload
     from bench.workloads.pickup import PickupWorkload
@@ -26,4 +27,5 @@ def all_workloads() -> list[Workload]:
         AuditWorkload(),
         FreshnessWorkload(),
         MvccWorkload(),
+        DurabilityWorkload(),
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -103,7 +103,7 @@ class RestoreFrom(Strict):
         None,
         min_length=1,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9._]*[A-Za-z0-9])?$",
         description="one of that instance's backups (its final backup is named in the audit log);"
         " with point_in_time, the base the replay starts from",
     )
@@ -499,7 +499,11 @@ class DwellStats(BaseModel):
 
 class BackupSchedule(BaseModel):
     interval_s: float = Field(description="a backup every this many seconds")
-    keep: int = Field(description="how many backups are kept (the newest)")
+    keep: int = Field(
+        description="how many full backups are kept (the newest), with the differential ones between them and"
+        " the WAL archived since the oldest: any moment since then can be restored"
+    )
+    full_every: int = Field(description="a full backup every this many backups; the others are differential")
 
 
 class Plan(BaseModel):
@@ -516,7 +520,10 @@ class Plan(BaseModel):
 
 class Backup(BaseModel):
     id: str = Field(description="the backup's name, unique per instance: what a restore names")
-    kind: Literal["scheduled", "on_demand"]
+    kind: Literal["scheduled", "on_demand", "final"]
+    type: Literal["full", "diff", "incr"] | None = Field(
+        None, description="full: everything; diff: what changed since the full one; incr: since the last one"
+    )
     taken_at: datetime
     size_bytes: int | None
 
@@ -534,6 +541,50 @@ class BackupPage(BaseModel):
 class AdminBackupPage(BaseModel):
     items: list[AdminBackup]
     next_cursor: str | None
+
+
+class ArchiveHealth(BaseModel):
+    healthy: bool | None = Field(
+        description="whether the last attempt to archive WAL succeeded (null: not known)"
+    )
+    failing_since: datetime | None = Field(description="when it started failing, while it fails")
+    lag_s: float | None = Field(
+        description="how far the latest restorable moment trails the last observation"
+    )
+    lag_bytes: int | None = Field(description="WAL written and not archived yet, as last observed")
+    last_archived_at: datetime | None = Field(description="when a WAL segment last reached the archive")
+
+
+class AdminArchiveHealth(ArchiveHealth):
+    detail: str = Field(description="what fails, in the provider's words")
+
+
+class RecoverableWindow(BaseModel):
+    """The moments an instance can be restored to (into a new instance, `restore_from`)."""
+
+    instance_id: uuid.UUID
+    earliest: datetime | None = Field(
+        description="the end of the oldest backup held; null: nothing restorable"
+    )
+    latest: datetime | None = Field(
+        description="every transaction committed before this moment is archived; null: not known yet"
+    )
+    archive: ArchiveHealth | None = Field(description="the continuous archive of the instance's WAL")
+    observed_at: datetime | None = Field(description="when the provider last reported the window")
+    retained_until: datetime | None = Field(
+        description="a deleted instance's: when its archive and backups go"
+    )
+    verified_at: datetime | None = Field(
+        description="when its backups and archive were last read back and checked"
+    )
+    verified: bool | None = Field(description="whether that check found everything sound")
+    backups: Sequence[Backup] = Field(description="the backups held, newest first")
+
+
+class AdminRecoverableWindow(RecoverableWindow):
+    archive: AdminArchiveHealth | None = Field(description="the continuous archive, with what fails")
+    verify_problem: str | None = Field(description="what the last check of the backups found wrong")
+    backups: Sequence[AdminBackup]
 
 
 class BackupRequested(BaseModel):

@@ -34,6 +34,7 @@ from controlplane.core.refusals import (
     NameTaken,
     NotFound,
     NotRetryable,
+    OutsideWindow,
     PreconditionFailed,
     Unsupported,
 )
@@ -219,7 +220,11 @@ def domain_problem(exc: DomainError) -> ProblemError:
         return ProblemError(kind, exc.detail, current_state=exc.current_state)
     if isinstance(exc, InvalidRequest):
         field = f"{exc.location}.{exc.field}"
-        return ProblemError(kind, f"{field}: {exc}", errors=[{"field": field, "message": str(exc)}])
+        errors = [{"field": field, "message": str(exc)}]
+        if isinstance(exc, OutsideWindow):
+            window = None if exc.window is None else {"earliest": exc.window[0], "latest": exc.window[1]}
+            return ProblemError(kind, f"{field}: {exc}", errors=errors, recoverable_window=window)
+        return ProblemError(kind, f"{field}: {exc}", errors=errors)
     return ProblemError(kind, exc.detail)
 
 

@@ -16,6 +16,7 @@ from controlplane.core.records import Instance as InstanceRecord
 from controlplane.db.connection import AsyncConn
 from controlplane.queue import steps
 from controlplane.runtime.secretbox import SecretBox
+from controlplane.services.backups import Recovery
 from controlplane.services.idempotency import Answer
 from controlplane.services.instances import Versions
 
@@ -216,3 +217,41 @@ def answered(answer: Answer, shown_once: Mapping[str, Any] | None = None) -> JSO
         return JSONResponse(stored.body, status_code=stored.status_code, headers=headers)
     body = {**stored.body, **shown_once} if shown_once else stored.body
     return JSONResponse(body, status_code=stored.status_code, headers=stored.headers)
+
+
+def recovery(found: Recovery, backups: list[dict[str, Any]], *, sre: bool = False) -> dict[str, Any]:
+    """The recoverable window of an instance as the API shows it (SREs also see what fails)."""
+    window = found.window
+    shown: dict[str, Any] = {
+        "instance_id": found.instance.id,
+        "earliest": None,
+        "latest": None,
+        "archive": None,
+        "observed_at": None,
+        "retained_until": None,
+        "verified_at": None,
+        "verified": None,
+        "backups": backups,
+    }
+    if sre:
+        shown["verify_problem"] = None if window is None else window.verify_problem
+    if window is None:
+        return shown
+    archive: dict[str, Any] = {
+        "healthy": window.archive_healthy,
+        "failing_since": window.archive_failing_since,
+        "lag_s": window.lag_s,
+        "lag_bytes": window.lag_bytes,
+        "last_archived_at": window.last_archived_at,
+    }
+    if sre:
+        archive["detail"] = window.archive_detail
+    return shown | {
+        "earliest": window.earliest_at,
+        "latest": window.latest_at,
+        "archive": archive if window.expired_at is None else None,
+        "observed_at": window.observed_at,
+        "retained_until": window.retained_until,
+        "verified_at": window.verified_at,
+        "verified": None if window.verified_at is None else window.verify_problem is None,
+    }

@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from controlplane.chaos.plan import FAULT_KINDS
 from controlplane.chaos.soak import Options, run
 
 
@@ -22,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-interval", type=float, default=5.0, help="shortest gap between faults (s)")
     parser.add_argument("--max-interval", type=float, default=40.0, help="longest gap between faults (s)")
     parser.add_argument(
+        "--faults",
+        default=",".join(FAULT_KINDS),
+        help=f"the kinds of fault to inject, comma-separated (default: all of {', '.join(FAULT_KINDS)})",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("chaos-report"), help="the report: <out>.md and <out>.json"
     )
     parser.add_argument(
@@ -30,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or not 0 < args.min_interval <= args.max_interval:
         parser.error("--minutes must be positive and 0 < --min-interval <= --max-interval")
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    if not kinds or set(kinds) - set(FAULT_KINDS):
+        parser.error(f"--faults takes kinds among {', '.join(FAULT_KINDS)}")
     # SIGTERM (timeout, a plain kill) stops the soak like Ctrl-C: its processes are stopped too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -43,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             reconcilers=args.reconcilers,
             max_instances=args.max_instances,
             min_interval_s=args.min_interval,
+            kinds=kinds,
             max_interval_s=args.max_interval,
             out=args.out,
             root=args.root,

@@ -21,7 +21,9 @@ RECONCILER_LEADER = "reconciler_leader"
 API = "api"
 CONTROL_PLANE_DB = "control_plane_db"
 CUSTOMER_SERVER = "customer_server"
-FAULT_KINDS = (WORKER, RECONCILER_LEADER, API, CONTROL_PLANE_DB, CUSTOMER_SERVER)
+# A customer's data directory removed (rm -rf) behind the control plane's back.
+DATA_DIRECTORY = "data_directory"
+FAULT_KINDS = (WORKER, RECONCILER_LEADER, API, CONTROL_PLANE_DB, CUSTOMER_SERVER, DATA_DIRECTORY)
 
 # Instance states a converged soak may leave an instance in.
 SETTLED = frozenset({"ready", "suspended", "deleted"})
@@ -253,6 +255,35 @@ def _effects(snapshot: Snapshot, instances: Mapping[str, Mapping[str, Any]]) -> 
 
 
 @dataclass
+class DataLoss:
+    """A data directory removed: a row committed `kept_age_s` before the loss (older than the
+    archive timeout: it must survive), one committed just before it (it may not), and what the
+    restored instance holds (None: not looked at, the instance never came back or was deleted)."""
+
+    instance_id: str
+    kept_age_s: float
+    kept_present: bool | None = None
+    late_present: bool | None = None
+
+
+def durability_violations(losses: Sequence[DataLoss], instances: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Rows committed earlier than the archive timeout before a loss that did not survive it."""
+    states = {str(i["id"]): i["state"] for i in instances}
+    found = []
+    for loss in losses:
+        if loss.kept_present is False:
+            found.append(
+                f"instance {loss.instance_id}: a row committed {loss.kept_age_s:.1f} s before its data"
+                " directory was removed (more than the archive timeout) is gone after the restore"
+            )
+        elif loss.kept_present is None and states.get(loss.instance_id) not in {"deleted", None}:
+            found.append(
+                f"instance {loss.instance_id}: never seen restored after its data directory was removed"
+            )
+    return found
+
+
+@dataclass
 class FaultRecord:
     kind: str
     at_s: float
@@ -272,6 +303,7 @@ class Report:
     skipped: Counter[str] = field(default_factory=Counter)  # faults with no target when due
     convergence_s: float | None = None
     violations: list[str] = field(default_factory=list)
+    data_losses: list[DataLoss] = field(default_factory=list)
 
     def by_kind(self) -> dict[str, dict[str, Any]]:
         table: dict[str, dict[str, Any]] = {}
@@ -303,6 +335,7 @@ class Report:
                 for op in sorted(self.attempted)
             },
             "convergence_s": self.convergence_s,
+            "data_losses": [asdict(loss) for loss in self.data_losses],
             "invariant_violations": len(self.violations),
             "violations": self.violations,
         }
@@ -330,6 +363,14 @@ class Report:
         ]
         for op in sorted(self.attempted):
             lines.append(f"| {op} | {self.attempted[op]} | {self.completed[op]} | {self.refused[op]} |")
+        if self.data_losses:
+            kept = sum(1 for loss in self.data_losses if loss.kept_present)
+            late = sum(1 for loss in self.data_losses if loss.late_present)
+            lines += [
+                "",
+                f"Data directories removed: {len(self.data_losses)}; the row older than the archive timeout"
+                f" survived {kept} time(s), the row written just before the loss {late} time(s).",
+            ]
         lines += [
             "",
             f"Converged {_seconds(self.convergence_s)} s after the faults stopped.",

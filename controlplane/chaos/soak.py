@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,8 +41,10 @@ from controlplane.chaos import plan
 from controlplane.db import connection as db
 from controlplane.runtime.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
 from controlplane.runtime.postgres import free_port, postmaster_pid
+from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
 from controlplane.services import tenants
+from provisioners.base import ConnectionInfo
 from provisioners.local import LocalProvisioner
 from reconciler.leader import RECONCILER_LOCK_KEY
 
@@ -72,6 +75,7 @@ class Options:
     out: Path | None = None  # where the report goes (<out>.md and <out>.json)
     root: Path | None = None  # a scratch directory by default (removed after)
     pg_bindir: Path | None = None
+    kinds: tuple[str, ...] = plan.FAULT_KINDS  # the faults injected (a targeted soak: some of them)
 
 
 @dataclass
@@ -148,6 +152,8 @@ class Cluster:
     orgs: list[Org]
     admin_key: str
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    # Instances the workload does not delete for now (a fault is looking at what comes back).
+    spared: set[str] = field(default_factory=set)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -207,6 +213,7 @@ def _environment(root: Path, url: str, options: Options) -> tuple[dict[str, str]
         "deadline_deprovisioning_s": "120",
         "heal_backoff_base_s": "2",
         "heal_backoff_max_s": "10",
+        "local_archive_timeout_s": str(int(ARCHIVE_TIMEOUT_S)),
         "log_format": "text",
     }
     if options.pg_bindir is not None:
@@ -222,6 +229,7 @@ def _environment(root: Path, url: str, options: Options) -> tuple[dict[str, str]
         local_port_max=port_min + 4 * options.max_instances + 20,
         secret_key=values["secret_key"],
         pg_bindir=options.pg_bindir,
+        local_archive_timeout_s=ARCHIVE_TIMEOUT_S,
     )
     return env, settings
 
@@ -449,7 +457,12 @@ class Workload:
         if what == "create":
             await self.create()
         elif what in {"resize", "delete"}:
-            iid = self.rng.choice(sorted(self.live))
+            deletable = (
+                sorted(set(self.live) - self.cluster.spared) if what == "delete" else sorted(self.live)
+            )
+            if not deletable:
+                return
+            iid = self.rng.choice(deletable)
             await (self.resize if what == "resize" else self.delete)(iid, self.live[iid])
         elif what == "billing":
             org = self.rng.choice(self.cluster.orgs)
@@ -675,8 +688,94 @@ class Faults:
 
         return f"instance {iid} (pid {pid})", recovered
 
+    async def _data_directory(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        """Remove a ready instance's data directory once it has a backup: a row written more than
+        the archive timeout before must survive its restore to the end of the archive."""
+        rows = await _query(
+            self.cluster.url,
+            "SELECT i.id, i.connection, i.secret FROM instances i"
+            " JOIN recovery_windows w ON w.instance_id = i.id"
+            " WHERE i.state = 'ready' AND i.deletion_requested_at IS NULL AND w.earliest_at IS NOT NULL",
+        )
+        if not rows:
+            return None
+        row = self.rng.choice(rows)
+        iid, info = row["id"], customer_info(self.cluster.settings, row)
+        local = LocalProvisioner(self.cluster.settings)
+        self.cluster.spared.add(str(iid))  # until what comes back is looked at
+        try:
+            kept_at = await asyncio.to_thread(write_row, info, "kept")
+            await asyncio.sleep(KEPT_AGE_S)
+            await asyncio.to_thread(write_row, info, "late")
+        except psycopg.Error:
+            self.cluster.spared.discard(str(iid))
+            return None  # suspended or moved meanwhile: another target next time
+        before = await _query(self.cluster.url, STATE_OF, {"id": iid})
+        lost = DataLossProbe(plan.DataLoss(str(iid), round(time.time() - kept_at, 1)))
+        self.report.data_losses.append(lost.record)
+        await asyncio.to_thread(shutil.rmtree, local.datadir(iid), True)
+
+        async def recovered() -> bool:
+            state = await _query(self.cluster.url, STATE_OF, {"id": iid})
+            if state[0]["state"] in {"deprovisioning", "deleted"}:
+                return True  # deleted meanwhile: nothing left to look at
+            # Back once the loss was seen (degraded, then recovered): not the server still running
+            # from the removed directory.
+            back = state[0]["state"] in {"ready", "suspended"}  # suspended: readable, by a hold since
+            if not back or state[0]["state_version"] < before[0]["state_version"] + 2:
+                return False
+            looked = await asyncio.to_thread(lost.look, info)
+            if looked:
+                self.cluster.spared.discard(str(iid))
+            return looked
+
+        return f"instance {iid} (data directory removed)", recovered
+
     async def close(self) -> None:
         await self.http.aclose()
+
+
+STATE_OF = "SELECT state, state_version FROM instances WHERE id = %(id)s"
+# How old the row that must survive a removed data directory is (more than the soak's archive
+# timeout, plus a reconciler interval: the observation closes a segment whose writes waited).
+ARCHIVE_TIMEOUT_S = 5.0
+KEPT_AGE_S = 2 * ARCHIVE_TIMEOUT_S
+
+
+def customer_info(settings: Settings, row: dict[str, Any]) -> ConnectionInfo:
+    password = load_box(settings).decrypt(bytes(row["secret"]))
+    return ConnectionInfo(password=password, **row["connection"])
+
+
+def customer_session(info: ConnectionInfo) -> psycopg.Connection[Any]:
+    return psycopg.connect(**info.libpq(), sslmode="require", autocommit=True, connect_timeout=5)
+
+
+def write_row(info: ConnectionInfo, what: str) -> float:
+    """A row committed (and acknowledged) now; when it was acknowledged."""
+    with customer_session(info) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS chaos_durability (what text, at timestamptz)")
+        conn.execute("INSERT INTO chaos_durability VALUES (%s, clock_timestamp())", (what,))
+    return time.time()
+
+
+@dataclass
+class DataLossProbe:
+    """Looks, once the instance is ready again, at which of the two rows survived."""
+
+    record: plan.DataLoss
+
+    def look(self, info: ConnectionInfo) -> bool:
+        try:
+            with customer_session(info) as conn:
+                present = {r[0] for r in conn.execute("SELECT what FROM chaos_durability").fetchall()}
+        except psycopg.errors.UndefinedTable:
+            present = set()
+        except psycopg.Error:
+            return False  # not serving yet
+        self.record.kept_present = "kept" in present
+        self.record.late_present = "late" in present
+        return True
 
 
 async def supervise(cluster: Cluster, stop: asyncio.Event) -> None:
@@ -786,7 +885,9 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
     try:
         await _wait_serving(cluster, faults.http)
         duration = options.minutes * 60
-        schedule = plan.schedule(options.seed, duration, options.min_interval_s, options.max_interval_s)
+        schedule = plan.schedule(
+            options.seed, duration, options.min_interval_s, options.max_interval_s, kinds=options.kinds
+        )
         clients = [asyncio.create_task(workload.client()) for _ in range(3)]
         faults.started = time.monotonic()
         for fault in schedule:
@@ -799,6 +900,7 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
         await asyncio.gather(*faults.recoveries)
         taken, report.convergence_s = await wait_converged(cluster, options.converge_timeout_s)
         report.violations = plan.violations(workload.ledger, taken)
+        report.violations += plan.durability_violations(report.data_losses, taken.instances)
         report.violations += [
             f"{f.kind} ({f.target}) not recovered within {RECOVERY_BOUND_S:.0f}s"
             for f in report.faults

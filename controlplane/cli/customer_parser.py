@@ -57,6 +57,20 @@ def register(commands: Any) -> None:
     create.add_argument("--plan", required=True, choices=plans.plan_names(), metavar="PLAN", help=PLANS_HELP)
     create.add_argument("--region", help="where to run it (default: local)")
     create.add_argument("--deletion-protection", action="store_true", help="refuse deletion until turned off")
+    create.add_argument(
+        "--restore-from",
+        metavar="SOURCE",
+        help="fill it from another database's backups (by name or id; a deleted one too, while kept)",
+    )
+    create.add_argument(
+        "--at",
+        metavar="TIME",
+        help="with --restore-from: the moment to restore (RFC 3339, e.g. 2026-01-31T12:00:00Z), inside the"
+        " window `instances backups SOURCE` shows; default: the latest",
+    )
+    create.add_argument(
+        "--from-backup", metavar="BACKUP_ID", help="with --restore-from: start from this backup of it"
+    )
     _wait_flags(create, "ready")
 
     listing = _action(
@@ -184,7 +198,7 @@ def register(commands: Any) -> None:
     listing = _action(
         actions,
         "backups",
-        "a database's backups, newest first",
+        "the moments a database can be restored to, its archive's health, and its backups",
         _handler("cmd_backups"),
         "controlplane instances backups orders",
     )

@@ -23,6 +23,7 @@ from controlplane.cli.render import (
     ready_line,
     show_instance,
     show_metrics,
+    window_rows,
 )
 from controlplane.core import exit_codes
 
@@ -71,6 +72,10 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["region"] = args.region
     if args.deletion_protection:
         body["deletion_protection"] = True
+    if args.restore_from:
+        body["restore_from"] = _restore_from(api, args)
+    elif args.at or args.from_backup:
+        raise CommandError("--at and --from-backup need --restore-from SOURCE", exit_codes.USAGE)
     # One key for every try of this command: a create answered 502 (or lost) and sent again makes
     # one database, and the API answers the first outcome again.
     key = {"Idempotency-Key": str(uuid.uuid4())}
@@ -81,6 +86,18 @@ def cmd_create(args: argparse.Namespace) -> int:
     if fmt == "table":
         print(f"{instance['name']}: created as {instance['id']}")
     return wait_until_ready(api, instance, fmt, _deadline(args))
+
+
+def _restore_from(api: Api, args: argparse.Namespace) -> dict[str, Any]:
+    """The `restore_from` of a new instance: the source by name or id (a deleted one too), and a
+    moment of its window (`--at`), one of its backups (`--from-backup`), or its latest state."""
+    source = api.request("GET", f"/v1/instances/{instance_path(args.restore_from)}")
+    restore: dict[str, Any] = {"instance_id": source["id"]}
+    if args.at:
+        restore["point_in_time"] = args.at
+    if args.from_backup:
+        restore["backup"] = args.from_backup
+    return restore
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
@@ -224,7 +241,19 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_backups(args: argparse.Namespace) -> int:
-    return _show_all(args, "backups", BACKUPS)
+    """The recoverable window (earliest and latest restorable moment, the archive's health and lag),
+    then the backups, newest first."""
+    recovery = Api(args).request("GET", f"/v1/instances/{instance_path(args.ref)}/recovery")
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(recovery, fmt)
+        return 0
+    for label, value in window_rows(recovery):
+        print(f"{label + ':':<18}{value}")
+    print()
+    backups = recovery["backups"]
+    print_items(backups[: args.limit] if args.limit else backups, args, BACKUPS)
+    return 0
 
 
 def _show_all(args: argparse.Namespace, what: str, listing: Listing) -> int:

@@ -229,7 +229,7 @@ async def run_reconciler_role(
         timeouts=db.Timeouts.background(settings),
     )
     await pool.open(wait=True, timeout=30)
-    # The leader's duties (job supervision, orphans, the audit log, billing): run by its loop.
+    # The leader's duties (job supervision, orphans, the audit log, billing, backups): run by its loop.
     maintenance = Maintenance(
         settings, pool, provisioner, registry, maintainer_id=reconciler_id, dry_run_orphans=dry_run_orphans
     )
@@ -257,6 +257,7 @@ async def run_reconciler_role(
         finally:
             await shards.release()
     finally:
+        await maintenance.close()  # the backups' check under way, if any (once: the pass started it)
         await election.release()
         await pool.close()
 

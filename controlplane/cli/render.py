@@ -106,7 +106,7 @@ def _event_view(e: dict[str, Any]) -> dict[str, Any]:
 
 
 EVENTS = Listing(("at", "from", "to", "event", "actor", "reason"), _event_view, state_column="to")
-BACKUPS = Listing(("id", "kind", "taken_at", "size_bytes"))
+BACKUPS = Listing(("id", "kind", "type", "taken_at", "size_bytes"), lambda b: {"type": b.get("type") or ""})
 
 
 def actor_text(event: dict[str, Any]) -> str:
@@ -117,6 +117,29 @@ def actor_text(event: dict[str, Any]) -> str:
     if actor is None and "actor_kind" in event:
         return f"{event['actor_kind']}:{event['actor_id']}"
     return str(actor)
+
+
+def window_rows(recovery: dict[str, Any]) -> list[tuple[str, str]]:
+    """The recoverable window of an instance, as label and value lines (what `backups` prints above
+    the list)."""
+    archive = recovery.get("archive") or {}
+    if archive.get("healthy") is False:
+        health = f"FAILING since {archive.get('failing_since') or '?'}"
+    else:
+        health = {True: "healthy", None: "not known"}[archive.get("healthy")]
+    rows = [
+        ("restorable from", recovery.get("earliest") or "nothing yet (no backup held)"),
+        ("restorable until", recovery.get("latest") or "not known yet"),
+        ("archive", health),
+    ]
+    if archive.get("lag_s") is not None:
+        rows.append(("archive lag", f"{archive['lag_s']:.1f} s, {archive.get('lag_bytes') or 0} bytes"))
+    if recovery.get("retained_until"):
+        rows.append(("kept until", str(recovery["retained_until"])))
+    if recovery.get("verified_at"):
+        verdict = "sound" if recovery.get("verified") else "PROBLEMS FOUND"
+        rows.append(("last verified", f"{recovery['verified_at']} ({verdict})"))
+    return rows
 
 
 SPARKS = "▁▂▃▄▅▆▇█"

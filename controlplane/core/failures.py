@@ -18,6 +18,7 @@ from controlplane.core.kinds import DEPROVISION, HEAL, PROVISION, RESTORE, RESUM
 STORAGE_ALLOCATION_FAILED = "storage_allocation_failed"
 NETWORK_CONFIGURATION_FAILED = "network_configuration_failed"
 DATABASE_INITIALIZATION_FAILED = "database_initialization_failed"
+ARCHIVE_CONFIGURATION_FAILED = "archive_configuration_failed"
 INIT_TIMEOUT = "init_timeout"
 RETRIES_EXHAUSTED = "retries_exhausted"
 ABANDONED_BY_OPERATOR = "abandoned_by_operator"
@@ -38,6 +39,9 @@ SUSPEND_FAILED = "suspend_failed"
 RESUME_FAILED = "resume_failed"
 HEAL_FAILED = "heal_failed"
 UNHEALTHY = "unhealthy"
+# The continuous archive of the instance's WAL fails (a full disk, a broken repository): its newest
+# writes are not protected until it works again.
+ARCHIVE_FAILING = "archive_failing"
 # The instance's storage is gone: it comes back only restored from a backup, or re-created empty
 # once someone accepted the loss (never by a heal).
 DATA_LOST = "data_lost"
@@ -101,6 +105,13 @@ REASONS: Mapping[str, Reason] = _reasons(
     Reason(
         DATABASE_INITIALIZATION_FAILED,
         "The database server of this database could not be initialized.",
+        True,
+        _RETRY,
+        FAILED,
+    ),
+    Reason(
+        ARCHIVE_CONFIGURATION_FAILED,
+        "The continuous backup of this database could not be started.",
         True,
         _RETRY,
         FAILED,
@@ -201,9 +212,17 @@ REASONS: Mapping[str, Reason] = _reasons(
         UNHEALTHY, "The database server stopped serving; it is being repaired.", False, _REPAIRED, DEGRADED
     ),
     Reason(
+        ARCHIVE_FAILING,
+        "The continuous backup of this database is failing: its newest changes are not protected yet."
+        " The database itself keeps serving.",
+        False,
+        _REPAIRED,
+        DEGRADED,
+    ),
+    Reason(
         DATA_LOST,
-        "The storage of this database was lost. It is restored from the newest backup the service holds;"
-        " without one, it waits for your decision.",
+        "The storage of this database was lost. It is restored to the last moment its continuous backup"
+        " holds; without a backup, it waits for your decision.",
         False,
         "Restore it from one of its backups (POST /v1/instances/{id}/restore), or accept an empty database"
         ' ({"empty": true}).',
@@ -233,6 +252,7 @@ _BY_STEP: Mapping[str, str] = MappingProxyType(
         "allocate_storage": STORAGE_ALLOCATION_FAILED,
         "configure_network": NETWORK_CONFIGURATION_FAILED,
         "initialize_database": DATABASE_INITIALIZATION_FAILED,
+        "configure_archive": ARCHIVE_CONFIGURATION_FAILED,
         "final_backup": FINAL_BACKUP_FAILED,
         "deprovision": DEPROVISION_FAILED,
     }

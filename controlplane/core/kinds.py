@@ -33,6 +33,7 @@ STEP_LABELS: Mapping[str, str] = MappingProxyType(
         "allocate_storage": "Allocate storage",
         "configure_network": "Configure the network",
         "initialize_database": "Initialize the database",
+        "configure_archive": "Start continuous backup",
         "apply_plan": "Apply the plan",
         "suspend": "Make it read-only",
         "resume": "Make it writable",
@@ -46,7 +47,7 @@ STEP_LABELS: Mapping[str, str] = MappingProxyType(
 # instance's progress lists (a deletion that skips its final backup leaves that step out).
 OPERATION_STEPS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        PROVISION: ("allocate_storage", "configure_network", "initialize_database"),
+        PROVISION: ("allocate_storage", "configure_network", "initialize_database", "configure_archive"),
         UPDATE: ("apply_plan",),
         DEPROVISION: ("final_backup", "deprovision"),
     }
@@ -154,7 +155,8 @@ class RestorePayload(Payload):
     """A restore of an instance whose data is lost, as someone (or the policy) decided it."""
 
     kind: ClassVar[str] = RESTORE
-    # The held backup to restore; None: the newest one held (unless `empty`).
+    # The held backup to restore, as it was; None: everything archived, from the newest backup
+    # held (unless `empty`).
     backup_id: str | None = None
     # Re-initialise empty: the loss of the data was accepted.
     empty: bool = False

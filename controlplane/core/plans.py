@@ -60,18 +60,26 @@ def storage_max_gb(name: str) -> int:
 
 @dataclass(frozen=True)
 class BackupSchedule:
-    """A backup every `interval_s` seconds; the newest `keep` are kept."""
+    """A backup every `interval_s` seconds: a full one every `full_every` backups (at least that
+    often), differential ones (what changed since the full) between; the newest `keep` full backups
+    are kept, with the differential ones that need them and the WAL archived since the oldest, so
+    any moment since the oldest full backup kept can be restored."""
 
     interval_s: float
     keep: int
+    full_every: int = 1
+
+    @property
+    def full_interval_s(self) -> float:
+        return self.interval_s * self.full_every
 
 
 HOUR = 3600.0
 BACKUPS: Mapping[str, BackupSchedule] = MappingProxyType(
     {
-        "dev": BackupSchedule(interval_s=24 * HOUR, keep=3),
-        "small": BackupSchedule(interval_s=12 * HOUR, keep=7),
-        "medium": BackupSchedule(interval_s=6 * HOUR, keep=14),
+        "dev": BackupSchedule(interval_s=24 * HOUR, keep=3, full_every=1),
+        "small": BackupSchedule(interval_s=12 * HOUR, keep=2, full_every=7),
+        "medium": BackupSchedule(interval_s=6 * HOUR, keep=2, full_every=14),
     }
 )
 

@@ -179,7 +179,7 @@ class Backup(_Record):
 
     instance_id: uuid.UUID
     backup_id: str
-    # provisioners.base.BACKUP_KINDS: scheduled or on_demand.
+    # provisioners.base.BACKUP_KINDS: scheduled, on_demand or final.
     kind: str
     taken_at: datetime
     size_bytes: int | None
@@ -187,6 +187,38 @@ class Backup(_Record):
     location: str
     recorded_at: datetime
     removed_at: datetime | None
+    # full, diff or incr (None: the provisioner does not say).
+    type: str | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryWindow(_Record):
+    """One row of `recovery_windows`: the moments an instance can be restored to and its archive's
+    health, as its provisioner last reported them."""
+
+    instance_id: uuid.UUID
+    earliest_at: datetime | None
+    latest_at: datetime | None
+    archive_healthy: bool | None
+    # What fails (SREs' words).
+    archive_detail: str
+    archive_failing_since: datetime | None
+    lag_s: float | None
+    lag_bytes: int | None
+    last_archived_at: datetime | None
+    observed_at: datetime | None
+    retained_until: datetime | None
+    verified_at: datetime | None
+    verify_problem: str | None
+    expired_at: datetime | None
+
+    def covers(self, moment: datetime) -> bool:
+        """Whether a restore can reach `moment`."""
+        return (
+            self.earliest_at is not None
+            and self.latest_at is not None
+            and self.earliest_at <= moment <= self.latest_at
+        )
 
 
 class _Keep(enum.Enum):

@@ -103,6 +103,15 @@ class InvalidRequest(DomainError, ValueError):
         self.location = location
 
 
+class OutsideWindow(InvalidRequest):
+    """A point in time a restore cannot reach: before the first backup held, or after the last
+    moment archived (the window is None when nothing can be restored)."""
+
+    def __init__(self, field: str, message: str, window: tuple[str | None, str | None] | None) -> None:
+        super().__init__(field, message)
+        self.window = window
+
+
 class IdempotencyInFlight(Conflict):
     """A request with the same Idempotency-Key is still being processed."""
 

@@ -9,6 +9,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     Double,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -386,9 +387,42 @@ backups = Table(
     Column("location", Text, nullable=False, server_default=text("''")),
     Column("recorded_at", TZ, nullable=False, server_default=NOW),
     Column("removed_at", TZ),
+    # full, diff or incr (None: a provisioner that does not say).
+    Column("type", Text),
     PrimaryKeyConstraint("instance_id", "backup_id"),
     Index("ix_backups_held", "instance_id", "taken_at", postgresql_where=text("removed_at IS NULL")),
 )
+
+# Each instance's recoverable window and the health of its continuous archive, as its provisioner
+# last reported them (reconciler observations, backup and deletion jobs, verification); a deleted
+# instance's stays until retained_until, when its archive is removed (expired_at).
+recovery_windows = Table(
+    "recovery_windows",
+    metadata,
+    Column("instance_id", UUID(as_uuid=True), ForeignKey("instances.id"), primary_key=True),
+    Column("earliest_at", TZ),
+    Column("latest_at", TZ),
+    Column("archive_healthy", Boolean),
+    # What fails (SREs' words: it may name paths).
+    Column("archive_detail", Text, nullable=False, server_default=text("''")),
+    Column("archive_failing_since", TZ),
+    Column("lag_s", Float),
+    Column("lag_bytes", BigInteger),
+    Column("last_archived_at", TZ),
+    Column("observed_at", TZ),
+    Column("retained_until", TZ),
+    Column("verified_at", TZ),
+    Column("verify_problem", Text),
+    Column("expired_at", TZ),
+    Column("recorded_at", TZ, nullable=False, server_default=NOW),
+    Index(
+        "ix_recovery_windows_retained",
+        "retained_until",
+        postgresql_where=text("retained_until IS NOT NULL AND expired_at IS NULL"),
+    ),
+    Index("ix_recovery_windows_verify", "verified_at", postgresql_where=text("expired_at IS NULL")),
+)
+
 
 # Samples of a customer database's own metrics, taken by the reconciler's observation: every
 # `resolution_s` seconds (10, kept a day), rolled up into 5-minute rows (kept 30 days). Counters are
@@ -515,6 +549,7 @@ __all__ = [
     "notification_deliveries",
     "notification_targets",
     "organisations",
+    "recovery_windows",
     "stripe_events",
     "usage_reports",
 ]

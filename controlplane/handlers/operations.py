@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import PurePath
@@ -41,6 +42,8 @@ from provisioners.base import (
     ConnectionInfo,
     InstanceSpec,
     Provisioner,
+    Restored,
+    RestorePoint,
 )
 
 log = logging.getLogger(__name__)
@@ -234,6 +237,7 @@ class Operations:
         info = await self._step(
             ctx, inst, "initialize_database", lambda: p.initialize_database(iid, spec, fence)
         )
+        await self._step(ctx, inst, "configure_archive", lambda: p.configure_archive(iid, spec, fence))
         await self._move(
             ctx,
             inst,
@@ -398,6 +402,7 @@ class Operations:
             lambda: p.initialize_database(iid, spec, fence, password=self._password(ctx, inst)),
         )
         await self._step(ctx, inst, "apply_plan", lambda: p.apply_plan(iid, spec, fence))
+        await self._step(ctx, inst, "configure_archive", lambda: p.configure_archive(iid, spec, fence))
         after = await p.observe(iid)
         if not after.healthy:
             raise TemporaryError(f"{ctx.job['kind']}: instance still unhealthy: {after.detail}")
@@ -437,10 +442,18 @@ class Operations:
             )
         finally:
             JOB_ATTEMPT.reset(token)
-        listing = await self.provisioner.list_backups(inst.id)
+        held = await self._record_backups(ctx, inst.id)
+        return {"result": "backed up", "backup": taken.name, "held": held}
+
+    async def _record_backups(self, ctx: JobContext, instance_id: uuid.UUID) -> int:
+        """The record made what the provisioner holds now: the backups and the recoverable window."""
+        listing = await self.provisioner.list_backups(instance_id)
+        window = await self.provisioner.recovery_window(instance_id)
         async with ctx.pool.connection() as conn:
-            await backups.record(conn, inst.id, listing)
-        return {"result": "backed up", "backup": taken.name, "held": len(listing)}
+            await backups.record(conn, instance_id, listing)
+            if window is not None:
+                await backups.record_windows(conn, {instance_id: window})
+        return len(listing)
 
     async def restore(self, ctx: JobContext) -> Verdict:
         return await self._drive(ctx, self._restore)
@@ -457,27 +470,31 @@ class Operations:
             except NotFound as exc:
                 raise PermanentError(f"restore: {exc}") from exc
         iid, fence, p, target = inst.id, ctx.fence, self.provisioner, self._target(inst)
-        backup_id = None if source is None else source.backup_id
-        await self._step(
-            ctx, inst, "restore", lambda: p.restore(iid, target.spec, fence, backup_id=backup_id)
+        point = RestorePoint(backup=payload.backup_id, empty=source is None)
+        restored = await self._step(
+            ctx, inst, "restore", lambda: p.restore(iid, target.spec, fence, point=point)
         )
         info = await self._bring_up(ctx, inst, target)
         accepted_by = payload.accepted_by
         if source is None:
             reason = "re-initialised empty: the loss of its data was accepted"
-        else:
+        elif point.backup is not None:
             taken = source.taken_at.isoformat(timespec="seconds")
-            reason = f"restored from backup {backup_id} taken at {taken}; changes made after it are lost"
+            reason = f"restored from backup {point.backup} taken at {taken}; changes made after it are lost"
+        else:
+            reason = _to_end_of_archive(restored)
         await self._move(
             ctx,
             inst,
             "recover",
-            reason=reason
-            + (f" (decided by {accepted_by})" if accepted_by else " (the newest backup, by policy)"),
+            reason=reason + (f" (decided by {accepted_by})" if accepted_by else " (by policy)"),
             detail={
                 "code": DATA_LOST,
-                "restored_from": backup_id,
-                "taken_at": None if source is None else source.taken_at.isoformat(),
+                "restored_from": point.backup or ("archive" if source is not None else None),
+                "taken_at": None if point.backup is None or source is None else source.taken_at.isoformat(),
+                "recovered_to": restored.recovered_to,
+                "covered_until": restored.covered_until,
+                "seconds_lost": restored.lost_s,
                 "empty": source is None,
                 "accepted_by": accepted_by,
                 "why": payload.reason,
@@ -485,7 +502,7 @@ class Operations:
             },
             patch=self._recovered(ctx, inst, info, target),
         )
-        return {"result": "ready", "restored_from": backup_id, "empty": source is None}
+        return {"result": "ready", "restored_from": point.backup, "empty": source is None}
 
     # ---- deprovision ------------------------------------------------------------------------
 
@@ -523,6 +540,7 @@ class Operations:
         )
         # The backup's name is shown to the customer, where the provisioner keeps it only to SREs.
         shown = name or (PurePath(result.backup).name if result.backup else None)
+        await self._record_backups(ctx, inst.id)
         await self._move(
             ctx,
             inst,
@@ -542,6 +560,17 @@ class Operations:
             skip_backup=skip_backup,
         )
         return {"result": "cleaned up", "backup": result.backup, "removed": result.removed}
+
+
+def _to_end_of_archive(restored: Restored) -> str:
+    """The `recover` reason of a restore to the end of the instance's archive."""
+    reason = "restored to the end of its continuous archive"
+    if restored.recovered_to is not None:
+        reason += f": its last transaction recovered is of {restored.recovered_to}"
+    if restored.lost_s is not None:
+        lost = round(restored.lost_s)
+        reason += f"; {lost} s of writes before the loss could not be recovered"
+    return reason
 
 
 def kind_table(operations: Operations | None) -> list[JobKind]:

@@ -91,6 +91,22 @@ DATA_LOSS = Counter(
     "controlplane_data_loss_total",
     "Instances found to have lost their data (their storage gone), recorded by the reconciler.",
 )
+ARCHIVE_FAILING = Gauge(
+    "controlplane_archive_failing_instances",
+    "Instances whose continuous WAL archive failed at its last observation (set by each reconciler "
+    "for the instances it observed).",
+)
+ARCHIVE_LAG_SECONDS = Gauge(
+    "controlplane_archive_lag_seconds_max",
+    "The largest archive lag among the instances a reconciler observed in its last pass: how far the "
+    "latest restorable moment trails the observation.",
+)
+BACKUP_VERIFICATIONS = Counter(
+    "controlplane_backup_verifications_total",
+    "Checks of an instance's backups and archive by the reconciler's maintenance, by outcome "
+    "(sound, broken).",
+    ["outcome"],
+)
 ORPHANS_REMOVED = Counter(
     "controlplane_orphans_removed_total",
     "Provisioner resources removed because no live instance owns them.",

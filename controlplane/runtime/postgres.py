@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVER_USER_CANDIDATES = ("postgres", "controlplane")
@@ -113,6 +113,8 @@ class PostgresServer:
     bindir: Path | None = None
     # Where to look for the binaries first (CONTROLPLANE_PG_BINDIR), when `bindir` is not given.
     preferred_bindir: Path | None = None
+    # Added to the environment of the server and its tools (what its archive command needs).
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def logfile(self) -> Path:
@@ -124,7 +126,7 @@ class PostgresServer:
         return str(self.bindir / name)
 
     def _run(self, args: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        env = dict(os.environ, LC_ALL="C", LANG="C")
+        env = dict(os.environ, LC_ALL="C", LANG="C", **self.env)
         env.pop("PGDATA", None)
         return subprocess.run(
             args,
@@ -209,13 +211,22 @@ class PostgresServer:
             raise PostgresError(f"PostgreSQL in {self.datadir} is running; it cannot start privately")
         directory = Path(tempfile.mkdtemp(prefix="cp-private-"))
         try:
-            make_owned_dir(directory, self.run_as)
-            self._start(f"-p {self.port} -c listen_addresses='' -k {directory}", timeout)
+            self.start_private(directory, timeout)
         finally:
             try:
                 self.stop("fast")
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
+
+    def start_private(
+        self, directory: Path, timeout: float = 60, settings: Mapping[str, str] | None = None
+    ) -> None:
+        """Start the server with no TCP listener, its only socket in `directory` (made for the
+        server's user alone): only that user, or root, can connect. `settings` override the
+        configuration files' for this run."""
+        make_owned_dir(directory, self.run_as)
+        extra = "".join(f" -c {name}={value}" for name, value in (settings or {}).items())
+        self._start(f"-p {self.port} -c listen_addresses='' -k {directory}{extra}", timeout)
 
     def _start(self, options: str, timeout: float) -> None:
         if not self.initialised:

@@ -345,6 +345,13 @@ class ReconcilerSettings(_Group):
         ge=0,
     )
     heal_backoff_max_s: float = _setting(3600.0, "heal_backoff_max_s", "The longest such pause.", ge=0)
+    backup_verify_interval_s: float = _setting(
+        86400.0,
+        "backup_verify_interval_s",
+        "How often the reconciler's maintenance reads back and checks each instance's backups and "
+        "archive (`pgbackrest verify`); 0: never.",
+        ge=0,
+    )
     audit_checkpoint_interval_s: float = _setting(
         300.0,
         "audit_checkpoint_interval_s",
@@ -456,6 +463,14 @@ class ProvisionerSettings(_Group):
     )
     local_listen_host: str = _setting(
         "127.0.0.1", "local_listen_host", "Address instance servers listen on (loopback by default)."
+    )
+    local_archive_timeout_s: float = _setting(
+        60.0,
+        "local_archive_timeout_s",
+        "`archive_timeout` of every local instance: a WAL segment is closed and archived at least this "
+        "often while the database is written to, which bounds what a lost data directory can lose.",
+        ge=1,
+        le=3600,
     )
     kubernetes_namespace: str = _setting(
         "controlplane-instances", "kubernetes_namespace", "Namespace of the instances' resources."

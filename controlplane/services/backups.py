@@ -13,12 +13,12 @@ SQL) or none (an SRE's: any instance).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from controlplane.core import actions, kinds
-from controlplane.core.records import Backup, Instance
+from controlplane.core.records import Backup, Instance, RecoveryWindow
 from controlplane.core.refusals import Conflict, InvalidRequest, InvalidState, NotFound
 from controlplane.db import connection as db
 from controlplane.db import job_rows as jobs
@@ -28,6 +28,7 @@ from controlplane.db.transitions import Actor
 from controlplane.services import instances
 from controlplane.services.policy import Policy
 from provisioners.base import BackupInfo
+from provisioners.base import RecoveryWindow as Reported
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,25 @@ class ListBackups:
     limit: int
     # Where the page starts: after this (taken_at, backup_id), newest first.
     before: tuple[datetime, str] | None = None
+
+
+@dataclass(frozen=True)
+class ShowRecovery:
+    """An instance's recoverable window and its newest backups (a deleted one's too, while kept)."""
+
+    instance_id: uuid.UUID
+    # The caller's organisation; None: an SRE's look-up (any instance).
+    org_id: uuid.UUID | None
+    limit: int = 100
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a restore of an instance can reach: its window (None: never reported) and backups."""
+
+    instance: Instance
+    window: RecoveryWindow | None
+    backups: list[Backup]
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,12 @@ async def list_backups(conn: AsyncConn, request: ListBackups) -> list[Backup]:
     """A page of the backups held of the instance (NotFound if it is not the caller's to see)."""
     await instances.load(conn, request.org_id, request.instance_id)
     return await held(conn, request.instance_id, limit=request.limit, before=request.before)
+
+
+async def recovery(conn: AsyncConn, request: ShowRecovery) -> Recovery:
+    """The instance's recoverable window and newest backups (NotFound if it is not the caller's)."""
+    inst = await instances.load(conn, request.org_id, request.instance_id)
+    return Recovery(inst, await window(conn, inst.id), await held(conn, inst.id, limit=request.limit))
 
 
 async def request_backup(
@@ -199,9 +225,42 @@ async def record(conn: AsyncConn, instance_id: uuid.UUID, listing: Sequence[Back
                 "taken": [b.taken_at or datetime.now(UTC) for b in listing],
                 "sizes": [b.size_bytes for b in listing],
                 "locations": [b.location for b in listing],
+                "types": [b.type for b in listing],
             },
         )
         await conn.execute(sql.FORGET_BACKUPS, {"instance_id": instance_id, "ids": [b.name for b in listing]})
+
+
+async def window(conn: AsyncConn, instance_id: uuid.UUID) -> RecoveryWindow | None:
+    cursor = await conn.execute(sql.RECOVERY_WINDOW, {"instance_id": instance_id})
+    row = await cursor.fetchone()
+    return None if row is None else RecoveryWindow.from_row(row)
+
+
+async def record_windows(conn: AsyncConn, windows: Mapping[uuid.UUID, Reported]) -> None:
+    """Record the windows the provisioner reported (observations, backup and deletion jobs)."""
+    if not windows:
+        return
+    reported = list(windows.values())
+    await conn.execute(
+        sql.RECORD_RECOVERY_WINDOWS,
+        {
+            "ids": list(windows),
+            "earliest": [_moment(w.earliest) for w in reported],
+            "latest": [_moment(w.latest) for w in reported],
+            "healthy": [w.archive_healthy for w in reported],
+            "details": [w.archive_detail for w in reported],
+            "lag_s": [w.lag_s for w in reported],
+            "lag_bytes": [w.lag_bytes for w in reported],
+            "archived": [_moment(w.last_archived_at) for w in reported],
+            "observed": [_moment(w.observed_at) for w in reported],
+            "retained": [_moment(w.retained_until) for w in reported],
+        },
+    )
+
+
+def _moment(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value)
 
 
 async def backup_to_restore(

@@ -13,19 +13,22 @@ import contextlib
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane.core import actions, cursors, failures, kinds, lifecycle
-from controlplane.core.records import Instance
+from controlplane.core.records import Instance, RecoveryWindow
 from controlplane.core.refusals import (
     AlreadyReplaced,
     AmbiguousName,
     DeletionProtected,
+    InvalidRequest,
     InvalidState,
     NotFound,
     NotRetryable,
+    OutsideWindow,
     PreconditionFailed,
     Unsupported,
 )
@@ -316,6 +319,9 @@ async def resolve(conn: AsyncConn, org_id: uuid.UUID, ref: str) -> uuid.UUID:
 async def _check_restore_source(
     conn: AsyncConn, org_id: uuid.UUID, source: RestoreSource, policy: Policy
 ) -> None:
+    """The source is the organisation's (live or deleted), and what is asked of it is held: the
+    named backup, and the point in time inside its recoverable window (where the provisioner
+    reports one)."""
     cursor = await conn.execute(sql.ORG_HAS_INSTANCE, {"id": source.instance_id, "org": org_id})
     if await cursor.fetchone() is None:
         raise NotFound(f"restore_from.instance_id: no instance {source.instance_id}")
@@ -323,6 +329,48 @@ async def _check_restore_source(
         raise Unsupported(
             f"restore_from is not supported by the {policy.provisioner} provisioner of this service"
         )
+    backup = None
+    if source.backup is not None and policy.supports_backups:
+        cursor = await conn.execute(
+            sql.HELD_BACKUP, {"instance_id": source.instance_id, "backup_id": source.backup}
+        )
+        backup = await cursor.fetchone()
+        if backup is None:
+            raise InvalidRequest(
+                "restore_from.backup", f"instance {source.instance_id} holds no backup {source.backup!r}"
+            )
+    if not policy.reports_windows or (source.backup is not None and source.point_in_time is None):
+        return
+    row = await (await conn.execute(sql.RECOVERY_WINDOW, {"instance_id": source.instance_id})).fetchone()
+    window = None if row is None else RecoveryWindow.from_row(row)
+    shown = None if window is None else (_rfc3339(window.earliest_at), _rfc3339(window.latest_at))
+    if source.point_in_time is None:
+        if window is None or window.earliest_at is None:
+            raise OutsideWindow(
+                "restore_from.instance_id",
+                f"instance {source.instance_id} has nothing to restore yet (no backup of it is held)",
+                shown,
+            )
+        return
+    moment = datetime.fromisoformat(source.point_in_time)
+    if backup is not None and moment < backup["taken_at"] + timedelta(seconds=1):
+        raise OutsideWindow(
+            "restore_from.point_in_time",
+            f"{source.point_in_time} is before backup {source.backup} ended ({_rfc3339(backup['taken_at'])})",
+            shown,
+        )
+    if window is None or not window.covers(moment):
+        span = "none: nothing is restorable yet" if shown is None else f"from {shown[0]} to {shown[1]}"
+        raise OutsideWindow(
+            "restore_from.point_in_time",
+            f"{source.point_in_time} is outside the recoverable window of instance {source.instance_id}"
+            f" ({span})",
+            shown,
+        )
+
+
+def _rfc3339(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat().replace("+00:00", "Z")
 
 
 async def _enqueue(

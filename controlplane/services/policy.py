@@ -20,6 +20,8 @@ class Policy:
     provisioner: str = "noop"
     supports_restore: bool = False
     supports_backups: bool = False
+    # Whether it reports each instance's recoverable window (a restore's point is checked against it).
+    reports_windows: bool = False
     # The time a past-due subscription is given before the organisation's instances are suspended.
     grace_period_s: float = 7 * 86400.0
 
@@ -32,5 +34,6 @@ class Policy:
             provisioner=kind,
             supports_restore=provisioners.supports_restore(kind),
             supports_backups=provisioners.supports_backups(kind),
+            reports_windows=provisioners.reports_windows(kind),
             grace_period_s=settings.billing.grace_period_s,
         )

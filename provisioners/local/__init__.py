@@ -6,12 +6,17 @@ The package is cut by what each part owns; each module imports only those above 
 - `network`: the servers' hosts, each instance's port, the access rules (`pg_hba.conf`);
 - `tls`: the control plane's CA and each server's certificate;
 - `database`: the admin role's sessions and client tools, the customer's owner role and database;
-- `server`: the server lifecycle (initdb, managed settings, start, stop, standby mode, processes);
-- `backups`: base backups, retention, restore in place, the final dump of a deletion;
+- `wal`: WAL positions and how far the archive covers an instance's writes (pure);
+- `repository`: the pgBackRest repository (encrypted, its key sealed), each instance's stanza and
+  record, the pgBackRest commands;
+- `server`: the server lifecycle (initdb, managed settings with the archive's, start, stop, standby
+  mode, processes);
+- `backups`: the continuous archive's health, full and differential backups and their retention,
+  restores in place and into a new instance, verification, the final backup of a deletion;
 - `steps`: the async/sync seam (`step`, `in_thread`), the one place a step body meets the event loop;
 - `provisioner`: `LocalProvisioner`, the interface's steps composed of the parts.
 
-A new part (a WAL archiver, streaming standbys, a connection pooler) is a module of its own beside
+A new part (streaming standbys, a connection pooler) is a module of its own beside
 these, composed in `LocalProvisioner`; its steps are synchronous bodies under `step`.
 """
 

@@ -36,7 +36,9 @@ class Admin:
         self.tls = tls
         self.host = host
 
-    def connect(self, instance_id: uuid.UUID, port: int, *, timeout: int = 10) -> psycopg.Connection[Any]:
+    def connect(
+        self, instance_id: uuid.UUID, port: int, *, timeout: int = 10, dbname: str = "postgres"
+    ) -> psycopg.Connection[Any]:
         state = self.storage.load_state(instance_id)
         self.tls.authority()
         return psycopg.connect(
@@ -44,7 +46,7 @@ class Admin:
             port=port,
             user=ADMIN_USER,
             password=self.storage.unseal(state["admin_password"]),
-            dbname="postgres",
+            dbname=dbname,
             connect_timeout=timeout,
             autocommit=True,
             sslmode=SSLMODE,
@@ -100,3 +102,18 @@ def ensure_owner(admin: psycopg.Connection[Any], role: str, password: str) -> No
     admin.execute(sql.SQL("REVOKE CONNECT ON DATABASE {} FROM PUBLIC").format(sql.Identifier(DBNAME)))
     admin.execute(sql.SQL("REVOKE CONNECT ON DATABASE postgres FROM PUBLIC"))
     admin.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(sql.Identifier(DBNAME), ident))
+
+
+def former_owners(admin: psycopg.Connection[Any], role: str) -> list[str]:
+    """Owner roles of other instances in this cluster: it was restored from another instance's
+    backup (their objects become `role`'s, then they go)."""
+    rows = admin.execute(
+        "SELECT rolname FROM pg_roles WHERE rolname LIKE 'app\\_%%' AND rolname <> %s ORDER BY 1", (role,)
+    ).fetchall()
+    return [str(row[0]) for row in rows]
+
+
+def take_over(conn: psycopg.Connection[Any], former: str, role: str) -> None:
+    """In the database `conn` is on: what `former` owns becomes `role`'s, its grants go."""
+    conn.execute(sql.SQL("REASSIGN OWNED BY {} TO {}").format(sql.Identifier(former), sql.Identifier(role)))
+    conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(former)))

@@ -5,14 +5,17 @@ The parts are storage, network, TLS, databases, servers and backups; `steps` run
 
 from __future__ import annotations
 
+import datetime as dt
 import secrets
 import shutil
 import uuid
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg.sql
 
 from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.step_errors import TemporaryError
@@ -28,13 +31,26 @@ from provisioners.base import (
     InstanceSpec,
     Observation,
     Provisioner,
+    RecoveryWindow,
     Resource,
+    Restored,
+    RestorePoint,
     fences_for,
 )
 from provisioners.local.backups import Backups
-from provisioners.local.database import ADMIN_USER, DBNAME, Admin, ensure_owner, owner_role, show
+from provisioners.local.database import (
+    ADMIN_USER,
+    DBNAME,
+    Admin,
+    ensure_owner,
+    former_owners,
+    owner_role,
+    show,
+    take_over,
+)
 from provisioners.local.network import Network
-from provisioners.local.server import InstanceServer, Servers, managed_settings, settings_text, stop_strays
+from provisioners.local.repository import Repository
+from provisioners.local.server import InstanceServer, Servers, settings_text, stop_strays
 from provisioners.local.steps import in_thread, step
 from provisioners.local.storage import Storage
 from provisioners.local.tls import SSLMODE, InstanceTls
@@ -45,6 +61,8 @@ class LocalProvisioner(Provisioner):
 
     name = "local"
     supports_backups = True
+    supports_restore = True
+    reports_windows = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalProvisioner:
@@ -62,8 +80,11 @@ class LocalProvisioner(Provisioner):
         self.network = Network(settings, self.storage.root)
         self.tls = InstanceTls(self.storage.data_dir / "tls", self.storage, self.network.names())
         self.admin = Admin(self.storage, self.tls, self.network.connect_host)
-        self.servers = Servers(self.storage, self.network, self.tls, self.admin, settings.database.pg_bindir)
-        self.backups = Backups(self.storage, self.network, self.servers, self.admin)
+        self.repository = Repository(self.storage, settings.provisioner.local_archive_timeout_s)
+        self.servers = Servers(
+            self.storage, self.network, self.tls, self.admin, self.repository, settings.database.pg_bindir
+        )
+        self.backups = Backups(self.storage, self.network, self.servers, self.admin, self.repository)
         self.fences = fences_for(self.storage.data_dir)
         # What tests, the bench and the chaos soak look at.
         self.root = self.storage.root
@@ -84,9 +105,6 @@ class LocalProvisioner(Provisioner):
 
     def instance_dir(self, instance_id: uuid.UUID) -> Path:
         return self.storage.instance_dir(instance_id)
-
-    def backup_dir(self, instance_id: uuid.UUID) -> Path:
-        return self.storage.backup_dir(instance_id)
 
     def datadir(self, instance_id: uuid.UUID) -> Path:
         return self.storage.datadir(instance_id)
@@ -112,13 +130,16 @@ class LocalProvisioner(Provisioner):
                 f"the data directory of instance {instance_id} is gone: restore a backup, or accept "
                 "an empty re-initialisation"
             )
+        if spec.restore_from is not None:
+            self.backups.restore_new(instance_id, spec, fence, spec.restore_from)
+            return
         self.servers.build_cluster(instance_id, spec, fence, state)
 
     @step
     def configure_network(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         server = self.servers.require_storage(instance_id)
         self.network.port_to_start_on(instance_id, server)
-        self.servers.conform(server, spec)
+        self.servers.conform(instance_id, server, spec)
 
     @step
     def initialize_database(
@@ -144,6 +165,13 @@ class LocalProvisioner(Provisioner):
             if in_recovery and in_recovery[0]:
                 raise TemporaryError(f"instance {instance_id} is read-only; resume runs first")
             ensure_owner(admin, role, password)
+            former = former_owners(admin, role)
+        for name in former:  # restored from another instance: its owner's tables become ours
+            with self.admin.connect(instance_id, port, dbname=DBNAME) as app:
+                take_over(app, name, role)
+            with self.admin.connect(instance_id, port) as admin:
+                take_over(admin, name, role)
+                admin.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(name)))
         if "plan" not in state:
             state.update(plan=spec.plan, generation=spec.generation)
             self.storage.save_state(instance_id, state)
@@ -155,7 +183,7 @@ class LocalProvisioner(Provisioner):
     @step
     def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         server = self.servers.require_storage(instance_id)
-        desired = managed_settings(spec)
+        desired = self.servers.settings_for(instance_id, spec)
         managed = server.datadir / "controlplane.conf"
         changed = False
         if managed.read_text() != settings_text(desired):
@@ -178,6 +206,10 @@ class LocalProvisioner(Provisioner):
         return changed
 
     @step
+    def configure_archive(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
+        self.backups.configure_archive(instance_id)
+
+    @step
     def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         return self.servers.suspend(instance_id)
 
@@ -187,8 +219,7 @@ class LocalProvisioner(Provisioner):
 
     @step
     def final_backup(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
-        taken = self.backups.take_final(instance_id)
-        return None if taken is None else Path(taken).name
+        return self.backups.take_final(instance_id, spec)
 
     @step
     def deprovision(
@@ -197,22 +228,37 @@ class LocalProvisioner(Provisioner):
         directory = self.instance_dir(instance_id)
         server = self._server(instance_id)
         existed = directory.exists() or self.ports.port_of(instance_id) is not None
-        backup = None if skip_backup else self.backups.take_final(instance_id)
-        held = self.backups.held(instance_id)
-        if backup is not None or skip_backup:
-            shutil.rmtree(self.backup_dir(instance_id), ignore_errors=True)
-        elif held:
-            # No data left to dump (it was lost): the newest backup is what remains, and is kept.
-            backup = held[-1].location
+        backup = None if skip_backup else self.backups.take_final(instance_id, spec)
+        held = [] if skip_backup else self.backups.held(instance_id)
+        if backup is None and held:
+            # No data left to back up (it was lost): the newest backup is what remains, and is kept.
+            backup = held[-1].name
+        # The archive and backups stay for the plan's retention (a restore of the deleted instance
+        # into a new one), unless the deletion skipped the final backup: then nothing is kept.
+        self.backups.forget_deleted(instance_id, spec, kept=bool(held))
         if server.initialised:
             server.stop("fast")
         stop_strays(server.datadir)
         if directory.exists():
             shutil.rmtree(directory)
         self.ports.release(instance_id)
-        return DeprovisionResult(backup=None if skip_backup else backup, removed=existed)
+        # Where the final backup is kept (its name is the path's last part, what customers see).
+        kept = None if skip_backup or backup is None else self.backups.location(instance_id, backup)
+        return DeprovisionResult(backup=kept, removed=existed)
 
     # ---- reading ---------------------------------------------------------------------------
+
+    @in_thread
+    def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
+        return self.backups.window(instance_id)
+
+    @in_thread
+    def verify_backups(self, instance_id: uuid.UUID) -> str | None:
+        return self.backups.verify(instance_id)
+
+    @in_thread
+    def expire(self, instance_id: uuid.UUID) -> bool:
+        return self.backups.expire(instance_id, dt.datetime.now(dt.UTC))
 
     @in_thread
     def observe(self, instance_id: uuid.UUID) -> Observation:
@@ -227,6 +273,7 @@ class LocalProvisioner(Provisioner):
                 endpoint=endpoint,
                 detail="data directory missing",
                 data_lost=self._had_cluster(instance_id),
+                recovery=self.backups.window(instance_id),
             )
         if not server.is_running():
             return Observation(
@@ -235,6 +282,7 @@ class LocalProvisioner(Provisioner):
         try:
             with self.admin.connect(instance_id, server.port, timeout=3) as admin:
                 row = admin.execute(OBSERVE, {"dbname": DBNAME}).fetchone()
+                recovery = self._archive_window(instance_id, admin)
         except psycopg.Error as exc:
             return Observation(
                 True,
@@ -245,9 +293,12 @@ class LocalProvisioner(Provisioner):
                 detail=f"not accepting connections: {str(exc).strip()[:200]}",
             )
         read_only = bool(row and row[0])
+        stats = _stats(row)
+        if stats is not None and recovery.lag_s is not None:
+            stats = replace(stats, archive_lag_s=recovery.lag_s)
         return Observation(
             True,
-            stats=_stats(row),
+            stats=stats,
             running=True,
             healthy=True,
             read_only=read_only,
@@ -255,7 +306,16 @@ class LocalProvisioner(Provisioner):
             plan_applied=plan,
             generation=generation,
             detail="read-only (standby mode)" if read_only else "accepting writes",
+            recovery=recovery,
         )
+
+    def _archive_window(self, instance_id: uuid.UUID, admin: psycopg.Connection[Any]) -> RecoveryWindow:
+        window = self.backups.observe_archive(instance_id, admin)
+        if not self.repository.has_stanza(instance_id):
+            return replace(
+                window, archive_healthy=False, archive_detail="no archive yet: its stanza is not made"
+            )
+        return window
 
     @in_thread
     def inventory(self) -> list[Resource]:
@@ -283,7 +343,9 @@ class LocalProvisioner(Provisioner):
                 applied = InstanceSpec.for_removal(
                     {"plan": state.get("plan", "dev")}, int(state.get("generation", 1))
                 )
-                self.servers.conform(server, applied)  # servers made before a change of the rules get them
+                self.servers.conform(
+                    instance_id, server, applied
+                )  # servers made before a change of the rules get them
                 self.servers.ensure_started(server)
                 started.append(instance_id)
         return started
@@ -316,9 +378,9 @@ class LocalProvisioner(Provisioner):
 
     @step
     def restore(
-        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, backup_id: str | None
-    ) -> None:
-        self.backups.restore(instance_id, spec, fence, backup_id)
+        self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, point: RestorePoint
+    ) -> Restored:
+        return self.backups.restore(instance_id, spec, fence, point)
 
     @in_thread
     def ca_certificate(self) -> str | None:

@@ -15,14 +15,16 @@ import signal
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from controlplane.core.step_errors import TemporaryError
-from controlplane.runtime.postgres import PostgresError, PostgresServer
+from controlplane.runtime.postgres import PostgresError, PostgresServer, make_owned_dir
 from provisioners.base import InstanceSpec
 from provisioners.local.database import ADMIN_USER, Admin
 from provisioners.local.network import PG_HBA, Network
+from provisioners.local.repository import Repository
 from provisioners.local.storage import Storage
 from provisioners.local.tls import InstanceTls
 
@@ -56,11 +58,19 @@ STANDBY_MINIMUMS = {
 }
 
 
+@dataclass
 class InstanceServer(PostgresServer):
-    """An instance's server: TCP only (an empty socket-directory list, quoted for pg_ctl's shell)."""
+    """An instance's server: customers reach it over TCP only; its one Unix socket is in a directory
+    only the server's user may enter (pgBackRest's backups and checks connect there). Without one
+    (a server only looked at or stopped), no socket at all: an empty list, quoted for pg_ctl's shell."""
+
+    sockets: Path | None = None
 
     def socket_dir(self) -> Path:
-        return Path("''")
+        if self.sockets is None:
+            return Path("''")
+        make_owned_dir(self.sockets, self.run_as)
+        return self.sockets
 
 
 def managed_settings(spec: InstanceSpec) -> dict[str, str]:
@@ -69,7 +79,12 @@ def managed_settings(spec: InstanceSpec) -> dict[str, str]:
 
 
 def settings_text(settings: Mapping[str, str]) -> str:
-    return "\n".join(f"{key} = '{value}'" for key, value in sorted(settings.items())) + "\n"
+    return "\n".join(f"{key} = '{_quoted(value)}'" for key, value in sorted(settings.items())) + "\n"
+
+
+def _quoted(value: str) -> str:
+    """A value inside a configuration file's single quotes (an archive command quotes its paths)."""
+    return value.replace("'", "''")
 
 
 def postmaster_pids_for(datadir: Path, programs: tuple[bytes, ...] = (b"postgres",)) -> list[int]:
@@ -116,28 +131,43 @@ class Servers:
     """The instances' servers: each runs from its data directory, as the server user, on its port."""
 
     def __init__(
-        self, storage: Storage, network: Network, tls: InstanceTls, admin: Admin, pg_bindir: Path | None
+        self,
+        storage: Storage,
+        network: Network,
+        tls: InstanceTls,
+        admin: Admin,
+        repository: Repository,
+        pg_bindir: Path | None,
     ) -> None:
         self.storage = storage
         self.network = network
         self.tls = tls
         self.admin = admin
+        self.repository = repository
         self.pg_bindir = pg_bindir
 
-    def _at(self, datadir: Path, port: int) -> InstanceServer:
+    def _at(self, instance_id: uuid.UUID, datadir: Path, port: int) -> InstanceServer:
         return InstanceServer(
             datadir=datadir,
             port=port,
             host=self.network.listen_host,
             run_as=self.storage.run_as,
             preferred_bindir=self.pg_bindir,
+            # archive_command and restore_command run pgBackRest, which needs the repository's key.
+            env=self.repository.environment(),
+            sockets=self.storage.socket_dir(instance_id),
         )
 
     def server(self, instance_id: uuid.UUID, port: int | None = None) -> InstanceServer:
         """The instance's server, on `port` (by default its recorded one; 0 when it has none)."""
         if port is None:
             port = self.network.ports.port_of(instance_id) or 0
-        return self._at(self.storage.datadir(instance_id), port)
+        return self._at(instance_id, self.storage.datadir(instance_id), port)
+
+    def settings_for(self, instance_id: uuid.UUID, spec: InstanceSpec) -> dict[str, str]:
+        """The managed settings of the instance's server: every server's, the plan's, its archive's."""
+        datadir = self.storage.datadir(instance_id)
+        return {**managed_settings(spec), **self.repository.archive_settings(instance_id, datadir)}
 
     def require_storage(self, instance_id: uuid.UUID) -> InstanceServer:
         server = self.server(instance_id)
@@ -159,21 +189,23 @@ class Servers:
         for password_file in directory.glob(".pgdata.partial-*.pw"):  # and its password file
             password_file.unlink(missing_ok=True)
         partial = directory / f"pgdata.partial-{fence}"
-        builder = self._at(partial, 0)
-        builder.initdb(ADMIN_USER, self.storage.unseal(state["admin_password"]), managed_settings(spec))
+        builder = self._at(instance_id, partial, 0)
+        builder.initdb(
+            ADMIN_USER, self.storage.unseal(state["admin_password"]), self.settings_for(instance_id, spec)
+        )
         os.replace(partial, datadir)
         self.storage.save_state(
             instance_id, {**state, "cluster_created_at": dt.datetime.now(dt.UTC).isoformat()}
         )
 
-    def conform(self, server: InstanceServer, spec: InstanceSpec) -> None:
+    def conform(self, instance_id: uuid.UUID, server: InstanceServer, spec: InstanceSpec) -> None:
         """Certificate, access rules and managed settings as they must be; a running server reloads."""
         changed = self.tls.ensure(server)
         hba = server.datadir / "pg_hba.conf"
         if hba.read_text() != PG_HBA:
             hba.write_text(PG_HBA)
             changed = True
-        desired = managed_settings(spec)
+        desired = self.settings_for(instance_id, spec)
         managed = server.datadir / "controlplane.conf"
         if not managed.exists() or managed.read_text() != settings_text(desired):
             server.write_settings(desired)
@@ -223,6 +255,11 @@ class Servers:
         signal_file = server.datadir / STANDBY_SIGNAL
         if server.is_running() and signal_file.exists() and self.admin.in_recovery(instance_id, server.port):
             return False
+        if server.is_running() and not self.admin.in_recovery(instance_id, server.port):
+            # The last writes close their segment: the archiver pushes it before the server stops,
+            # so the suspended data is all in the archive.
+            with self.admin.connect(instance_id, server.port) as admin:
+                admin.execute("SELECT pg_switch_wal()")
         signal_file.touch()
         self.storage.chown(signal_file)
         server.stop("fast")  # a fast shutdown ends every session, as pg_terminate_backend does

@@ -2,16 +2,18 @@
 
 `data_dir/instances/<id>/` holds the data directory (`pgdata/`, built by the server's initdb), its
 log and `state.json` (the provisioner's own record, its secrets sealed with the control plane's
-key); `data_dir/backups/<id>/` holds the instance's backups, which outlive it.
+key); the archive and backups, which outlive it, are in the pgBackRest repository (`repository`).
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
 import json
 import os
 import secrets
+import tempfile
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +23,9 @@ from controlplane.runtime.files import write_atomically
 from controlplane.runtime.postgres import RunAs, server_user
 from controlplane.runtime.secretbox import SecretBox, load_box
 from controlplane.runtime.settings import Settings
+
+# The longest Unix socket path the kernel takes is 107 bytes; PostgreSQL adds the port's file name.
+SOCKET_PATH_MAX = 100
 
 
 class Storage:
@@ -32,7 +37,6 @@ class Storage:
         self.settings = settings
         self.data_dir = Path(settings.data_dir).resolve()
         self.root = self.data_dir / "instances"
-        self.backups = self.data_dir / "backups"
         self._run_as = run_as
         self._box = box
 
@@ -51,12 +55,18 @@ class Storage:
     def instance_dir(self, instance_id: uuid.UUID) -> Path:
         return self.root / str(instance_id)
 
-    def backup_dir(self, instance_id: uuid.UUID) -> Path:
-        """The instance's periodic and on-demand backups (outside its directory: they outlive it)."""
-        return self.backups / str(instance_id)
-
     def datadir(self, instance_id: uuid.UUID) -> Path:
         return self.instance_dir(instance_id) / "pgdata"
+
+    def socket_dir(self, instance_id: uuid.UUID) -> Path:
+        """The private directory of the server's one Unix socket: under the data directory when the
+        socket's path fits the system's limit (about 100 bytes), else under the temporary directory."""
+        name = instance_id.hex[:16]
+        inside = self.data_dir / "run" / name
+        if len(str(inside)) + len("/.s.PGSQL.65535.lock") <= SOCKET_PATH_MAX:
+            return inside
+        digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:8]
+        return Path(tempfile.gettempdir()) / f"cp-run-{digest}" / name
 
     def _state_path(self, instance_id: uuid.UUID) -> Path:
         return self.instance_dir(instance_id) / "state.json"

@@ -10,6 +10,7 @@ api.example.com) are replaced by what this run made and by its API."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from controlplane.core import exit_codes
 from tests.cli_examples import Example, help_examples, readme_examples
-from tests.support import ROOT
+from tests.support import ROOT, eventually_sync
 from tests.up_support import running_up, scratch_dir, up_env
 
 SAMPLE_ID = "5b1e0c52-8d4f-4c7e-9a51-0d2f6b3f9e10"
@@ -185,9 +186,24 @@ def run_readme(shell: Shell, readme: list[list[str]]) -> None:
         if "<job_id>" in words and "job_id" not in shell.made:
             jobs = shell.run(["jobs", "list", "--columns", "id", "--limit", "1", "-o", "json"])
             shell.made["job_id"] = re.findall(r'"id": "([0-9a-f-]{36})"', jobs)[0]
+        if "<moment>" in words:
+            shell.made["moment"] = restorable_moment(shell, words[words.index("--restore-from") + 1])
         out = shell.example(words, README_CODES.get(tuple(words[:2]), 0))
         if words[:2] == ["instances", "show"]:
             assert out.startswith("postgresql://") and "sslrootcert=" in out
+
+
+def restorable_moment(shell: Shell, source: str) -> str:
+    """The latest moment of `source`'s recoverable window, as `instances backups` shows it, once
+    there is one (its first backup is taken as soon as it is ready)."""
+    window: dict[str, str | None] = {}
+
+    def restorable() -> bool:
+        window.update(json.loads(shell.run(["instances", "backups", source, "-o", "json"])))
+        return bool(window["earliest"] and window["latest"])
+
+    eventually_sync(restorable, f"a recoverable window of {source}", timeout_s=300)
+    return str(window["latest"])
 
 
 @pytest.fixture(autouse=True)

@@ -382,7 +382,7 @@ async def test_lifecycle_and_plans_are_public(client: httpx.AsyncClient) -> None
     assert (by_name["dev"]["instances"], by_name["dev"]["storage_gb"]) == (1, 1)
     assert by_name["medium"]["instances"] == 3 and by_name["medium"]["memory"] == "1Gi"
     dev = next(p for p in plans if p["name"] == "dev")
-    assert dev["backups"] == {"interval_s": 86400.0, "keep": 3}
+    assert dev["backups"] == {"interval_s": 86400.0, "keep": 3, "full_every": 1}
 
 
 async def test_the_etag_covers_the_spec_and_flags_so_two_changes_against_one_etag_cannot_both_win(

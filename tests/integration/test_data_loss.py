@@ -1,19 +1,18 @@
 """A lost data directory is never healed into an empty database that says `ready`: the instance is
 degraded with the code data_lost, the loss is audited and counted, and it comes back only with its
-data: restored from the newest backup held (taken on the plan's schedule), or as someone decides
-(a restore point, or empty, accepted explicitly). Real servers, a real worker and reconciler."""
+data: restored to the end of its continuous archive (from the newest backup held, replaying every
+WAL segment archived since), or as someone decides (a backup, or empty, accepted explicitly).
+Real servers, a real worker and reconciler, real pgBackRest."""
 
 from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from controlplane.api.app import create_app
 from controlplane.audit import verify as audit
@@ -23,25 +22,18 @@ from controlplane.db.connection import AsyncConn
 from controlplane.runtime import metrics
 from controlplane.runtime.settings import Settings
 from controlplane.services import backups, usage
-from provisioners.base import DataLost, InstanceSpec
+from provisioners.base import DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_ready, make_tenant
+from tests.archive_support import archived_through, clock
 from tests.factories import make_instance
 from tests.operations_support import Condition, instance, instance_in, ready_instance, registry_for
 from tests.provisioning_support import connect, credentials, real_instances
 from tests.reconciler_support import instance_events, live_jobs, passes_until, reconciling, working
 
+pytest_plugins = ("tests.api_fixtures",)
+
 DEV = InstanceSpec("dev", 1)
-
-
-@pytest.fixture
-async def local_app(local_settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The API over the same database, data directory and secret key as the worker's."""
-    application: FastAPI = create_app(local_settings)
-    async with application.router.lifespan_context(application):
-        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
-            yield http
 
 
 def recovered(instance_id: uuid.UUID) -> Condition:
@@ -70,9 +62,11 @@ async def reasons(conn: AsyncConn, instance_id: uuid.UUID, event: str) -> list[s
     return [row["reason"] for row in await cursor.fetchall()]
 
 
-async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_scheduled_backup(
+async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
     conn: AsyncConn, local_settings: Settings, local_app: httpx.AsyncClient
 ) -> None:
+    # Rows A before the first backup, B and C after it: once the archive has caught up with C, the
+    # data directory goes, and the instance comes back ready with A, B and C, by itself.
     local = LocalProvisioner(local_settings)
     registry = registry_for(local)
     who = await make_tenant(conn)
@@ -83,12 +77,8 @@ async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_schedu
         customer.execute("INSERT INTO kept VALUES (1), (2)")
 
     async with reconciling(local_settings, local) as rec:
-        # The plan's schedule: the first backup is due one interval after creation.
-        assert (await rec.run_once()).actions == {}
-        created = (await instance(conn, iid))["created_at"]
-        due = created + timedelta(hours=24)  # the dev plan: daily
-        assert (await rec.run_once(due - timedelta(seconds=1))).actions == {}
-        assert (await rec.run_once(due)).actions == {"enqueue_backup": 1}
+        # The first backup is taken at once (a restore starts from one), then on the plan's schedule.
+        assert (await rec.run_once()).actions == {"enqueue_backup": 1}
         async with working(local_settings, registry):
             await passes_until(rec, held_backups(iid, 1))
             # And one on demand (asked twice: one backup job).
@@ -96,8 +86,11 @@ async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_schedu
             asked = [(await local_app.post(path, headers=who.headers)).json() for _ in range(2)]
             assert [a["created"] for a in asked] == [True, False] and asked[0]["job_id"] == asked[1]["job_id"]
             await passes_until(rec, held_backups(iid, 2))
+        newest = (await backups.held(conn, iid, limit=1))[0].taken_at
+        assert (await rec.run_once(newest + timedelta(hours=23))).actions == {}  # the dev plan: daily
         listed = (await local_app.get(path, headers=who.headers)).json()["items"]
         assert [b["kind"] for b in listed] == ["on_demand", "scheduled"] and listed[0]["size_bytes"] > 0
+        assert [b["type"] for b in listed] == ["full", "full"]  # dev: a full backup every day
         assert "location" not in listed[0]  # where it is kept is for SREs only
         paged = (await local_app.get(path, params={"limit": 1}, headers=who.headers)).json()
         rest = (
@@ -106,33 +99,37 @@ async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_schedu
         assert [b["id"] for b in paged["items"] + rest["items"]] == [b["id"] for b in listed]
 
         with connect(info) as customer:
-            customer.execute("CREATE TABLE written_after_the_backup (x int)")
+            customer.execute("INSERT INTO kept VALUES (3)")  # B
+            customer.execute("CREATE TABLE written_after_the_backups (x int)")
+            customer.execute("INSERT INTO written_after_the_backups VALUES (4)")  # C
+            written = clock(customer)
+        # The archive catches up with C (a segment is closed within a second of a write).
+        await passes_until(rec, archived_through(iid, written))
 
         # The data directory removed behind the control plane's back.
         shutil.rmtree(local.datadir(iid))
         lost_before = metrics.DATA_LOSS._value.get()
-        summary = await rec.run_once()
-        assert summary.actions == {"degrade": 1, "enqueue_restore": 1}
-        assert metrics.DATA_LOSS._value.get() == lost_before + 1
-        row = await instance(conn, iid)
-        assert (row["state"], row["failure_code"]) == ("degraded", "data_lost")
-        assert row["failure_reason"] == "data lost: data directory missing"
-        assert await reasons(conn, iid, "degrade") == ["data lost: data directory missing"]
-        (restore,) = await live_jobs(conn, iid)
-        assert restore["kind"] == RESTORE
-        assert (await local_app.post(path, headers=who.headers)).status_code == 409  # nothing to back up
-
         async with working(local_settings, registry):
+            summary = await rec.run_once()
+            assert summary.actions["degrade"] == 1 and summary.actions["enqueue_restore"] == 1
+            assert metrics.DATA_LOSS._value.get() == lost_before + 1
+            assert await reasons(conn, iid, "degrade") == ["data lost: data directory missing"]
             await passes_until(rec, recovered(iid))
 
     row = await instance(conn, iid)
     assert (row["state"], row["failure_code"], row["failure_reason"]) == ("ready", None, None)
-    (recovery,) = await reasons(conn, iid, "recover")
-    assert recovery.startswith(f"restored from backup {listed[0]['id']} taken at ")
-    assert recovery.endswith("changes made after it are lost (the newest backup, by policy)")
+    cursor = await conn.execute(
+        "SELECT reason, detail FROM instance_events WHERE instance_id = %s AND event = 'recover'", (iid,)
+    )
+    (recovery,) = await cursor.fetchall()
+    assert recovery["reason"].startswith("restored to the end of its continuous archive")
+    assert recovery["reason"].endswith("; 0 s of writes before the loss could not be recovered (by policy)")
+    detail = recovery["detail"]
+    assert (detail["code"], detail["restored_from"], detail["seconds_lost"]) == ("data_lost", "archive", 0)
+    assert datetime.fromisoformat(detail["recovered_to"]) <= written
     with connect(credentials(local_settings, row)) as customer:
-        assert customer.execute("SELECT count(*) FROM kept").fetchone() == (2,)
-        assert customer.execute("SELECT to_regclass('written_after_the_backup')").fetchone() == (None,)
+        assert customer.execute("SELECT array_agg(x ORDER BY x) FROM kept").fetchone() == ([1, 2, 3],)
+        assert customer.execute("SELECT x FROM written_after_the_backups").fetchall() == [(4,)]
     # The time it spent degraded for its lost data, with no server, is billed as storage only.
     cursor = await conn.execute(
         "SELECT event, at, detail FROM instance_events"
@@ -141,6 +138,7 @@ async def test_lost_data_is_degraded_counted_and_restored_from_the_newest_schedu
     )
     degrade, recover = await cursor.fetchall()
     assert degrade["detail"] == {"code": "data_lost"}
+    created = row["created_at"]
     lines = await usage.usage_of_org(conn, who.org_id, created, recover["at"], now=recover["at"])
     totals = metering.totals_by(lines, "billing")
     assert totals[("storage_only",)] == pytest.approx((recover["at"] - degrade["at"]).total_seconds())
@@ -227,15 +225,16 @@ async def test_without_a_backup_lost_data_waits_for_an_explicit_audited_decision
     assert await audit.verify(conn) == []
 
 
-async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instance_directory(
+async def test_the_local_provisioner_backs_up_expires_and_restores_a_lost_instance_directory(
     pg_root: Path,
 ) -> None:
-    with real_instances(pg_root) as settings:
+    with real_instances(pg_root, local_archive_timeout_s=1) as settings:
         local = LocalProvisioner(settings)
         iid = uuid.uuid4()
         await local.allocate_storage(iid, DEV, 1)
         await local.configure_network(iid, DEV, 1)
         info = await local.initialize_database(iid, DEV, 1)
+        await local.configure_archive(iid, DEV, 1)
         with connect(info) as customer:
             customer.execute("CREATE TABLE t1 (x int)")
         first = await local.take_backup(iid, DEV, 2, kind="scheduled")
@@ -243,23 +242,28 @@ async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instanc
             customer.execute("CREATE TABLE t2 (x int)")
         second = await local.take_backup(iid, DEV, 2, kind="on_demand")
         later = [await local.take_backup(iid, DEV, 2, kind="scheduled") for _ in range(2)]
-        # Retention: the plan keeps 3, the oldest goes.
+        # Retention: the dev plan keeps 3 full backups, the oldest goes (pgBackRest expires it).
         held = await local.list_backups(iid)
         assert [b.name for b in held] == [second.name, *(b.name for b in later)]
-        assert held[0].kind == "on_demand" and not Path(first.location).exists()
+        assert (held[0].kind, held[0].type) == ("on_demand", "full") and first.name not in {
+            b.name for b in held
+        }
         with connect(info) as customer:
             customer.execute("CREATE TABLE t3 (x int)")
 
-        # The whole instance directory goes, its state (and the admin password) with it.
+        # The whole instance directory goes, its state (and the admin password) with it; a backup
+        # chosen by name brings it back as it was then (its stanza's record knows the password).
         shutil.rmtree(local.instance_dir(iid))
         seen = await local.observe(iid)
         assert seen.data_lost and not seen.exists
         with pytest.raises(DataLost):
             await local.allocate_storage(iid, DEV, 3)
-        await local.restore(iid, DEV, 3, backup_id=second.name)
+        restored = await local.restore(iid, DEV, 3, point=RestorePoint(backup=second.name))
+        assert restored.backup == second.name
         await local.configure_network(iid, DEV, 3)
         again = await local.initialize_database(iid, DEV, 3, password=info.password)
         assert (again.port, again.user, again.password) == (info.port, info.user, info.password)
+        await local.configure_archive(iid, DEV, 3)
         with connect(again) as customer:
             tables = customer.execute(
                 "SELECT relname FROM pg_class WHERE relname LIKE 't_' ORDER BY 1"
@@ -267,10 +271,27 @@ async def test_the_local_provisioner_backs_up_prunes_and_restores_a_lost_instanc
             assert tables == [("t1",), ("t2",)]
         assert (await local.observe(iid)).healthy
 
-        # Deleting the instance takes its final dump and removes its periodic backups.
+        # Deleting the instance takes a final backup; the archive and backups stay for the retention.
         result = await local.deprovision(iid, DEV, 4)
-        assert result.backup is not None and result.backup.endswith(".dump")
-        assert not local.backup_dir(iid).exists()
+        assert result.backup is not None and result.backup in {
+            b.location for b in await local.list_backups(iid)
+        }
+        window = await local.recovery_window(iid)
+        assert window is not None and window.retained_until is not None
+        assert await local.expire(iid) is False  # not yet
+        # Once the retention ran out, the maintenance removes the stanza: nothing is left.
+        assert local.backups.expire(iid, datetime.now(UTC) + timedelta(days=30)) is True
+        assert await local.list_backups(iid) == [] and await local.recovery_window(iid) is None
+
+        # A deletion that skips its final backup keeps nothing.
+        other = uuid.uuid4()
+        await local.allocate_storage(other, DEV, 5)
+        await local.configure_network(other, DEV, 5)
+        await local.initialize_database(other, DEV, 5)
+        await local.configure_archive(other, DEV, 5)
+        assert local.repository.has_stanza(other)
+        await local.deprovision(other, DEV, 6, skip_backup=True)
+        assert not local.repository.has_stanza(other) and await local.recovery_window(other) is None
 
 
 async def test_backups_are_refused_where_the_provisioner_takes_none(

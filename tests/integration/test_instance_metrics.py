@@ -205,7 +205,12 @@ async def test_a_real_database_beyond_its_allocation_is_held_read_only_until_its
     info = credentials(settings, await instance(conn, iid))
     now = await scalar(conn, "SELECT now()")
     async with reconciling(settings, local) as rec:
-        await rec.run_once(now)
+        await rec.run_once(now)  # its first sample, and its first backup enqueued
+
+        async def idle(c: AsyncConn) -> bool:
+            return not await live_jobs(c, iid)
+
+        await run_until(settings, registry, idle)  # the backup taken: no job under way
         fresh = await scalar(
             conn, "SELECT max(size_bytes) FROM instance_metrics WHERE instance_id = %s", (iid,)
         )

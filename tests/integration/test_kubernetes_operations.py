@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 
 from controlplane.core.dbmetrics import GIB, DatabaseStats
-from controlplane.core.kinds import RESUME, SUSPEND
+from controlplane.core.kinds import BACKUP, RESUME, SUSPEND
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from controlplane.services.policy import Policy
@@ -24,7 +24,15 @@ from provisioners.kubernetes import KubernetesProvisioner
 from tests.api_support import WEBHOOK_SECRET, Tenant, create
 from tests.kubernetes_fake import FakeCluster
 from tests.kubernetes_support import NAMESPACE, OBJECT_STORE, provisioner_on_fake, role_from
-from tests.operations_support import enqueue, instance, instance_in, registry_for, run_until, scalar
+from tests.operations_support import (
+    enqueue,
+    instance,
+    instance_in,
+    job_finished,
+    registry_for,
+    run_until,
+    scalar,
+)
 from tests.reconciler_support import reconciling
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -87,6 +95,25 @@ async def test_an_instance_on_cloudnativepg_from_create_to_delete_and_restored(
         and cluster["spec"]["storage"]["size"] == "10Gi"
     )
 
+    # Its recoverable window, from the Cluster's status: from its first backup's end, up to the
+    # operator's archive timeout before the reconciler's observation.
+    taken = await enqueue(conn, BACKUP, uuid.UUID(made["id"]), backup_kind="on_demand")
+    await run_until(api_settings, registry, job_finished(taken["id"]))
+    async with reconciling(api_settings, provisioner) as rec:
+        await rec.run_once()
+    window = (await client.get(f"/v1/instances/{made['id']}/recovery", headers=tenant.headers)).json()
+    assert window["earliest"].startswith("2026-01-01T00:00:00") and window["archive"]["healthy"] is True
+    outside = await client.post(
+        "/v1/instances",
+        json={
+            "name": "copy",
+            "plan": "dev",
+            "restore_from": {"instance_id": made["id"], "point_in_time": "2025-12-31T00:00:00Z"},
+        },
+        headers=tenant.headers,
+    )
+    assert outside.status_code == 422 and outside.json()["recoverable_window"]["earliest"] is not None
+
     # Another organisation cannot restore this one's data; this one can, to a point in time.
     foreign = await client.post(
         "/v1/instances",
@@ -127,9 +154,9 @@ async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
     client: httpx.AsyncClient, tenant: Tenant, app: FastAPI, api_settings: Settings
 ) -> None:
     made = await create(client, tenant, "orders")
-    local = api_settings.replace(provisioner="local")
-    app.state.controlplane.settings = local
-    app.state.controlplane.policy = Policy.from_settings(local)
+    noop = api_settings.replace(provisioner="noop")
+    app.state.controlplane.settings = noop
+    app.state.controlplane.policy = Policy.from_settings(noop)
     response = await client.post(
         "/v1/instances",
         json={"name": "copy", "plan": "dev", "restore_from": {"instance_id": made["id"]}},
@@ -137,7 +164,7 @@ async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
     )
     assert response.status_code == 422
     assert (
-        response.json()["detail"] == "restore_from is not supported by the local provisioner of this service"
+        response.json()["detail"] == "restore_from is not supported by the noop provisioner of this service"
     )
     naive = await client.post(
         "/v1/instances",

@@ -87,6 +87,7 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
         ("allocate_storage", "provisioning", "allocate_storage"),
         ("configure_network", "provisioning", "configure_network"),
         ("initialize_database", "provisioning", "initialize_database"),
+        ("configure_archive", "provisioning", "configure_archive"),
     ]
     info = credentials(local_settings, row)
     with connect(info) as customer:
@@ -137,7 +138,10 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     row = await instance(conn, iid)
     assert row["secret"] is None and row["deadline_at"] is None
     verdict = (await job(conn, delete_job["id"]))["verdict"]
-    assert verdict["result"] == "deleted" and Path(verdict["backup"]).stat().st_size > 0
+    # The final backup is a backup of the instance's archive, kept for the plan's retention.
+    assert verdict["result"] == "deleted" and verdict["backup"] in {
+        b.location for b in await local.list_backups(iid)
+    }
     assert await local.inventory() == []
 
     assert [(f, t) for f, t, _ in await events(conn, iid)] == [

@@ -77,7 +77,7 @@ async def test_the_watch_stream_carries_each_step_with_the_progress_after_it(
         assert by_name[data["step"]] == shown[data["event"]]
         assert data["progress"]["current_step"] == (data["step"] if data["event"] == "started" else None)
     last = events[-2][1]["progress"]
-    assert [s["state"] for s in last["steps"]] == ["done", "done", "running"]
+    assert [s["state"] for s in last["steps"]] == ["done", "done", "running", "pending"]
     assert events[-1] == ("transition", {"id": str(iid), "state": "failed", "state_version": 2})
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from controlplane.core.step_errors import StaleFence, TemporaryError
 from controlplane.runtime.postgres import port_in_use
-from provisioners.base import ConnectionInfo, DataLost, InstanceSpec
+from provisioners.base import ConnectionInfo, DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner, owner_role
 from tests.provisioning_support import connect, real_instances
 
@@ -108,17 +108,20 @@ async def test_one_instance_through_its_whole_life(local: LocalProvisioner) -> N
     with pytest.raises(StaleFence):
         await local.deprovision(iid, DEV, fence=3)
 
-    # Deprovision: final dump, server stopped, directory and port gone; again is a no-op.
+    # Deprovision: a final pgBackRest backup (kept with the archive for the plan's retention), server
+    # stopped, directory and port gone; again is a no-op that adopts the same final backup.
     result = await local.deprovision(iid, small, fence=14)
-    assert result.backup is not None and Path(result.backup).stat().st_size > 0
-    assert Path(result.backup).parent == Path(local.settings.data_dir).resolve() / "backups"
+    kept = await local.list_backups(iid)
+    assert [(b.location, b.kind) for b in kept] == [(result.backup, "final")]
+    window = await local.recovery_window(iid)
+    assert window is not None and window.retained_until is not None and window.earliest is not None
     assert not local.instance_dir(iid).exists()
     assert local.ports.port_of(iid) is None and not port_in_use(info.port)
     assert await local.inventory() == []
     assert (await local.observe(iid)).exists is False
     again_result = await local.deprovision(iid, small, fence=14)
-    assert again_result.removed is False and again_result.backup is None
-    assert list(Path(result.backup).parent.iterdir()) == [Path(result.backup)]
+    assert again_result.removed is False and again_result.backup == result.backup
+    assert await local.list_backups(iid) == kept
 
 
 def occupy(port: int) -> socket.socket:
@@ -235,7 +238,7 @@ async def test_observe_sees_a_killed_server_and_a_removed_directory(local: Local
     # Lost data is never re-created empty by re-running the steps: only an explicit restore does.
     with pytest.raises(DataLost):
         await provision(local, iid, fence=3)
-    await local.restore(iid, DEV, fence=3, backup_id=None)
+    await local.restore(iid, DEV, fence=3, point=RestorePoint(empty=True))
     repaired = await provision(local, iid, fence=3)
     assert repaired.port == info.port and repaired.user == info.user
     with connect(repaired) as conn:
@@ -243,3 +246,27 @@ async def test_observe_sees_a_killed_server_and_a_removed_directory(local: Local
     table = json.loads((local.root / "ports.json").read_text())
     assert table == {str(iid): info.port, str(other): other_port}
     assert local.ports.release(other) is True
+
+
+async def test_a_lost_data_directory_restores_after_its_plan_was_lowered(local: LocalProvisioner) -> None:
+    # Found by the chaos soak: backed up on `small` (50 connections), then resized to `dev` (20) and
+    # lost. The replay runs with the instance's plan, below what its WAL's primary had: a hot standby
+    # would refuse to start ("insufficient parameter settings"), so the replay runs without one.
+    iid = uuid.uuid4()
+    small, dev = InstanceSpec("small", 1), InstanceSpec("dev", 2)
+    info = await provision(local, iid, fence=1, spec=small)
+    await local.configure_archive(iid, small, fence=1)
+    with connect(info) as owner:
+        owner.execute("CREATE TABLE notes (body text)")
+        owner.execute("INSERT INTO notes VALUES ('on small')")
+    await local.take_backup(iid, small, fence=2)
+    assert await local.apply_plan(iid, dev, fence=3) is True
+    with connect(info) as owner:
+        owner.execute("INSERT INTO notes VALUES ('on dev')")
+    shutil.rmtree(local.datadir(iid))
+    await local.restore(iid, dev, fence=4, point=RestorePoint())
+    await local.configure_network(iid, dev, fence=4)
+    back = await local.initialize_database(iid, dev, fence=4, password=info.password)
+    with connect(back) as owner:
+        assert owner.execute("SHOW max_connections").fetchone() == ("20",)
+        assert owner.execute("SELECT count(*) FROM notes WHERE body = 'on small'").fetchone() == (1,)

@@ -14,6 +14,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from provisioners.base import InstanceSpec
 from provisioners.local import LocalProvisioner
+from tests.archive_support import archived_through, server_clock
 from tests.operations_support import (
     Condition,
     instance,
@@ -53,7 +54,8 @@ async def test_a_killed_server_and_a_removed_data_directory_are_degraded_and_hea
     iid = await ready_instance(conn, local_settings, registry)
     async with reconciling(local_settings, local) as rec:
         summary = await rec.run_once()
-        assert (summary.observed, summary.actions) == (1, {})  # healthy: nothing to do
+        # Healthy: nothing to repair; its first backup is due at once (restores start from one).
+        assert (summary.observed, summary.actions) == (1, {"enqueue_backup": 1})
 
         # kill -9 of the postmaster, behind the control plane's back.
         pid = int((local.datadir(iid) / "postmaster.pid").read_text().split()[0])
@@ -63,7 +65,7 @@ async def test_a_killed_server_and_a_removed_data_directory_are_degraded_and_hea
         assert summary.actions == {"degrade": 1, "enqueue_heal": 1}
         row = await instance(conn, iid)
         assert (row["state"], row["failure_reason"]) == ("degraded", "observed server not running")
-        (heal,) = await live_jobs(conn, iid)
+        (heal,) = [j for j in await live_jobs(conn, iid) if j["kind"] != "backup"]
         assert heal["kind"] == HEAL and await enqueued_by(conn, heal["id"]) == RECONCILER
         async with working(local_settings, registry):
             await passes_until(rec, recovered(iid))
@@ -73,28 +75,41 @@ async def test_a_killed_server_and_a_removed_data_directory_are_degraded_and_hea
             customer.execute("CREATE TABLE before_the_loss (x int)")
 
         # The data directory removed, behind the control plane's back: degraded as data lost, and
-        # never healed into an empty database (no backup is held: it waits for a decision).
+        # never healed into an empty database: restored to the end of its archive (a backup is held).
+        written = server_clock(credentials(local_settings, row))
+        async with working(local_settings, registry):  # its first backup, if the kill cut it short
+            await passes_until(rec, archived_through(iid, written))
         shutil.rmtree(local.datadir(iid))
         summary = await rec.run_once()
-        assert summary.actions == {"degrade": 1}
+        assert summary.actions == {"degrade": 1, "enqueue_restore": 1}
         row = await instance(conn, iid)
         assert (row["state"], row["failure_code"]) == ("degraded", "data_lost")
         assert row["failure_reason"] == "data lost: data directory missing"
         async with working(local_settings, registry):
-            assert (await rec.run_once()).actions == {}
-        assert await live_jobs(conn, iid) == []
+            await passes_until(rec, recovered(iid))
+        with connect(credentials(local_settings, await instance(conn, iid))) as customer:
+            assert customer.execute("SELECT to_regclass('before_the_loss')::text").fetchone() == (
+                "before_the_loss",
+            )
+        cursor = await conn.execute(
+            "SELECT count(*) AS n FROM jobs WHERE instance_id = %s AND kind = %s", (iid, HEAL)
+        )
+        assert (await cursor.fetchone() or {})["n"] == 1  # the lost data was never healed
     assert [(f, t, a.split(":")[0]) for f, t, _, a in await instance_events(conn, iid)][3:] == [
         ("ready", "degraded", "reconciler"),
         ("degraded", "ready", "worker"),
         ("ready", "degraded", "reconciler"),
+        ("degraded", "ready", "worker"),
     ]
     cursor = await conn.execute(
         "SELECT reason, detail FROM instance_events WHERE instance_id = %s AND event = 'recover' ORDER BY id",
         (iid,),
     )
     # The provisioner's words (they may name servers and paths) are kept for SREs only.
-    repairs = [(r["reason"], r["detail"]["sre"]["before"]["detail"]) for r in await cursor.fetchall()]
+    recoveries = await cursor.fetchall()
+    repairs = [(r["reason"], r["detail"]["sre"]["before"]["detail"]) for r in recoveries[:1]]
     assert repairs == [("repaired", "server not running")]
+    assert recoveries[1]["reason"].startswith("restored to the end of its continuous archive")
     assert await audit.verify(conn) == []
 
 

@@ -123,8 +123,9 @@ async def test_orphans_are_listed_in_dry_run_and_removed_with_a_final_backup_oth
         assert (await duties(rec).run_once()).orphans == []  # gone: nothing found the next time
     assert owners(await local.inventory()) == {cleaning, alive}
     assert not local.instance_dir(unknown).exists() and not (await local.observe(unknown)).exists
-    (backup,) = (Path(local_settings.data_dir) / "backups").glob(f"{unknown}-*.dump")
-    assert backup.stat().st_size > 0
+    # The final backup is kept in the unknown instance's stanza (the plan's retention).
+    (backup,) = [b for b in await local.list_backups(unknown) if b.kind == "final"]
+    assert backup.size_bytes
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("orphan removed: ")]
     assert len(logged) == 2
-    assert any(str(unknown) in m and f"final backup: {backup}" in m for m in logged)
+    assert any(str(unknown) in m and f"final backup: {backup.location}" in m for m in logged)

@@ -95,11 +95,12 @@ async def test_a_failed_instance_is_retried_into_a_ready_one_and_deleted_without
         ("allocate_storage", "done"),
         ("configure_network", "running"),
         ("initialize_database", "pending"),
+        ("configure_archive", "pending"),
     ]
     storage = at_network["steps"][0]
     assert storage["started_at"] < storage["finished_at"] and storage["duration_s"] > 0
     at_init = seen["initialize_database"]
-    assert [s["state"] for s in at_init["steps"]] == ["done", "done", "running"]
+    assert [s["state"] for s in at_init["steps"]] == ["done", "done", "running", "pending"]
     assert at_init["overdue"] is False and at_init["expected_by"] <= at_init["deadline_at"]
 
     failed = (await client.get(f"/v1/instances/{failed_id}", headers=tenant.headers)).json()

@@ -189,3 +189,26 @@ def test_not_converged_while_an_intent_waits_for_the_reconciler() -> None:
     assert not plan.converged(plan.Snapshot(**held))  # the hold not carried out
     ledger, recorded = _world(_instance(deletion_requested=True))
     assert "its deletion is recorded, but it is ready" in " ".join(_check(ledger, recorded))
+
+
+def test_a_row_older_than_the_archive_timeout_must_survive_a_removed_data_directory() -> None:
+    instances = [
+        {"id": "a", "state": "ready"},
+        {"id": "b", "state": "ready"},
+        {"id": "c", "state": "deleted"},
+    ]
+    losses = [
+        plan.DataLoss("a", 10.2, kept_present=True, late_present=False),  # the late row may go
+        plan.DataLoss("b", 10.4, kept_present=False, late_present=False),
+        plan.DataLoss("c", 10.0),  # deleted meanwhile: nothing to look at
+    ]
+    (violation,) = plan.durability_violations(losses, instances)
+    assert violation.startswith("instance b: a row committed 10.4 s before its data directory")
+    assert plan.durability_violations([plan.DataLoss("a", 10.0)], instances) == [
+        "instance a: never seen restored after its data directory was removed"
+    ]
+    report = plan.Report(seed=1, minutes=1, processes={}, data_losses=losses)
+    assert "Data directories removed: 3; the row older than the archive timeout survived 1 time(s)" in (
+        report.markdown()
+    )
+    assert report.as_json()["data_losses"][1]["kept_present"] is False

@@ -1,5 +1,6 @@
-"""The launcher's decisions (dev.py, beside the project): what `up` and `test` install into the venv,
-what `test` installs for the browser tests and the alert rules' tests."""
+"""The launcher's decisions (dev.py, beside the project): what it installs with apt-get (pgBackRest for
+every command that runs local instances; Chromium, libfaketime, npm and promtool for the tests), and
+what `up` and `test` install into the venv."""
 
 from __future__ import annotations
 
@@ -64,3 +65,18 @@ def test_up_installs_the_runtime_and_test_adds_the_dev_extra_to_the_same_venv() 
     assert dev.to_install(stamp("L1"), "L1", {"embedded-fallback"}) == {"embedded-fallback"}
     # The stamp of an earlier dev.py (a bare digest) installs again.
     assert dev.to_install("0123abcd", "L1", runtime) == frozenset()
+
+
+def test_pgbackrest_is_installed_for_every_command_that_runs_local_instances() -> None:
+    dev = _dev()
+    assert dev.missing_packages(dev.RUNTIME_PACKAGES, lambda found_by: True) == ()
+    assert dev.missing_packages(dev.RUNTIME_PACKAGES, lambda found_by: False) == ("pgbackrest",)
+    assert dev.PGBACKREST.as_posix() == "/usr/bin/pgbackrest"
+    everything = dev.missing_packages(dev.TEST_PACKAGES, lambda found_by: False)
+    assert everything == ("pgbackrest", "chromium", "fonts-liberation", "libfaketime", "npm")
+    only_browser = dev.missing_packages(dev.TEST_PACKAGES, lambda found_by: found_by != str(dev.CHROMIUM))
+    assert only_browser == ("chromium", "fonts-liberation")
+    assert dev.debian_install(everything, True, "why") == [
+        ["apt-get", "update"],
+        ["apt-get", "install", "-y", *everything],
+    ]

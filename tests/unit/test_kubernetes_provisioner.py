@@ -490,3 +490,28 @@ async def test_a_status_write_racing_the_fence_mark_is_read_again() -> None:
             r for r in state.requests if r.method == "PATCH" and r.content_type == cnpg.MERGE_CONTENT_TYPE
         ]
         assert len(conflicts) == 2  # refused once with 409, then applied over the version read again
+
+
+async def test_the_recoverable_window_and_the_archive_health_come_from_the_cluster_status() -> None:
+    with provisioner_on_fake(kubernetes_backup_object_store="backups") as (k8s, state):
+        iid, spec = uuid.uuid4(), InstanceSpec("dev")
+        await ready(k8s, iid, spec)
+        before = (await k8s.observe(iid)).recovery
+        # Archiving, but nothing restorable before the first backup ends.
+        assert before is not None and before.archive_healthy is True and before.earliest is None
+        await k8s.take_backup(iid, spec, 2)
+        window = await k8s.recovery_window(iid)
+        assert window is not None and window.earliest == "2026-01-01T00:00:00Z"
+        assert window.latest is not None and window.lag_s == cnpg.ARCHIVE_TIMEOUT_S
+        state.archiving_fails("unable to upload WAL: access denied")
+        failing = await k8s.observe(iid)
+        assert failing.archive_failing and failing.recovery is not None and failing.recovery.latest is None
+        assert (
+            failing.recovery.archive_detail
+            == "ContinuousArchivingFailing: unable to upload WAL: access denied"
+        )
+    # Without an object store nothing is archived: no window.
+    with provisioner_on_fake() as (bare, _):
+        other = uuid.uuid4()
+        await ready(bare, other, InstanceSpec("dev"))
+        assert (await bare.observe(other)).recovery is None

@@ -213,6 +213,7 @@ USUAL = {
     (PROVISION, "allocate_storage"): 1.0,
     (PROVISION, "configure_network"): 1.0,
     (PROVISION, "initialize_database"): 2.0,
+    (PROVISION, "configure_archive"): 1.0,
 }
 
 
@@ -238,15 +239,17 @@ def test_progress_shows_each_step_with_its_state_and_times() -> None:
         ("allocate_storage", "done", 1, 0.5),
         ("configure_network", "running", 1, 0.3),
         ("initialize_database", "pending", 0, None),
+        ("configure_archive", "pending", 0, None),
     ]
     assert doc["steps"][0]["finished_at"] == T0 + timedelta(seconds=0.6)
     assert [s["label"] for s in doc["steps"]] == [
         "Allocate storage",
         "Configure the network",
         "Initialize the database",
+        "Start continuous backup",
     ]
-    # Expected: from the running step's start, its usual second and the 2 s still to go, plus 2 s of slack.
-    assert doc["expected_by"] == T0 + timedelta(seconds=0.7 + 1.0 + 2.0 + 2.0)
+    # Expected: from the running step's start, its usual second and the 3 s still to go, plus 2 s of slack.
+    assert doc["expected_by"] == T0 + timedelta(seconds=0.7 + 1.0 + 3.0 + 2.0)
     assert doc["overdue"] is False and doc["deadline_at"] == inst.deadline_at
     assert progress.progress(instance_in("ready"), records, running, USUAL, now) is None
 
@@ -303,8 +306,8 @@ def test_a_pending_instance_and_a_deletion_without_final_backup() -> None:
     pending = instance_in("pending", deadline_s=300)
     queued = progress.LiveJob(JOB_ID, PROVISION, 0, "queued")
     doc = progress.progress(pending, [], queued, USUAL, T0 + timedelta(seconds=1))
-    assert doc is not None and [s["state"] for s in doc["steps"]] == ["pending"] * 3
-    assert doc["current_step"] is None and doc["expected_by"] == T0 + timedelta(seconds=4.0 + 2.0)
+    assert doc is not None and [s["state"] for s in doc["steps"]] == ["pending"] * 4
+    assert doc["current_step"] is None and doc["expected_by"] == T0 + timedelta(seconds=5.0 + 2.0)
     deleting = instance_in("deprovisioning", skip_final_backup=True)
     doc = progress.progress(deleting, [], None, {}, T0)
     assert doc is not None and [s["name"] for s in doc["steps"]] == ["deprovision"]

@@ -147,3 +147,35 @@ def test_the_heal_backoff_doubles_up_to_its_ceiling() -> None:
         3600.0,
         3600.0,
     ]
+
+
+def test_an_archive_that_fails_degrades_a_ready_instance_and_only_a_working_one_recovers() -> None:
+    failing = replace(HEALTHY, archive_failing=True, archive_detail="repo full")
+    assert plan(view("ready", observed=failing), NOW, max_retries=2) == [
+        Transition("degrade", "archive failing: repo full", code="archive_failing"),
+        Enqueue("heal", "heal: archive failing: repo full"),
+    ]
+    # A queued backup (it would fail the same way) does not hold the degrade back; a suspend does.
+    queued = plan(view("ready", observed=failing, live_jobs=("backup",)), NOW, max_retries=2)
+    assert queued[0] == Transition("degrade", "archive failing: repo full", code="archive_failing")
+    assert plan(view("ready", observed=failing, live_jobs=("suspend",)), NOW, max_retries=2) == []
+    # Degraded: healed while it fails, recovered once the archive works again.
+    assert plan(view("degraded", observed=failing, failure_code="archive_failing"), NOW, max_retries=2) == [
+        Enqueue("heal", "heal: archive failing: repo full")
+    ]
+    assert plan(view("degraded", observed=HEALTHY, failure_code="archive_failing"), NOW, max_retries=2) == [
+        Transition("recover", "observed healthy again")
+    ]
+
+
+def test_the_first_backup_is_taken_at_once_then_one_per_plan_interval() -> None:
+    daily = view("ready", backup_interval_s=86400.0, created_at=NOW - timedelta(minutes=1))
+    assert plan(daily, NOW, max_retries=2) == [Enqueue("backup", "first backup")]
+    taken = replace(daily, newest_backup_at=NOW - timedelta(hours=23))
+    assert plan(taken, NOW, max_retries=2) == []
+    assert plan(taken, NOW + timedelta(hours=1), max_retries=2) == [Enqueue("backup", "scheduled backup")]
+    # A suspended instance changes nothing: no scheduled backup.
+    assert (
+        plan(replace(daily, state="suspended", observed=replace(HEALTHY, read_only=True)), NOW, max_retries=2)
+        == []
+    )

@@ -35,10 +35,13 @@ def test_the_derived_state_sets_are_the_ones_the_design_names() -> None:
 
 def test_what_a_provisioner_can_do_is_known_by_name_from_its_class() -> None:
     # The use cases' Policy reads these without building a provisioner.
-    assert [(provisioners.supports_restore(k), provisioners.supports_backups(k)) for k in KINDS] == [
-        (False, True),
-        (True, False),
-        (False, False),
+    assert [
+        (provisioners.supports_restore(k), provisioners.supports_backups(k), provisioners.reports_windows(k))
+        for k in KINDS
+    ] == [
+        (True, True, True),
+        (True, False, True),
+        (False, False, False),
     ]
     policy = Policy.from_settings(Settings(provisioner="kubernetes"))
     assert (policy.provisioner, policy.supports_restore, policy.supports_backups) == (

@@ -38,7 +38,8 @@ from controlplane.core.records import Instance as InstanceRecord
 from controlplane.core.refusals import DomainError, InvalidRequest, LimitReached, NotFound
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import BillingSettings
-from controlplane.services import billing_policy, idempotency, instances, metrics, sessions, tenants
+from controlplane.services import backups, billing_policy, idempotency, instances, metrics, sessions, tenants
+from provisioners.base import RestoreSource
 
 router = APIRouter(include_in_schema=False)
 
@@ -79,6 +80,7 @@ NOTICES: Mapping[str, str] = {
     "delete": "The deletion is under way; it runs now, or as soon as the database can be deleted.",
     "remove": "Removing it: what its failure left behind is cleaned up, and it leaves your list.",
     "retry": "A new database replaces the failed one; follow it here.",
+    "restored": "A new database is being made from the other's backups; follow it here.",
     "revoked": "The key is revoked: requests and console sessions with it are refused from now on.",
 }
 
@@ -292,22 +294,14 @@ async def create_instance(request: Request, who: SignedIn, form: Form) -> Respon
         field_errors = _field_errors(errors.validation_errors(exc.errors()))
     else:
         try:
-            # The form's own key: a double submit (or a reload of the answer) creates one database.
-            customer = who.customer
             asked = instances.CreateInstance(
                 who.org_id, body.name, body.plan, body.region, deletion_protection=body.deletion_protection
             )
-            created = await instances.once(
-                app.pool,
-                who.org_id,
-                _keyed(form, "console", "/v1/instances", body.model_dump(mode="json")),
-                lambda conn: instances.create(conn, customer.actor, customer.request_id, asked, app.policy),
-                _made,
-            )
+            made = await _create_once(app, who, form, body, asked)
         except (DomainError, ProblemError) as exc:
             field_errors = _refusal_fields(exc, default_field="name")
         else:
-            return redirect(f"/instances/{created.response.body['id']}")
+            return redirect(f"/instances/{made}")
     async with app.pool.connection() as conn:
         org = await _org(conn, who, app.settings.billing)
     return _new_instance_form(who, org, values, field_errors, status=422)
@@ -448,6 +442,58 @@ async def retry(request: Request, instance_id: uuid.UUID, who: SignedIn, _: Form
     return redirect(f"/instances/{created.response.body['id']}?done=retry")
 
 
+@router.post("/instances/{instance_id}/restore-to-new", response_class=HTMLResponse)
+async def restore_to_new(request: Request, instance_id: uuid.UUID, who: SignedIn, form: Form) -> Response:
+    """A new database from this one's backups at a point in time (the create use case, as
+    `POST /v1/instances` with `restore_from` calls it); the page follows the new one."""
+    app = app_state(request)
+    source = {
+        "instance_id": str(instance_id),
+        "point_in_time": form.get("point_in_time", "").strip() or None,
+        "backup": form.get("backup", "").strip() or None,
+    }
+    values = {"name": form.get("name", "").strip(), "plan": form.get("plan", ""), "restore_from": source}
+    try:
+        body = InstanceCreate.model_validate(values)
+    except ValidationError as exc:
+        message = "; ".join(f"{e['field']}: {e['message']}" for e in errors.validation_errors(exc.errors()))
+        return await _instance_view(request, who, instance_id, failed={"restore": message}, status=422)
+    assert body.restore_from is not None
+    asked = instances.CreateInstance(
+        who.org_id,
+        body.name,
+        body.plan,
+        body.region,
+        restore_from=RestoreSource.from_spec(body.restore_from.model_dump(mode="json")),
+    )
+    try:
+        made = await _create_once(app, who, form, body, asked)
+    except (DomainError, ProblemError) as exc:
+        message = exc.detail if isinstance(exc, DomainError) else str(exc)
+        return await _instance_view(request, who, instance_id, failed={"restore": message}, status=422)
+    return redirect(f"/instances/{made}?done=restored")
+
+
+async def _create_once(
+    app: AppState,
+    who: Visitor,
+    form: Mapping[str, str],
+    body: InstanceCreate,
+    asked: instances.CreateInstance,
+) -> str:
+    """The create use case behind the form's own key (a double submit, or a reload of the answer,
+    creates one database); the new instance's id."""
+    customer = who.customer
+    created = await instances.once(
+        app.pool,
+        who.org_id,
+        _keyed(form, "console", "/v1/instances", body.model_dump(mode="json")),
+        lambda conn: instances.create(conn, customer.actor, customer.request_id, asked, app.policy),
+        _made,
+    )
+    return str(created.response.body["id"])
+
+
 async def _change(
     request: Request,
     who: Visitor,
@@ -506,6 +552,10 @@ async def _instance_context(
 ) -> dict[str, Any]:
     doc = await views.one_instance(conn, record, app.box)
     connectable = doc["connection"] is not None and record.state in present.CONNECTABLE
+    found = await backups.recovery(conn, backups.ShowRecovery(record.id, who.org_id, limit=5))
+    shown = [
+        {"id": b.backup_id, "kind": b.kind, "type": b.type, "taken_at": b.taken_at} for b in found.backups
+    ]
     ended = None
     if record.state in DELETED:
         # Its deletion's event: when, and the final backup it kept (its name; where it is kept is
@@ -515,6 +565,8 @@ async def _instance_context(
     return _page(who, org, "instance") | {
         "ended": ended,
         "i": doc,
+        "recovery": views.recovery(found, shown),
+        "restore_key": secrets.token_urlsafe(16),
         "terminal": record.state in lifecycle.INSTANCE.terminal,
         "formats": present.connection_formats(doc["connection"], reveal=False) if connectable else None,
     }

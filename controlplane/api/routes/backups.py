@@ -16,9 +16,11 @@ from controlplane.api import views
 from controlplane.api.auth import AdminKey, Customer, customer
 from controlplane.api.models import (
     AdminBackupPage,
+    AdminRecoverableWindow,
     BackupPage,
     BackupRequested,
     Instance,
+    RecoverableWindow,
     RestoreEmpty,
     RestoreRequest,
 )
@@ -65,6 +67,7 @@ def _backup(backup: BackupRecord, *, sre: bool = False) -> dict[str, Any]:
     shown: dict[str, Any] = {
         "id": backup.backup_id,
         "kind": backup.kind,
+        "type": backup.type,
         "taken_at": backup.taken_at,
         "size_bytes": backup.size_bytes,
     }
@@ -107,6 +110,43 @@ async def list_backups(
     instance_id: InstanceRef, request: Request, who: Caller, paging: Page
 ) -> dict[str, Any]:
     return await _page(request, instance_id, who.org_id, paging)
+
+
+async def _recovery(
+    request: Request, instance_id: uuid.UUID, org_id: uuid.UUID | None, *, sre: bool = False
+) -> dict[str, Any]:
+    async with app_state(request).pool.connection() as conn:
+        found = await backups.recovery(conn, backups.ShowRecovery(instance_id, org_id))
+    return views.recovery(found, [_backup(b, sre=sre) for b in found.backups], sre=sre)
+
+
+@router.get(
+    "/v1/instances/{instance_id}/recovery",
+    response_model=RecoverableWindow,
+    responses=errors.responses(401, 403, 404, 422),
+    summary="The moments an instance can be restored to, its archive's health and its backups",
+    operation_id="getRecoverableWindow",
+    description=(
+        "The earliest and latest moment a point-in-time restore of the instance can reach (into a new "
+        "instance: `POST /v1/instances` with `restore_from`), the health and lag of its continuous "
+        "archive, and its backups, newest first. A deleted instance's stays until `retained_until`."
+    ),
+)
+async def recovery(instance_id: InstanceRef, request: Request, who: Caller) -> dict[str, Any]:
+    return await _recovery(request, instance_id, who.org_id)
+
+
+@router.get(
+    "/v1/admin/instances/{instance_id}/recovery",
+    response_model=AdminRecoverableWindow,
+    responses=errors.responses(401, 403, 404, 422),
+    tags=["sre"],
+    summary="Any instance's recoverable window, with what fails and where its backups are kept",
+    operation_id="adminGetRecoverableWindow",
+    description="Any instance's recoverable window, with the archive's error and the backups' locations.",
+)
+async def admin_recovery(instance_id: uuid.UUID, request: Request, _: AdminKey) -> dict[str, Any]:
+    return await _recovery(request, instance_id, None, sre=True)
 
 
 @router.post(
