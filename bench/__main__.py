@@ -22,6 +22,8 @@ from bench.profiling import Profiler
 from bench.workloads import all_workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The workloads that compare the peer queues (their environment is set up only for them, or a profile).
+PEER_WORKLOADS = frozenset({"drain", "pickup"})
 
 
 def log(message: str) -> None:
@@ -180,7 +182,8 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     peers = None
     try:
-        peers = env.ensure_peers_venv(log)
+        if args.profile or PEER_WORKLOADS & {w.key for w in workloads}:
+            peers = env.ensure_peers_venv(log)
     except Exception as exc:
         log(f"the peers' environment could not be set up: {exc}")
     wrk = env.ensure_wrk(log) if any(w.key == "api" for w in workloads) else None

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
+from controlplane.core.dbmetrics import DatabaseStats
 from provisioners.base import (
     ConnectionInfo,
     DeprovisionResult,
@@ -24,14 +25,19 @@ class NoopProvisioner(Provisioner):
 
     name = "noop"
     observe_latency_s = 0.0
+    observe_stats = False
 
-    def __init__(self, observe_latency_s: float = 0.0) -> None:
-        # What an observe costs a real provisioner (a health check's round trip): benchmarks set it.
+    def __init__(self, observe_latency_s: float = 0.0, observe_stats: bool = False) -> None:
+        # What an observe costs a real provisioner (a health check's round trip), and whether it
+        # reports a database's metrics as the local one's does (the reconciler then samples them):
+        # benchmarks set them.
         self.observe_latency_s = observe_latency_s
+        self.observe_stats = observe_stats
+        self._observed = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> NoopProvisioner:
-        return cls(settings.provisioner.noop_observe_latency_s)
+        return cls(settings.provisioner.noop_observe_latency_s, settings.provisioner.noop_observe_stats)
 
     async def allocate_storage(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         return None
@@ -62,7 +68,13 @@ class NoopProvisioner(Provisioner):
     async def observe(self, instance_id: uuid.UUID) -> Observation:
         if self.observe_latency_s:
             await asyncio.sleep(self.observe_latency_s)
-        return Observation(True, running=True, healthy=True, read_only=False, detail="noop")
+        stats = None
+        if self.observe_stats:
+            # Counters that move, a small database: sampled as a real one's, never nearly full.
+            self._observed += 1
+            n = self._observed
+            stats = DatabaseStats(1, 20, n, 10 * n, n, 90 * n, n, 8 * 2**20)
+        return Observation(True, running=True, healthy=True, read_only=False, detail="noop", stats=stats)
 
     async def inventory(self) -> list[Resource]:
         return []

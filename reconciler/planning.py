@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 from controlplane.core import failures, lifecycle
 from controlplane.core.dbmetrics import GIB, DatabaseStats
-from controlplane.core.failures import ARCHIVE_FAILING, DATA_LOST, UNHEALTHY
+from controlplane.core.failures import ARCHIVE_FAILING, DATA_LOST, STORAGE_FULL, UNHEALTHY
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
 assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
@@ -97,6 +97,12 @@ class StorageView:
     used: Sequence[tuple[datetime, int]]
     grown_at: datetime | None = None
     warned_at: datetime | None = None
+    # The bytes of one allocated GB (GiB; a test makes it small, so that a real write fills one).
+    gb_bytes: int = GIB
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.allocated_gb * self.gb_bytes
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class RecordFailure:
 class Enqueue:
     kind: str
     reason: str
+    # The failure code a suspension records (storage_full), if any.
+    code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -258,7 +266,7 @@ GB = GIB  # allocations are in binary gigabytes, as the volumes' `Gi`
 def full_since(storage: StorageView, free_ratio: float) -> datetime | None:
     """The start of the unbroken run of samples, up to the newest, with at most `free_ratio` of the
     allocation free (None: the newest has more free)."""
-    limit = storage.allocated_gb * GB * (1 - free_ratio)
+    limit = storage.allocated_bytes * (1 - free_ratio)
     since = None
     for at, used in reversed(storage.used):
         if used < limit:
@@ -267,18 +275,44 @@ def full_since(storage: StorageView, free_ratio: float) -> datetime | None:
     return since
 
 
+def held_for_storage(view: InstanceView) -> bool:
+    """Whether the instance is suspended because it outgrew its storage allocation."""
+    return view.state == "suspended" and view.failure_code == STORAGE_FULL
+
+
+def _share(storage: StorageView) -> str:
+    return f"{storage.used[-1][1] / storage.allocated_bytes:.0%} of {storage.allocated_gb} GB used"
+
+
+def plan_allocation(view: InstanceView) -> list[PlannedAction]:
+    """A database is held to its storage allocation: beyond it, a ready instance is suspended
+    (read-only) with the code storage_full; such an instance is resumed once its allocation holds
+    the used space again (a growth, a larger plan). Not while a job is under way, nor over a
+    billing hold (which suspends it anyway)."""
+    storage = view.storage
+    if storage is None or view.deletion_requested or view.live_jobs:
+        return []
+    used = storage.used[-1][1]
+    if view.state == "ready" and used > storage.allocated_bytes and not view.billing_hold:
+        why = f"storage full: {_share(storage)}; read-only until the allocation holds the data"
+        return [Enqueue(SUSPEND, why, code=STORAGE_FULL)]
+    if held_for_storage(view) and used < storage.allocated_bytes:
+        return [Enqueue(RESUME, f"storage allocation holds the data again: {_share(storage)}")]
+    return []
+
+
 def plan_storage(view: InstanceView, now: datetime, rule: StorageRule) -> list[PlannedAction]:
     """Storage autoscaling: nearly full for long enough and out of the cooldown, a ready instance
-    with nothing under way grows (never beyond its plan's maximum); at the maximum, its customer
-    is told (once per cooldown)."""
+    with nothing under way grows (never beyond its plan's maximum), and so does one held read-only
+    for outgrowing its allocation; at the maximum, its customer is told (once per cooldown)."""
     storage = view.storage
-    if not rule.enabled or storage is None or view.state != "ready" or view.deletion_requested:
+    growable = view.state == "ready" or held_for_storage(view)
+    if not rule.enabled or storage is None or not growable or view.deletion_requested:
         return []
     since = full_since(storage, rule.free_ratio)
     if since is None or now - since < timedelta(seconds=rule.for_s):
         return []
-    used = storage.used[-1][1]
-    share = f"{used / (storage.allocated_gb * GB):.0%} of {storage.allocated_gb} GB used"
+    share = _share(storage)
     held = f"for {(now - since).total_seconds() / 60:.0f} min (at most {rule.free_ratio:.0%} free)"
     cooldown = timedelta(seconds=rule.cooldown_s)
     if storage.allocated_gb >= storage.maximum_gb:
@@ -315,6 +349,7 @@ def plan(
         plan_deadline(view, now, max_retries)
         or plan_observed(view, now)
         or plan_intents(view)
+        or plan_allocation(view)
         or plan_storage(view, now, storage_rule or StorageRule())
         or plan_backup(view, now)
     )

@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from controlplane.core import kinds, plans
 from controlplane.core.dbmetrics import DatabaseStats
-from controlplane.core.failures import DATA_LOST
+from controlplane.core.failures import DATA_LOST, STORAGE_FULL
 from controlplane.core.kinds import RESUME, SUSPEND
 from controlplane.core.records import InstancePatch, ScannedInstance
 from controlplane.db import job_rows as jobs
@@ -92,13 +92,14 @@ def _view(
     )
 
 
-def _payload(kind: str, reason: str, billing_hold: bool) -> kinds.Payload:
-    """What the reconciler asks of a job it enqueues: why, and for suspend and resume the billing side."""
-    if kind == SUSPEND:
-        return kinds.SuspendPayload(reason, billing=True if billing_hold else None)
-    if kind == RESUME:
-        return kinds.ResumePayload(reason, billing=False)
-    return kinds.PAYLOADS[kind](reason)
+def _payload(action: planning.Enqueue, billing_hold: bool) -> kinds.Payload:
+    """What the reconciler asks of a job it enqueues: why, and for suspend and resume the billing
+    side (and the code a suspension records)."""
+    if action.kind == SUSPEND:
+        return kinds.SuspendPayload(action.reason, billing=True if billing_hold else None, code=action.code)
+    if action.kind == RESUME:
+        return kinds.ResumePayload(action.reason, billing=False)
+    return kinds.PAYLOADS[action.kind](action.reason)
 
 
 def storage_rule(settings: Settings) -> planning.StorageRule:
@@ -121,7 +122,10 @@ def allocation(inst: ScannedInstance) -> tuple[int, int]:
 
 
 def sample_rows(
-    sampled: list[tuple[ScannedInstance, DatabaseStats, tuple[int, int]]], resolution_s: int, now: datetime
+    sampled: list[tuple[ScannedInstance, DatabaseStats, tuple[int, int]]],
+    resolution_s: int,
+    now: datetime,
+    gb_bytes: int = planning.GB,
 ) -> dict[str, Any]:
     """RECORD_SAMPLES' parameters: a column array per metric."""
     columns = {
@@ -133,7 +137,7 @@ def sample_rows(
         "blocks_hit": [s.blocks_hit for _, s, _ in sampled],
         "blocks_read": [s.blocks_read for _, s, _ in sampled],
         "size_bytes": [s.size_bytes for _, s, _ in sampled],
-        "allocated_bytes": [gb[0] * planning.GB for _, _, gb in sampled],
+        "allocated_bytes": [gb[0] * gb_bytes for _, _, gb in sampled],
         "replication_lag_s": [s.replication_lag_s for _, s, _ in sampled],
         "archive_lag_s": [s.archive_lag_s for _, s, _ in sampled],
     }
@@ -144,7 +148,8 @@ class Reconciler:
     """Compares what the database declares with what the provisioner shows, and corrects it.
 
     `maintenance`, when given, is the leader's: the loop (`run`) runs it on every pass it makes as
-    the leader.
+    the leader. `gb_bytes` is the bytes of one allocated GB (a GiB; a test makes it small, so that
+    a real write can fill an allocation).
     """
 
     def __init__(
@@ -155,12 +160,14 @@ class Reconciler:
         *,
         reconciler_id: str = "reconciler",
         maintenance: Maintenance | None = None,
+        gb_bytes: int = planning.GB,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.provisioner = provisioner
         self.actor = Actor("reconciler", reconciler_id)
         self.maintenance = maintenance
+        self.gb_bytes = gb_bytes
 
     async def run_once(
         self, now: datetime | None = None, *, shards: ShardLeases | None = None
@@ -189,7 +196,7 @@ class Reconciler:
                 scanned = [ScannedInstance.from_row(row) for row in await cursor.fetchall()]
         summary.scanned = len(scanned)
         observations = await self._observe_all(scanned, summary)
-        storage = await self._sample(scanned, observations)
+        samples, storage = await self._sample(scanned, observations)
         backed_up = self.provisioner.supports_backups
         rule = storage_rule(self.settings)
         for inst in scanned:
@@ -199,7 +206,10 @@ class Reconciler:
             if actions:
                 await self._apply(inst, actions, summary, shards)
         if scanned:
-            async with self.pool.connection() as conn:
+            # The samples and the pass's mark in one commit: sampling adds a statement, not a flush.
+            async with self.pool.connection() as conn, conn.transaction():
+                if samples is not None:
+                    await conn.execute(sql.RECORD_SAMPLES, samples, prepare=True)
                 await conn.execute(sql.TOUCH_RECONCILED, {"ids": [inst.id for inst in scanned]}, prepare=True)
         summary.duration_s = time.monotonic() - started
         metrics.RECONCILE_PASS_DURATION.observe(summary.duration_s)
@@ -263,51 +273,56 @@ class Reconciler:
 
     async def _sample(
         self, scanned: list[ScannedInstance], observations: dict[uuid.UUID, planning.Observed]
-    ) -> dict[uuid.UUID, planning.StorageView]:
-        """Record the observed databases' metrics (one statement), and return the storage of those
-        nearly full with their recent samples (what storage autoscaling decides from)."""
+    ) -> tuple[dict[str, Any] | None, dict[uuid.UUID, planning.StorageView]]:
+        """The observed databases' metrics as RECORD_SAMPLES' parameters (recorded with the pass's
+        mark, one statement), and the storage of those nearly full with their recent samples (what
+        storage autoscaling decides from), of those beyond their allocation, and of those held
+        read-only for it (what holding a database to its allocation decides from)."""
         sampled = [
             (inst, seen.stats, allocation(inst))
             for inst in scanned
             if (seen := observations.get(inst.id)) is not None and seen.stats is not None
         ]
         if not sampled:
-            return {}
+            return None, {}
         settings = self.settings.reconciler
         now = scanned[0].now
-        async with self.pool.connection() as conn:
-            await conn.execute(
-                sql.RECORD_SAMPLES, sample_rows(sampled, settings.metrics_sample_s, now), prepare=True
-            )
-            rule = storage_rule(self.settings)
-            high = [
-                (inst, stats, gb)
-                for inst, stats, gb in sampled
-                if rule.enabled and stats.size_bytes >= gb[0] * planning.GB * (1 - rule.free_ratio)
-            ]
-            if not high:
-                return {}
-            since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
-            cursor = await conn.execute(
-                sql.RECENT_STORAGE,
-                {
-                    "ids": [inst.id for inst, _, _ in high],
-                    "resolution_s": settings.metrics_sample_s,
-                    "since": since,
-                },
-            )
-            recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
-            for row in await cursor.fetchall():
-                recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
-        return {
+        unit = self.gb_bytes
+        samples = sample_rows(sampled, settings.metrics_sample_s, now, unit)
+        rule = storage_rule(self.settings)
+        watched = [
+            (inst, stats, gb)
+            for inst, stats, gb in sampled
+            if (rule.enabled and stats.size_bytes >= gb[0] * unit * (1 - rule.free_ratio))
+            or stats.size_bytes > gb[0] * unit
+            or inst.failure_code == STORAGE_FULL
+        ]
+        if not watched:
+            return samples, {}
+        recent: dict[uuid.UUID, list[tuple[datetime, int]]] = {}
+        if rule.enabled:  # the samples before this one matter only to autoscaling
+            async with self.pool.connection() as conn:
+                since = now - timedelta(seconds=rule.for_s + 3 * settings.metrics_sample_s)
+                cursor = await conn.execute(
+                    sql.RECENT_STORAGE,
+                    {
+                        "ids": [inst.id for inst, _, _ in watched],
+                        "resolution_s": settings.metrics_sample_s,
+                        "since": since,
+                    },
+                )
+                for row in await cursor.fetchall():
+                    recent.setdefault(row["instance_id"], []).append((row["at"], int(row["size_bytes"])))
+        return samples, {
             inst.id: planning.StorageView(
                 allocated_gb=gb[0],
                 maximum_gb=gb[1],
                 used=[*(s for s in recent.get(inst.id, []) if s[0] < now), (now, stats.size_bytes)],
                 grown_at=inst.storage_grown_at,
                 warned_at=inst.storage_full_warned_at,
+                gb_bytes=unit,
             )
-            for inst, stats, gb in high
+            for inst, stats, gb in watched
         }
 
     async def _apply(
@@ -384,7 +399,7 @@ class Reconciler:
                 summary.count("storage_grown" if grown else "storage_full_warned")
                 log.info("instance %s: %s", inst.id, action.reason)
         elif isinstance(action, planning.Enqueue):
-            payload = _payload(action.kind, action.reason, inst.billing_hold)
+            payload = _payload(action, inst.billing_hold)
             result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)
             if result.created:
                 summary.count(f"enqueue_{action.kind}")

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -80,11 +81,62 @@ def _chunks(proc: subprocess.Popen[bytes], timeout: float) -> Iterator[str]:
         yield chunk.decode(errors="replace")
 
 
+class Drained(list[str]):
+    """A process's output, read as it comes by a thread of its own (so the process never blocks
+    on a full pipe, however much it logs while the test does something else), in the pieces read.
+
+    `read_until` with one as `seen` waits for a matching line among those not yet waited for, as
+    reading the pipe itself would."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        super().__init__()
+        self._changed = threading.Condition()
+        self._waited_to = 0  # characters up to the end of the last line waited for
+        self._open = True
+        self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            for piece in _chunks(proc, timeout=24 * 3600):
+                with self._changed:
+                    self.append(piece)
+                    self._changed.notify_all()
+        finally:
+            with self._changed:
+                self._open = False
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        """The output after the last line waited for, up to the first line matching `pattern`."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                text = "".join(self)[self._waited_to :]
+                position = 0
+                for line in text.splitlines(keepends=True):
+                    position += len(line)
+                    if re.search(pattern, line):
+                        self._waited_to += position
+                        return text[:position]
+                left = deadline - time.monotonic()
+                if not self._open or left <= 0:
+                    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{text}")
+                self._changed.wait(left)
+
+    def close(self, timeout: float = 5) -> None:
+        """Wait for the end of the output (never past `timeout`: a child that outlived the process
+        may hold the pipe open)."""
+        self._thread.join(timeout)
+
+
 def read_until(
     proc: subprocess.Popen[bytes], pattern: str, timeout: float, seen: list[str] | None = None
 ) -> str:
     """`proc`'s output up to the first line matching `pattern` (fails on timeout or exit);
-    `seen` collects everything read, across calls."""
+    `seen` collects everything read, across calls (a `Drained` reads it already: it is waited on)."""
+    if isinstance(seen, Drained):
+        return seen.wait_for(pattern, timeout)
     text = ""
     for piece in _chunks(proc, timeout):
         text += piece
@@ -93,12 +145,6 @@ def read_until(
         if any(re.search(pattern, line) for line in text.splitlines()):
             return text
     raise AssertionError(f"no line matching {pattern!r}; output so far:\n{text}")
-
-
-def drain(proc: subprocess.Popen[bytes], timeout: float = 5) -> str:
-    """What `proc` still writes (never blocks past `timeout`: a child that outlived it may hold the
-    pipe open)."""
-    return "".join(_chunks(proc, timeout))
 
 
 # No rate limits unless a test sets its own: how many polls fit in a window depends on how long
@@ -147,8 +193,8 @@ def running_up(
 ) -> Iterator[tuple[subprocess.Popen[bytes], list[str]]]:
     """`python3 dev.py up` (launcher) or `controlplane up`, in a session of its own (so that only
     it gets the signals the test sends, as from `timeout`, systemd or a plain `kill`), from the
-    moment its banner is out; sent `stop_with` after the block unless the block stopped it. The
-    output read so far, and after, is in the list."""
+    moment its banner is out; sent `stop_with` after the block unless the block stopped it. Its
+    output is read all along (`Drained`): so far, and after it stopped, it is in the list."""
     command = [sys.executable, "dev.py"] if launcher else CLI
     process = subprocess.Popen(
         [*command, "up", "--data-dir", str(data_dir), "--api-port", env["CONTROLPLANE_API_PORT"]],
@@ -158,7 +204,7 @@ def running_up(
         env=env,
         start_new_session=True,
     )
-    output: list[str] = []
+    output = Drained(process)
     try:
         read_until(process, BANNER_END, timeout=300, seen=output)
         yield process, output
@@ -170,7 +216,7 @@ def running_up(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        output.append(drain(process))
+        output.close()
         if process.stdout is not None:
             process.stdout.close()
         print("".join(output))

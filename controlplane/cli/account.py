@@ -25,7 +25,8 @@ from controlplane.cli.customer_parser import _action, api_flags
 
 def register(commands: Any) -> None:
     usage = commands.add_parser(
-        "usage", help="the organisation's usage: seconds per database, plan and billing class"
+        "usage",
+        help="the organisation's usage: time and allocated storage (GB-hours) per database, plan and class",
     )
     api_flags(usage)
     add_output_flag(usage)
@@ -93,6 +94,10 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h ({seconds:.0f} s)"
 
 
+def _gb_hours(gb_seconds: float) -> str:
+    return f"{gb_seconds / 3600:.2f} GB-h"
+
+
 def cmd_usage(args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
     start = (
@@ -113,14 +118,23 @@ def cmd_usage(args: argparse.Namespace) -> int:
     window = f"{cell_text(report['from'])} to {cell_text(report['to'])}"
     print(f"usage from {window} (as of {cell_text(report['as_of'])})")
     rows = [
-        [names.get(i["instance_id"], i["instance_id"]), i["plan"], i["billing"], _hours(i["seconds"])]
+        [
+            names.get(i["instance_id"], i["instance_id"]),
+            i["plan"],
+            i["billing"],
+            _hours(i["seconds"]),
+            _gb_hours(i["storage_gb_seconds"]),
+        ]
         for i in report["items"]
     ]
-    print_table(rows, ("instance", "plan", "billing", "time"))
+    print_table(rows, ("instance", "plan", "billing", "time", "storage"))
     print()
     print_table(
-        [[t["plan"], t["billing"], _hours(t["seconds"])] for t in report["totals"]],
-        ("plan", "billing", "total"),
+        [
+            [t["plan"], t["billing"], _hours(t["seconds"]), _gb_hours(t["storage_gb_seconds"])]
+            for t in report["totals"]
+        ],
+        ("plan", "billing", "total", "storage"),
     )
     return 0
 

@@ -34,6 +34,7 @@ API = (
 PROVISIONER = (
     "provisioner",
     "noop_observe_latency_s",
+    "noop_observe_stats",
     "local_port_min",
     "local_port_max",
     "local_listen_host",
@@ -63,6 +64,7 @@ BILLING = (
     "meter_settle_s",
     "meter_event_billed",
     "meter_event_storage_only",
+    "meter_event_storage_gb",
     "billing_grace_period_s",
     "deprovision_after_days",
 )

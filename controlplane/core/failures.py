@@ -45,6 +45,9 @@ ARCHIVE_FAILING = "archive_failing"
 # The instance's storage is gone: it comes back only restored from a backup, or re-created empty
 # once someone accepted the loss (never by a heal).
 DATA_LOST = "data_lost"
+# Suspended: the database outgrew its storage allocation and is held to it (read-only) until the
+# allocation holds its data again.
+STORAGE_FULL = "storage_full"
 # A code this version does not know (written by a newer one), or none recorded (older rows).
 UNKNOWN = "unknown"
 
@@ -224,6 +227,15 @@ REASONS: Mapping[str, Reason] = _reasons(
         "Restore it from one of its backups (POST /v1/instances/{id}/restore), or accept an empty database"
         ' ({"empty": true}).',
         ("degraded", "suspended"),
+    ),
+    Reason(
+        STORAGE_FULL,
+        "This database outgrew its storage allocation, so it was made read-only: it serves reads, not"
+        " writes, and its data is kept.",
+        False,
+        "Move it to a larger plan (PATCH plan): it becomes writable again as soon as its allocation holds its"
+        " data. Where storage autoscaling is on, its allocation grows by itself, up to its plan's maximum.",
+        ("suspended",),
     ),
     Reason(
         UNKNOWN,

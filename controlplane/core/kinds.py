@@ -112,6 +112,8 @@ class SuspendPayload(Payload):
     kind: ClassVar[str] = SUSPEND
     # Suspended because of the organisation's billing hold (None: as recorded on the instance).
     billing: bool | None = None
+    # The failure code the suspension records (storage_full: held to its storage allocation).
+    code: str | None = None
 
 
 @dataclass(frozen=True)

@@ -292,7 +292,8 @@ INSTANCE = Lifecycle(
             ),
             "suspended": StateInfo(
                 "Suspended",
-                "The database is read-only (a billing hold): it serves reads, not writes; its data is kept.",
+                "The database is read-only (a billing hold, or its data beyond its storage allocation):"
+                " it serves reads, not writes; its data is kept.",
                 "suspended",
                 "storage_only",
             ),

@@ -92,6 +92,7 @@ def _statement(query: QueryNoTemplate) -> tuple[str, dict[str, str]]:
         attributes["db.query.text"] = text
     return f"sql {summary}", attributes
 
+
 log = logging.getLogger(__name__)
 
 

@@ -12,7 +12,7 @@ from pathlib import PurePath
 from typing import Any, TypeVar
 
 from controlplane.core import actions, kinds, lifecycle
-from controlplane.core.failures import DATA_LOST
+from controlplane.core.failures import DATA_LOST, STORAGE_FULL
 from controlplane.core.kinds import (
     BACKUP,
     DEPROVISION,
@@ -306,12 +306,14 @@ class Operations:
         if by_billing and not inst.billing_hold:
             return {"result": "nothing to do", "why": "the billing hold was released before it ran"}
         await self._step(ctx, inst, "suspend", lambda: self.provisioner.suspend(inst.id, spec, ctx.fence))
+        reason = payload.reason or ("billing hold" if by_billing else "suspended")
+        patch = InstancePatch(suspended_by_billing=by_billing)
+        coded = payload.code == STORAGE_FULL and not by_billing
+        if coded:
+            # Held to its storage allocation: the code says why to the customer, until resumed.
+            patch = replace(patch, failure_code=STORAGE_FULL, failure_reason=reason)
         await self._move(
-            ctx,
-            inst,
-            "suspend",
-            reason=payload.reason or ("billing hold" if by_billing else "suspended"),
-            patch=InstancePatch(suspended_by_billing=by_billing),
+            ctx, inst, "suspend", reason=reason, detail={"code": STORAGE_FULL} if coded else None, patch=patch
         )
         return {"result": "suspended"}
 
@@ -322,12 +324,15 @@ class Operations:
         """suspended -> ready first, then writes back on: a failure from ready can land in degraded."""
         spec = self._spec(inst)
         if inst.state == "suspended":
+            patch = InstancePatch("resume", suspended_by_billing=False)
+            if inst.failure_code == STORAGE_FULL:  # what held it is over (lost data stays recorded)
+                patch = replace(patch, failure_code=None, failure_reason=None)
             inst = await self._move(
                 ctx,
                 inst,
                 "resume",
                 reason=ctx.typed_payload(kinds.ResumePayload).reason or "resumed",
-                patch=InstancePatch("resume", suspended_by_billing=False),
+                patch=patch,
             )
         elif inst.state != "ready":
             return _not_now(inst)

@@ -35,7 +35,11 @@ def client(billing: BillingSettings) -> stripe.StripeClient:
 
 
 def event_names(billing: BillingSettings) -> dict[str, str]:
-    return {"billed": billing.meter_event_billed, "storage_only": billing.meter_event_storage_only}
+    return {
+        "billed": billing.meter_event_billed,
+        "storage_only": billing.meter_event_storage_only,
+        usage.STORAGE_METER: billing.meter_event_storage_gb,
+    }
 
 
 def sender(api: stripe.StripeClient):  # type: ignore[no-untyped-def]

@@ -449,6 +449,12 @@ class ProvisionerSettings(_Group):
         "How long the noop provisioner's observe takes (benchmarks of the reconciler).",
         ge=0,
     )
+    noop_observe_stats: bool = _setting(
+        False,
+        "noop_observe_stats",
+        "The noop provisioner's observe reports database metrics, as the local one's does, so that the"
+        " reconciler samples them (benchmarks of the sampling's cost).",
+    )
     local_port_min: int = _setting(
         15432, "local_port_min", "Lowest port the local provisioner gives an instance.", ge=1, le=65535
     )
@@ -629,6 +635,14 @@ class BillingSettings(_Group):
         "database_storage_seconds",
         "meter_event_storage_only",
         "The Stripe meter (`event_name`) of the seconds billed for storage only (suspended instances).",
+        min_length=1,
+        max_length=100,
+    )
+    meter_event_storage_gb: str = _setting(
+        "database_storage_gb_seconds",
+        "meter_event_storage_gb",
+        "The Stripe meter (`event_name`) of the allocated storage, in GB-seconds (in every billed or"
+        " storage-only state, at the allocation in effect).",
         min_length=1,
         max_length=100,
     )

@@ -42,7 +42,9 @@ EVENT_TYPES: Mapping[str, str] = {
     "instance.failed": "the database failed (with the typed reason: code, message, hint)",
     "instance.degraded": "the database is degraded (with the typed reason)",
     "instance.recovered": "a degraded database is healthy again",
-    "instance.suspended": "the database is read-only (a billing hold)",
+    "instance.suspended": (
+        "the database is read-only (a billing hold; or its data beyond its allocation, with the typed reason)"
+    ),
     "instance.resumed": "a suspended database is writable again",
     "instance.deleted": "the database was deleted (with its final backup's name)",
     "instance.deadline_overdue": "an operation missed its deadline and was given up (with the reason)",
@@ -86,7 +88,11 @@ def event_id(event: LogEvent, notice: str) -> str:
 
 def body_of(event: LogEvent, notice: str, instance: Mapping[str, Any]) -> dict[str, Any]:
     code = event.detail.get("code") or instance.get("failure_code")
-    failure = failures.reason(str(code)).as_dict() if event.to_state in ("failed", "degraded") else None
+    # A suspension says why when it has a code (storage_full); a billing hold has none.
+    coded = event.to_state == "suspended" and isinstance(event.detail.get("code"), str)
+    failure = (
+        failures.reason(str(code)).as_dict() if event.to_state in ("failed", "degraded") or coded else None
+    )
     return {
         "id": event_id(event, notice),
         "type": notice,

@@ -4,8 +4,9 @@ Usage is computed from the event log each time (`controlplane.core.metering`), s
 plan changes and restarts. A period is reported once: the reconciler records it and enqueues its
 `report_usage` job in one transaction; the job sends one meter event per instance, plan and
 billing class with an identifier made of those (Stripe refuses a second event with the same
-identifier), and records each one Stripe acknowledged, so a retry after an outage or a crash
-sends only what is missing and never bills twice.
+identifier), and one more of each with its allocated storage in GB-seconds; it records each one
+Stripe acknowledged, so a retry after an outage or a crash sends only what is missing and never
+bills twice.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from controlplane.db.transitions import Actor
 log = logging.getLogger(__name__)
 
 REPORT_USAGE = "report_usage"
+# The key of the storage meter among a report's event names (the others are billing classes).
+STORAGE_METER = "storage_gb"
 # The longest window one usage request may cover (a year and a day).
 MAX_WINDOW = timedelta(days=366)
 
@@ -99,6 +102,8 @@ class MeterEvent:
     value: int
     timestamp: int
     line: UsageLine
+    # What the value counts: seconds, or GB-seconds of allocated storage.
+    storage: bool = False
 
     def params(self) -> dict[str, Any]:
         return {
@@ -120,22 +125,29 @@ def meter_events(
     period_start: datetime,
     event_names: Mapping[str, str],
 ) -> list[MeterEvent]:
-    """The meter events of a period: whole seconds of billed and storage-only time, per line."""
+    """The meter events of a period: whole seconds of billed and storage-only time, per line, and
+    whole GB-seconds of the storage allocated meanwhile."""
     found = []
     for line in lines:
-        value = round(line.seconds)
-        if line.billing not in metering.REPORTED or value <= 0 or line.org_id not in customers:
+        if line.billing not in metering.REPORTED or line.org_id not in customers:
             continue
-        found.append(
-            MeterEvent(
-                metering.meter_identifier(period_start, line),
-                event_names[line.billing],
-                customers[line.org_id],
-                value,
-                int(period_start.timestamp()),
-                line,
+        for storage, value, name in (
+            (False, round(line.seconds), event_names[line.billing]),
+            (True, round(line.gb_seconds), event_names[STORAGE_METER]),
+        ):
+            if value <= 0:
+                continue
+            found.append(
+                MeterEvent(
+                    metering.meter_identifier(period_start, line, storage=storage),
+                    name,
+                    customers[line.org_id],
+                    value,
+                    int(period_start.timestamp()),
+                    line,
+                    storage,
+                )
             )
-        )
     return found
 
 

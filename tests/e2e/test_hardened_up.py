@@ -63,9 +63,6 @@ def test_a_storm_a_lock_holder_hostile_webhooks_and_a_killed_database_give_only_
             stripe_webhook_secret=WEBHOOK_SECRET,
             api_lock_timeout_s="0.5",
             api_rate_limit="0",
-            # Warnings only: the storm's access lines would fill the output pipe, which the test
-            # reads only while it waits for a line, and `up` would block writing its logs.
-            log_level="WARNING",
         )
         with running_up(data_dir, env, launcher=False) as (up, output), org_client(data_dir, env) as client:
             made = client.post("/v1/instances", json={"name": "storm", "plan": "dev"}).json()

@@ -596,6 +596,20 @@ async def test_a_suspended_database_shows_one_banner_that_says_how_to_pay(
     assert f'<a href="{portal}">Settle the payment in the billing portal</a>' in linked
 
 
+async def test_a_database_held_to_its_storage_allocation_says_why_and_what_ends_it(
+    api_settings: Settings, client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "ledger")
+    await make_ready(conn, api_settings, created["id"])
+    await drive(
+        conn, created["id"], "suspend", failure_code="storage_full", failure_reason="storage full: 104%"
+    )
+    await signed_in(client, tenant.key)
+    page = text_of((await client.get(f"/instances/{created['id']}", headers=PAGE)).text)
+    assert "outgrew its storage allocation" in page and "Move it to a larger plan" in page
+    assert "hold has been lifted" not in page and "storage full: 104%" not in page  # the SREs' words
+
+
 async def test_a_databases_page_charts_its_metrics_with_the_numbers_as_text(
     client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
 ) -> None:

@@ -1,6 +1,7 @@
 """A customer database's metrics: sampled by the reconciler's observation of a real server, served
-by the API to its organisation only, rolled up and pruned by the leader's maintenance; and storage
-autoscaling decided from those samples (injected observation and time), through the update path."""
+by the API to its organisation only, rolled up and pruned by the leader's maintenance; storage
+autoscaling decided from those samples (injected observation and time), through the update path;
+and a real database beyond its allocation held to it, read-only, until its allocation holds it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import uuid
 from datetime import timedelta
 
 from controlplane.core.dbmetrics import GIB, DatabaseStats
-from controlplane.core.kinds import UPDATE
+from controlplane.core.failures import STORAGE_FULL
+from controlplane.core.kinds import RESUME, SUSPEND, UPDATE
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from provisioners.base import Observation
@@ -17,9 +19,17 @@ from provisioners.noop import NoopProvisioner
 from reconciler.maintenance import MetricsRetention
 from tests.api_support import make_ready, make_tenant, serving
 from tests.factories import make_instance
-from tests.operations_support import instance, job_finished, ready_instance, registry_for, run_until, scalar
+from tests.operations_support import (
+    instance,
+    instance_in,
+    job_finished,
+    ready_instance,
+    registry_for,
+    run_until,
+    scalar,
+)
 from tests.provisioning_support import connect, credentials
-from tests.reconciler_support import live_jobs, reconciling
+from tests.reconciler_support import live_jobs, read_only, reconciling
 
 
 async def test_metrics_of_a_real_server_after_writes_in_the_api_for_its_organisation_only(
@@ -182,3 +192,103 @@ async def test_metrics_are_rolled_up_and_pruned_after_their_retention(
         )
         == 2
     )
+
+
+async def test_a_real_database_beyond_its_allocation_is_held_read_only_until_its_allocation_holds_it(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    settings = local_settings.replace(storage_autoscale=False)  # the customer's move, not autoscaling's
+    local = LocalProvisioner(settings)
+    registry = registry_for(local)
+    owner = await make_tenant(conn)
+    iid = await ready_instance(conn, settings, registry, org_id=owner.org_id)
+    info = credentials(settings, await instance(conn, iid))
+    now = await scalar(conn, "SELECT now()")
+    async with reconciling(settings, local) as rec:
+        await rec.run_once(now)  # its first sample, and its first backup enqueued
+
+        async def idle(c: AsyncConn) -> bool:
+            return not await live_jobs(c, iid)
+
+        await run_until(settings, registry, idle)  # the backup taken: no job under way
+        fresh = await scalar(
+            conn, "SELECT max(size_bytes) FROM instance_metrics WHERE instance_id = %s", (iid,)
+        )
+        # dev's allocation is 1 GB; here one GB is what the new database holds and 4 MiB more, so
+        # that a real write of some 10 MB outgrows it.
+        rec.gb_bytes = fresh + 4 * 2**20
+        assert (await rec.run_once(now + timedelta(seconds=10))).actions == {}
+        with connect(info) as customer:
+            customer.execute(
+                "CREATE TABLE filler AS SELECT g, repeat('x', 500) AS pad FROM generate_series(1, 20000) g"
+            )
+        summary = await rec.run_once(now + timedelta(seconds=20))
+        assert summary.actions == {f"enqueue_{SUSPEND}": 1}
+        (job,) = await live_jobs(conn, iid)
+        assert job["payload"]["code"] == STORAGE_FULL and job["payload"]["reason"].startswith(
+            "storage full: "
+        )
+        await run_until(settings, registry, instance_in(iid, "suspended"))
+        assert read_only(info)  # a write fails, even in a session asking for read-write
+        row = await instance(conn, iid)
+        assert (row["failure_code"], row["suspended_by_billing"]) == (STORAGE_FULL, False)
+        # Still beyond it: held.
+        assert (await rec.run_once(now + timedelta(seconds=30))).actions == {}
+
+        async with serving(settings) as api:
+            shown = (await api.get(f"/v1/instances/{iid}", headers=owner.headers)).json()
+            assert shown["state"] == "suspended" and shown["failure"]["code"] == STORAGE_FULL
+            assert "larger plan" in shown["failure"]["hint"]
+            events = (await api.get(f"/v1/instances/{iid}/events", headers=owner.headers)).json()["items"]
+            suspended = [e for e in events if e["event"] == "suspend"]
+            assert suspended and "outgrew its storage allocation" in suspended[-1]["reason"]
+            # The customer moves to a larger plan (small: 10 GB), recorded while it is suspended.
+            moved = await api.patch(f"/v1/instances/{iid}", json={"plan": "small"}, headers=owner.headers)
+            assert moved.status_code == 202, moved.text
+
+        # The allocation holds the data again: resumed, then the new plan applied.
+        summary = await rec.run_once(now + timedelta(seconds=40))
+        assert summary.actions == {f"enqueue_{RESUME}": 1}
+        await run_until(settings, registry, instance_in(iid, "ready"))
+        summary = await rec.run_once(now + timedelta(seconds=50))
+        assert summary.actions == {f"enqueue_{UPDATE}": 1}
+        await run_until(
+            settings,
+            registry,
+            lambda c: scalar(c, "SELECT observed_generation = 2 FROM instances WHERE id = %s", (iid,)),
+        )
+    assert not read_only(info)
+    with connect(info) as customer:
+        customer.execute("INSERT INTO filler VALUES (0, 'after')")
+        assert customer.execute("SELECT pad FROM filler WHERE g = 0").fetchone() == ("after",)
+    row = await instance(conn, iid)
+    assert (row["state"], row["failure_code"], row["failure_reason"]) == ("ready", None, None)
+    cursor = await conn.execute(
+        "SELECT event, actor_kind, reason, detail FROM instance_events"
+        " WHERE instance_id = %s AND event IN ('suspend', 'resume') ORDER BY id",
+        (iid,),
+    )
+    suspend, resume = await cursor.fetchall()
+    assert suspend["detail"]["code"] == STORAGE_FULL and suspend["reason"].startswith("storage full: ")
+    assert resume["reason"].startswith("storage allocation holds the data again")
+
+
+async def test_the_noop_provisioner_reports_metrics_only_when_asked_and_the_pass_samples_them(
+    conn: AsyncConn, settings: Settings
+) -> None:
+    """What the bench's sampled freshness variant relies on (`noop_observe_stats`)."""
+    iid = await filling(conn, settings, 1)
+    count = "SELECT count(*) FROM instance_metrics WHERE instance_id = %s"
+    async with reconciling(settings, NoopProvisioner()) as rec:
+        await rec.run_once()
+    assert await scalar(conn, count, (iid,)) == 0
+    sampling = NoopProvisioner.from_settings(settings.replace(noop_observe_stats=True))
+    async with reconciling(settings, sampling) as rec:
+        now = await scalar(conn, "SELECT now()")
+        assert (await rec.run_once(now)).actions == {}  # a small database: nothing to decide
+        await rec.run_once(now + timedelta(seconds=10))
+    assert await scalar(conn, count, (iid,)) == 2
+    sizes = await scalar(
+        conn, "SELECT array_agg(DISTINCT size_bytes) FROM instance_metrics WHERE instance_id = %s", (iid,)
+    )
+    assert sizes == [8 * 2**20]

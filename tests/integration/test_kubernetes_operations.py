@@ -1,20 +1,25 @@
 """The API, the worker's operations and the kubernetes provisioner together, on the fake API server
 with the Role enforced: create, ready with TLS details, resize, restore into a new instance, delete
-with a final backup; restore_from refused across organisations and where nothing restores."""
+with a final backup; restore_from refused across organisations and where nothing restores; storage
+autoscaling patching the Cluster's storage size."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
+from controlplane.core.dbmetrics import GIB, DatabaseStats
 from controlplane.core.kinds import BACKUP, RESUME, SUSPEND
 from controlplane.db.connection import AsyncConn
 from controlplane.runtime.settings import Settings
 from controlplane.services.policy import Policy
+from provisioners.base import Observation
 from provisioners.kubernetes import KubernetesProvisioner
 from tests.api_support import WEBHOOK_SECRET, Tenant, create
 from tests.kubernetes_fake import FakeCluster
@@ -209,3 +214,57 @@ async def test_a_failover_is_degraded_then_healed_and_a_suspension_is_read_only(
     assert cluster is not None
     assert cluster["spec"]["replica"]["promotionToken"] == cluster["status"]["lastPromotionToken"]
     assert (await provisioner.observe(iid)).read_only is False
+
+
+async def test_storage_autoscaling_of_a_cloudnativepg_instance_patches_the_clusters_storage_size(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders")  # dev: 1 GiB
+    iid = uuid.UUID(made["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None and cluster["spec"]["storage"]["size"] == "1Gi"
+
+    # The provisioner reports no database metrics on Kubernetes (the exporter is the source there):
+    # its observation is given a nearly full database (95 % of 1 GiB), all else as it observes.
+    observe = provisioner.observe
+
+    async def nearly_full(instance_id: uuid.UUID) -> Observation:
+        seen = await observe(instance_id)
+        return dataclasses.replace(seen, stats=DatabaseStats(1, 20, 100, 10, 10, 90, 10, int(0.95 * GIB)))
+
+    provisioner.observe = nearly_full  # type: ignore[method-assign]
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        now = await scalar(conn, "SELECT now()")
+        for step in range(0, 310, 10):  # the RDS rule: nearly full for 5 minutes (injected time)
+            await reconciler.run_once(now + timedelta(seconds=step))
+    row = await instance(conn, iid)
+    assert (row["spec"]["storage_gb"], row["spec_generation"]) == (2, 2)
+
+    # The update job applies it: the Cluster's storage size is patched, the volumes follow.
+    await run_until(
+        api_settings,
+        registry,
+        lambda c: scalar(c, "SELECT observed_generation = 2 FROM instances WHERE id = %s", (iid,)),
+    )
+    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
+    assert cluster is not None and cluster["spec"]["storage"]["size"] == "2Gi"
+    claims = [
+        c for c in state.of_kind("persistentvolumeclaims") if c["metadata"]["name"].startswith(f"pg-{iid}")
+    ]
+    assert claims and all(c["status"]["capacity"]["storage"] == "2Gi" for c in claims)
+    patches = [r for r in state.requests if r.method == "PATCH" and r.path.endswith(f"/clusters/pg-{iid}")]
+    assert patches, "the Cluster is patched, not re-created"
+    updated = await scalar(
+        conn,
+        "SELECT detail->>'storage_gb' FROM instance_events WHERE instance_id = %s AND event = 'updated'",
+        (iid,),
+    )
+    assert updated == "2"
+    assert state.denied == []

@@ -90,6 +90,62 @@ async def test_the_usage_of_a_scripted_week_is_exact_and_the_organisations_own(
         )
 
 
+async def test_storage_grown_mid_period_is_billed_at_the_old_size_until_the_growth_and_the_new_after(
+    conn: AsyncConn, client: httpx.AsyncClient
+) -> None:
+    """A dev database (1 GB) grown to 3 GB at 1:20 (the update applied at 1:21), then to 4 GB at
+    2:40: the usage API and the period's Stripe meter events count each size for its own time."""
+    org, key = await tenants.create_org(conn, "acme-grown")
+    await conn.execute(
+        "UPDATE organisations SET stripe_customer_id = 'cus_grown' WHERE id = %s", (org["id"],)
+    )
+    now = await usage.db_now(conn)
+    start = metering.period_floor(now - 2 * DAY, DAY)
+    await conn.execute("SELECT cp_ensure_event_partitions(%s, %s)", (now, start))
+    cursor = await conn.execute(
+        "INSERT INTO instances (org_id, name, spec, state, created_at)"
+        " VALUES (%s, 'grown', '{\"plan\": \"dev\"}', 'pending', %s) RETURNING id",
+        (org["id"], start),
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    instance: uuid.UUID = row["id"]
+    await append_event(
+        conn, "instance", instance, None, "pending", "create", 0, at=start, detail={"spec": {"plan": "dev"}}
+    )
+    minute = timedelta(minutes=1)
+    moves: list[tuple[timedelta, str, str, str, dict[str, Any]]] = [
+        (timedelta(0), "pending", "start_provisioning", "provisioning", {}),
+        (10 * minute, "provisioning", "provisioned", "ready", {"plan": "dev"}),
+        (80 * minute, "ready", "update", "updating", {"storage_gb": 3}),
+        (81 * minute, "updating", "updated", "ready", {"plan": "dev", "storage_gb": 3}),
+        (160 * minute, "ready", "update", "updating", {"storage_gb": 4}),
+        (160 * minute, "updating", "updated", "ready", {"plan": "dev", "storage_gb": 4}),
+    ]
+    for version, (offset, source, event, target, detail) in enumerate(moves, start=1):
+        await append_event(
+            conn, "instance", instance, source, target, event, version, at=start + offset, detail=detail
+        )
+    headers = {"Authorization": f"Bearer {key.plaintext}"}
+    params = {"from": start.isoformat(), "to": (start + 3 * 60 * minute).isoformat()}
+    report = (await client.get("/v1/usage", params=params, headers=headers)).json()
+    billed = 71 * 60 * 1 + 79 * 60 * 3 + 20 * 60 * 4  # GB x seconds of each size
+    assert [(i["billing"], i["seconds"], i["storage_gb_seconds"]) for i in report["items"]] == [
+        ("billed", 170 * 60.0, float(billed)),
+        ("not_billed", 10 * 60.0, 0.0),  # no storage is billed before the database is ready
+    ]
+    assert [t["storage_gb_seconds"] for t in report["totals"]] == [float(billed), 0.0]
+    # Stripe: the hour of the first growth gets 20 min at 1 GB, 1 min updating at 1 GB, 39 min at 3 GB.
+    hour = timedelta(hours=1)
+    names = {"billed": "compute", "storage_only": "storage", usage.STORAGE_METER: "gb"}
+    events = await usage.period_events(conn, start + hour, start + 2 * hour, names)
+    assert {(e.event_name, e.value, e.storage) for e in events} == {
+        ("compute", 3600, False),
+        ("gb", 21 * 60 * 1 + 39 * 60 * 3, True),
+    }
+    assert len({e.identifier for e in events}) == 2
+
+
 async def test_bad_usage_windows_are_problems(conn: AsyncConn, client: httpx.AsyncClient) -> None:
     _, key = await tenants.create_org(conn, "acme-bad-usage")
     headers = {"Authorization": f"Bearer {key.plaintext}"}
@@ -149,9 +205,15 @@ async def test_time_degraded_for_lost_data_is_shown_storage_only(
         ("billed", (2 + 1 + 2 + 12) * 3600.0),
         ("storage_only", 7 * 3600.0),
     ]
+    # small's 10 GB volume, held all along.
     assert report["totals"] == [
-        {"plan": "small", "billing": "billed", "seconds": 17 * 3600.0},
-        {"plan": "small", "billing": "storage_only", "seconds": 7 * 3600.0},
+        {"plan": "small", "billing": "billed", "seconds": 17 * 3600.0, "storage_gb_seconds": 17 * 36000.0},
+        {
+            "plan": "small",
+            "billing": "storage_only",
+            "seconds": 7 * 3600.0,
+            "storage_gb_seconds": 7 * 36000.0,
+        },
     ]
     # An instance degraded for lost data now says so too.
     lost = await make_instance(conn, org["id"])

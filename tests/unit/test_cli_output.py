@@ -135,18 +135,20 @@ def test_every_table_header_is_lower_case() -> None:
         assert '("ID"' not in source and '"STATE"' not in source
 
 
-def test_usage_names_the_databases(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_names_the_databases_and_shows_storage_in_gb_hours(capsys: pytest.CaptureFixture[str]) -> None:
+    line = {"plan": "dev", "billing": "billed", "seconds": 7200.0, "storage_gb_seconds": 3 * 3600.0}
     report = {
         "from": "2026-01-01T00:00:00Z",
         "to": "2026-02-01T00:00:00Z",
         "as_of": "2026-01-31T00:00:00Z",
-        "items": [{"instance_id": "id-1", "plan": "dev", "billing": "billed", "seconds": 7200.0}],
-        "totals": [{"plan": "dev", "billing": "billed", "seconds": 7200.0}],
+        "items": [{"instance_id": "id-1", **line}],
+        "totals": [line],
     }
     names = {"items": [{**INSTANCE, "id": "id-1", "name": "orders"}], "next_cursor": None}
     with fake_api(Answer(200, report), Answer(200, names)) as server:
         assert run(server.url, "usage", "--from", "2026-01-01T00:00:00Z") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["instance", "plan", "billing", "time"]
+    assert out[1].split() == ["instance", "plan", "billing", "time", "storage"]
     assert out[2].split()[:3] == ["orders", "dev", "billed"] and "id-1" not in out[2]
+    assert out[2].endswith("3.00 GB-h") and out[-1].endswith("3.00 GB-h")
     assert server.received[1].path == "/v1/instances?limit=100&include=archived"

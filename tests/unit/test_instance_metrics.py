@@ -4,6 +4,7 @@ samples and time."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -86,3 +87,40 @@ def test_storage_growth_waits_out_its_cooldown_and_stops_at_the_maximum_with_a_w
     assert isinstance(warn, WarnStorageFull) and "maximum" in warn.reason
     warned = NOW - timedelta(hours=1)
     assert planning.plan_storage(_view(FULL_5_MIN, maximum=10, warned_at=warned), NOW, rule) == []
+
+
+def _held(used: list[tuple[int, float]]) -> InstanceView:
+    """Suspended (read-only) for outgrowing its allocation."""
+    seen = replace(_view(used).observed, read_only=True)  # type: ignore[type-var]
+    return replace(_view(used), state="suspended", failure_code="storage_full", observed=seen)
+
+
+def test_a_database_beyond_its_allocation_is_suspended_and_resumed_once_the_allocation_holds_it() -> None:
+    rule = StorageRule(enabled=False)
+    beyond = [(0, 10.2)]
+    (held,) = planning.plan(_view(beyond), NOW, 3, rule)
+    assert held == planning.Enqueue("suspend", held.reason, code="storage_full")
+    assert held.reason.startswith("storage full: 102% of 10 GB used")
+    assert planning.plan(_view([(0, 9.9)]), NOW, 3, rule) == []  # full is not beyond
+    # Not under a job, nor over a billing hold (which suspends it anyway), nor while being deleted.
+    for changes in ({"live_jobs": ("backup",)}, {"billing_hold": True}, {"deletion_requested": True}):
+        assert all(a != held for a in planning.plan(replace(_view(beyond), **changes), NOW, 3, rule))
+    suspended = _held(beyond)
+    assert planning.plan(suspended, NOW, 3, rule) == []  # still beyond: held
+    grown = replace(_held([(0, 10.2)]), storage=StorageView(11, 20, [(NOW, int(10.2 * GIB))]))
+    (resume,) = planning.plan(grown, NOW, 3, rule)
+    assert resume == planning.Enqueue("resume", "storage allocation holds the data again: 93% of 11 GB used")
+    # A suspension for another reason is not released by the allocation.
+    by_billing = replace(grown, failure_code=None, suspended_by_billing=True, billing_hold=True)
+    assert planning.plan(by_billing, NOW, 3, rule) == []
+
+
+def test_autoscaling_grows_a_held_database_and_the_allocation_is_counted_in_the_views_unit() -> None:
+    beyond = [(ago, 10.5) for ago, _ in FULL_5_MIN]
+    held = _held(beyond)
+    (grow,) = planning.plan(held, NOW, 3, StorageRule())
+    assert isinstance(grow, GrowStorage) and grow.to_gb == 11  # which holds its 10.5 GB
+    # A smaller unit (as a test sets): 1 GB of 1 MiB, 1.5 MiB used.
+    small = view("ready", storage=StorageView(1, 10, [(NOW, 3 * 2**19)], gb_bytes=2**20))
+    (suspend,) = planning.plan(small, NOW, 3, StorageRule(enabled=False))
+    assert suspend == planning.Enqueue("suspend", suspend.reason, code="storage_full")

@@ -122,3 +122,43 @@ def test_periods_and_identifiers() -> None:
     identifier = metering.meter_identifier(T0, line)
     assert len(identifier) <= 100 and identifier == metering.meter_identifier(T0, line)
     assert identifier != metering.meter_identifier(T0 + hour, line)
+
+
+def test_allocated_storage_is_billed_at_the_old_size_until_a_growth_is_applied_and_the_new_after() -> None:
+    db = uuid.uuid4()
+    events = history(
+        db,
+        (0, "pending", {"spec": {"plan": "dev"}}),  # dev's volume: 1 GB
+        (0, "provisioning", {}),
+        (10, "ready", {}),
+        (60, "updating", {"storage_gb": 3}),  # the growth asked for: not allocated yet
+        (61, "ready", {"plan": "dev", "storage_gb": 3, "generation": 2}),
+        (100, "suspended", {}),
+    )
+    now = T0 + timedelta(minutes=120)
+    (billed, suspended, setup) = metering.usage(events, T0, T0 + timedelta(hours=2), now)
+    assert (setup.billing, setup.gb_seconds) == ("not_billed", 0.0)  # nothing billed, storage neither
+    assert billed.billing == "billed" and billed.seconds == 90 * 60.0
+    assert billed.gb_seconds == 51 * 60 * 1 + 39 * 60 * 3
+    assert suspended.billing == "storage_only" and suspended.gb_seconds == 20 * 60 * 3
+    # Hour by hour, the growth falls in the period it happened in.
+    first = metering.usage(events, T0, T0 + timedelta(hours=1), now)
+    assert metering.totals_by(first, field="gb_seconds") == {(): 50 * 60.0}
+    second = metering.usage(events, T0 + timedelta(hours=1), T0 + timedelta(hours=2), now)
+    assert metering.totals_by(second, field="gb_seconds") == {(): 60.0 + 59 * 60 * 3}
+
+
+def test_the_allocation_is_the_creations_storage_at_least_the_plans_volume() -> None:
+    db = uuid.uuid4()
+    events = history(
+        db,
+        (0, "pending", {"spec": {"plan": "small", "storage_gb": 25}}),
+        (0, "ready", {}),
+        (30, "updating", {}),
+        (31, "ready", {"plan": "medium"}),  # an update recorded without storage_gb (older logs)
+    )
+    lines = metering.usage(events, T0, T0 + timedelta(hours=1), T0 + timedelta(hours=1))
+    assert {line.plan: line.gb_seconds for line in lines} == {"small": 31 * 60 * 25, "medium": 29 * 60 * 50}
+    unknown = history(uuid.uuid4(), (0, "pending", {"spec": {"plan": "standard"}}), (0, "ready", {}))
+    (line,) = metering.usage(unknown, T0, T0 + timedelta(hours=1), T0 + timedelta(hours=1))
+    assert line.seconds == 3600.0 and line.gb_seconds == 0.0

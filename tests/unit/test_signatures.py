@@ -20,6 +20,7 @@ from controlplane.runtime.settings import NotificationSettings
 from controlplane.services.notices import (
     DEADLINE_CODES,
     address_allowed,
+    body_of,
     check_url,
     notice_types,
 )
@@ -183,3 +184,15 @@ def test_which_events_customers_hear_of() -> None:
     ) == ["instance.failed"]
     overdue = notice_types(_event("provisioning", "failed", code="init_timeout"), DEADLINE_CODES)
     assert overdue == ["instance.failed", "instance.deadline_overdue"]
+
+
+def test_a_suspension_says_why_when_it_has_a_code() -> None:
+    instance = {"name": "orders", "plan": "dev"}
+    full = body_of(_event("ready", "suspended", code="storage_full"), "instance.suspended", instance)
+    assert (
+        full["data"]["failure"]["code"] == "storage_full" and "larger plan" in full["data"]["failure"]["hint"]
+    )
+    held = body_of(_event("ready", "suspended"), "instance.suspended", instance)
+    assert held["data"]["failure"] is None  # a billing hold: billing.past_due said why
+    restored = body_of(_event("degraded", "ready", code="data_lost"), "instance.recovered", instance)
+    assert restored["data"]["failure"] is None

@@ -127,17 +127,25 @@ class DeliveryPage(BaseModel):
     next_cursor: str | None
 
 
+_GB_SECONDS = (
+    "allocated storage over that time, in GB-seconds (GB allocated x seconds, as the allocation "
+    "changed: 3600 per GB-hour); 0 in a class that costs nothing"
+)
+
+
 class UsageLine(BaseModel):
     instance_id: uuid.UUID
     plan: str
     billing: str
     seconds: float = Field(description="billable seconds in the window")
+    storage_gb_seconds: float = Field(description=_GB_SECONDS)
 
 
 class UsageTotal(BaseModel):
     plan: str
     billing: str
     seconds: float = Field(description="billable seconds in the window")
+    storage_gb_seconds: float = Field(description=_GB_SECONDS)
 
 
 class Usage(BaseModel):
@@ -146,7 +154,9 @@ class Usage(BaseModel):
     end: datetime = Field(alias="to")
     as_of: datetime = Field(description="the time the usage was computed at (the window's end at most)")
     items: list[UsageLine]
-    totals: list[UsageTotal] = Field(description="the seconds per plan and billing class over all instances")
+    totals: list[UsageTotal] = Field(
+        description="the seconds and storage GB-seconds per plan and billing class over all instances"
+    )
 
 
 class Billing(BaseModel):
@@ -411,8 +421,9 @@ async def delete_notification_email(email_id: uuid.UUID, request: Request, who: 
     description=(
         "Billable time from the audit log over [from, to): seconds per instance, plan and billing class "
         "(`billed`, `storage_only`, `not_billed`, from the lifecycle metadata: time degraded for lost data, "
-        "with no server, is `storage_only`), with totals per plan and class. Exact to the second across "
-        "plan changes and restarts."
+        "with no server, is `storage_only`), and the allocated storage over that time in GB-seconds (the "
+        "allocation in effect as it grew: the old size until a growth is applied, the new one after), "
+        "with totals per plan and class. Exact to the second across plan changes, growths and restarts."
     ),
     summary="The organisation's usage over [from, to): seconds per instance, plan and billing class",
 )
@@ -426,6 +437,7 @@ async def get_usage(
         as_of = await usage.db_now(conn)
         lines = await usage.usage_of_org(conn, who.org_id, start, end, as_of)
     totals = metering.totals_by(lines, "plan", "billing")
+    storage = metering.totals_by(lines, "plan", "billing", field="gb_seconds")
     return {
         "organisation_id": who.org_id,
         "from": start,
@@ -437,11 +449,17 @@ async def get_usage(
                 "plan": line.plan,
                 "billing": line.billing,
                 "seconds": line.seconds,
+                "storage_gb_seconds": line.gb_seconds,
             }
             for line in lines
         ],
         "totals": [
-            {"plan": plan, "billing": billing, "seconds": seconds}
+            {
+                "plan": plan,
+                "billing": billing,
+                "seconds": seconds,
+                "storage_gb_seconds": storage[(plan, billing)],
+            }
             for (plan, billing), seconds in totals.items()
         ],
     }

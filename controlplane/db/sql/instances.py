@@ -105,14 +105,16 @@ SET failure_code = %(code)s, failure_reason = %(reason)s, updated_at = now()
 WHERE id = %(id)s AND state_version = %(state_version)s
 """
 
-# Reconciler (storage autoscaling): a larger allocation as a new spec generation, and when it was
+# Reconciler (storage autoscaling): a larger allocation as a new spec generation (of a ready instance,
+# or of one held read-only for outgrowing its allocation), and when it was
 # grown (the cooldown), guarded by version; the update job then applies it.
 SET_STORAGE_GROWN = """
 UPDATE instances
 SET spec = spec || jsonb_build_object('storage_gb', %(storage_gb)s::int),
     spec_generation = spec_generation + 1, storage_grown_at = COALESCE(%(now)s::timestamptz, now()),
     storage_full_warned_at = NULL, updated_at = now()
-WHERE id = %(id)s AND state_version = %(state_version)s AND state = 'ready'
+WHERE id = %(id)s AND state_version = %(state_version)s
+  AND (state = 'ready' OR (state = 'suspended' AND failure_code = 'storage_full'))
 RETURNING spec_generation
 """
 
