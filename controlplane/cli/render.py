@@ -4,6 +4,7 @@ of one, the tables of instances, events and backups (as JSON or YAML with `-o`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -119,6 +120,10 @@ def actor_text(event: dict[str, Any]) -> str:
     return str(actor)
 
 
+def _moment(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
 def window_rows(recovery: dict[str, Any]) -> list[tuple[str, str]]:
     """The recoverable window of an instance, as label and value lines (what `backups` prints above
     the list)."""
@@ -127,9 +132,12 @@ def window_rows(recovery: dict[str, Any]) -> list[tuple[str, str]]:
         health = f"FAILING since {archive.get('failing_since') or '?'}"
     else:
         health = {True: "healthy", None: "not known"}[archive.get("healthy")]
+    earliest, latest = recovery.get("earliest"), recovery.get("latest")
+    if earliest and latest and _moment(latest) < _moment(earliest):
+        latest = "not yet: the archive has not reached the end of the first backup"
     rows = [
-        ("restorable from", recovery.get("earliest") or "nothing yet (no backup held)"),
-        ("restorable until", recovery.get("latest") or "not known yet"),
+        ("restorable from", earliest or "nothing yet (no backup held)"),
+        ("restorable until", latest or "not known yet"),
         ("archive", health),
     ]
     if archive.get("lag_s") is not None:

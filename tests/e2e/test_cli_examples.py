@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -195,15 +196,21 @@ def run_readme(shell: Shell, readme: list[list[str]]) -> None:
 
 def restorable_moment(shell: Shell, source: str) -> str:
     """The latest moment of `source`'s recoverable window, as `instances backups` shows it, once
-    there is one (its first backup is taken as soon as it is ready)."""
+    there is one: its first backup is taken as soon as it is ready, and the archive then reaches
+    past that backup's end (until it does, the window's latest moment precedes its earliest)."""
     window: dict[str, str | None] = {}
 
     def restorable() -> bool:
         window.update(json.loads(shell.run(["instances", "backups", source, "-o", "json"])))
-        return bool(window["earliest"] and window["latest"])
+        earliest, latest = window["earliest"], window["latest"]
+        return bool(earliest and latest) and moment(str(earliest)) <= moment(str(latest))
 
     eventually_sync(restorable, f"a recoverable window of {source}", timeout_s=300)
     return str(window["latest"])
+
+
+def moment(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.cli import common, main
-from controlplane.cli.render import masked
+from controlplane.cli.render import masked, window_rows
 from controlplane.core import exit_codes
 from tests.fake_api import Answer, fake_api
 
@@ -152,3 +152,13 @@ def test_usage_names_the_databases_and_shows_storage_in_gb_hours(capsys: pytest.
     assert out[2].split()[:3] == ["orders", "dev", "billed"] and "id-1" not in out[2]
     assert out[2].endswith("3.00 GB-h") and out[-1].endswith("3.00 GB-h")
     assert server.received[1].path == "/v1/instances?limit=100&include=archived"
+
+
+def test_the_window_before_the_archive_passes_the_first_backup_is_not_shown_backwards() -> None:
+    first = {"earliest": "2026-12-02T08:38:32Z", "archive": {"healthy": True}}
+    behind = dict(window_rows(first | {"latest": "2026-12-02T08:38:31.548386Z"}))
+    assert behind["restorable from"] == "2026-12-02T08:38:32Z"
+    assert behind["restorable until"].startswith("not yet")
+    caught_up = dict(window_rows(first | {"latest": "2026-12-02T08:39:01Z"}))
+    assert caught_up["restorable until"] == "2026-12-02T08:39:01Z"
+    assert dict(window_rows({}))["restorable from"] == "nothing yet (no backup held)"
