@@ -66,6 +66,8 @@ class InstanceView:
     failure_code: str | None = None
     # The newest backup held, and when the instance was created (the schedule's start).
     newest_backup_at: datetime | None = None
+    # Its data is lost and the newest restore of it was given up: no new one without a decision.
+    restore_given_up: bool = False
     created_at: datetime | None = None
     # Seconds between scheduled backups; None: this instance is not backed up by a schedule.
     backup_interval_s: float | None = None
@@ -215,17 +217,18 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
 
 def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:
     """Lost data is never healed into an empty database: degraded with the code, and restored from
-    the newest backup held (once, when the loss is first recorded), or left for a decision."""
+    its backups and archive when any is held and no restore of it was given up (a loss recorded while
+    it was suspended is restored once it is degraded), or left for a decision."""
     recorded = view.failure_code == DATA_LOST
     reason = f"data lost: {why}"
     if view.state == "suspended":
         # No edge leaves suspended for degraded: recorded, and degraded once it is resumed.
         return [] if recorded else [RecordFailure(DATA_LOST, reason)]
-    if view.state == "degraded" and recorded:
-        return []  # a restore runs, or someone decides
     restore: list[PlannedAction] = []
-    if view.newest_backup_at is not None and RESTORE not in view.live_jobs:
-        restore = [Enqueue(RESTORE, "data lost: restore from the newest backup held")]
+    if view.newest_backup_at is not None and not view.restore_given_up and RESTORE not in view.live_jobs:
+        restore = [Enqueue(RESTORE, "data lost: restore from its backups and archive")]
+    if view.state == "degraded" and recorded:
+        return restore  # else a restore runs, or someone decides
     if view.state == "ready":
         return [Transition("degrade", reason, code=DATA_LOST), *restore]
     return [RecordFailure(DATA_LOST, reason), *restore]

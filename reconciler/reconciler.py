@@ -87,6 +87,7 @@ def _view(
         heal_not_before=heal_not_before,
         failure_code=inst.failure_code,
         newest_backup_at=inst.newest_backup_at,
+        restore_given_up=inst.restore_given_up,
         created_at=inst.created_at,
         backup_interval_s=_backup_interval_s(inst, backed_up),
     )

@@ -118,6 +118,8 @@ class ScannedInstance(_Record):
     # Storage autoscaling: when it last grew the allocation, when it last warned at the maximum.
     storage_grown_at: datetime | None = None
     storage_full_warned_at: datetime | None = None
+    # Its data is lost and the newest restore of it was given up (abandoned): left for a decision.
+    restore_given_up: bool = False
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ScannedInstance:

@@ -179,3 +179,17 @@ def test_the_first_backup_is_taken_at_once_then_one_per_plan_interval() -> None:
         plan(replace(daily, state="suspended", observed=replace(HEALTHY, read_only=True)), NOW, max_retries=2)
         == []
     )
+
+
+def test_lost_data_recorded_without_a_restore_is_restored_unless_one_was_given_up() -> None:
+    lost = Observed(exists=False, running=False, healthy=False, read_only=False, data_lost=True)
+    backed_up = {"observed": lost, "failure_code": "data_lost", "newest_backup_at": NOW - timedelta(hours=1)}
+    restore = Enqueue("restore", "data lost: restore from its backups and archive")
+    # Recorded while suspended (no edge to degraded), then degraded by its failed resume: restored.
+    assert plan(view("degraded", **backed_up), NOW, max_retries=2) == [restore]
+    # A restore under way, one given up (left for a decision), or nothing held: nothing new.
+    assert plan(view("degraded", **backed_up, live_jobs=("restore",)), NOW, max_retries=2) == []
+    assert plan(view("degraded", **backed_up, restore_given_up=True), NOW, max_retries=2) == []
+    assert plan(view("degraded", **(backed_up | {"newest_backup_at": None})), NOW, max_retries=2) == []
+    # Suspended: recorded only.
+    assert plan(view("suspended", **backed_up), NOW, max_retries=2) == []

@@ -89,6 +89,10 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
              WHERE j.instance_id = i.id AND j.state NOT IN {FINISHED}) AS live_jobs,
        (SELECT max(b.taken_at) FROM backups b
         WHERE b.instance_id = i.id AND b.removed_at IS NULL) AS newest_backup_at,
+       CASE WHEN i.failure_code = 'data_lost' THEN
+         COALESCE((SELECT j.state = 'abandoned' FROM jobs j WHERE j.instance_id = i.id AND j.kind = 'restore'
+                   ORDER BY j.created_at DESC LIMIT 1), false)
+       ELSE false END AS restore_given_up,
        COALESCE(%(now)s::timestamptz, now()) AS now
 FROM instances i JOIN organisations o ON o.id = i.org_id
 WHERE {LIVE_INSTANCE}
