@@ -57,8 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="after the measured repetitions, run the project's variants once more under py-spy "
-        "(profiles in bench/results/profiles/)",
+        help="after the measured repetitions, run the profiled variants once more under py-spy, "
+        "with pg_stat_statements per statement (profiles in bench/results/profiles/; the cluster "
+        "then preloads pg_stat_statements for the whole run)",
     )
     return parser.parse_args(argv)
 
@@ -191,7 +192,7 @@ def main(argv: list[str]) -> int:
     failed = True
     try:
         log("starting the scratch PostgreSQL cluster (fsync=on, synchronous_commit=on)")
-        cluster = Cluster.start()
+        cluster = Cluster.start(statement_stats=args.profile)
         template = "bench_template"
         template_url = cluster.create_database(template)
         from controlplane.db import connection as db
