@@ -34,6 +34,7 @@ class DrainWorkload(Workload):
             ),
             # pgqueuer's too: its statements beside ours (the enqueue of the jobs included in both).
             profiled=("ours", "pgqueuer"),
+            contested=("ours", "pgqueuer"),
         )
         self.jobs = 0
         self.procrastinate_jobs = 0

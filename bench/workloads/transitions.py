@@ -109,6 +109,7 @@ class TransitionsWorkload(Workload):
             ],
             # pgbench too: the server's view of the same statement sent by each.
             profiled=("ours", "pgbench"),
+            contested=("ours", "pgbench"),
         )
         self.seconds = 0.0
 
