@@ -58,9 +58,10 @@ async def test_create_returns_pending_with_location_and_provision_job(
     inst = await instances.load(conn, None, uuid.UUID(body["id"]))
     read = (await steps.progress_of(conn, [inst]))[inst.id]
     job_id = await conn.execute("SELECT id FROM jobs WHERE instance_id = %s", (body["id"],))
-    assert body["progress"] == Instance.model_validate({**body, "progress": read}).model_dump(mode="json")[
-        "progress"
-    ]
+    assert (
+        body["progress"]
+        == Instance.model_validate({**body, "progress": read}).model_dump(mode="json")["progress"]
+    )
     assert body["progress"]["job_id"] == str((await job_id.fetchone() or {})["id"])
     assert body["progress"]["attempt"] == 0 and body["progress"]["current_step"] is None
     assert {s["state"] for s in body["progress"]["steps"]} == {"pending"}
