@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
 from bench import env, report
 from bench.cluster import Cluster
-from bench.core import Context, NotAvailable, Outcome, Workload
+from bench.core import Context, NotAvailable, Outcome, Workload, unloaded
 from bench.procs import Processes
 from bench.profiling import Profiler
 from bench.workloads import all_workloads
@@ -57,10 +60,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--conditions", default="", help="how the machine was when measured (for latest.md)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; write no results")
     parser.add_argument(
+        "--quiet-only",
+        action="store_true",
+        help="leave out the contested workloads' second figure, beside a busy loop on one core",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
-        help="after the measured repetitions, run the project's variants once more under py-spy "
-        "(profiles in bench/results/profiles/)",
+        help="after the measured repetitions, run the profiled variants once more under py-spy, "
+        "with pg_stat_statements per statement (profiles in bench/results/profiles/; the cluster "
+        "then preloads pg_stat_statements for the whole run)",
     )
     return parser.parse_args(argv)
 
@@ -82,9 +91,12 @@ def run_workloads(
             for variant in workload.variants:
                 if repetition > 0 and variant in workload.once:
                     continue
+                if variant != unloaded(variant) and not ctx.under_load:
+                    continue
                 started = time.monotonic()
                 try:
-                    values = workload.run(ctx, variant, repetition)
+                    with cpu_hog(ctx, variant != unloaded(variant)):
+                        values = workload.run(ctx, unloaded(variant), repetition)
                 except NotAvailable as exc:
                     outcome.errors.append(f"{variant}: not available: {exc}")
                     log(f"  {workload.key}/{variant}: not available: {exc}")
@@ -109,6 +121,21 @@ def run_workloads(
         except Exception:
             log(f"  cleanup of {outcome.workload.key} failed: {traceback.format_exc()}")
     return outcomes
+
+
+@contextlib.contextmanager
+def cpu_hog(ctx: Context, on: bool) -> Iterator[None]:
+    """With `on`, a busy loop (a process of its own, pinned to the last core) for the block's length."""
+    if not on:
+        yield
+        return
+    proc = ctx.procs.start([sys.executable, "-c", "while True: pass"], name="cpu-hog")
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(proc.pid, {cores[-1]})
+        yield
+    finally:
+        ctx.procs.stop(proc)
 
 
 # The bulk loads of the large sizes (a million instances, ten million events, ten million jobs)
@@ -194,7 +221,7 @@ def main(argv: list[str]) -> int:
     failed = True
     try:
         log("starting the scratch PostgreSQL cluster (fsync=on, synchronous_commit=on)")
-        cluster = Cluster.start()
+        cluster = Cluster.start(statement_stats=args.profile)
         template = "bench_template"
         template_url = cluster.create_database(template)
         from controlplane.db import connection as db
@@ -210,6 +237,7 @@ def main(argv: list[str]) -> int:
             wrk=wrk,
             log=log,
             mvcc_minutes=args.mvcc_minutes or (1.0 if args.quick else 10.0),
+            under_load=not args.quiet_only,
         )
         profiler = None
         if args.profile:

@@ -27,6 +27,14 @@ BENCH_SETTINGS = {
     "max_connections": "300",
 }
 
+# With --profile: the server's own view of each statement (calls, time, rows, buffers), nested
+# statements (those of the product's functions) included.
+STATEMENT_STATS_SETTINGS = {
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track": "all",
+    "pg_stat_statements.max": "5000",
+}
+
 # What the results record about the server.
 RECORDED_SETTINGS = (
     "server_version",
@@ -54,7 +62,7 @@ class Cluster:
     databases: set[str] = field(default_factory=set)
 
     @classmethod
-    def start(cls) -> Cluster:
+    def start(cls, statement_stats: bool = False) -> Cluster:
         root = Path(tempfile.mkdtemp(prefix="cp-bench-"))
         os.chmod(root, 0o755)  # the server user must traverse it
         run_as = server_user()
@@ -62,7 +70,8 @@ class Cluster:
         cluster = cls(root, server, secrets.token_urlsafe(24))
         try:
             make_owned_dir(root / "pg", run_as)
-            server.initdb(SUPERUSER, cluster.password, BENCH_SETTINGS)
+            settings = {**BENCH_SETTINGS, **(STATEMENT_STATS_SETTINGS if statement_stats else {})}
+            server.initdb(SUPERUSER, cluster.password, settings)
             server.start()
         except BaseException:
             cluster.stop()

@@ -42,6 +42,12 @@ class Target:
     def describe(self) -> str:
         return f"{self.op} {self.threshold:g}"
 
+    def under_load(self) -> Target:
+        """The same figure from the variants run beside the CPU hog (reported, never a target)."""
+        num = (loaded(self.numerator[0]), self.numerator[1])
+        den = None if self.denominator is None else (loaded(self.denominator[0]), self.denominator[1])
+        return Target(f"{self.label}, {HOG}", num, den, self.op, self.threshold)
+
     def met(self, value: float) -> bool:
         return value >= self.threshold if self.op == ">=" else value <= self.threshold
 
@@ -63,6 +69,8 @@ class Context:
     project_python: str = sys.executable
     # How long the MVCC-pressure workload runs (`--mvcc-minutes`).
     mvcc_minutes: float = 10.0
+    # Whether the contested workloads' variants also run beside the CPU hog (not `--quiet-only`).
+    under_load: bool = True
     _counter: int = 0
     # Workloads prepare on two threads at once (see bench.__main__.prepare_all).
     _naming: threading.Lock = field(default_factory=threading.Lock)
@@ -76,6 +84,20 @@ class Context:
 
     def size(self, full: Any, quick: Any) -> Any:
         return quick if self.quick else full
+
+
+# A contested workload's variants run once more with this beside them: a busy loop on one core.
+HOG = "one core busy"
+
+
+def loaded(variant: str) -> str:
+    """The name of `variant` run beside the CPU hog."""
+    return f"{variant}, {HOG}"
+
+
+def unloaded(variant: str) -> str:
+    """The variant a (possibly loaded) variant name runs."""
+    return variant.removesuffix(f", {HOG}")
 
 
 @dataclass
@@ -92,6 +114,23 @@ class Workload:
     profiled: tuple[str, ...] = ()
     # Variants too long to repeat: run in the first repetition only (their n is 1).
     once: tuple[str, ...] = ()
+    # Variants that contend for the CPU with what they are compared to: each runs once more beside
+    # a busy loop on one core (`loaded(variant)`), its figures reported beside the quiet ones, with
+    # the targets between two of them.
+    contested: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.contested:
+            return
+        self.variants = (*self.variants, *(loaded(v) for v in self.contested))
+        self.metrics = {**self.metrics, **{loaded(v): self.metrics[v] for v in self.contested}}
+        both = [
+            t
+            for t in self.targets
+            if t.numerator[0] in self.contested
+            and (t.denominator is None or t.denominator[0] in self.contested)
+        ]
+        self.targets = (*self.targets, *(t.under_load() for t in both))
 
     def prepare(self, ctx: Context) -> None:
         """Once before the repetitions; raise NotAvailable when a part is missing."""

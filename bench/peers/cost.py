@@ -43,6 +43,29 @@ def _server_cpu_s(postmaster: int) -> float:
     return ticks / TICKS
 
 
+def postmaster_of(conn: psycopg.Connection[Any]) -> int:
+    """The pid of the postmaster serving `conn` (its backend's parent)."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(_stat(int(row[0]))[1])
+
+
+class ServerCpu:
+    """CPU seconds of the whole database server (every backend and background process) between
+    begin() and end(): the server runs only the bench's measured work meanwhile."""
+
+    def __init__(self, dsn: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            self.postmaster = postmaster_of(conn)
+        self.started = 0.0
+
+    def begin(self) -> None:
+        self.started = _server_cpu_s(self.postmaster)
+
+    def end(self) -> float:
+        return _server_cpu_s(self.postmaster) - self.started
+
+
 class Meter:
     def __init__(self, dsn: str) -> None:
         self.conn = psycopg.connect(dsn, autocommit=True)
@@ -70,4 +93,6 @@ class Meter:
             "client_cpu_s": client,
             "server_cpu_s": server,
             "jobs_per_cpu_s": jobs / max(client + server, 1e-9),
+            "client_cpu_us_per_job": 1e6 * client / jobs,
+            "server_cpu_us_per_job": 1e6 * server / jobs,
         }

@@ -47,6 +47,7 @@ class ApiWorkload(Workload):
             metrics={v: (RPS, P50, P99, ERRORS) for v in ("ours", "baseline")},
             targets=(Target("ours/baseline", ("ours", RPS.key), ("baseline", RPS.key), ">=", 0.5),),
             profiled=("ours",),
+            contested=("ours", "baseline"),
         )
         self.seconds = 0.0
         self.warmup = 0.0

@@ -11,7 +11,9 @@ FINISH_BATCH = Metric("finish_batch", "mean finish batch (jobs/statement)", "", 
 COMMITS = Metric("commits_per_job", "write transactions (commits) per job", "", 2)
 WAL = Metric("wal_bytes_per_job", "WAL bytes per job", "B")
 PER_CORE = Metric("jobs_per_cpu_s", "jobs/s per core (jobs per CPU second, client + server)", "1/s")
-COST = (COMMITS, WAL, PER_CORE)
+CLIENT_CPU = Metric("client_cpu_us_per_job", "client CPU us/job (the driver process)", "us", 1)
+SERVER_CPU = Metric("server_cpu_us_per_job", "server CPU us/job (every PostgreSQL process)", "us", 1)
+COST = (COMMITS, WAL, PER_CORE, CLIENT_CPU, SERVER_CPU)
 CONCURRENCY = 10
 
 
@@ -30,7 +32,9 @@ class DrainWorkload(Workload):
                 Target("ours/pgqueuer", ("ours", JOBS_S.key), ("pgqueuer", JOBS_S.key), ">=", 1.0),
                 Target("ours/procrastinate", ("ours", JOBS_S.key), ("procrastinate", JOBS_S.key), ">=", 10.0),
             ),
-            profiled=("ours",),
+            # pgqueuer's too: its statements beside ours (the enqueue of the jobs included in both).
+            profiled=("ours", "pgqueuer"),
+            contested=("ours", "pgqueuer"),
         )
         self.jobs = 0
         self.procrastinate_jobs = 0
@@ -53,7 +57,10 @@ class DrainWorkload(Workload):
             "Cost per job, measured by each driver around its timed phase (`bench/peers/cost.py`): write "
             "transactions (transaction ids taken: each commit is an fsync), WAL bytes "
             "(pg_current_wal_lsn before and after), and jobs per CPU second of the driver process and "
-            "the database server together (/proc): jobs/s per core.",
+            "the database server together (/proc): jobs/s per core; and the two apart per job: client CPU "
+            "(the driver process's own, time.process_time) and server CPU (utime + stime of the postmaster "
+            "and all its children, live and reaped, from /proc: every backend, the WAL writer, the "
+            "checkpointer, autovacuum; the cluster serves only the measured drain meanwhile).",
         ]
 
     def run(self, ctx: Context, variant: str, repetition: int) -> dict[str, float]:
@@ -72,12 +79,17 @@ class DrainWorkload(Workload):
             argv += ["--concurrency", str(CONCURRENCY)]
         try:
             ctx.cluster.checkpoint()
+            if ctx.profiler is not None:
+                ctx.profiler.statements_begin(url)
             proc = ctx.procs.start(argv, name=f"w2-{variant}")
             if ctx.profiler is not None:
                 ctx.profiler.attach(proc.pid, f"drain-{variant}-driver")
             result = ctx.procs.wait_json(proc, timeout=900)
-            if ctx.profiler is not None and variant == "ours":
-                explain_queue(ctx, url)
+            if ctx.profiler is not None:
+                done = float(result.get("completed", result.get("executed")) or 0)
+                ctx.profiler.statements_end(url, "drain", variant, done, "job")
+                if variant == "ours":
+                    explain_queue(ctx, url)
         finally:
             ctx.cluster.drop_database(name)
         executed = result.get("completed", result.get("executed"))

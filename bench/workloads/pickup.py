@@ -28,6 +28,7 @@ class PickupWorkload(Workload):
                 Target("ours p50 ms", ("ours", P50.key), None, "<=", 10.0),
                 Target("ours p99 ms", ("ours", P99.key), None, "<=", 50.0),
             ),
+            contested=("ours", "pgqueuer"),
         )
         self.seconds = 0.0
 

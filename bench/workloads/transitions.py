@@ -12,6 +12,7 @@ from pathlib import Path
 import psycopg
 
 from bench.core import Context, Metric, Target, Workload
+from bench.peers.cost import ServerCpu
 from bench.seed import ready_instances
 from controlplane.db import sql
 
@@ -19,6 +20,7 @@ CLIENTS = 8
 THREADS = 2  # pgbench -j 2; ours likewise runs its 8 clients in 2 processes of 4
 TPS = Metric("transitions_per_s", "transitions/s", "1/s")
 CPU = Metric("client_cpu_us", "client CPU us/transition", "us", 1)
+SERVER_CPU = Metric("server_cpu_us", "server CPU us/transition", "us", 1)
 
 
 def transition_statement() -> str:
@@ -91,7 +93,7 @@ class TransitionsWorkload(Workload):
             key="transitions",
             title="1. Transition path (8 clients)",
             variants=("ours", "pgbench"),
-            metrics={"ours": (TPS, CPU), "pgbench": (TPS, CPU)},
+            metrics={"ours": (TPS, CPU, SERVER_CPU), "pgbench": (TPS, CPU, SERVER_CPU)},
             targets=(Target("ours/pgbench", ("ours", TPS.key), ("pgbench", TPS.key), ">=", 0.9),),
             notes=[
                 "Each transition: instance ready->suspended or suspended->ready through "
@@ -100,8 +102,14 @@ class TransitionsWorkload(Workload):
                 "pgbench: the same statement text, -M prepared -c 8 -j 2, two moves per script run.",
                 "Client CPU: CPU time of the client processes (ours: the two driver processes; pgbench: "
                 "its process) per transition; on 2 cores it is taken from the server's share.",
+                "Server CPU: utime + stime of the postmaster and all its children (live and reaped, from "
+                "/proc: every backend, WAL writer, checkpointer, autovacuum) from just before the clients "
+                "start to just after they exit, per transition; the cluster serves only the measured "
+                "clients meanwhile (their connection set-up included, for both variants).",
             ],
-            profiled=("ours",),
+            # pgbench too: the server's view of the same statement sent by each.
+            profiled=("ours", "pgbench"),
+            contested=("ours", "pgbench"),
         )
         self.seconds = 0.0
 
@@ -117,9 +125,16 @@ class TransitionsWorkload(Workload):
         name, url, ids = self._seed(ctx, f"w1_{variant}")
         try:
             ctx.cluster.checkpoint()
-            if variant == "ours":
-                return self._ours(ctx, url, ids)
-            return self._pgbench(ctx, name, url, ids)
+            if ctx.profiler is not None:
+                ctx.profiler.statements_begin(url)
+            server = ServerCpu(url)
+            server.begin()
+            values = self._ours(ctx, url, ids) if variant == "ours" else self._pgbench(ctx, name, url, ids)
+            moved = values.pop("moved")
+            values[SERVER_CPU.key] = 1e6 * server.end() / max(moved, 1.0)
+            if ctx.profiler is not None:
+                ctx.profiler.statements_end(url, "transitions", variant, moved, "transition")
+            return values
         finally:
             ctx.cluster.drop_database(name)
 
@@ -152,7 +167,7 @@ class TransitionsWorkload(Workload):
         results = [ctx.procs.wait_json(p, timeout=self.seconds + 60) for p in procs]
         moved = float(sum(r["transitions"] for r in results))
         cpu = sum(float(r["cpu_s"]) for r in results)
-        return {TPS.key: moved / self.seconds, CPU.key: 1e6 * cpu / max(moved, 1.0)}
+        return {TPS.key: moved / self.seconds, CPU.key: 1e6 * cpu / max(moved, 1.0), "moved": moved}
 
     def _pgbench(self, ctx: Context, name: str, url: str, ids: list[str]) -> dict[str, float]:
         with psycopg.connect(url, autocommit=True) as conn:
@@ -194,4 +209,4 @@ class TransitionsWorkload(Workload):
         assert tps is not None
         # Two transitions per script run.
         moved = 2 * int(processed.group(1))
-        return {TPS.key: 2 * float(tps.group(1)), CPU.key: 1e6 * cpu / max(moved, 1)}
+        return {TPS.key: 2 * float(tps.group(1)), CPU.key: 1e6 * cpu / max(moved, 1), "moved": float(moved)}

@@ -11,14 +11,14 @@ from urllib.parse import quote
 from fastapi import Depends, Query
 from fastapi.responses import JSONResponse
 
-from controlplane.core import actions, failures, lifecycle, plans
+from controlplane.core import actions, failures, lifecycle, plans, progress
 from controlplane.core.records import Instance as InstanceRecord
 from controlplane.db.connection import AsyncConn
 from controlplane.queue import steps
 from controlplane.runtime.secretbox import SecretBox
 from controlplane.services.backups import Recovery
 from controlplane.services.idempotency import Answer
-from controlplane.services.instances import Versions
+from controlplane.services.instances import InstanceResult, Versions
 
 Row = TypeVar("Row")
 
@@ -108,12 +108,26 @@ def instance(
     }
 
 
+# The fleet's usual step durations in the documents this process serves (read every few seconds).
+FLEET_DURATIONS = steps.FleetDurations()
+
+
 async def instances(
     conn: AsyncConn, found: Sequence[InstanceRecord], box: SecretBox, *, reveal: bool = False
 ) -> list[dict[str, Any]]:
     """The documents of `found`, each with its progress (read in one go for the page)."""
-    moving = await steps.progress_of(conn, found)
+    moving = await steps.progress_of(conn, found, durations=FLEET_DURATIONS)
     return [instance(inst, box, reveal=reveal, progress=moving.get(inst.id)) for inst in found]
+
+
+async def created_instance(conn: AsyncConn, made: InstanceResult, box: SecretBox) -> dict[str, Any]:
+    """The document of an instance a use case made: of one just created with its first job, known
+    without reading its progress (no step has run, the job is queued); else as `one_instance`."""
+    inst = made.instance
+    if made.first_job is None or made.enqueued is None:
+        return await one_instance(conn, inst, box)
+    job = progress.LiveJob(made.first_job, made.enqueued, 0, "queued")
+    return instance(inst, box, progress=await steps.progress_of_created(conn, inst, job, FLEET_DURATIONS))
 
 
 async def one_instance(

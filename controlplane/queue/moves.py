@@ -145,6 +145,14 @@ async def claim_and_start(
     return rows
 
 
+async def fresh_before(conn: AsyncConn, kinds: Sequence[str], point: ClaimFrom) -> bool:
+    """Whether due fresh work of `kinds` sorts before `point` (a claim from it would leave it out)."""
+    cursor = await conn.execute(
+        sql.FRESH_BEFORE_POINT, {"kinds": list(kinds), **point.params()}, prepare=True
+    )
+    return await cursor.fetchone() is not None
+
+
 def _claim_order(row: Mapping[str, Any]) -> tuple[Any, ...]:
     return (row["priority"], row["attempt"] == 1, row["run_at"], row["fence"])
 

@@ -3,8 +3,10 @@ append-only, notified), and the progress of instances read back from them."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -107,6 +109,40 @@ async def expected_durations(
     }
 
 
+# How long a process keeps the fleet's usual step durations it read (FleetDurations).
+FLEET_DURATIONS_KEEP_S = 5.0
+
+
+@dataclass
+class FleetDurations:
+    """The fleet's usual step durations, read at most once every `keep_s` per (database, operation,
+    step) by this process: every document of an instance in a transitional state shows them, and
+    they follow the latest runs of the whole fleet, which a few seconds do not change."""
+
+    keep_s: float = FLEET_DURATIONS_KEEP_S
+    # (database, (operation, step)) -> (when it was read, the duration, None without history)
+    _kept: dict[tuple[str, tuple[str, str]], tuple[float, float | None]] = field(default_factory=dict)
+
+    async def of(self, conn: AsyncConn, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], float]:
+        where = f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
+        now = time.monotonic()
+        stale = [
+            pair
+            for pair in pairs
+            if (kept := self._kept.get((where, pair))) is None or now - kept[0] > self.keep_s
+        ]
+        if stale:
+            read = await expected_durations(conn, stale)
+            for pair in stale:
+                self._kept[(where, pair)] = (now, read.get(pair))
+        out: dict[tuple[str, str], float] = {}
+        for pair in pairs:
+            expected = self._kept[(where, pair)][1]
+            if expected is not None:
+                out[pair] = expected
+        return out
+
+
 def _now_of(inst: Instance) -> datetime:
     """The database's time when the row was read (its time in state is measured with it)."""
     return inst.state_entered_at + timedelta(seconds=float(inst.time_in_state_s or 0.0))
@@ -118,11 +154,13 @@ async def progress_of(
     *,
     now: datetime | None = None,
     through_step: int | None = None,
+    durations: FleetDurations | None = None,
 ) -> dict[uuid.UUID, dict[str, Any]]:
     """The progress of each instance in a transitional state, by id (three queries for a page).
 
     `now` replaces the database's time of the read (tests inject it); `through_step` leaves out
-    the step records after that one (the progress as of a step event).
+    the step records after that one (the progress as of a step event); `durations` keeps the
+    fleet's usual step durations for a few seconds (else they are read).
     """
     moving = [inst for inst in instances if inst.state in DRIVING_JOB]
     if not moving:
@@ -144,7 +182,8 @@ async def progress_of(
         )
         for row in await cursor.fetchall()
     }
-    expected = await expected_durations(conn, progress.wanted(moving))
+    wanted = progress.wanted(moving)
+    expected = await (durations.of(conn, wanted) if durations else expected_durations(conn, wanted))
     out: dict[uuid.UUID, dict[str, Any]] = {}
     for inst in moving:
         job = jobs.get((inst.id, DRIVING_JOB[inst.state]))
@@ -152,3 +191,14 @@ async def progress_of(
         if doc is not None:
             out[inst.id] = doc
     return out
+
+
+async def progress_of_created(
+    conn: AsyncConn, inst: Instance, job: progress.LiveJob, durations: FleetDurations
+) -> dict[str, Any] | None:
+    """The progress of an instance the same statement created with its first job (`job`, queued):
+    no step has run and the job is the live one, so nothing is read but the usual durations."""
+    if inst.state not in DRIVING_JOB:
+        return None
+    expected = await durations.of(conn, progress.wanted([inst]))
+    return progress.progress(inst, [], job, expected, _now_of(inst))

@@ -39,12 +39,14 @@ CLAIM_LINGER_S = 0.05
 # Jobs are claimed ahead of free slots only while handlers take less than this on average: a ready
 # job must not wait behind long handlers (a provisioning) while another worker has slots free.
 PREFETCH_BELOW_S = 0.05
-# How often a claim looks at the whole queue (from the start of the claim's order): in between,
-# a worker's claims read fresh work from just before the fresh jobs it claimed last, so that they
-# do not walk the index entries of every job claimed since the oldest open snapshot. What sorts
-# before fresh work (reclaimed or retried, a higher priority) is read at every claim; only a fresh
-# job whose enqueue committed more than CLAIM_FROM_MARGIN late waits up to this long.
-FULL_CLAIM_EVERY_S = 10.0
+# How often a worker looks for fresh work before its point (FRESH_BEFORE_POINT). Its claims read
+# fresh work from just before the fresh jobs it claimed last, so that they do not walk the index
+# entries of every job claimed since the oldest open snapshot. What sorts before fresh work
+# (reclaimed or retried, a higher priority) is read at every claim; a fresh job whose enqueue
+# committed more than CLAIM_FROM_MARGIN late is found by the look, made on the heartbeat's
+# connection (off the claim path: under a pinned horizon it reads those dead entries), and the
+# next claim then reads the whole queue. Such a job waits up to this long, plus a heartbeat interval.
+LOOK_BEFORE_POINT_EVERY_S = 10.0
 # How far before the run_at of the fresh jobs it claimed last a worker's next claim starts.
 CLAIM_FROM_MARGIN = timedelta(seconds=1)
 
@@ -84,7 +86,7 @@ class Worker:
     beside them, a kind with slots of its own (JobKind.own_slots: deliveries) up to that many.
 
     Claims when woken by NOTIFY on cp_job_queued (or every poll_interval_s), claiming and starting
-    a batch in one statement, and keeps up to half its concurrency more started jobs ready (claimed
+    a batch in one statement, and keeps up to its concurrency more started jobs ready (claimed
     while the others run) for the slots that free up; heartbeats all held jobs in one statement on
     its own connection; its `outcomes` are written in batches on a third.
     A kind with slots of its own is claimed, with the others, only while one of its slots is free
@@ -115,15 +117,19 @@ class Worker:
         self._url = pool.conninfo if isinstance(pool.conninfo, str) else db.resolve_database_url(settings)
         self.kinds = registry.runnable()
         self.concurrency = settings.worker.concurrency
-        # With a backlog, claim when at least this many slots are free (or after CLAIM_LINGER_S).
-        self._batch_min = max(1, self.concurrency // 2)
+        # With a backlog, claim when this many more jobs can be taken (or after CLAIM_LINGER_S): a
+        # whole concurrency's worth, so each claim and each write of outcomes carries that many jobs
+        # (each statement has a fixed cost on both sides: with half, the CPU per job was a third more).
+        self._batch_min = max(1, self.concurrency)
         # Started jobs kept ready for slots to free up: the next batch is claimed while these run.
         self.prefetch = self._batch_min
         # Mean handler time (exponentially weighted; None until one returns): decides the prefetch.
         self._handler_s: float | None = None
-        # Where the next claim starts (None: the whole queue), and when the next whole one is due.
+        # Where the next claim starts (None: the whole queue); whether the look found fresh work
+        # before it (the next claim reads the whole queue), and when the next look is due.
         self._claim_from: queue.ClaimFrom | None = None
-        self._full_claim_at = 0.0
+        self._full_claim_due = False
+        self._look_at = 0.0
         # The shared slots (with the jobs ready for them), and those of the kinds with slots of their own.
         self._shared = Lane(SHARED_LANE, self.concurrency)
         self._lanes = {name: Lane(name, slots) for name, slots in registry.own_slots(settings).items()}
@@ -232,7 +238,7 @@ class Worker:
                     await self._kick.wait()
 
     async def _gather_slots(self) -> None:
-        """With a backlog, let up to half the slots free up (briefly) so claims come in batches."""
+        """With a backlog, let a batch's worth of room free up (briefly) so claims come in batches."""
         deadline = time.monotonic() + CLAIM_LINGER_S
         while not self._stop.is_set() and self._room() < self._batch_min:
             remaining = deadline - time.monotonic()
@@ -267,10 +273,8 @@ class Worker:
         the free slots wait, started, in their lane (a kill -9 leaves them to the supervisor, as it
         does the running ones).
         """
-        now = time.monotonic()
-        start = self._claim_from if now < self._full_claim_at else None
-        if start is None:
-            self._full_claim_at = now + FULL_CLAIM_EVERY_S
+        start = None if self._full_claim_due else self._claim_from
+        self._full_claim_due = False
 
         async def claim_and_start() -> list[DictRow]:
             async with self._claiming.connection() as conn:
@@ -398,7 +402,8 @@ class Worker:
                 liveness.LOOP.turned()  # what /healthz of the worker's metrics port reports
                 self._expire_leases()
                 holdings = {h.id: h.fence for h in self._held.values() if not h.lost}
-                if not holdings:
+                look = self._claim_from is not None and time.monotonic() >= self._look_at
+                if not holdings and not look:
                     continue
                 sent = time.monotonic()
                 try:
@@ -406,6 +411,10 @@ class Worker:
                     async with asyncio.timeout(self._beat_timeout_s):
                         if conn is None or conn.closed:
                             conn = await db.connect(self._url)
+                    if look:
+                        await self._look_before_point(conn)
+                    if not holdings:
+                        continue
                     async with asyncio.timeout(self._beat_timeout_s):
                         still = await transitions.heartbeat(conn, self.worker_id, holdings)
                 except Exception as exc:  # the heartbeat must outlive any failure: reconnect next time
@@ -433,6 +442,21 @@ class Worker:
         finally:
             if conn is not None:
                 await conn.close()
+
+    async def _look_before_point(self, conn: AsyncConn) -> None:
+        """Whether fresh work sorts before the point of this worker's claims: if so, the next claim
+        reads the whole queue (and is woken for it)."""
+        point = self._claim_from
+        self._look_at = time.monotonic() + LOOK_BEFORE_POINT_EVERY_S
+        if point is None:
+            return
+        async with asyncio.timeout(self._beat_timeout_s):
+            found = await queue.fresh_before(conn, self.kinds, point)
+        self.counts["looks"] += 1
+        if found:
+            self.counts["looks_found"] += 1
+            self._full_claim_due = True
+            self._kick.set()
 
     @property
     def _beat_timeout_s(self) -> float:

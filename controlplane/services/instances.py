@@ -100,6 +100,9 @@ class InstanceResult:
 
     instance: Instance
     enqueued: str | None = None
+    # The id of the job enqueued by the statement that created the instance (its first job, still
+    # queued): the instance's progress is then known without reading it.
+    first_job: uuid.UUID | None = None
 
 
 async def create(
@@ -130,7 +133,7 @@ async def create(
                 request_id=request_id,
                 first_job=job,
             )
-    return InstanceResult(Instance.from_row(row), payload.kind)
+    return InstanceResult(Instance.from_row(row), payload.kind, row["_job_id"])
 
 
 async def change(
@@ -404,7 +407,7 @@ async def _load_to_change(
 # ---- behind an Idempotency-Key (the API's and the console's creating requests) --------------------
 
 # How an entry point answers a creating request with the instance it made (stored for its key).
-Render = Callable[[AsyncConn, Instance], Awaitable[idempotency.StoredResponse]]
+Render = Callable[[AsyncConn, InstanceResult], Awaitable[idempotency.StoredResponse]]
 
 
 async def once(
@@ -418,7 +421,7 @@ async def once(
     same key and request again answers what the first one answered."""
 
     async def run(conn: AsyncConn) -> idempotency.StoredResponse:
-        return await render(conn, (await use_case(conn)).instance)
+        return await render(conn, await use_case(conn))
 
     return await idempotency.once_per_key(pool, org_id, keyed, run)
 

@@ -6,9 +6,12 @@ import uuid
 
 import httpx
 
+from controlplane.api.models import Instance
 from controlplane.audit import verify as audit
 from controlplane.db.connection import AsyncConn
+from controlplane.queue import steps
 from controlplane.runtime.settings import Settings
+from controlplane.services import instances
 from tests.api_support import Tenant, create, drive, make_ready
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -51,6 +54,17 @@ async def test_create_returns_pending_with_location_and_provision_job(
         (body["id"],),
     )
     assert [r["request_id"] for r in await cursor.fetchall()] == ["req-create-1"]
+    # Its progress, known without reading it, is what reading it gives: the job queued, no step run.
+    inst = await instances.load(conn, None, uuid.UUID(body["id"]))
+    read = (await steps.progress_of(conn, [inst]))[inst.id]
+    job_id = await conn.execute("SELECT id FROM jobs WHERE instance_id = %s", (body["id"],))
+    assert (
+        body["progress"]
+        == Instance.model_validate({**body, "progress": read}).model_dump(mode="json")["progress"]
+    )
+    assert body["progress"]["job_id"] == str((await job_id.fetchone() or {})["id"])
+    assert body["progress"]["attempt"] == 0 and body["progress"]["current_step"] is None
+    assert {s["state"] for s in body["progress"]["steps"]} == {"pending"}
 
 
 async def test_request_id_is_generated_when_absent_or_malformed(

@@ -229,6 +229,10 @@ async def test_a_claim_from_a_point_reads_what_sorts_before_fresh_work_but_no_ol
     taken = await queue.claim_and_start(conn, "w-next", ["noop"], 10, point)
     assert [(r["id"], r["attempt"]) for r in taken] == [(urgent["id"], 1), (died["id"], 2)]
     assert await queue.claim_and_start(conn, "w-next", ["noop"], 10, point) == []
+    # The look off the claim path finds that fresh job before the point (of the kinds asked for).
+    assert await queue.fresh_before(conn, ["noop"], point)
+    assert not await queue.fresh_before(conn, ["other"], point)
     (older,) = await queue.claim_and_start(conn, "w-next", ["noop"], 10)
+    assert not await queue.fresh_before(conn, ["noop"], point)
     assert older["attempt"] == 1 and older["id"] not in {urgent["id"], died["id"]}
     assert await audit.verify(conn) == []

@@ -18,6 +18,7 @@ from controlplane.db import transitions
 from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
 from controlplane.db.transitions import VersionConflict
 from controlplane.queue import moves as queue
+from controlplane.queue import worker as worker_module
 from controlplane.queue.registry import JobKind, JobRegistry
 from controlplane.queue.supervisor import Supervisor
 from controlplane.queue.worker import Worker
@@ -130,6 +131,38 @@ async def _listening(conn: db.AsyncConn) -> bool:
     )
     row = await cursor.fetchone()
     return row is not None and row["n"] > 0
+
+
+async def test_a_job_whose_enqueue_committed_late_is_found_off_the_claim_path(
+    fresh_database: str, settings: Settings, pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker's claims read fresh work from just before the fresh jobs it claimed last; a job
+    # enqueued earlier but committed later sorts before that point. The worker's look (on its
+    # heartbeat's connection) finds it, and its next claim reads the whole queue.
+    monkeypatch.setattr(worker_module, "LOOK_BEFORE_POINT_EVERY_S", 0.2)
+    running = start_worker("w1", settings, pool, heartbeat_interval_s=0.1)
+    try:
+        late = await db.connect(fresh_database, autocommit=False)
+        conn = await db.connect(fresh_database)
+        async with late, conn:
+            held_back = (await enqueue(late, NewJob("noop"), TEST_ACTOR)).job
+            await asyncio.sleep(queue_margin_s() + 0.5)
+            await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+            await until(fresh_database, count_in("completed", 1), timeout=10)
+            assert running.worker._claim_from is not None
+            assert held_back["run_at"] < running.worker._claim_from.run_at
+            # A look from that point has found nothing yet (the job is not committed).
+            await eventually(lambda: running.worker.counts["looks"] > 0, "a look before the point")
+            assert running.worker.counts["looks_found"] == 0
+            await late.commit()
+            await until(fresh_database, count_in("completed", 2), timeout=10)
+        assert running.worker.counts["looks_found"] >= 1
+    finally:
+        await running.stop()
+
+
+def queue_margin_s() -> float:
+    return worker_module.CLAIM_FROM_MARGIN.total_seconds()
 
 
 async def test_failed_jobs_are_retried_by_the_supervisor_and_run_again(

@@ -775,9 +775,9 @@ def _keyed(form: Mapping[str, str], scope: str, path: str, asked: Mapping[str, A
     return idempotency.Keyed(key, idempotency.request_hash("POST", path, asked))
 
 
-async def _made(_conn: AsyncConn, inst: InstanceRecord) -> idempotency.StoredResponse:
+async def _made(_conn: AsyncConn, made: instances.InstanceResult) -> idempotency.StoredResponse:
     """What a console form stores for its key: the id of the instance it made (to show it)."""
-    return idempotency.StoredResponse(202, {"id": str(inst.id)}, {})
+    return idempotency.StoredResponse(202, {"id": str(made.instance.id)}, {})
 
 
 def _refusal_fields(exc: DomainError | ProblemError, *, default_field: str) -> dict[str, str]:

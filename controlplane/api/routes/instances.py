@@ -88,12 +88,14 @@ def _json(inst: InstanceRecord, doc: dict[str, Any], status: int) -> JSONRespons
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def accepted(conn: AsyncConn, inst: InstanceRecord, box: SecretBox) -> idempotency.StoredResponse:
+async def accepted(
+    conn: AsyncConn, made: instances.InstanceResult, box: SecretBox
+) -> idempotency.StoredResponse:
     """202 with the instance a creating use case made (what its Idempotency-Key stores)."""
-    doc = await views.one_instance(conn, inst, box)
+    doc = await views.created_instance(conn, made, box)
     body = Instance.model_validate(doc).model_dump(mode="json")
     crashpoints.reached("api.create.before_commit")
-    return idempotency.StoredResponse(202, body, _headers(inst, location=True))
+    return idempotency.StoredResponse(202, body, _headers(made.instance, location=True))
 
 
 @router.post(
@@ -139,7 +141,7 @@ async def create(
         who.org_id,
         keyed,
         lambda conn: instances.create(conn, who.actor, who.request_id, asked, state.policy),
-        lambda conn, inst: accepted(conn, inst, state.box),
+        lambda conn, made: accepted(conn, made, state.box),
     )
     crashpoints.reached("api.create.after_commit")
     return views.answered(answer)
@@ -319,7 +321,7 @@ async def retry_instance(
         who.org_id,
         keyed,
         lambda conn: instances.retry(conn, who.actor, who.request_id, asked, state.policy),
-        lambda conn, inst: accepted(conn, inst, state.box),
+        lambda conn, made: accepted(conn, made, state.box),
     )
     return views.answered(answer)
 

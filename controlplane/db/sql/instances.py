@@ -69,7 +69,7 @@ CREATE_INSTANCE_WITH_JOB = (
     + _enqueue_ctes(_FIRST_JOB_INPUT, "job_")
     + _CREATED_INSTANCE.format(
         more=",\n       (SELECT count(*) FROM job_audit) + (SELECT count(*) FROM job_notified) AS _job_n,"
-        "\n       (SELECT kind FROM job_created) AS _job_kind"
+        "\n       (SELECT kind FROM job_created) AS _job_kind, (SELECT id FROM job_created) AS _job_id"
     )
 )
 

@@ -50,6 +50,20 @@ CLAIM_BEFORE = (
     f" AND {_CLAIM_KEY} < (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
 )
 CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
+# Whether due fresh work sorts before a worker's point (of its priority, before its run_at): what
+# a claim from the point leaves out. A worker looks on its heartbeat's connection, off the claim
+# path, and claims from the start of the order only when the look finds some. Under a pinned xmin
+# horizon the look walks the dead entries a claim from the start would (every job claimed since),
+# but no claim waits for it. One index range of ix_jobs_queued_order, stopped at the first row (a
+# row or none: EXISTS would drop the ORDER BY that makes the planner read that index in order).
+FRESH_BEFORE_POINT = f"""
+SELECT true AS found FROM jobs
+WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
+  AND {_CLAIM_KEY} >= (%(from_priority)s::int, true, '-infinity'::timestamptz)
+  AND {_CLAIM_KEY} < (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)
+ORDER BY {CLAIM_ORDER}
+LIMIT 1
+"""
 
 
 def _claim_range(condition: str) -> str:
