@@ -8,6 +8,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import PurePath
 from typing import Any, TypeVar
 
@@ -238,6 +239,7 @@ class Operations:
             ctx, inst, "initialize_database", lambda: p.initialize_database(iid, spec, fence)
         )
         await self._step(ctx, inst, "configure_archive", lambda: p.configure_archive(iid, spec, fence))
+        await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
         await self._move(
             ctx,
             inst,
@@ -357,24 +359,54 @@ class Operations:
                 "or empty once that is accepted)"
             )
         target = self._target(inst)
+        failover = None
+        if before.failover_to is not None:
+            # The primary is lost and a standby can take over: fenced first, then the promotion.
+            failover = await self._fail_over(ctx, inst, target.spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
         info = await self._bring_up(ctx, inst, target)
         rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
+        detail: dict[str, Any] = {
+            "endpoint": f"{info.host}:{info.port}",
+            "plan": target.spec.plan,
+            "rolled_back": target.rolled_back,
+            # What the provisioner saw before (its words may name servers and paths).
+            "sre": {"before": before.as_dict()},
+        }
+        reason = "repaired" + rolled
+        if failover is not None:
+            detail["failover"] = failover
+            reason = (
+                f"failover: {failover['promoted']} promoted at WAL {failover['lsn']} after "
+                f"{failover['fenced']} was fenced; writes refused for about "
+                f"{failover['writes_refused_s']:.1f} s since the loss was detected{rolled}"
+            )
         await self._move(
             ctx,
             inst,
             "recover",
-            reason="repaired" + rolled,
-            detail={
-                "endpoint": f"{info.host}:{info.port}",
-                "plan": target.spec.plan,
-                "rolled_back": target.rolled_back,
-                # What the provisioner saw before (its words may name servers and paths).
-                "sre": {"before": before.as_dict()},
-            },
+            reason=reason,
+            detail=detail,
             patch=self._recovered(ctx, inst, info, target),
         )
-        return {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+        verdict = {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+        return verdict if failover is None else {**verdict, "failover": failover}
+
+    async def _fail_over(self, ctx: JobContext, inst: Instance, spec: InstanceSpec) -> dict[str, Any]:
+        """Fence the lost primary, then promote the most advanced standby (each a recorded, fenced
+        step); what it did, and for how long writes were refused since the loss was detected."""
+        iid, fence, p = inst.id, ctx.fence, self.provisioner
+        await self._step(ctx, inst, "fence_primary", lambda: p.fence_primary(iid, spec, fence))
+        promotion = await self._step(
+            ctx, inst, "promote_standby", lambda: p.promote_standby(iid, spec, fence)
+        )
+        promoted_at = datetime.fromisoformat(promotion.at)
+        refused = max(0.0, (promoted_at - inst.state_entered_at).total_seconds())
+        return {
+            **promotion.as_dict(),
+            "detected_at": inst.state_entered_at.isoformat(),
+            "writes_refused_s": refused,
+        }
 
     def _target(self, inst: Instance) -> Target:
         if inst.observed_spec is not None and inst.failed_generation == inst.spec_generation:
@@ -390,6 +422,8 @@ class Operations:
         iid, fence, p, spec = inst.id, ctx.fence, self.provisioner, target.spec
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         await self._step(ctx, inst, "resume", lambda: p.resume(iid, spec, fence))
+        # The standbys before any write: with commits synchronous, a write waits for one of them.
+        await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
         info = await self._step(
             ctx,
             inst,

@@ -222,7 +222,13 @@ class Standbys:
             if set(names) <= streaming:
                 return
             if time.monotonic() > deadline:
-                missing = ", ".join(sorted(set(names) - streaming))
+                lagging = sorted(set(names) - streaming)
+                # Seeded again on the next attempt (its history may have diverged from the primary's).
+                state = self.storage.load_state(instance_id)
+                members = {int(name.removeprefix("member")) for name in lagging}
+                state["rebuild"] = sorted({*state.get("rebuild", []), *members})
+                self.storage.save_state(instance_id, state)
+                missing = ", ".join(lagging)
                 raise TemporaryError(f"instance {instance_id}: {missing} not streaming from the primary")
             time.sleep(0.2)
 

@@ -3,6 +3,9 @@ synchronously, its pooled endpoint, and the failover (fenced) after a kill -9 of
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -12,9 +15,25 @@ from typing import Any
 import psycopg
 import pytest
 
+from controlplane.audit import verify as audit
+from controlplane.core.kinds import PROVISION
+from controlplane.core.step_errors import StaleFence
+from controlplane.db.connection import AsyncConn
+from controlplane.runtime.settings import Settings
 from provisioners.base import ConnectionInfo, InstanceSpec
 from provisioners.local import LocalProvisioner
-from tests.provisioning_support import real_instances
+from tests.factories import make_instance
+from tests.operations_support import (
+    Condition,
+    enqueue,
+    instance,
+    instance_in,
+    registry_for,
+    run_until,
+    scalar,
+)
+from tests.provisioning_support import credentials, real_instances
+from tests.reconciler_support import instance_events, live_jobs, passes_until, reconciling, working
 from tests.support import eventually_sync
 
 SMALL = InstanceSpec("small", 1)  # the smallest HA plan: a primary and one standby
@@ -126,3 +145,140 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
 
     await local.deprovision(iid, SMALL, fence=3, skip_backup=True)
     assert not local.instance_dir(iid).exists() and await local.inventory() == []
+
+
+def recovered(instance_id: uuid.UUID) -> Condition:
+    """Ready again with no job left: whatever repaired it has finished."""
+
+    async def check(conn: AsyncConn) -> bool:
+        return await instance_in(instance_id, "ready")(conn) and not await live_jobs(conn, instance_id)
+
+    return check
+
+
+class Writer:
+    """Sequential rows committed through the pooled endpoint, one at a time, until stopped: those
+    acknowledged are recorded; a failed one is tried again (new session) with the same number."""
+
+    def __init__(self, info: ConnectionInfo, ca: Path) -> None:
+        self.info, self.ca = info, ca
+        self.acknowledged: list[int] = []
+        self.failures = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        n = 1
+        while not self.stop.is_set():
+            try:
+                with pooled(self.info, ca=self.ca) as conn:
+                    while not self.stop.is_set():
+                        conn.execute("INSERT INTO rows VALUES (%s) ON CONFLICT DO NOTHING", (n,))
+                        self.acknowledged.append(n)
+                        n += 1
+            except psycopg.Error:
+                self.failures += 1
+                self.stop.wait(0.1)
+
+    def __enter__(self) -> Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    local = LocalProvisioner(local_settings)
+    registry = registry_for(local)
+    iid: uuid.UUID = (await make_instance(conn, plan="small"))["id"]
+    await enqueue(conn, PROVISION, iid)
+    await run_until(local_settings, registry, instance_in(iid, "ready"))
+    before = await instance(conn, iid)
+    info = credentials(local_settings, before)
+    ca = local.ca_store.cert_path
+    with pooled(info, ca=ca) as customer:
+        customer.execute("CREATE TABLE rows (n int PRIMARY KEY)")
+    provisioned_fence = await scalar(
+        conn, "SELECT fence FROM jobs WHERE instance_id = %s AND kind = 'provision'", (iid,)
+    )
+
+    async with (
+        reconciling(local_settings, local, reconciler_id="rec-a") as one,
+        reconciling(local_settings, local, reconciler_id="rec-b") as other,
+    ):
+        with Writer(info, ca) as writer:
+            eventually_sync(lambda: len(writer.acknowledged) >= 20, "rows written before the kill")
+            # kill -9 of the primary's postmaster, under the write loop.
+            primary = local.servers.server(iid, member=0)
+            pid = primary.pid()
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            primary.wait_until_down()
+            acknowledged_at_kill = len(writer.acknowledged)
+
+            # Two reconcilers find it at once: one degrades it and enqueues the heal, once.
+            first, second = await asyncio.gather(one.run_once(), other.run_once())
+            degrades = first.actions.get("degrade", 0) + second.actions.get("degrade", 0)
+            heals = first.actions.get("enqueue_heal", 0) + second.actions.get("enqueue_heal", 0)
+            assert (degrades, heals) == (1, 1)
+            row = await instance(conn, iid)
+            assert (row["state"], row["failure_code"]) == ("degraded", "failover")
+            assert (
+                "primary lost" in row["failure_reason"] and "member1 can take over" in row["failure_reason"]
+            )
+
+            async with working(local_settings, registry):
+                await passes_until(one, recovered(iid), timeout_s=120)
+                eventually_sync(
+                    lambda: len(writer.acknowledged) > acknowledged_at_kill + 20, "writes after the failover"
+                )
+        acknowledged = list(writer.acknowledged)
+
+    # Every acknowledged row is there, on the promoted server, through the same endpoint.
+    after = await instance(conn, iid)
+    assert (after["connection"]["host"], after["connection"]["port"]) == (info.host, info.port)
+    assert after["connection"]["direct"]["port"] == local.servers.server(iid, member=1).port
+    with pooled(credentials(local_settings, after), ca=ca) as customer:
+        present = {r[0] for r in customer.execute("SELECT n FROM rows").fetchall()}
+    assert set(acknowledged) <= present and writer.failures > 0
+
+    # The audit log: ready -> degraded (failover) -> ready with the promotion, by the worker.
+    events = [(f, t, e) for f, t, e, _ in await instance_events(conn, iid)]
+    assert events[-2:] == [("ready", "degraded", "degrade"), ("degraded", "ready", "recover")]
+    cursor = await conn.execute(
+        "SELECT reason, detail FROM instance_events WHERE instance_id = %s ORDER BY id DESC LIMIT 1", (iid,)
+    )
+    recover = await cursor.fetchone()
+    assert recover is not None
+    failover = recover["detail"]["failover"]
+    assert (failover["promoted"], failover["fenced"]) == ("member1", "member0")
+    assert failover["lsn"] and failover["writes_refused_s"] >= 0
+    assert recover["reason"].startswith("failover: member1 promoted at WAL")
+    # The fenced steps ran once each (one heal job: one promotion).
+    cursor = await conn.execute(
+        "SELECT step, count(*) AS n FROM job_steps WHERE instance_id = %s AND event = 'finished'"
+        " AND step IN ('fence_primary', 'promote_standby') GROUP BY step ORDER BY step",
+        (iid,),
+    )
+    assert [(r["step"], r["n"]) for r in await cursor.fetchall()] == [
+        ("fence_primary", 1),
+        ("promote_standby", 1),
+    ]
+    assert await audit.verify(conn) == []
+
+    # The old primary was rebuilt as a standby of the new one, by itself.
+    with admin_on(local, iid, 0, "postgres") as old:
+        assert old.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+    seen = await local.observe(iid)
+    assert seen.healthy and seen.standbys_streaming == 1
+
+    # A stale worker's step (the provisioning job's fence) is refused by the fence.
+    spec = InstanceSpec("small", 1)
+    with pytest.raises(StaleFence):
+        await local.promote_standby(iid, spec, provisioned_fence)
+    with pytest.raises(StaleFence):
+        await local.fence_primary(iid, spec, provisioned_fence)
