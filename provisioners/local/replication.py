@@ -42,14 +42,18 @@ def replication_settings(
     """The replication settings of `member` among `members` servers whose primary is `primary`.
 
     One server: none. The primary waits for a standby once its standbys were started
-    (`synchronous`; before that there is none to wait for); a standby streams from `upstream`.
+    (`synchronous`; before that there is none to wait for); a standby streams from `upstream`,
+    and waits for another once it is promoted.
     """
     if members <= 1:
         return {}
     settings = {
         # What a standby that was away may still need from the primary's own WAL.
         "wal_keep_size": "256MB",
-        "synchronous_standby_names": synchronous_names(members, member) if synchronous else "",
+        # A standby's takes effect once it is promoted: its commits then wait for another.
+        "synchronous_standby_names": (
+            synchronous_names(members, member) if synchronous or member != primary else ""
+        ),
     }
     if member != primary and upstream is not None:
         settings["primary_conninfo"] = conninfo(upstream, member)
