@@ -397,6 +397,7 @@ TRACED_CALLS = (
     "start_standbys",
     "fence_primary",
     "promote_standby",
+    "switchover",
 )
 
 
@@ -484,6 +485,12 @@ class Provisioner(abc.ABC):
         """A failover's second step, once the primary is fenced: the most advanced standby
         promoted, the instance's endpoint pointed at it. Idempotent (a promotion done is returned)."""
         raise PermanentError(f"the {self.name} provisioner does not fail over by the control plane")
+
+    async def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
+        """A planned change of primary to the most advanced standby, writes paused meanwhile
+        (seconds), nothing lost; the old primary becomes a standby. None when the instance has no
+        standby to switch to."""
+        raise PermanentError(f"the {self.name} provisioner does not switch over by the control plane")
 
     async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
         """The instance's recoverable window as last known, also once it is gone or deleted (takes

@@ -37,6 +37,7 @@ STEP_LABELS: Mapping[str, str] = MappingProxyType(
         "start_standbys": "Start the standbys",
         "fence_primary": "Fence the lost primary",
         "promote_standby": "Promote a standby",
+        "switchover": "Switch the primary over to a standby",
         "apply_plan": "Apply the plan",
         "suspend": "Make it read-only",
         "resume": "Make it writable",

@@ -67,6 +67,9 @@ class Pooler:
             return pid
         return pid if PGBOUNCER.encode() in command else None
 
+    def configured(self, instance_id: uuid.UUID) -> bool:
+        return (self.directory(instance_id) / "pgbouncer.ini").exists()
+
     def is_running(self, instance_id: uuid.UUID) -> bool:
         return self.pid(instance_id) is not None
 

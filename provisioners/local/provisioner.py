@@ -220,6 +220,12 @@ class LocalProvisioner(Provisioner):
         changed = False
         if not lowering:
             changed = any([self._apply_to(instance_id, spec, each) for each in standbys])
+            # Not a restart of the primary: a switchover to a standby that runs the plan already
+            # (writes paused at the pooler meanwhile); the old primary joins it as a standby.
+            restarts = standbys and server.is_running() and self._restarts(instance_id, spec, server)
+            if restarts and self.standbys.switchover(instance_id, spec, self.pooler) is not None:
+                server = self._server(instance_id, member=server.member)
+                changed = True
         changed = self._apply_to(instance_id, spec, server) or changed
         if lowering:
             changed = any([self._apply_to(instance_id, spec, each) for each in standbys]) or changed
@@ -238,6 +244,10 @@ class LocalProvisioner(Provisioner):
         with self.admin.connect(instance_id, server.port) as admin:
             return {key: show(admin, key) for key in names}
 
+    def _restarts(self, instance_id: uuid.UUID, spec: InstanceSpec, server: InstanceServer) -> bool:
+        """Whether the plan's settings differ from the running server's (applying them restarts it)."""
+        return self._live(instance_id, server, spec.server_settings()) != spec.server_settings()
+
     def _apply_to(self, instance_id: uuid.UUID, spec: InstanceSpec, server: InstanceServer) -> bool:
         """The plan's settings written to one server, restarted when they differ from its live ones."""
         desired = self.servers.settings_for(instance_id, spec, server.member)
@@ -246,7 +256,7 @@ class LocalProvisioner(Provisioner):
             server.write_settings(desired)
             changed = True
         if server.is_running():
-            if self._live(instance_id, server, spec.server_settings()) != spec.server_settings():
+            if self._restarts(instance_id, spec, server):
                 server.restart()
                 changed = True
             elif changed:
@@ -270,6 +280,10 @@ class LocalProvisioner(Provisioner):
         promotion = self.standbys.promote(instance_id, spec)
         self.pooler.repoint(instance_id, self.network.require_port(instance_id))
         return promotion
+
+    @step
+    def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
+        return self.standbys.switchover(instance_id, spec, self.pooler)
 
     @step
     def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
@@ -340,7 +354,7 @@ class LocalProvisioner(Provisioner):
             if found is None:
                 return seen
             return replace(seen, exists=True, data_lost=False, failover_to=member_name(found[0]))
-        if not self.pooler.is_running(instance_id):
+        if self.pooler.configured(instance_id) and not self.pooler.is_running(instance_id):
             return replace(seen, healthy=False, detail="pooler not running")
         return seen
 

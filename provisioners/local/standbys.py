@@ -32,6 +32,7 @@ from controlplane.runtime.postgres import make_owned_dir
 from provisioners.base import InstanceSpec, Promotion
 from provisioners.local.database import ADMIN_USER, Admin
 from provisioners.local.network import Network
+from provisioners.local.pooler import Pooler
 from provisioners.local.replication import member_name
 from provisioners.local.server import STANDBY_SIGNAL, InstanceServer, Servers, stop_strays
 from provisioners.local.storage import Storage
@@ -357,3 +358,64 @@ class Standbys:
             promotion.fenced,
         )
         return promotion
+
+    # ---- switchover --------------------------------------------------------------------------
+
+    def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, pooler: Pooler) -> Promotion | None:
+        """A planned change of primary, writes paused at the pooler meanwhile: the primary stopped
+        cleanly (its standbys receive all its WAL before it goes), the most advanced standby
+        promoted once it has all of it, the pooler re-pointed, the old primary restarted as a
+        standby of the new one. None when there is no standby to switch to."""
+        servers = spec.shape.instances
+        old = self.storage.primary_member(instance_id)
+        primary = self._member(instance_id, old)
+        if servers <= 1 or self.candidate(instance_id, servers) is None:
+            return None
+        admin_password = self.storage.unseal(self.storage.load_state(instance_id)["admin_password"])
+        pooler.console(instance_id, admin_password, "PAUSE")
+        try:
+            primary.stop("fast")
+            end = parse_lsn(primary.control_data()["Latest checkpoint location"])
+            found = self._caught_up(instance_id, servers, end)
+            member, position = found
+            server = self._member(instance_id, member)
+            with self.admin.connect(instance_id, server.port) as admin:
+                promoted = admin.execute("SELECT pg_promote(true, 60)").fetchone()
+            if not (promoted and promoted[0]):
+                raise TemporaryError(
+                    f"instance {instance_id}: {member_name(member)} did not finish its promotion"
+                )
+            (server.datadir / STANDBY_SIGNAL).unlink(missing_ok=True)
+            lsn = f"{position >> 32:X}/{position & 0xFFFFFFFF:X}"
+            promotion = Promotion(
+                member_name(member), member_name(old), lsn, dt.datetime.now(dt.UTC).isoformat()
+            )
+            state = self.storage.load_state(instance_id)
+            state.update(primary=member, promotion=promotion.as_dict())
+            self.storage.save_state(instance_id, state)
+            self.servers.conform(instance_id, server, spec, member)
+            pooler.repoint(instance_id, server.port)
+            # The old primary, shut down cleanly, follows the new one onto its timeline.
+            signal_file = primary.datadir / STANDBY_SIGNAL
+            signal_file.touch()
+            self.storage.chown(signal_file)
+            for other in self.standby_members(instance_id, servers):
+                standby = self._member(instance_id, other)
+                if standby.initialised:
+                    self.servers.conform(instance_id, standby, spec, other)
+            self.servers.ensure_started(self._member(instance_id, old))
+        finally:
+            pooler.console(instance_id, admin_password, "RESUME")
+        log.warning("instance %s: switched over to %s at %s", instance_id, promotion.promoted, lsn)
+        return promotion
+
+    def _caught_up(self, instance_id: uuid.UUID, servers: int, end: int) -> tuple[int, int]:
+        """The most advanced standby once it has received the stopped primary's WAL up to `end`."""
+        deadline = time.monotonic() + 30
+        while True:
+            found = self.candidate(instance_id, servers)
+            if found is not None and found[1] > end:  # past the shutdown checkpoint's start
+                return found
+            if time.monotonic() > deadline:
+                raise TemporaryError(f"instance {instance_id}: no standby received the primary's last WAL")
+            time.sleep(0.05)

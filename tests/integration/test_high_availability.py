@@ -282,3 +282,37 @@ async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
         await local.promote_standby(iid, spec, provisioned_fence)
     with pytest.raises(StaleFence):
         await local.fence_primary(iid, spec, provisioned_fence)
+
+
+async def test_a_switchover_pauses_writes_at_the_pooler_and_loses_none(local: LocalProvisioner) -> None:
+    iid = uuid.uuid4()
+    info = await provision_ha(local, iid, fence=1)
+    ca = local.ca_store.cert_path
+    with pooled(info, ca=ca) as conn:
+        conn.execute("CREATE TABLE rows (n int PRIMARY KEY)")
+    with Writer(info, ca) as writer:
+        eventually_sync(lambda: len(writer.acknowledged) >= 20, "rows written before the switchover")
+        promotion = await local.switchover(iid, SMALL, fence=2)
+        assert promotion is not None and (promotion.promoted, promotion.fenced) == ("member1", "member0")
+        at_switchover = len(writer.acknowledged)
+        eventually_sync(lambda: len(writer.acknowledged) > at_switchover + 20, "writes after the switchover")
+    assert local.storage.primary_member(iid) == 1
+    with pooled(info, ca=ca) as conn:
+        present = {r[0] for r in conn.execute("SELECT n FROM rows").fetchall()}
+        assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+    assert set(writer.acknowledged) <= present
+    # The old primary follows the new one as its synchronous standby, without a new seed.
+    with admin_on(local, iid, 0, "postgres") as old:
+        assert old.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+    with admin_on(local, iid, 1, "postgres") as new:
+        eventually_sync(
+            lambda: (
+                new.execute("SELECT application_name, sync_state FROM pg_stat_replication").fetchall()
+                == [("member0", "quorum")]
+            ),
+            "member0 streaming from member1",
+        )
+    assert (await local.observe(iid)).standbys_streaming == 1
+    # A stale step (a lower fence) is refused.
+    with pytest.raises(StaleFence):
+        await local.switchover(iid, SMALL, fence=1)
