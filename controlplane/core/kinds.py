@@ -115,6 +115,8 @@ class UpdatePayload(Payload):
     kind: ClassVar[str] = UPDATE
     # The spec generation the update was enqueued for (what an abandonment records as given up).
     spec_generation: int | None = None
+    # A switchover an SRE asked for (the plan unchanged): the primary moves to a standby.
+    switchover: bool | None = None
 
 
 @dataclass(frozen=True)

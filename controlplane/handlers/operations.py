@@ -258,6 +258,9 @@ class Operations:
         return await self._drive(ctx, self._update)
 
     async def _update(self, ctx: JobContext, inst: Instance) -> Verdict:
+        payload = ctx.typed_payload(kinds.UpdatePayload)
+        if payload.switchover:
+            return await self._switchover(ctx, inst, payload)
         if inst.state == "ready":
             if inst.observed_generation >= inst.spec_generation:
                 return NOTHING_TO_DO
@@ -289,6 +292,38 @@ class Operations:
             patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
+
+    async def _switchover(self, ctx: JobContext, inst: Instance, payload: kinds.UpdatePayload) -> Verdict:
+        """ready -> updating -> ready around a switchover an SRE asked for (the plan unchanged)."""
+        if inst.state == "ready":
+            inst = await self._move(
+                ctx,
+                inst,
+                "update",
+                reason=payload.reason or "switchover",
+                patch=InstancePatch("switchover", ctx.settings.reconciler.deadline_s("updating")),
+            )
+        if inst.state != "updating":
+            return _not_now(inst)
+        spec = self._spec(inst)
+        promotion = await self._step(
+            ctx, inst, "switchover", lambda: self.provisioner.switchover(inst.id, spec, ctx.fence)
+        )
+        if promotion is None:
+            reason, detail = "switchover: no standby to switch over to; nothing changed", {}
+        else:
+            new, old = promotion.promoted, promotion.fenced
+            reason = f"switchover: {new} is the primary (WAL {promotion.lsn}), {old} its standby"
+            detail = {"switchover": promotion.as_dict()}
+        await self._move(
+            ctx,
+            inst,
+            "updated",
+            reason=reason,
+            detail=detail,
+            patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
+        )
+        return {"result": "ready", "switchover": None if promotion is None else promotion.as_dict()}
 
     # ---- suspend and resume -----------------------------------------------------------------
 

@@ -19,7 +19,9 @@ from controlplane.audit import verify as audit
 from controlplane.core.kinds import PROVISION
 from controlplane.core.step_errors import StaleFence
 from controlplane.db.connection import AsyncConn
+from controlplane.db.transitions import Actor
 from controlplane.runtime.settings import Settings
+from controlplane.services import instances
 from provisioners.base import ConnectionInfo, InstanceSpec
 from provisioners.local import LocalProvisioner
 from tests.factories import make_instance
@@ -34,9 +36,10 @@ from tests.operations_support import (
 )
 from tests.provisioning_support import credentials, real_instances
 from tests.reconciler_support import instance_events, live_jobs, passes_until, reconciling, working
-from tests.support import eventually_sync
+from tests.support import eventually, eventually_sync
 
 SMALL = InstanceSpec("small", 1)  # the smallest HA plan: a primary and one standby
+SRE = Actor("admin", "sre-1")
 
 
 @pytest.fixture
@@ -282,6 +285,29 @@ async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
         await local.promote_standby(iid, spec, provisioned_fence)
     with pytest.raises(StaleFence):
         await local.fence_primary(iid, spec, provisioned_fence)
+
+    # An SRE's switchover moves the primary back, through the lifecycle, audited with who and why.
+    async with conn.transaction():
+        job_id = await instances.request_switchover(conn, after["name"], SRE, "host maintenance")
+    async with working(local_settings, registry):
+        await eventually(lambda: recovered(iid)(conn), "the switchover done", timeout_s=120)
+    assert local.storage.primary_member(iid) == 0
+    cursor = await conn.execute(
+        "SELECT from_state, to_state, actor_kind, actor_id, reason, detail FROM instance_events"
+        " WHERE instance_id = %s ORDER BY id DESC LIMIT 2",
+        (iid,),
+    )
+    updated, update = await cursor.fetchall()
+    assert (update["from_state"], update["to_state"]) == ("ready", "updating")
+    assert update["reason"] == "switchover asked by admin:sre-1: host maintenance"
+    assert update["detail"]["job_id"] == str(job_id)
+    assert (updated["from_state"], updated["to_state"]) == ("updating", "ready")
+    assert updated["detail"]["switchover"]["promoted"] == "member0"
+    assert updated["reason"].startswith("switchover: member0 is the primary")
+    final = await instance(conn, iid)
+    assert (final["connection"]["host"], final["connection"]["port"]) == (info.host, info.port)
+    with pooled(credentials(local_settings, final), ca=ca) as customer:
+        assert {r[0] for r in customer.execute("SELECT n FROM rows").fetchall()} >= set(acknowledged)
 
 
 async def test_a_switchover_pauses_writes_at_the_pooler_and_loses_none(local: LocalProvisioner) -> None:
