@@ -71,6 +71,15 @@ def pooled(info: ConnectionInfo, **kwargs: Any) -> psycopg.Connection[Any]:
     )
 
 
+def direct(info: ConnectionInfo, ca: Path) -> psycopg.Connection[Any]:
+    """A customer's session on the primary's own address (the `direct` of the details)."""
+    assert info.direct is not None
+    where = {**info.libpq(), "host": info.direct[0], "port": info.direct[1]}
+    return psycopg.connect(
+        **where, autocommit=True, connect_timeout=5, sslmode="verify-full", sslrootcert=str(ca)
+    )
+
+
 def admin_on(
     p: LocalProvisioner, instance_id: uuid.UUID, member: int, dbname: str = "app"
 ) -> psycopg.Connection[Any]:
@@ -342,3 +351,47 @@ async def test_a_switchover_pauses_writes_at_the_pooler_and_loses_none(local: Lo
     # A stale step (a lower fence) is refused.
     with pytest.raises(StaleFence):
         await local.switchover(iid, SMALL, fence=1)
+
+
+async def test_a_suspended_ha_instance_is_read_only_on_every_server_and_resumes_whole(
+    local: LocalProvisioner,
+) -> None:
+    iid = uuid.uuid4()
+    info = await provision_ha(local, iid, fence=1)
+    ca = local.ca_store.cert_path
+    with pooled(info, ca=ca) as conn:
+        conn.execute("CREATE TABLE rows (n int PRIMARY KEY)")
+        conn.execute("INSERT INTO rows VALUES (1)")
+
+    assert await local.suspend(iid, SMALL, fence=2) is True
+    for member in (0, 1):  # every server refuses writes, whatever a session tries
+        with admin_on(local, iid, member) as server:
+            assert server.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+    with pooled(info, ca=ca) as conn:
+        assert conn.execute("SELECT count(*) FROM rows").fetchone() == (1,)
+        conn.execute("SET default_transaction_read_only = off")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("INSERT INTO rows VALUES (2)")
+    with direct(info, ca) as conn, pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        conn.execute("INSERT INTO rows VALUES (2)")
+    assert (await local.observe(iid)).read_only is True
+
+    # Resumed: the primary writable again, its standby following it onto its new timeline.
+    assert await local.resume(iid, SMALL, fence=3) is True
+    with admin_on(local, iid, 0, "postgres") as primary:
+        eventually_sync(
+            lambda: (
+                primary.execute("SELECT application_name, sync_state FROM pg_stat_replication").fetchall()
+                == [("member1", "quorum")]
+            ),
+            "member1 streaming again",
+        )
+    with pooled(info, ca=ca) as conn:
+        conn.execute("INSERT INTO rows VALUES (2)")
+    with admin_on(local, iid, 1) as standby:
+        assert standby.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+        eventually_sync(
+            lambda: standby.execute("SELECT count(*) FROM rows").fetchone() == (2,), "row 2 on the standby"
+        )
+    seen = await local.observe(iid)
+    assert seen.read_only is False and seen.standbys_streaming == 1
