@@ -439,6 +439,9 @@ class Provisioner(abc.ABC):
     # Whether `observe` and `recovery_window` report each instance's recoverable window (it archives
     # continuously): a restore's point in time is then checked against it when it is asked for.
     reports_windows: bool = False
+    # Whether an HA plan's address is a pooler's that `initialize_database` sets up (`pool_mode` in
+    # its connection details): an update onto an HA plan then runs it to give the pooled address.
+    pools_ha_endpoint: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Provisioner:

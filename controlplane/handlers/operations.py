@@ -278,6 +278,18 @@ class Operations:
         changed = await self._step(
             ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst.id, spec, ctx.fence)
         )
+        patch = InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec)
+        pooled = (inst.connection or {}).get("pool_mode")
+        if self.provisioner.pools_ha_endpoint and spec.shape.instances > 1 and not pooled:
+            # Onto an HA plan: its customers get the pooled address that follows the primary (once).
+            password = self._password(ctx, inst)
+            info = await self._step(
+                ctx,
+                inst,
+                "initialize_database",
+                lambda: self.provisioner.initialize_database(inst.id, spec, ctx.fence, password=password),
+            )
+            patch = self._credentials_patch(ctx, inst, info, patch)
         await self._move(
             ctx,
             inst,
@@ -289,7 +301,7 @@ class Operations:
                 "generation": spec.generation,
                 "restarted_or_changed": changed,
             },
-            patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
+            patch=patch,
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
 

@@ -68,6 +68,7 @@ class LocalProvisioner(Provisioner):
     supports_backups = True
     supports_restore = True
     reports_windows = True
+    pools_ha_endpoint = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalProvisioner:
