@@ -132,6 +132,7 @@ class Writer(threading.Thread):
         super().__init__(daemon=True)
         self.info, self.ca, self.table, self.rows_per_s = info, ca, table, rows_per_s
         self.acked: list[tuple[int, float]] = []
+        self.failed: list[float] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -147,10 +148,18 @@ class Writer(threading.Thread):
                         if ahead > 0:
                             time.sleep(ahead)
             except psycopg.Error:
+                self.failed.append(time.monotonic())
                 self.stop.wait(0.05)
 
-    def first_after(self, moment: float) -> float | None:
-        return next((at for _, at in self.acked if at > moment), None)
+    def refused_for(self, moment: float) -> float | None:
+        """From `moment` to the first write acknowledged after the first one refused since (a commit
+        in flight at `moment` may still be acknowledged: it does not end the outage); None while no
+        write was acknowledged after a refusal."""
+        refused = next((at for at in self.failed if at > moment), None)
+        if refused is None:
+            return None
+        acked = next((at for _, at in self.acked if at > refused), None)
+        return None if acked is None else acked - moment
 
     def longest_gap(self, since: float) -> float:
         times = [at for _, at in self.acked if at >= since]
@@ -208,8 +217,8 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
         os.kill(pid, signal.SIGKILL)
         await until(lambda: state_is(conn, ha, "degraded"), "degraded", 60)
         await until(lambda: state_is(conn, ha, "ready"), "ready again", 300)
-        await until(lambda: asyncio.sleep(0, writer.first_after(killed) is not None), "a write after", 60)
-        rto = (writer.first_after(killed) or killed) - killed
+        await until(lambda: asyncio.sleep(0, writer.refused_for(killed) is not None), "a write after", 60)
+        rto = writer.refused_for(killed) or 0.0
         await asyncio.sleep(args.seconds)
         writer.stop.set()
         writer.join(timeout=30)
