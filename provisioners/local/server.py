@@ -107,6 +107,30 @@ def postmaster_pids_for(datadir: Path, programs: tuple[bytes, ...] = (b"postgres
     return found
 
 
+def processes_in(datadir: Path) -> list[int]:
+    """Every process whose working directory is `datadir`: a server's postmaster and all its
+    children (backends, walsenders), also those a killed postmaster left behind."""
+    wanted = datadir.resolve() if datadir.exists() else datadir
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:
+            continue
+        if cwd == wanted:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_everything_in(datadir: Path) -> None:
+    """SIGKILL every process of the server in `datadir` (a fence: none may serve one more query)."""
+    for pid in {*processes_in(datadir), *postmaster_pids_for(datadir)}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def stop_strays(datadir: Path) -> None:
     """Stop servers still running from `datadir` (found by command line), e.g. after it was deleted."""
     for pid in postmaster_pids_for(datadir):

@@ -15,7 +15,6 @@ primary (a fresh seed: its diverged end, never acknowledged, is discarded).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import os
@@ -34,7 +33,7 @@ from provisioners.local.database import ADMIN_USER, Admin
 from provisioners.local.network import Network
 from provisioners.local.pooler import Pooler
 from provisioners.local.replication import member_name
-from provisioners.local.server import STANDBY_SIGNAL, InstanceServer, Servers, stop_strays
+from provisioners.local.server import STANDBY_SIGNAL, InstanceServer, Servers, kill_everything_in, stop_strays
 from provisioners.local.storage import Storage
 from provisioners.local.wal import parse_lsn
 
@@ -289,10 +288,9 @@ class Standbys:
         server = self._member(instance_id, primary)
         if server.is_running() and server.port and self._writable(instance_id, server.port):
             raise TemporaryError(f"instance {instance_id}: its primary answers and takes writes; no failover")
-        if server.is_running():
-            with contextlib.suppress(Exception):
-                server.stop("immediate", timeout=10)
-        stop_strays(server.datadir)
+        # Every process of it, also the backends a killed postmaster left (they could still serve
+        # their sessions): none may answer again.
+        kill_everything_in(server.datadir)
         server.wait_until_down(10)
         if server.is_running():
             raise TemporaryError(f"instance {instance_id}: its old primary could not be stopped")
