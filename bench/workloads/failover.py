@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.core import Context, Metric, NotAvailable, Target, Workload
 
-RTO = Metric("rto_s", "SIGKILL of the primary to the next acknowledged write s", "s", 1)
+RTO = Metric("rto_s", "longest pause between acknowledged writes, SIGKILL of the primary s", "s", 1)
 RPO = Metric("rpo_rows_lost", "acknowledged rows missing after the failover", "")
 ACKED = Metric("failover_rows_acked", "rows acknowledged around the failover", "")
 PAUSE = Metric("switchover_pause_s", "longest pause between acknowledged writes, switchover s", "s", 2)
@@ -56,8 +56,9 @@ class FailoverWorkload(Workload):
             f"{ctx.size(20, 5)} s, through the HA endpoint, then on the single server.",
             "Failover: sequential single-row commits at 100 rows/s through the pooled endpoint for"
             f" {self.seconds} s, then SIGKILL of the primary's postmaster; the writer retries the same row"
-            " on a new session until it is acknowledged. RTO: the kill to the first acknowledgement after"
-            " it; RPO: acknowledged rows missing once the instance is ready again.",
+            " on a new session until it is acknowledged (through the pooler, a write mostly waits there"
+            " until a primary takes it). RTO: the longest pause between two acknowledgements around the"
+            " kill; RPO: acknowledged rows missing once the instance is ready again.",
             "Switchover: the same writer, then an SRE's switchover; the longest gap between two"
             " acknowledgements from the request on, and rows missing afterwards.",
         ]
