@@ -1,8 +1,9 @@
 """High availability of a local instance, through the real worker and reconciler at product defaults:
 the failover after a SIGKILL of the primary's postmaster (RTO: the longest pause between two
 acknowledged writes around the kill; writes queue at the pooler meanwhile, or fail and are retried;
-RPO: acknowledged rows missing afterwards), an SRE's switchover (the same pause; rows missing), and the cost of synchronous replication
-(commits/s of one client through an HA plan's pooled endpoint, and on a single server).
+RPO: acknowledged rows missing afterwards), an SRE's switchover (the same pause; rows missing),
+and the cost of synchronous replication (commits/s of one client through an HA plan's pooled
+endpoint, and on a single server).
 
 Run: python -m bench.drivers.failover --url URL --data-dir DIR [--rows-per-s 100] [--seconds 10]
      [--commit-seconds 10]
