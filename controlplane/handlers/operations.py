@@ -239,7 +239,8 @@ class Operations:
             ctx, inst, "initialize_database", lambda: p.initialize_database(iid, spec, fence)
         )
         await self._step(ctx, inst, "configure_archive", lambda: p.configure_archive(iid, spec, fence))
-        await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
+        if spec.shape.instances > 1:  # an HA plan's standbys (a one-server plan has none to start)
+            await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
         await self._move(
             ctx,
             inst,
@@ -469,8 +470,9 @@ class Operations:
         iid, fence, p, spec = inst.id, ctx.fence, self.provisioner, target.spec
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         await self._step(ctx, inst, "resume", lambda: p.resume(iid, spec, fence))
-        # The standbys before any write: with commits synchronous, a write waits for one of them.
-        await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
+        if spec.shape.instances > 1:
+            # The standbys before any write: with commits synchronous, a write waits for one of them.
+            await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
         info = await self._step(
             ctx,
             inst,
