@@ -256,7 +256,8 @@ async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
     assert after["connection"]["direct"]["port"] == local.servers.server(iid, member=1).port
     with pooled(credentials(local_settings, after), ca=ca) as customer:
         present = {r[0] for r in customer.execute("SELECT n FROM rows").fetchall()}
-    assert set(acknowledged) <= present and writer.failures > 0
+    # (Through the pooler most writes never fail: they wait there until it points at the new primary.)
+    assert set(acknowledged) <= present and max(acknowledged) > acknowledged_at_kill
 
     # The audit log: ready -> degraded (failover) -> ready with the promotion, by the worker.
     events = [(f, t, e) for f, t, e, _ in await instance_events(conn, iid)]
