@@ -396,3 +396,37 @@ async def test_a_suspended_ha_instance_is_read_only_on_every_server_and_resumes_
         )
     seen = await local.observe(iid)
     assert seen.read_only is False and seen.standbys_streaming == 1
+
+
+async def test_an_ha_resize_rolls_the_standbys_then_switches_over_instead_of_restarting_the_primary(
+    local: LocalProvisioner,
+) -> None:
+    iid = uuid.uuid4()
+    info = await provision_ha(local, iid, fence=1)
+    ca = local.ca_store.cert_path
+    with pooled(info, ca=ca) as conn:
+        conn.execute("CREATE TABLE rows (n int PRIMARY KEY)")
+    medium = InstanceSpec("medium", 2)
+    with Writer(info, ca) as writer:
+        eventually_sync(lambda: len(writer.acknowledged) >= 20, "rows written before the resize")
+        assert await local.apply_plan(iid, medium, fence=2) is True
+        at_resize = len(writer.acknowledged)
+        eventually_sync(lambda: len(writer.acknowledged) > at_resize + 20, "writes after the resize")
+    # The primary was not restarted: the standby, restarted first with the plan, took over.
+    assert local.storage.primary_member(iid) == 1
+    with pooled(info, ca=ca) as conn:
+        present = {r[0] for r in conn.execute("SELECT n FROM rows").fetchall()}
+        assert conn.execute("SHOW max_connections").fetchone() == ("100",)
+    assert set(writer.acknowledged) <= present
+    # Three servers on the plan's settings: the old primary and a new one are the standbys.
+    for member in (0, 2):
+        with admin_on(local, iid, member, "postgres") as standby:
+            assert standby.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+            assert standby.execute("SHOW max_connections").fetchone() == ("100",)
+    with admin_on(local, iid, 1, "postgres") as primary:
+        assert primary.execute("SHOW synchronous_standby_names").fetchone() == (
+            'ANY 1 ("member0", "member2")',
+        )
+    seen = await local.observe(iid)
+    assert (seen.servers, seen.standbys_streaming, seen.plan_applied) == (3, 2, "medium")
+    assert await local.apply_plan(iid, medium, fence=2) is False
