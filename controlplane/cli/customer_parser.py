@@ -236,7 +236,7 @@ def register(commands: Any) -> None:
         "switchover",
         "move an HA database's primary to a standby (SRE: the admin key; writes pause for seconds)",
         _handler("cmd_switchover"),
-        "controlplane instances switchover orders --reason 'host maintenance'",
+        "controlplane instances switchover orders --reason maintenance",
     )
     switchover.add_argument("ref", metavar="NAME", help="the database's name (or id)")
     switchover.add_argument("--reason", required=True, help="why (recorded in the audit log)")
