@@ -94,9 +94,10 @@ def ensure_venv(command: str) -> None:
 
 # Debian packages, each found by a file it installs (or a command on the PATH): installed when
 # missing (one apt-get as root, else one line saying how). pgBackRest: every local instance archives
-# its WAL and keeps its backups with it (`up`, the tests, the chaos soak and the bench all run local
-# instances). For the tests only: Chromium: the console's browser tests drive it;
-# libfaketime: the clock-skew tests LD_PRELOAD it into a worker; npm: the OpenAPI lint and the
+# its WAL and keeps its backups with it; PgBouncer: every local instance's stable, pooled endpoint
+# (`up`, the tests, the chaos soak and the bench all run local instances). For the tests only:
+# Chromium: the console's browser tests drive it; libfaketime: the clock-skew tests LD_PRELOAD
+# it into a worker; npm: the OpenAPI lint and the
 # generated TypeScript client's test install their tools with it (tests/npm_tools.py); promtool:
 # the alert rules' unit tests (tests/integration/test_deploy.py) run it.
 CHROMIUM = Path("/usr/bin/chromium")
@@ -110,8 +111,9 @@ PROMTOOL = Path("/usr/bin/promtool")
 PROMTOOL_PACKAGES = ("prometheus",)
 LEAN = ("--no-install-recommends",)
 PGBACKREST = Path("/usr/bin/pgbackrest")
+PGBOUNCER = Path("/usr/sbin/pgbouncer")
 # What each command needs: (package names, the file or command that says they are installed).
-RUNTIME_PACKAGES = ((("pgbackrest",), str(PGBACKREST)),)
+RUNTIME_PACKAGES = ((("pgbackrest",), str(PGBACKREST)), (("pgbouncer",), str(PGBOUNCER)))
 TEST_PACKAGES = (
     *RUNTIME_PACKAGES,
     (BROWSER_PACKAGES, str(CHROMIUM)),

@@ -166,6 +166,19 @@ class ConnectionInfo:
     # clients can verify the server).
     sslmode: str | None = None
     ca_certificate: str | None = None
+    # Where `host` and `port` are a pooler's: how it pools (`transaction`: a server connection per
+    # transaction), and the primary server's own address for what needs a whole session (LISTEN,
+    # session-level locks), which moves in a failover where the pooled one does not.
+    pool_mode: str | None = None
+    direct: tuple[str, int] | None = None
+
+    @classmethod
+    def from_public(cls, shown: Mapping[str, Any], password: str) -> ConnectionInfo:
+        """The details `public()` gave (as recorded on an instance), with the password."""
+        fields = {key: value for key, value in shown.items() if key != "direct"}
+        direct = shown.get("direct")
+        where = None if not isinstance(direct, Mapping) else (str(direct["host"]), int(direct["port"]))
+        return cls(password=password, direct=where, **fields)
 
     def libpq(self) -> dict[str, Any]:
         """The keywords a libpq connection takes (psycopg.connect(**info.libpq(), ...)), without TLS
@@ -190,6 +203,10 @@ class ConnectionInfo:
             shown["sslmode"] = self.sslmode
         if self.ca_certificate is not None:
             shown["ca_certificate"] = self.ca_certificate
+        if self.pool_mode is not None:
+            shown["pool_mode"] = self.pool_mode
+        if self.direct is not None:
+            shown["direct"] = {"host": self.direct[0], "port": self.direct[1]}
         return shown
 
 
@@ -270,8 +287,20 @@ class Observation:
     @property
     def archive_failing(self) -> bool:
         return self.recovery is not None and self.recovery.archive_healthy is False
+
     # The customer database's own metrics, read on the same connection (None: not read).
     stats: DatabaseStats | None = None
+    # An HA plan's: the servers its shape has, how many of its standbys stream from the primary
+    # (None: not known, e.g. the primary is lost), what is wrong with its replication, and the
+    # standby a failover would promote when its primary is lost (None: no failover is possible).
+    servers: int = 1
+    standbys_streaming: int | None = None
+    replication_detail: str = ""
+    failover_to: str | None = None
+
+    @property
+    def replication_degraded(self) -> bool:
+        return self.standbys_streaming is not None and self.standbys_streaming < self.servers - 1
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -284,7 +313,25 @@ class Observation:
             "plan_applied": self.plan_applied,
             "generation": self.generation,
             "detail": self.detail,
+            "servers": self.servers,
+            "standbys_streaming": self.standbys_streaming,
+            "replication_detail": self.replication_detail,
+            "failover_to": self.failover_to,
         }
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What a failover did: the standby promoted, the primary fenced before it, the WAL position
+    (LSN) the new primary took over at, and when (RFC 3339)."""
+
+    promoted: str
+    fenced: str | None
+    lsn: str
+    at: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"promoted": self.promoted, "fenced": self.fenced, "lsn": self.lsn, "at": self.at}
 
 
 @dataclass(frozen=True)
@@ -347,6 +394,10 @@ TRACED_CALLS = (
     "list_backups",
     "restore",
     "ca_certificate",
+    "start_standbys",
+    "fence_primary",
+    "promote_standby",
+    "switchover",
 )
 
 
@@ -388,6 +439,9 @@ class Provisioner(abc.ABC):
     # Whether `observe` and `recovery_window` report each instance's recoverable window (it archives
     # continuously): a restore's point in time is then checked against it when it is asked for.
     reports_windows: bool = False
+    # Whether an HA plan's address is a pooler's that `initialize_database` sets up (`pool_mode` in
+    # its connection details): an update onto an HA plan then runs it to give the pooled address.
+    pools_ha_endpoint: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Provisioner:
@@ -417,6 +471,29 @@ class Provisioner(abc.ABC):
         provisioner archives, its repository made and a segment seen arriving there. By default
         nothing: the provisioner archives by other means (an operator), or not at all."""
         return None
+
+    async def start_standbys(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        """The standbys the plan's shape asks for, seeded and streaming from the primary, and then
+        commits synchronous with one of them; True when something changed. By default nothing:
+        the provisioner runs standbys by other means (an operator), or none."""
+        return False
+
+    async def fence_primary(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        """A failover's first step: the lost primary can never take another write (stopped, and
+        never started as a primary again); refused while it answers as a writable primary.
+        Returns its name."""
+        raise PermanentError(f"the {self.name} provisioner does not fail over by the control plane")
+
+    async def promote_standby(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion:
+        """A failover's second step, once the primary is fenced: the most advanced standby
+        promoted, the instance's endpoint pointed at it. Idempotent (a promotion done is returned)."""
+        raise PermanentError(f"the {self.name} provisioner does not fail over by the control plane")
+
+    async def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
+        """A planned change of primary to the most advanced standby, writes paused meanwhile
+        (seconds), nothing lost; the old primary becomes a standby. None when the instance has no
+        standby to switch to."""
+        raise PermanentError(f"the {self.name} provisioner does not switch over by the control plane")
 
     async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
         """The instance's recoverable window as last known, also once it is gone or deleted (takes

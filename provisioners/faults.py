@@ -19,6 +19,7 @@ from provisioners.base import (
     DeprovisionResult,
     InstanceSpec,
     Observation,
+    Promotion,
     Provisioner,
     RecoveryWindow,
     Resource,
@@ -52,6 +53,7 @@ class FaultyProvisioner(Provisioner):
         self.supports_restore = inner.supports_restore
         self.supports_backups = inner.supports_backups
         self.reports_windows = inner.reports_windows
+        self.pools_ha_endpoint = inner.pools_ha_endpoint
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.
         self.fired: list[tuple[str, int]] = []
@@ -114,6 +116,22 @@ class FaultyProvisioner(Provisioner):
         await self._around(
             "configure_archive", lambda: self.inner.configure_archive(instance_id, spec, fence)
         )
+
+    async def start_standbys(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return await self._around(
+            "start_standbys", lambda: self.inner.start_standbys(instance_id, spec, fence)
+        )
+
+    async def fence_primary(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        return await self._around("fence_primary", lambda: self.inner.fence_primary(instance_id, spec, fence))
+
+    async def promote_standby(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion:
+        return await self._around(
+            "promote_standby", lambda: self.inner.promote_standby(instance_id, spec, fence)
+        )
+
+    async def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
+        return await self._around("switchover", lambda: self.inner.switchover(instance_id, spec, fence))
 
     async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
         return await self.inner.recovery_window(instance_id)

@@ -9,7 +9,14 @@ from datetime import datetime, timedelta
 
 from controlplane.core import failures, lifecycle
 from controlplane.core.dbmetrics import GIB, DatabaseStats
-from controlplane.core.failures import ARCHIVE_FAILING, DATA_LOST, STORAGE_FULL, UNHEALTHY
+from controlplane.core.failures import (
+    ARCHIVE_FAILING,
+    DATA_LOST,
+    FAILOVER,
+    REPLICATION_DEGRADED,
+    STORAGE_FULL,
+    UNHEALTHY,
+)
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
 assert set(DRIVING_JOB) == lifecycle.INSTANCE.transitional, "a driving job for every transitional state"
@@ -42,6 +49,11 @@ class Observed:
     archive_detail: str = ""
     # Its database's own metrics, read by the same look (None: not read).
     stats: DatabaseStats | None = None
+    # An HA plan's: its primary is lost and this standby can take over (a failover heals it).
+    failover_to: str | None = None
+    # An HA plan's: a standby does not stream from the primary (commits wait for one), and what.
+    replication_degraded: bool = False
+    replication_detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,7 +203,19 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
     if view.state == "ready" and broken:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
+        if seen.failover_to is not None:
+            # Failover is a heal: the heal fences the lost primary, then promotes the standby.
+            why = f"primary lost ({why}); {seen.failover_to} can take over"
+            return [
+                Transition("degrade", f"failover: {why}", code=FAILOVER),
+                Enqueue(HEAL, f"failover: {why}"),
+            ]
         return [Transition("degrade", f"observed {why}", code=UNHEALTHY), Enqueue(HEAL, f"heal: {why}")]
+    if seen.replication_degraded and not broken:
+        broken, why = True, f"replication degraded: {seen.replication_detail or 'a standby is not streaming'}"
+        if view.state == "ready" and not WORKING_ON_READY.intersection(view.live_jobs):
+            # Commits wait for a standby: never silently ready.
+            return [Transition("degrade", why, code=REPLICATION_DEGRADED), Enqueue(HEAL, f"heal: {why}")]
     if seen.archive_failing and not broken:
         broken, why = True, f"archive failing: {seen.archive_detail or 'archive-push fails'}"
         if view.state == "ready" and not WORKING_ON_READY.intersection(view.live_jobs):

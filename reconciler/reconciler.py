@@ -255,6 +255,9 @@ class Reconciler:
                 archive_failing=seen.archive_failing,
                 archive_detail=seen.recovery.archive_detail if seen.recovery is not None else "",
                 stats=seen.stats,
+                failover_to=seen.failover_to,
+                replication_degraded=seen.replication_degraded,
+                replication_detail=seen.replication_detail,
             )
 
         windows: dict[uuid.UUID, RecoveryWindow] = {}

@@ -76,21 +76,26 @@ def stop_all_servers(data_dir: Path) -> None:
     if not instances.exists():
         return
     for entry in instances.iterdir():
-        datadir = entry / "pgdata"
-        if datadir.exists():
-            server = InstanceServer(
-                datadir=datadir, port=0, run_as=server_user(), preferred_bindir=pg_bindir()
-            )
-            if server.is_running():
-                server.stop("immediate")
-        for pid in postmaster_pids_for(datadir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGQUIT)
+        pooler = entry / "pooler" / "pgbouncer.pid"  # an HA instance's pooler
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pooler.read_text().strip()), signal.SIGKILL)
+        for datadir in entry.glob("pgdata*"):  # its servers: the first, and an HA plan's standbys
+            if not datadir.is_dir() or ".partial" in datadir.name:
+                continue
+            if datadir.exists():
+                server = InstanceServer(
+                    datadir=datadir, port=0, run_as=server_user(), preferred_bindir=pg_bindir()
+                )
+                if server.is_running():
+                    server.stop("immediate")
+            for pid in postmaster_pids_for(datadir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGQUIT)
 
 
 def credentials(settings: Settings, row: Mapping[str, Any]) -> ConnectionInfo:
     """A customer's connection details: the recorded connection and the decrypted password."""
-    return ConnectionInfo(password=load_box(settings).decrypt(bytes(row["secret"])), **row["connection"])
+    return ConnectionInfo.from_public(row["connection"], load_box(settings).decrypt(bytes(row["secret"])))
 
 
 # The settings a worker subprocess takes from its test's Settings.

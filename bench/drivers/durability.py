@@ -102,7 +102,7 @@ class ControlPlane:
         ).fetchone()
         assert row is not None
         password = load_box(self.settings).decrypt(bytes(row["secret"]))
-        return ConnectionInfo(password=password, **row["connection"])
+        return ConnectionInfo.from_public(row["connection"], password)
 
 
 async def until(check: Any, what: str, timeout_s: float) -> None:

@@ -11,6 +11,7 @@ def all_workloads() -> list[Workload]:
     from bench.workloads.crash import CrashWorkload
     from bench.workloads.drain import DrainWorkload
     from bench.workloads.durability import DurabilityWorkload
+    from bench.workloads.failover import FailoverWorkload
     from bench.workloads.freshness import FreshnessWorkload
     from bench.workloads.mvcc import MvccWorkload
     from bench.workloads.pickup import PickupWorkload
@@ -28,4 +29,5 @@ def all_workloads() -> list[Workload]:
         FreshnessWorkload(),
         MvccWorkload(),
         DurabilityWorkload(),
+        FailoverWorkload(),
     ]

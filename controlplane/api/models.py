@@ -163,6 +163,16 @@ class InstanceUpdate(Strict):
     _plan = field_validator("plan")(_known_plan)
 
 
+class DirectConnection(BaseModel):
+    """The primary server's own address, beside a pooled endpoint: for what needs one server
+    connection for a whole session (LISTEN, session-level advisory locks, named prepared
+    statements). It moves when a standby takes over; the pooled address does not."""
+
+    host: str
+    port: int
+    uri: str = Field(description="the same credentials and TLS as the pooled `uri`, to this address")
+
+
 class Connection(BaseModel):
     host: str
     port: int
@@ -185,6 +195,15 @@ class Connection(BaseModel):
     uri: str = Field(
         description="a libpq connection URI: TLS with the server's certificate verified against the CA"
         " file `sslrootcert` names (save ca_certificate there first)"
+    )
+    pool_mode: Literal["transaction", "session"] | None = Field(
+        None,
+        description="how the endpoint pools server connections, when it is a pooler's (an HA plan's"
+        " stable address, which follows the primary): `transaction`: a server connection per"
+        " transaction; null: the server itself",
+    )
+    direct: DirectConnection | None = Field(
+        None, description="the primary server's own address, beside a pooled endpoint (see pool_mode)"
     )
 
 

@@ -44,6 +44,8 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
     sslrootcert = CA_FILE if sslmode in VERIFYING else None
     if sslrootcert:
         query += f"&sslrootcert={sslrootcert}"
+    path = f"/{quote(dbname, safe='')}{query}"
+    direct = info.get("direct")
     return {
         "host": host,
         "port": port,
@@ -53,7 +55,15 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
         "sslmode": sslmode,
         "ca_certificate": info.get("ca_certificate"),
         "sslrootcert": sslrootcert,
-        "uri": f"postgresql://{credentials}@{host}:{port}/{quote(dbname, safe='')}{query}",
+        "uri": f"postgresql://{credentials}@{host}:{port}{path}",
+        "pool_mode": info.get("pool_mode"),
+        "direct": None
+        if not isinstance(direct, dict)
+        else {
+            "host": str(direct["host"]),
+            "port": int(direct["port"]),
+            "uri": f"postgresql://{credentials}@{direct['host']}:{int(direct['port'])}{path}",
+        },
     }
 
 

@@ -796,7 +796,7 @@ KEPT_AGE_S = 2 * ARCHIVE_TIMEOUT_S
 
 def customer_info(settings: Settings, row: dict[str, Any]) -> ConnectionInfo:
     password = load_box(settings).decrypt(bytes(row["secret"]))
-    return ConnectionInfo(password=password, **row["connection"])
+    return ConnectionInfo.from_public(row["connection"], password)
 
 
 def customer_session(info: ConnectionInfo) -> psycopg.Connection[Any]:

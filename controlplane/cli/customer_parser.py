@@ -231,6 +231,16 @@ def register(commands: Any) -> None:
     restore.add_argument("--reason", help="why, for the audit log")
     _wait_flags(restore, "ready")
 
+    switchover = _action(
+        actions,
+        "switchover",
+        "move an HA database's primary to a standby (SRE: the admin key; writes pause for seconds)",
+        _handler("cmd_switchover"),
+        "controlplane instances switchover orders --reason maintenance",
+    )
+    switchover.add_argument("ref", metavar="NAME", help="the database's name (or id)")
+    switchover.add_argument("--reason", required=True, help="why (recorded in the audit log)")
+
     ca = commands.add_parser(
         "ca",
         help="the CA certificate the databases' server certificates are checked against",

@@ -115,6 +115,20 @@ def cmd_retry(args: argparse.Namespace) -> int:
     return wait_until_ready(api, instance, fmt, _deadline(args))
 
 
+def cmd_switchover(args: argparse.Namespace) -> int:
+    """An SRE's switchover (the admin API, with the admin key): the job that carries it out."""
+    api = Api(args, admin=True)
+    job = api.request(
+        "POST", f"/v1/admin/instances/{instance_path(args.ref)}/switchover", json={"reason": args.reason}
+    )
+    fmt = output_format(args)
+    if fmt != "table":
+        print_data(job, fmt)
+    else:
+        print(f"switchover of {args.ref}: job {job['id']} ({job['state']}); follow it: `controlplane events`")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"limit": min(args.limit or PAGE, PAGE)}
     if args.state:

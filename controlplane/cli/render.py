@@ -76,6 +76,12 @@ def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) ->
     if connection:
         uri = connection_uri(api, connection) if api else str(connection.get("uri"))
         rows.append(("uri", masked(uri)))
+        if connection.get("pool_mode"):
+            # A pooler's stable address; the primary's own beside it, for whole sessions (LISTEN).
+            rows.append(("pool_mode", str(connection["pool_mode"])))
+            direct = connection.get("direct") or {}
+            if direct.get("uri"):
+                rows.append(("direct_uri", masked(str(direct["uri"]))))
     # The values whole (a URI is copied from here): only very long ones are cut.
     print_fields(rows, max_cell=400)
 

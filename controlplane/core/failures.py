@@ -42,6 +42,11 @@ UNHEALTHY = "unhealthy"
 # The continuous archive of the instance's WAL fails (a full disk, a broken repository): its newest
 # writes are not protected until it works again.
 ARCHIVE_FAILING = "archive_failing"
+# An HA plan's primary server is lost: a failover (fence it, promote a standby) is under way.
+FAILOVER = "failover"
+# An HA plan's standby does not stream from the primary: commits wait until one does again.
+REPLICATION_DEGRADED = "replication_degraded"
+STANDBYS_FAILED = "standbys_failed"
 # The instance's storage is gone: it comes back only restored from a backup, or re-created empty
 # once someone accepted the loss (never by a heal).
 DATA_LOST = "data_lost"
@@ -220,6 +225,29 @@ REASONS: Mapping[str, Reason] = _reasons(
         DEGRADED,
     ),
     Reason(
+        FAILOVER,
+        "The primary server of this database was lost; a standby is taking over at the same address."
+        " Writes pause meanwhile; every acknowledged write is kept.",
+        False,
+        _REPAIRED,
+        DEGRADED,
+    ),
+    Reason(
+        REPLICATION_DEGRADED,
+        "A standby server of this database is not replicating: commits wait until one confirms them"
+        " (no acknowledged write is kept on one server only). It is being repaired.",
+        False,
+        _REPAIRED,
+        DEGRADED,
+    ),
+    Reason(
+        STANDBYS_FAILED,
+        "The standby servers of this database could not be started.",
+        True,
+        _RETRY,
+        FAILED,
+    ),
+    Reason(
         DATA_LOST,
         "The storage of this database was lost. It is restored to the last moment its continuous backup"
         " holds; without a backup, it waits for your decision.",
@@ -253,6 +281,7 @@ _BY_STEP: Mapping[str, str] = MappingProxyType(
         "configure_network": NETWORK_CONFIGURATION_FAILED,
         "initialize_database": DATABASE_INITIALIZATION_FAILED,
         "configure_archive": ARCHIVE_CONFIGURATION_FAILED,
+        "start_standbys": STANDBYS_FAILED,
         "final_backup": FINAL_BACKUP_FAILED,
         "deprovision": DEPROVISION_FAILED,
     }

@@ -34,6 +34,10 @@ STEP_LABELS: Mapping[str, str] = MappingProxyType(
         "configure_network": "Configure the network",
         "initialize_database": "Initialize the database",
         "configure_archive": "Start continuous backup",
+        "start_standbys": "Start the standbys",
+        "fence_primary": "Fence the lost primary",
+        "promote_standby": "Promote a standby",
+        "switchover": "Switch the primary over to a standby",
         "apply_plan": "Apply the plan",
         "suspend": "Make it read-only",
         "resume": "Make it writable",
@@ -47,7 +51,13 @@ STEP_LABELS: Mapping[str, str] = MappingProxyType(
 # instance's progress lists (a deletion that skips its final backup leaves that step out).
 OPERATION_STEPS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        PROVISION: ("allocate_storage", "configure_network", "initialize_database", "configure_archive"),
+        PROVISION: (
+            "allocate_storage",
+            "configure_network",
+            "initialize_database",
+            "configure_archive",
+            "start_standbys",
+        ),
         UPDATE: ("apply_plan",),
         DEPROVISION: ("final_backup", "deprovision"),
     }
@@ -105,6 +115,8 @@ class UpdatePayload(Payload):
     kind: ClassVar[str] = UPDATE
     # The spec generation the update was enqueued for (what an abandonment records as given up).
     spec_generation: int | None = None
+    # A switchover an SRE asked for (the plan unchanged): the primary moves to a standby.
+    switchover: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from controlplane.core import failures, lifecycle
+from controlplane.core import failures, lifecycle, plans
 from controlplane.core.kinds import DEPROVISION, DRIVING_JOB, OPERATION_STEPS, STEP_LABELS
 from controlplane.core.records import Instance, StepRecord
 
@@ -38,11 +38,15 @@ def operation_of(state: str) -> str | None:
     return DRIVING_JOB.get(state)
 
 
-def steps_of(operation: str, *, skip_final_backup: bool = False) -> tuple[str, ...]:
-    """The steps `operation` runs, in order (a deletion without a final backup skips that one)."""
+def steps_of(operation: str, *, skip_final_backup: bool = False, plan: str | None = None) -> tuple[str, ...]:
+    """The steps `operation` runs, in order (a deletion without a final backup skips that one; a
+    plan of one server has no standbys to start)."""
     steps = OPERATION_STEPS.get(operation, ())
     if operation == DEPROVISION and skip_final_backup:
         return tuple(step for step in steps if step != "final_backup")
+    shape = plans.SHAPES.get(plan or "")
+    if shape is None or shape.instances <= 1:
+        return tuple(step for step in steps if step != "start_standbys")
     return steps
 
 
@@ -52,7 +56,7 @@ def wanted(instances: Sequence[Instance]) -> list[tuple[str, str]]:
     for inst in instances:
         operation = operation_of(inst.state)
         if operation is not None:
-            for step in steps_of(operation, skip_final_backup=inst.skip_final_backup):
+            for step in steps_of(operation, skip_final_backup=inst.skip_final_backup, plan=inst.plan):
                 pairs[(operation, step)] = None
     return list(pairs)
 
@@ -150,7 +154,7 @@ def progress(
     if operation is None:
         return None
     mine = [r for r in records if r.kind == operation and r.at >= inst.state_entered_at]
-    names = steps_of(operation, skip_final_backup=inst.skip_final_backup)
+    names = steps_of(operation, skip_final_backup=inst.skip_final_backup, plan=inst.plan)
     steps = [_step(operation, n, mine, job, expected.get((operation, n)), now) for n in names]
     last = mine[-1] if mine else None
     current = last.step if last is not None and last.event != "finished" else None

@@ -8,6 +8,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import PurePath
 from typing import Any, TypeVar
 
@@ -238,6 +239,8 @@ class Operations:
             ctx, inst, "initialize_database", lambda: p.initialize_database(iid, spec, fence)
         )
         await self._step(ctx, inst, "configure_archive", lambda: p.configure_archive(iid, spec, fence))
+        if spec.shape.instances > 1:  # an HA plan's standbys (a one-server plan has none to start)
+            await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
         await self._move(
             ctx,
             inst,
@@ -256,6 +259,9 @@ class Operations:
         return await self._drive(ctx, self._update)
 
     async def _update(self, ctx: JobContext, inst: Instance) -> Verdict:
+        payload = ctx.typed_payload(kinds.UpdatePayload)
+        if payload.switchover:
+            return await self._switchover(ctx, inst, payload)
         if inst.state == "ready":
             if inst.observed_generation >= inst.spec_generation:
                 return NOTHING_TO_DO
@@ -273,6 +279,18 @@ class Operations:
         changed = await self._step(
             ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst.id, spec, ctx.fence)
         )
+        patch = InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec)
+        pooled = (inst.connection or {}).get("pool_mode")
+        if self.provisioner.pools_ha_endpoint and spec.shape.instances > 1 and not pooled:
+            # Onto an HA plan: its customers get the pooled address that follows the primary (once).
+            password = self._password(ctx, inst)
+            info = await self._step(
+                ctx,
+                inst,
+                "initialize_database",
+                lambda: self.provisioner.initialize_database(inst.id, spec, ctx.fence, password=password),
+            )
+            patch = self._credentials_patch(ctx, inst, info, patch)
         await self._move(
             ctx,
             inst,
@@ -284,9 +302,41 @@ class Operations:
                 "generation": spec.generation,
                 "restarted_or_changed": changed,
             },
-            patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
+            patch=patch,
         )
         return {"result": "ready", "plan": spec.plan, "generation": spec.generation}
+
+    async def _switchover(self, ctx: JobContext, inst: Instance, payload: kinds.UpdatePayload) -> Verdict:
+        """ready -> updating -> ready around a switchover an SRE asked for (the plan unchanged)."""
+        if inst.state == "ready":
+            inst = await self._move(
+                ctx,
+                inst,
+                "update",
+                reason=payload.reason or "switchover",
+                patch=InstancePatch("switchover", ctx.settings.reconciler.deadline_s("updating")),
+            )
+        if inst.state != "updating":
+            return _not_now(inst)
+        spec = self._spec(inst)
+        promotion = await self._step(
+            ctx, inst, "switchover", lambda: self.provisioner.switchover(inst.id, spec, ctx.fence)
+        )
+        if promotion is None:
+            reason, detail = "switchover: no standby to switch over to; nothing changed", {}
+        else:
+            new, old = promotion.promoted, promotion.fenced
+            reason = f"switchover: {new} is the primary (WAL {promotion.lsn}), {old} its standby"
+            detail = {"switchover": promotion.as_dict()}
+        await self._move(
+            ctx,
+            inst,
+            "updated",
+            reason=reason,
+            detail=detail,
+            patch=InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec),
+        )
+        return {"result": "ready", "switchover": None if promotion is None else promotion.as_dict()}
 
     # ---- suspend and resume -----------------------------------------------------------------
 
@@ -362,24 +412,54 @@ class Operations:
                 "or empty once that is accepted)"
             )
         target = self._target(inst)
+        failover = None
+        if before.failover_to is not None:
+            # The primary is lost and a standby can take over: fenced first, then the promotion.
+            failover = await self._fail_over(ctx, inst, target.spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
         info = await self._bring_up(ctx, inst, target)
         rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
+        detail: dict[str, Any] = {
+            "endpoint": f"{info.host}:{info.port}",
+            "plan": target.spec.plan,
+            "rolled_back": target.rolled_back,
+            # What the provisioner saw before (its words may name servers and paths).
+            "sre": {"before": before.as_dict()},
+        }
+        reason = "repaired" + rolled
+        if failover is not None:
+            detail["failover"] = failover
+            reason = (
+                f"failover: {failover['promoted']} promoted at WAL {failover['lsn']} after "
+                f"{failover['fenced']} was fenced; writes refused for about "
+                f"{failover['writes_refused_s']:.1f} s since the loss was detected{rolled}"
+            )
         await self._move(
             ctx,
             inst,
             "recover",
-            reason="repaired" + rolled,
-            detail={
-                "endpoint": f"{info.host}:{info.port}",
-                "plan": target.spec.plan,
-                "rolled_back": target.rolled_back,
-                # What the provisioner saw before (its words may name servers and paths).
-                "sre": {"before": before.as_dict()},
-            },
+            reason=reason,
+            detail=detail,
             patch=self._recovered(ctx, inst, info, target),
         )
-        return {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+        verdict = {"result": "ready", "repaired": before.detail, "plan": target.spec.plan}
+        return verdict if failover is None else {**verdict, "failover": failover}
+
+    async def _fail_over(self, ctx: JobContext, inst: Instance, spec: InstanceSpec) -> dict[str, Any]:
+        """Fence the lost primary, then promote the most advanced standby (each a recorded, fenced
+        step); what it did, and for how long writes were refused since the loss was detected."""
+        iid, fence, p = inst.id, ctx.fence, self.provisioner
+        await self._step(ctx, inst, "fence_primary", lambda: p.fence_primary(iid, spec, fence))
+        promotion = await self._step(
+            ctx, inst, "promote_standby", lambda: p.promote_standby(iid, spec, fence)
+        )
+        promoted_at = datetime.fromisoformat(promotion.at)
+        refused = max(0.0, (promoted_at - inst.state_entered_at).total_seconds())
+        return {
+            **promotion.as_dict(),
+            "detected_at": inst.state_entered_at.isoformat(),
+            "writes_refused_s": refused,
+        }
 
     def _target(self, inst: Instance) -> Target:
         if inst.observed_spec is not None and inst.failed_generation == inst.spec_generation:
@@ -395,6 +475,9 @@ class Operations:
         iid, fence, p, spec = inst.id, ctx.fence, self.provisioner, target.spec
         await self._step(ctx, inst, "configure_network", lambda: p.configure_network(iid, spec, fence))
         await self._step(ctx, inst, "resume", lambda: p.resume(iid, spec, fence))
+        if spec.shape.instances > 1:
+            # The standbys before any write: with commits synchronous, a write waits for one of them.
+            await self._step(ctx, inst, "start_standbys", lambda: p.start_standbys(iid, spec, fence))
         info = await self._step(
             ctx,
             inst,

@@ -18,11 +18,12 @@ from datetime import datetime, timedelta
 from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane.core import actions, cursors, failures, kinds, lifecycle
+from controlplane.core import actions, cursors, failures, kinds, lifecycle, plans
 from controlplane.core.records import Instance, RecoveryWindow
 from controlplane.core.refusals import (
     AlreadyReplaced,
     AmbiguousName,
+    Conflict,
     DeletionProtected,
     InvalidRequest,
     InvalidState,
@@ -317,6 +318,51 @@ async def resolve(conn: AsyncConn, org_id: uuid.UUID, ref: str) -> uuid.UUID:
         f"{len(ids)} instances named {ref!r}, none of them live: use an id ({', '.join(map(str, ids))})",
         candidates=ids,
     )
+
+
+async def resolve_any(conn: AsyncConn, ref: str) -> uuid.UUID:
+    """The id an SRE's reference names: an id as it is, or the name of one live instance of any
+    organisation (NotFound for none; AmbiguousName for several: use an id)."""
+    try:
+        return uuid.UUID(ref)
+    except ValueError:
+        pass
+    rows = await (await conn.execute(sql.LIVE_INSTANCES_NAMED_ANYWHERE, {"name": ref})).fetchall()
+    if not rows:
+        raise NotFound(f"no live instance named {ref!r}")
+    if len(rows) > 1:
+        ids = [row["id"] for row in rows]
+        raise AmbiguousName(
+            f"{len(ids)} live instances named {ref!r}: use an id ({', '.join(map(str, ids))})", candidates=ids
+        )
+    found: uuid.UUID = rows[0]["id"]
+    return found
+
+
+async def request_switchover(
+    conn: AsyncConn, ref: str, actor: Actor, reason: str, request_id: str | None = None
+) -> uuid.UUID:
+    """An SRE's switchover of a ready HA instance: an update job that moves its primary to a standby
+    (ready -> updating -> ready, the plan unchanged), audited with who asked and why. Returns the
+    job's id; refused for an instance that is not ready, has no standby, or is being changed."""
+    instance_id = await resolve_any(conn, ref)
+    inst = await load(conn, None, instance_id, lock=True)
+    plan = plans.SHAPES.get(str(inst.plan))
+    if plan is None or plan.instances <= 1:
+        raise Unsupported(f"instance {inst.id} (plan {inst.plan}) has one server: nothing to switch over to")
+    if inst.state != "ready":
+        raise InvalidState(
+            f"a switchover needs a ready instance; {inst.id} is {inst.state}",
+            current_state=inst.state,
+            allowed_actions=[],
+        )
+    payload = kinds.UpdatePayload(reason=f"switchover asked by {actor}: {reason}", switchover=True)
+    job = jobs.NewJob(payload.kind, inst.id, payload=payload)
+    result = await jobs.enqueue(conn, job, actor, request_id=request_id)
+    if not result.created:
+        raise Conflict(f"instance {inst.id} has an update under way already")
+    job_id: uuid.UUID = result.job["id"]
+    return job_id
 
 
 async def _check_restore_source(

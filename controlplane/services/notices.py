@@ -45,6 +45,7 @@ EVENT_TYPES: Mapping[str, str] = {
     "instance.suspended": (
         "the database is read-only (a billing hold; or its data beyond its allocation, with the typed reason)"
     ),
+    "instance.failover": "a standby took over from a lost primary (who was promoted, at which WAL position)",
     "instance.resumed": "a suspended database is writable again",
     "instance.deleted": "the database was deleted (with its final backup's name)",
     "instance.deadline_overdue": "an operation missed its deadline and was given up (with the reason)",
@@ -68,6 +69,8 @@ def notice_types(event: LogEvent, deadline_codes: frozenset[str]) -> list[str]:
         }
         if event.from_state in by_source:
             found.append(by_source[event.from_state])
+        if event.from_state == "degraded" and isinstance(event.detail.get("failover"), Mapping):
+            found.append("instance.failover")
     elif event.to_state in ("failed", "degraded", "suspended", "deleted"):
         found.append(f"instance.{event.to_state}")
     code = event.detail.get("code")
@@ -109,8 +112,17 @@ def body_of(event: LogEvent, notice: str, instance: Mapping[str, Any]) -> dict[s
             },
             "failure": failure,
             "backup": event.detail.get("backup") if event.to_state == "deleted" else None,
+            "failover": _failover(event) if notice == "instance.failover" else None,
         },
     }
+
+
+def _failover(event: LogEvent) -> dict[str, Any]:
+    """What a customer is told of a failover: who took over, at which WAL position, how long writes
+    were refused (never the servers' paths)."""
+    failover = event.detail["failover"]
+    keys = ("promoted", "fenced", "lsn", "writes_refused_s")
+    return {key: failover.get(key) for key in keys}
 
 
 async def notify(conn: AsyncConn, event: LogEvent) -> None:

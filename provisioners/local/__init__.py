@@ -13,11 +13,14 @@ The package is cut by what each part owns; each module imports only those above 
   mode, processes);
 - `backups`: the continuous archive's health, full and differential backups and their retention,
   restores in place and into a new instance, verification, the final backup of a deletion;
+- `replication`: the servers' names and a primary's and its standbys' replication settings (pure);
+- `standbys`: an HA plan's standbys (seeded, started, watched) and the failover's fence and promotion;
+- `pooler`: an HA plan's PgBouncer, its stable endpoint, pointed at the current primary;
 - `steps`: the async/sync seam (`step`, `in_thread`), the one place a step body meets the event loop;
 - `provisioner`: `LocalProvisioner`, the interface's steps composed of the parts.
 
-A new part (streaming standbys, a connection pooler) is a module of its own beside
-these, composed in `LocalProvisioner`; its steps are synchronous bodies under `step`.
+A new part is a module of its own beside these, composed in `LocalProvisioner`; its steps are
+synchronous bodies under `step`.
 """
 
 from provisioners.local.database import owner_role

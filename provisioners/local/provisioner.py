@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import psycopg.sql
 
+from controlplane.core import plans
 from controlplane.core.dbmetrics import DatabaseStats
 from controlplane.core.step_errors import TemporaryError
 from controlplane.runtime.postgres import RunAs
@@ -30,6 +31,7 @@ from provisioners.base import (
     DeprovisionResult,
     InstanceSpec,
     Observation,
+    Promotion,
     Provisioner,
     RecoveryWindow,
     Resource,
@@ -48,9 +50,12 @@ from provisioners.local.database import (
     show,
     take_over,
 )
-from provisioners.local.network import Network
+from provisioners.local.network import Network, owner_of
+from provisioners.local.pooler import POOL_MODE, Pooler
+from provisioners.local.replication import member_name
 from provisioners.local.repository import Repository
 from provisioners.local.server import InstanceServer, Servers, settings_text, stop_strays
+from provisioners.local.standbys import Standbys
 from provisioners.local.steps import in_thread, step
 from provisioners.local.storage import Storage
 from provisioners.local.tls import SSLMODE, InstanceTls
@@ -63,6 +68,7 @@ class LocalProvisioner(Provisioner):
     supports_backups = True
     supports_restore = True
     reports_windows = True
+    pools_ha_endpoint = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalProvisioner:
@@ -77,7 +83,7 @@ class LocalProvisioner(Provisioner):
     ) -> None:
         self.settings = settings
         self.storage = Storage(settings, run_as=run_as, box=box)
-        self.network = Network(settings, self.storage.root)
+        self.network = Network(settings, self.storage.root, self.storage.primary_member)
         self.tls = InstanceTls(self.storage.data_dir / "tls", self.storage, self.network.names())
         self.admin = Admin(self.storage, self.tls, self.network.connect_host)
         self.repository = Repository(self.storage, settings.provisioner.local_archive_timeout_s)
@@ -85,6 +91,8 @@ class LocalProvisioner(Provisioner):
             self.storage, self.network, self.tls, self.admin, self.repository, settings.database.pg_bindir
         )
         self.backups = Backups(self.storage, self.network, self.servers, self.admin, self.repository)
+        self.standbys = Standbys(self.storage, self.network, self.servers, self.admin)
+        self.pooler = Pooler(self.storage, self.network, self.tls)
         self.fences = fences_for(self.storage.data_dir)
         # What tests, the bench and the chaos soak look at.
         self.root = self.storage.root
@@ -109,8 +117,10 @@ class LocalProvisioner(Provisioner):
     def datadir(self, instance_id: uuid.UUID) -> Path:
         return self.storage.datadir(instance_id)
 
-    def _server(self, instance_id: uuid.UUID, port: int | None = None) -> InstanceServer:
-        return self.servers.server(instance_id, port)
+    def _server(
+        self, instance_id: uuid.UUID, port: int | None = None, member: int | None = None
+    ) -> InstanceServer:
+        return self.servers.server(instance_id, port, member)
 
     def _had_cluster(self, instance_id: uuid.UUID) -> bool:
         """Whether a cluster was made for the instance once: if it is not there, it was lost."""
@@ -176,25 +186,51 @@ class LocalProvisioner(Provisioner):
             state.update(plan=spec.plan, generation=spec.generation)
             self.storage.save_state(instance_id, state)
         ca = self.tls.authority().cert_pem.decode()
+        if spec.shape.instances <= 1:
+            return ConnectionInfo(
+                self.advertise_host, port, DBNAME, role, password, sslmode=SSLMODE, ca_certificate=ca
+            )
+        # An HA plan's customers connect to its pooler, whose address never changes.
+        admin_password = self.storage.unseal(state["admin_password"])
+        pooled = self.pooler.ensure(instance_id, port, {role: password, ADMIN_USER: admin_password})
         return ConnectionInfo(
-            self.advertise_host, port, DBNAME, role, password, sslmode=SSLMODE, ca_certificate=ca
+            self.advertise_host,
+            pooled,
+            DBNAME,
+            role,
+            password,
+            sslmode=SSLMODE,
+            ca_certificate=ca,
+            pool_mode=POOL_MODE,
+            direct=(self.advertise_host, port),
         )
 
     @step
     def apply_plan(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
         server = self.servers.require_storage(instance_id)
-        desired = self.servers.settings_for(instance_id, spec)
-        managed = server.datadir / "controlplane.conf"
+        # Rolled server by server: the standbys first, the primary last (a hot standby may not run
+        # with fewer connections than its primary: when the plan lowers them, the primary first).
+        standbys = [
+            self._server(instance_id, member=m)
+            for m in self.standbys.standby_members(instance_id, spec.shape.instances)
+        ]
+        standbys = [each for each in standbys if each.initialised]
+        lowering = server.is_running() and int(spec.server_settings().get("max_connections", 0)) < int(
+            self._live(instance_id, server, ["max_connections"]).get("max_connections", 0)
+        )
         changed = False
-        if managed.read_text() != settings_text(desired):
-            server.write_settings(desired)
-            changed = True
-        if server.is_running():
-            with self.admin.connect(instance_id, server.port) as admin:
-                live = {key: show(admin, key) for key in spec.server_settings()}
-            if live != spec.server_settings():
-                server.restart()
+        if not lowering:
+            changed = any([self._apply_to(instance_id, spec, each) for each in standbys])
+            # Not a restart of the primary: a switchover to a standby that runs the plan already
+            # (writes paused at the pooler meanwhile); the old primary joins it as a standby.
+            restarts = standbys and server.is_running() and self._restarts(instance_id, spec, server)
+            if restarts and self.standbys.switchover(instance_id, spec, self.pooler) is not None:
+                server = self._server(instance_id, member=server.member)
                 changed = True
+        changed = self._apply_to(instance_id, spec, server) or changed
+        if lowering:
+            changed = any([self._apply_to(instance_id, spec, each) for each in standbys]) or changed
+        changed = self.standbys.ensure(instance_id, spec) or changed
         state = self.storage.load_state(instance_id)
         applied = (state.get("plan"), state.get("generation"), state.get("allocated_gb"))
         if applied != (spec.plan, spec.generation, spec.volume_gb):
@@ -205,9 +241,50 @@ class LocalProvisioner(Provisioner):
             self.storage.save_state(instance_id, state)
         return changed
 
+    def _live(self, instance_id: uuid.UUID, server: InstanceServer, names: Collection[str]) -> dict[str, str]:
+        with self.admin.connect(instance_id, server.port) as admin:
+            return {key: show(admin, key) for key in names}
+
+    def _restarts(self, instance_id: uuid.UUID, spec: InstanceSpec, server: InstanceServer) -> bool:
+        """Whether the plan's settings differ from the running server's (applying them restarts it)."""
+        return self._live(instance_id, server, spec.server_settings()) != spec.server_settings()
+
+    def _apply_to(self, instance_id: uuid.UUID, spec: InstanceSpec, server: InstanceServer) -> bool:
+        """The plan's settings written to one server, restarted when they differ from its live ones."""
+        desired = self.servers.settings_for(instance_id, spec, server.member)
+        changed = False
+        if (server.datadir / "controlplane.conf").read_text() != settings_text(desired):
+            server.write_settings(desired)
+            changed = True
+        if server.is_running():
+            if self._restarts(instance_id, spec, server):
+                server.restart()
+                changed = True
+            elif changed:
+                server.reload()
+        return changed
+
     @step
     def configure_archive(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> None:
         self.backups.configure_archive(instance_id)
+
+    @step
+    def start_standbys(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
+        return self.standbys.ensure(instance_id, spec)
+
+    @step
+    def fence_primary(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
+        return self.standbys.fence(instance_id)
+
+    @step
+    def promote_standby(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion:
+        promotion = self.standbys.promote(instance_id, spec)
+        self.pooler.repoint(instance_id, self.network.require_port(instance_id))
+        return promotion
+
+    @step
+    def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
+        return self.standbys.switchover(instance_id, spec, self.pooler)
 
     @step
     def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
@@ -236,8 +313,12 @@ class LocalProvisioner(Provisioner):
         # The archive and backups stay for the plan's retention (a restore of the deleted instance
         # into a new one), unless the deletion skipped the final backup: then nothing is kept.
         self.backups.forget_deleted(instance_id, spec, kept=bool(held))
-        if server.initialised:
-            server.stop("fast")
+        self.pooler.stop(instance_id)
+        for member in self.standbys.all_members(instance_id):
+            each = self._server(instance_id, member=member)
+            if each.initialised:
+                each.stop("fast")
+            stop_strays(each.datadir)
         stop_strays(server.datadir)
         if directory.exists():
             shutil.rmtree(directory)
@@ -262,11 +343,29 @@ class LocalProvisioner(Provisioner):
 
     @in_thread
     def observe(self, instance_id: uuid.UUID) -> Observation:
+        seen = self._observe_primary(instance_id)
+        state = self.storage.load_state(instance_id)
+        servers = plans.SHAPES[state["plan"]].instances if state.get("plan") in plans.SHAPES else 1
+        if servers <= 1 or not state.get("replicating"):
+            return seen
+        seen = replace(seen, servers=servers)
+        if not seen.healthy:
+            # The primary is lost: a failover, when a standby can take over (its data is not lost).
+            found = self.standbys.candidate(instance_id, servers)
+            if found is None:
+                return seen
+            return replace(seen, exists=True, data_lost=False, failover_to=member_name(found[0]))
+        if self.pooler.configured(instance_id) and not self.pooler.is_running(instance_id):
+            return replace(seen, healthy=False, detail="pooler not running")
+        return seen
+
+    def _observe_primary(self, instance_id: uuid.UUID) -> Observation:
         server = self._server(instance_id)
         state = self.storage.load_state(instance_id)
         port = server.port or None
         endpoint = None if port is None else (self.advertise_host, port)
         plan, generation = state.get("plan"), state.get("generation")
+        servers = plans.SHAPES[str(plan)].instances if plan in plans.SHAPES else 1
         if not server.initialised:
             return Observation(
                 False,
@@ -279,10 +378,13 @@ class LocalProvisioner(Provisioner):
             return Observation(
                 True, endpoint=endpoint, plan_applied=plan, generation=generation, detail="server not running"
             )
+        replication = None
         try:
             with self.admin.connect(instance_id, server.port, timeout=3) as admin:
                 row = admin.execute(OBSERVE, {"dbname": DBNAME}).fetchone()
                 recovery = self._archive_window(instance_id, admin)
+                if servers > 1 and state.get("replicating") and row and not row[0]:
+                    replication = self.standbys.observe(instance_id, admin, servers)
         except psycopg.Error as exc:
             return Observation(
                 True,
@@ -307,6 +409,8 @@ class LocalProvisioner(Provisioner):
             generation=generation,
             detail="read-only (standby mode)" if read_only else "accepting writes",
             recovery=recovery,
+            standbys_streaming=None if replication is None else len(replication.streaming),
+            replication_detail="" if replication is None else replication.detail,
         )
 
     def _archive_window(self, instance_id: uuid.UUID, admin: psycopg.Connection[Any]) -> RecoveryWindow:
@@ -326,27 +430,41 @@ class LocalProvisioner(Provisioner):
                 if instance_id is None or not entry.is_dir():
                     continue
                 found.append(Resource("data_directory", str(entry), instance_id))
-                pid = self._server(instance_id, 0).pid()
-                if pid is not None:
-                    found.append(Resource("server", f"pid {pid}", instance_id))
-        for owner, port in sorted(self.ports.table().items(), key=lambda item: item[1]):
-            found.append(Resource("port", str(port), _as_uuid(owner)))
+                for rank, member in enumerate(self.standbys.all_members(instance_id)):
+                    pid = self._server(instance_id, 0, member).pid()
+                    if pid is not None:
+                        kind = "server" if rank == 0 else "standby_server"  # the primary first
+                        found.append(Resource(kind, f"pid {pid}", instance_id))
+                pooler = self.pooler.pid(instance_id)
+                if pooler is not None:
+                    found.append(Resource("pooler", f"pid {pooler}", instance_id))
+        for key, port in sorted(self.ports.table().items(), key=lambda item: item[1]):
+            # The first server's port is the instance's `port`; its other servers' and its pooler's
+            # are kinds of their own (one port per instance and kind).
+            owner, held_by = owner_of(key)
+            kind = "port" if held_by == "0" else f"{held_by}_port" if held_by == "pooler" else "standby_port"
+            found.append(Resource(kind, str(port), owner))
         return found
 
     @in_thread
     def start_all(self, instance_ids: Collection[uuid.UUID]) -> list[uuid.UUID]:
         started = []
         for instance_id in instance_ids:
-            server = self._server(instance_id)
-            if server.port and server.initialised and not server.is_running():
-                state = self.storage.load_state(instance_id)
-                applied = InstanceSpec.for_removal(
-                    {"plan": state.get("plan", "dev")}, int(state.get("generation", 1))
-                )
-                self.servers.conform(
-                    instance_id, server, applied
-                )  # servers made before a change of the rules get them
-                self.servers.ensure_started(server)
+            state = self.storage.load_state(instance_id)
+            applied = InstanceSpec.for_removal(
+                {"plan": state.get("plan", "dev")}, int(state.get("generation", 1))
+            )
+            began = False
+            # The primary first (its standbys stream from it), then the standbys, then the pooler.
+            for member in self.standbys.all_members(instance_id):
+                server = self._server(instance_id, member=member)
+                if server.port and server.initialised and not server.is_running():
+                    # Servers made before a change of the rules get them.
+                    self.servers.conform(instance_id, server, applied, member)
+                    self.servers.ensure_started(server)
+                    began = True
+            began = self.pooler.start_configured(instance_id) or began
+            if began:
                 started.append(instance_id)
         return started
 
@@ -358,9 +476,13 @@ class LocalProvisioner(Provisioner):
                 instance_id = _as_uuid(entry.name)
                 if instance_id is None:
                     continue
-                server = self._server(instance_id)
-                if server.is_running():
-                    server.stop()
+                ended = self.pooler.stop(instance_id)
+                for member in reversed(self.standbys.all_members(instance_id)):
+                    server = self._server(instance_id, member=member)
+                    if server.is_running():
+                        server.stop()
+                        ended = True
+                if ended:
                     stopped.append(instance_id)
         return stopped
 

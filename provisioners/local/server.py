@@ -23,7 +23,8 @@ from controlplane.core.step_errors import TemporaryError
 from controlplane.runtime.postgres import PostgresError, PostgresServer, make_owned_dir
 from provisioners.base import InstanceSpec
 from provisioners.local.database import ADMIN_USER, Admin
-from provisioners.local.network import PG_HBA, Network
+from provisioners.local.network import PG_HBA, Network, member_key
+from provisioners.local.replication import Upstream, replication_settings
 from provisioners.local.repository import Repository
 from provisioners.local.storage import Storage
 from provisioners.local.tls import InstanceTls
@@ -65,6 +66,8 @@ class InstanceServer(PostgresServer):
     (a server only looked at or stopped), no socket at all: an empty list, quoted for pg_ctl's shell."""
 
     sockets: Path | None = None
+    # Which of its instance's servers it is (0: the first; an HA plan's standbys 1 and on).
+    member: int = 0
 
     def socket_dir(self) -> Path:
         if self.sockets is None:
@@ -102,6 +105,30 @@ def postmaster_pids_for(datadir: Path, programs: tuple[bytes, ...] = (b"postgres
         if args and args[0].endswith(programs) and wanted.encode() in args:
             found.append(int(entry.name))
     return found
+
+
+def processes_in(datadir: Path) -> list[int]:
+    """Every process whose working directory is `datadir`: a server's postmaster and all its
+    children (backends, walsenders), also those a killed postmaster left behind."""
+    wanted = datadir.resolve() if datadir.exists() else datadir
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:
+            continue
+        if cwd == wanted:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_everything_in(datadir: Path) -> None:
+    """SIGKILL every process of the server in `datadir` (a fence: none may serve one more query)."""
+    for pid in {*processes_in(datadir), *postmaster_pids_for(datadir)}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def stop_strays(datadir: Path) -> None:
@@ -146,8 +173,9 @@ class Servers:
         self.repository = repository
         self.pg_bindir = pg_bindir
 
-    def _at(self, instance_id: uuid.UUID, datadir: Path, port: int) -> InstanceServer:
+    def _at(self, instance_id: uuid.UUID, datadir: Path, port: int, member: int = 0) -> InstanceServer:
         return InstanceServer(
+            member=member,
             datadir=datadir,
             port=port,
             host=self.network.listen_host,
@@ -158,16 +186,43 @@ class Servers:
             sockets=self.storage.socket_dir(instance_id),
         )
 
-    def server(self, instance_id: uuid.UUID, port: int | None = None) -> InstanceServer:
-        """The instance's server, on `port` (by default its recorded one; 0 when it has none)."""
+    def server(
+        self, instance_id: uuid.UUID, port: int | None = None, member: int | None = None
+    ) -> InstanceServer:
+        """The instance's primary server (or its server `member`), on `port` (by default its
+        recorded one; 0 when it has none)."""
+        if member is None:
+            member = self.storage.primary_member(instance_id)
         if port is None:
-            port = self.network.ports.port_of(instance_id) or 0
-        return self._at(instance_id, self.storage.datadir(instance_id), port)
+            port = self.network.ports.port_of(member_key(instance_id, member)) or 0
+        return self._at(instance_id, self.storage.member_datadir(instance_id, member), port, member)
 
-    def settings_for(self, instance_id: uuid.UUID, spec: InstanceSpec) -> dict[str, str]:
-        """The managed settings of the instance's server: every server's, the plan's, its archive's."""
-        datadir = self.storage.datadir(instance_id)
-        return {**managed_settings(spec), **self.repository.archive_settings(instance_id, datadir)}
+    def settings_for(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, member: int | None = None
+    ) -> dict[str, str]:
+        """The managed settings of the instance's primary (or of its server `member`): every
+        server's, the plan's, its archive's, and on an HA plan its replication's."""
+        primary = self.storage.primary_member(instance_id)
+        member = primary if member is None else member
+        datadir = self.storage.member_datadir(instance_id, member)
+        state = self.storage.load_state(instance_id)
+        upstream = None
+        primary_port = self.network.ports.port_of(member_key(instance_id, primary))
+        if member != primary and primary_port is not None:
+            upstream = Upstream(
+                self.network.connect_host,
+                primary_port,
+                self.storage.unseal(state["admin_password"]),
+                str(self.tls.store.cert_path),
+            )
+        replication = replication_settings(
+            spec.shape.instances, member, primary, upstream, synchronous=bool(state.get("replicating"))
+        )
+        return {
+            **managed_settings(spec),
+            **self.repository.archive_settings(instance_id, datadir),
+            **replication,
+        }
 
     def require_storage(self, instance_id: uuid.UUID) -> InstanceServer:
         server = self.server(instance_id)
@@ -198,20 +253,24 @@ class Servers:
             instance_id, {**state, "cluster_created_at": dt.datetime.now(dt.UTC).isoformat()}
         )
 
-    def conform(self, instance_id: uuid.UUID, server: InstanceServer, spec: InstanceSpec) -> None:
-        """Certificate, access rules and managed settings as they must be; a running server reloads."""
+    def conform(
+        self, instance_id: uuid.UUID, server: InstanceServer, spec: InstanceSpec, member: int | None = None
+    ) -> bool:
+        """Certificate, access rules and managed settings of the primary (or of `member`) as they
+        must be; a running server reloads. True when something changed."""
         changed = self.tls.ensure(server)
         hba = server.datadir / "pg_hba.conf"
         if hba.read_text() != PG_HBA:
             hba.write_text(PG_HBA)
             changed = True
-        desired = self.settings_for(instance_id, spec)
+        desired = self.settings_for(instance_id, spec, member)
         managed = server.datadir / "controlplane.conf"
         if not managed.exists() or managed.read_text() != settings_text(desired):
             server.write_settings(desired)
             changed = True
         if changed and server.is_running():
             server.reload()
+        return changed
 
     def ensure_started(self, server: InstanceServer, attempts: int = 5) -> None:
         """Start the server, waiting out the processes of a killed postmaster that still hold it."""

@@ -56,7 +56,17 @@ class Storage:
         return self.root / str(instance_id)
 
     def datadir(self, instance_id: uuid.UUID) -> Path:
-        return self.instance_dir(instance_id) / "pgdata"
+        """The data directory of the instance's primary server."""
+        return self.member_datadir(instance_id, self.primary_member(instance_id))
+
+    def member_datadir(self, instance_id: uuid.UUID, member: int) -> Path:
+        """The data directory of one of the instance's servers: `pgdata` the first one's (every
+        instance has it), `pgdata-<n>` the standbys' an HA plan adds."""
+        return self.instance_dir(instance_id) / ("pgdata" if member == 0 else f"pgdata-{member}")
+
+    def primary_member(self, instance_id: uuid.UUID) -> int:
+        """Which of the instance's servers is its primary (0 until a failover or switchover)."""
+        return int(self.load_state(instance_id).get("primary", 0))
 
     def socket_dir(self, instance_id: uuid.UUID) -> Path:
         """The private directory of the server's one Unix socket: under the data directory when the

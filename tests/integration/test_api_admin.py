@@ -203,3 +203,39 @@ async def test_health_readiness_and_metrics(client: httpx.AsyncClient, conn: Asy
     behind = await client.get("/readyz")
     assert behind.status_code == 503 and "old" in behind.json()["detail"]
     assert behind.headers["content-type"] == "application/problem+json"
+
+
+async def test_an_sre_switchover_is_an_update_job_with_who_asked_and_why(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, admin_headers: dict[str, str]
+) -> None:
+    ha = await create(client, tenant, "orders", plan="small")
+    single = await create(client, tenant, "notes")
+    reason = {"reason": "host maintenance"}
+    # Not ready yet: refused with the state; a customer's key is refused outright.
+    early = await client.post("/v1/admin/instances/orders/switchover", json=reason, headers=admin_headers)
+    assert early.status_code == 409 and early.json()["current_state"] == "pending"
+    assert (
+        await client.post("/v1/admin/instances/orders/switchover", json=reason, headers=tenant.headers)
+    ).status_code == 403
+    await drive(conn, ha["id"], "start_provisioning", "provisioned")
+    await drive(conn, single["id"], "start_provisioning", "provisioned")
+    one_server = await client.post(
+        f"/v1/admin/instances/{single['id']}/switchover", json=reason, headers=admin_headers
+    )
+    assert one_server.status_code == 422 and "one server" in one_server.json()["detail"]
+
+    asked = await client.post("/v1/admin/instances/orders/switchover", json=reason, headers=admin_headers)
+    assert asked.status_code == 202, asked.text
+    job = asked.json()
+    assert (job["kind"], job["state"], job["instance_id"]) == ("update", "queued", ha["id"])
+    cursor = await conn.execute("SELECT payload FROM jobs WHERE id = %s", (job["id"],))
+    row = await cursor.fetchone()
+    assert row is not None and row["payload"]["switchover"] is True
+    assert row["payload"]["reason"].startswith("switchover asked by admin:") and "host maintenance" in str(
+        row
+    )
+    # A second one while the first is under way is a conflict.
+    again = await client.post(
+        f"/v1/admin/instances/{ha['id']}/switchover", json=reason, headers=admin_headers
+    )
+    assert again.status_code == 409

@@ -12,7 +12,7 @@ from controlplane.db.connection import AsyncConn
 from controlplane.queue import steps
 from controlplane.runtime.settings import Settings
 from controlplane.services import instances
-from tests.api_support import Tenant, create, drive, make_ready
+from tests.api_support import Tenant, create, drive, make_ready, ready_patch
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -134,6 +134,8 @@ async def test_get_shows_connection_with_password_once_ready(
         "ca_certificate": None,
         "sslrootcert": None,
         "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
+        "pool_mode": None,
+        "direct": None,
     }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
     assert listed["connection"]["password"] is None
@@ -155,6 +157,30 @@ async def test_a_verified_connection_uri_names_the_ca_file_to_save(
     )
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
     assert listed["connection"]["uri"].endswith("/app?sslmode=verify-full&sslrootcert=controlplane-ca.pem")
+
+
+async def test_a_pooled_endpoint_says_its_pool_mode_and_gives_the_primary_directly_beside_it(
+    client: httpx.AsyncClient, tenant: Tenant, conn: AsyncConn, api_settings: Settings
+) -> None:
+    """An HA plan's stable address is its pooler's (transaction pooling); what needs a whole
+    session (LISTEN) connects to the primary's own address, with the same credentials and TLS."""
+    made = await create(client, tenant, "orders")
+    patch = ready_patch(api_settings, "pw", port=16000, ca="-----BEGIN CERTIFICATE-----\n")
+    patch["connection"] |= {"pool_mode": "transaction", "direct": {"host": "127.0.0.1", "port": 16001}}
+    await drive(conn, made["id"], "start_provisioning", "provisioned", **patch)
+    connection = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()[
+        "connection"
+    ]
+    query = "?sslmode=verify-full&sslrootcert=controlplane-ca.pem"
+    assert (connection["port"], connection["pool_mode"]) == (16000, "transaction")
+    assert connection["uri"] == f"postgresql://app_owner:pw@127.0.0.1:16000/app{query}"
+    assert connection["direct"] == {
+        "host": "127.0.0.1",
+        "port": 16001,
+        "uri": f"postgresql://app_owner:pw@127.0.0.1:16001/app{query}",
+    }
+    listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
+    assert listed["connection"]["direct"]["uri"] == f"postgresql://app_owner@127.0.0.1:16001/app{query}"
 
 
 async def test_unknown_instance_is_404_problem(client: httpx.AsyncClient, tenant: Tenant) -> None:

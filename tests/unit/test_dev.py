@@ -67,13 +67,17 @@ def test_up_installs_the_runtime_and_test_adds_the_dev_extra_to_the_same_venv() 
     assert dev.to_install("0123abcd", "L1", runtime) == frozenset()
 
 
-def test_pgbackrest_is_installed_for_every_command_that_runs_local_instances() -> None:
+def test_pgbackrest_and_pgbouncer_are_installed_for_every_command_that_runs_local_instances() -> None:
     dev = _dev()
     assert dev.missing_packages(dev.RUNTIME_PACKAGES, lambda found_by: True) == ()
-    assert dev.missing_packages(dev.RUNTIME_PACKAGES, lambda found_by: False) == ("pgbackrest",)
+    assert dev.missing_packages(dev.RUNTIME_PACKAGES, lambda found_by: False) == ("pgbackrest", "pgbouncer")
     assert dev.PGBACKREST.as_posix() == "/usr/bin/pgbackrest"
+    assert dev.PGBOUNCER.as_posix() == "/usr/sbin/pgbouncer"
+    pgbouncer = str(dev.PGBOUNCER)
+    only_pgbouncer = dev.missing_packages(dev.RUNTIME_PACKAGES, lambda found_by: found_by != pgbouncer)
+    assert only_pgbouncer == ("pgbouncer",)
     everything = dev.missing_packages(dev.TEST_PACKAGES, lambda found_by: False)
-    assert everything == ("pgbackrest", "chromium", "fonts-liberation", "libfaketime", "npm")
+    assert everything == ("pgbackrest", "pgbouncer", "chromium", "fonts-liberation", "libfaketime", "npm")
     only_browser = dev.missing_packages(dev.TEST_PACKAGES, lambda found_by: found_by != str(dev.CHROMIUM))
     assert only_browser == ("chromium", "fonts-liberation")
     assert dev.debian_install(everything, True, "why") == [

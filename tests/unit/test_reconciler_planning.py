@@ -168,6 +168,48 @@ def test_an_archive_that_fails_degrades_a_ready_instance_and_only_a_working_one_
     ]
 
 
+def test_a_lost_primary_with_a_standby_to_take_over_is_a_failover_through_a_heal() -> None:
+    lost = Observed(
+        exists=True,
+        running=False,
+        healthy=False,
+        read_only=False,
+        detail="server not running",
+        failover_to="member1",
+    )
+    why = "primary lost (server not running); member1 can take over"
+    assert plan(view("ready", observed=lost), NOW, max_retries=2) == [
+        Transition("degrade", f"failover: {why}", code="failover"),
+        Enqueue("heal", f"failover: {why}"),
+    ]
+    # Without a standby to take over, the plain heal of a server that stopped.
+    alone = replace(lost, failover_to=None)
+    assert plan(view("ready", observed=alone), NOW, max_retries=2)[0] == Transition(
+        "degrade", "observed server not running", code="unhealthy"
+    )
+    # Degraded with its heal (the failover) under way: nothing more; done, it recovers.
+    assert plan(view("degraded", observed=lost, failure_code="failover", live_jobs=("heal",)), NOW, 2) == []
+    assert plan(view("degraded", observed=HEALTHY, failure_code="failover"), NOW, 2) == [
+        Transition("recover", "observed healthy again")
+    ]
+
+
+def test_a_standby_not_streaming_degrades_and_heals_until_it_streams_again() -> None:
+    lagging = replace(HEALTHY, replication_degraded=True, replication_detail="0 of 1 standbys streaming")
+    why = "replication degraded: 0 of 1 standbys streaming"
+    assert plan(view("ready", observed=lagging), NOW, max_retries=2) == [
+        Transition("degrade", why, code="replication_degraded"),
+        Enqueue("heal", f"heal: {why}"),
+    ]
+    # Never recovered while it lags: healed again (after its backoff); recovered once it streams.
+    degraded = view("degraded", observed=lagging, failure_code="replication_degraded")
+    assert plan(degraded, NOW, max_retries=2) == [Enqueue("heal", f"heal: {why}")]
+    assert plan(replace(degraded, live_jobs=("heal",)), NOW, max_retries=2) == []
+    assert plan(replace(degraded, observed=HEALTHY), NOW, max_retries=2) == [
+        Transition("recover", "observed healthy again")
+    ]
+
+
 def test_the_first_backup_is_taken_at_once_then_one_per_plan_interval() -> None:
     daily = view("ready", backup_interval_s=86400.0, created_at=NOW - timedelta(minutes=1))
     assert plan(daily, NOW, max_retries=2) == [Enqueue("backup", "first backup")]

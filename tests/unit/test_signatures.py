@@ -174,6 +174,13 @@ def _event(from_state: str | None, to_state: str, **detail: object) -> LogEvent:
 def test_which_events_customers_hear_of() -> None:
     assert notice_types(_event("provisioning", "ready"), DEADLINE_CODES) == ["instance.ready"]
     assert notice_types(_event("degraded", "ready"), DEADLINE_CODES) == ["instance.recovered"]
+    failover = {"promoted": "member1", "fenced": "member0", "lsn": "0/3000060", "writes_refused_s": 4.2}
+    recovered = _event("degraded", "ready", failover=failover)
+    assert notice_types(recovered, DEADLINE_CODES) == ["instance.recovered", "instance.failover"]
+    told = body_of(recovered, "instance.failover", {"name": "orders", "plan": "small"})["data"]
+    assert told["failover"] == failover
+    plain = body_of(recovered, "instance.recovered", {"name": "orders", "plan": "small"})["data"]
+    assert plain["failover"] is None
     assert notice_types(_event("suspended", "ready"), DEADLINE_CODES) == ["instance.resumed"]
     assert notice_types(_event("updating", "ready"), DEADLINE_CODES) == []
     assert notice_types(_event("pending", "provisioning"), DEADLINE_CODES) == []

@@ -214,6 +214,28 @@ async def admin_job_action(
     return _job(row)
 
 
+@router.post(
+    "/instances/{ref}/switchover",
+    response_model=Job,
+    status_code=202,
+    responses=errors.responses(400, 401, 403, 404, 409, 413, 422),
+    summary="Switch an HA instance's primary over to a standby (writes pause for seconds, none lost)",
+    operation_id="adminSwitchover",
+    description=(
+        "Move a ready HA instance's primary to its most advanced standby: an update job (ready ->"
+        " updating -> ready, the plan unchanged) that pauses writes at the instance's pooler, stops the"
+        " primary cleanly, promotes the standby and makes the old primary its standby. `ref` is an id or"
+        " the name of one live instance; the reason is recorded with the operator as its actor."
+    ),
+)
+async def admin_switchover(ref: str, body: JobAction, request: Request, who: AdminKey) -> dict[str, Any]:
+    app = app_state(request)
+    async with app.pool.connection() as conn, conn.transaction():
+        job_id = await instances.request_switchover(conn, ref, who.actor, body.reason)
+        row = await (await conn.execute(sql.JOB_BY_ID, {"id": job_id})).fetchone()
+    return _job(row)
+
+
 @router.get(
     "/stats/dwell",
     response_model=DwellStats,

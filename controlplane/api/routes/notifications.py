@@ -37,6 +37,7 @@ EventType = Literal[
     "instance.failed",
     "instance.degraded",
     "instance.recovered",
+    "instance.failover",
     "instance.suspended",
     "instance.resumed",
     "instance.deleted",

@@ -200,6 +200,13 @@ WHERE i.org_id = %(org)s AND i.name = %(name)s AND i.archived_at IS NULL
 ORDER BY live DESC, i.created_at DESC, i.id LIMIT 10
 """
 
+# The live instances of any organisation with a name (an SRE names one by it).
+LIVE_INSTANCES_NAMED_ANYWHERE = """
+SELECT i.id FROM instances i
+WHERE i.name = %(name)s AND i.state NOT IN ('deleted', 'failed')
+ORDER BY i.created_at, i.id LIMIT 10
+"""
+
 # A page of an organisation's instances, oldest first, after a (created_at, id) cursor; archived
 # ones only when asked for, and optionally those of one name.
 LIST_ORG_INSTANCES = (
