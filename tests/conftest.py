@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -99,9 +100,14 @@ class TestServer:
 
 @pytest.fixture(scope="session")
 def pg_root() -> Iterator[Path]:
+    """The session's scratch directory (its PostgreSQL, the local instances' servers and archive),
+    removed once the session's servers are stopped: a session leaves no gigabytes behind."""
     root = Path(tempfile.mkdtemp(prefix="cp-test-"))
     os.chmod(root, 0o755)
-    yield root
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -48,8 +48,8 @@ HELP_STEPS: list[tuple[str, int, str]] = [
     ("instances events orders", 0, EXAMPLE),
     ("instances metrics orders --step 60", 0, EXAMPLE),
     ("instances resize orders --plan small --wait", 0, EXAMPLE),
-    # An SRE's command: with the customer's key (the default profile's) it is refused.
-    ("instances switchover orders --reason maintenance", exit_codes.UNAUTHORIZED, EXAMPLE),
+    # An SRE's command, run with the admin profile `up` wrote: orders is on an HA plan now.
+    ("instances switchover orders --reason maintenance", 0, EXAMPLE),
     # Its data is not lost, and it did not fail: a restore and a retry are refused as conflicts.
     ("instances restore orders --newest --wait", exit_codes.CONFLICT, EXAMPLE),
     ("instances retry orders --wait", exit_codes.CONFLICT, EXAMPLE),
