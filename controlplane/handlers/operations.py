@@ -326,7 +326,8 @@ class Operations:
             reason, detail = "switchover: no standby to switch over to; nothing changed", {}
         else:
             new, old = promotion.promoted, promotion.fenced
-            reason = f"switchover: {new} is the primary (WAL {promotion.lsn}), {old} its standby"
+            at = f" (WAL {promotion.lsn})" if promotion.lsn else ""
+            reason = f"switchover: {new} is the primary{at}, {old} its standby"
             detail = {"switchover": promotion.as_dict()}
         await self._move(
             ctx,
@@ -413,8 +414,9 @@ class Operations:
             )
         target = self._target(inst)
         failover = None
-        if before.failover_to is not None:
-            # The primary is lost and a standby can take over: fenced first, then the promotion.
+        if before.failover_to is not None and not p.fails_over_itself:
+            # The primary is lost and a standby can take over: fenced first, then the promotion
+            # (where the provisioner's operator fails over by itself, the heal waits for it instead).
             failover = await self._fail_over(ctx, inst, target.spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
         info = await self._bring_up(ctx, inst, target)
