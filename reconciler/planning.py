@@ -17,6 +17,7 @@ from controlplane.core.failures import (
     REPLICATION_DEGRADED,
     STORAGE_FULL,
     UNHEALTHY,
+    failover_by_operator,
 )
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
@@ -262,14 +263,7 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
 def operator_failover(seen: Observed) -> Transition:
     """degraded -> ready once the operator's failover is done: the event names the new primary (the
     lost one is named by the degrade before it; the operator reports no WAL position)."""
-    failover = {
-        "promoted": seen.primary,
-        "fenced": None,
-        "lsn": None,
-        "at": seen.primary_since,
-        "writes_refused_s": None,
-        "by": "operator",
-    }
+    failover = failover_by_operator(seen.primary, seen.primary_since)
     reason = f"failover: {seen.primary or 'a standby'} promoted by the operator; observed healthy again"
     return Transition("recover", reason, detail={"failover": failover})
 

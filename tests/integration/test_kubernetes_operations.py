@@ -367,3 +367,46 @@ async def test_an_sre_switchover_of_a_cloudnativepg_instance_is_the_operators_pr
     # The connection does not move: the -rw Service follows the primary.
     assert row["connection"]["host"] == f"{name}-rw.{NAMESPACE}.svc"
     assert state.denied == []
+
+
+async def test_a_failover_by_the_operator_that_leaves_a_server_behind_is_healed_and_recorded_as_one(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders", plan="small")
+    iid = uuid.UUID(made["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    name = f"pg-{iid}"
+    key = ("clusters", NAMESPACE, name)
+
+    state.fail_primary(NAMESPACE, name)
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+        assert (await instance(conn, iid))["failure_code"] == "failover"
+        # The operator promoted the standby, but the old primary's server does not come back: no
+        # failover under way any more, the Cluster still unhealthy, so a heal waits for the operator.
+        with state.lock:
+            state.pending.pop(key)
+            status = state.objects[key]["status"]
+            status.update(phase="Waiting for the instances to become active", currentPrimary=f"{name}-2")
+        await reconciler.run_once()
+    heals = await scalar(conn, "SELECT count(*) FROM jobs WHERE instance_id = %s AND kind = 'heal'", (iid,))
+    assert heals == 1
+    with state.lock:
+        state.pending[key] = state.settle_reads  # the operator brings the server back
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cursor = await conn.execute(
+        "SELECT actor_kind, reason, detail FROM instance_events WHERE instance_id = %s"
+        " AND from_state = 'degraded' AND to_state = 'ready'",
+        (iid,),
+    )
+    (recover,) = await cursor.fetchall()
+    assert recover["actor_kind"] == "worker"  # the heal's
+    assert recover["reason"] == f"failover: {name}-2 promoted by the operator"
+    assert recover["detail"]["failover"]["promoted"] == f"{name}-2"
+    assert state.denied == []
