@@ -751,7 +751,7 @@ class KubernetesProvisioner(Provisioner):
             status = status_of(current)
             return Observation(
                 True,
-                running=int(status_of(current).get("readyInstances") or 0) > 0,
+                running=int(status.get("readyInstances") or 0) > 0,
                 healthy=healthy,
                 read_only=is_read_only(current),
                 endpoint=(self.options.host(instance_id), PORT),
