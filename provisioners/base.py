@@ -297,6 +297,10 @@ class Observation:
     standbys_streaming: int | None = None
     replication_detail: str = ""
     failover_to: str | None = None
+    # The server that is the primary now, and since when (RFC 3339), where the provisioner names
+    # them (one whose infrastructure fails over by itself: what the audit log records of it).
+    primary: str | None = None
+    primary_since: str | None = None
 
     @property
     def replication_degraded(self) -> bool:
@@ -317,13 +321,14 @@ class Observation:
             "standbys_streaming": self.standbys_streaming,
             "replication_detail": self.replication_detail,
             "failover_to": self.failover_to,
+            "primary": self.primary,
         }
 
 
 @dataclass(frozen=True)
 class Promotion:
     """What a failover did: the standby promoted, the primary fenced before it, the WAL position
-    (LSN) the new primary took over at, and when (RFC 3339)."""
+    (LSN) the new primary took over at ("" where the provisioner is not told it), and when (RFC 3339)."""
 
     promoted: str
     fenced: str | None
@@ -442,6 +447,11 @@ class Provisioner(abc.ABC):
     # Whether an HA plan's address is a pooler's that `initialize_database` sets up (`pool_mode` in
     # its connection details): an update onto an HA plan then runs it to give the pooled address.
     pools_ha_endpoint: bool = False
+    # Whether the infrastructure fails an HA plan's lost primary over by itself (an operator):
+    # `observe` then reports the failover under way (`failover_to`) and the primary (`primary`),
+    # the reconciler records it (degraded with `failover`, then ready naming the new primary) and
+    # never runs `fence_primary` and `promote_standby`, which such a provisioner refuses.
+    fails_over_itself: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Provisioner:

@@ -35,6 +35,10 @@ BARMAN_PLUGIN = "barman-cloud.cloudnative-pg.io"
 EXTERNAL_DNS_ANNOTATION = "external-dns.alpha.kubernetes.io/hostname"
 IMAGE = "ghcr.io/cloudnative-pg/postgresql:{version}"
 HEALTHY_PHASE = "Cluster in healthy state"
+# The operator's phases while its primary moves: a failover of a lost primary, a switchover asked for
+# (`kubectl cnpg promote`: `status.targetPrimary` set through the status subresource).
+FAILOVER_PHASE = "Failing over"
+SWITCHOVER_PHASE = "Switchover in progress"
 PORT = 5432
 STATUS_PORT = 8000  # the instance manager's HTTP endpoint (operator and peers)
 METRICS_PORT = 9187  # the instance manager's metrics exporter (Prometheus), a container port named:
@@ -569,6 +573,27 @@ def cluster_health(cluster: Mapping[str, Any]) -> tuple[bool, str]:
     if switching:
         detail += f"; primary moving from {primary} to {status.get('targetPrimary')}"
     return healthy, detail
+
+
+def failing_over_to(cluster: Mapping[str, Any]) -> str | None:
+    """The standby the operator is promoting because its primary was lost (None: no failover under
+    way; a switchover asked for is not one)."""
+    status = status_of(cluster)
+    target, primary = status.get("targetPrimary"), status.get("currentPrimary")
+    if status.get("phase") != FAILOVER_PHASE or not target or target == primary:
+        return None
+    return str(target)
+
+
+def switchover_status(target: str, now: datetime) -> dict[str, Any]:
+    """What `kubectl cnpg promote` writes to the Cluster's status to have the operator switch its
+    primary over to `target` (a standby's pod name)."""
+    return {
+        "targetPrimary": target,
+        "targetPrimaryTimestamp": now.isoformat().replace("+00:00", "Z"),
+        "phase": SWITCHOVER_PHASE,
+        "phaseReason": f"Switching over to {target}",
+    }
 
 
 # CloudNativePG's default archive_timeout: a segment is archived at least this often while written to.

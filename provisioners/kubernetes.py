@@ -27,6 +27,7 @@ from provisioners.base import (
     DeprovisionResult,
     InstanceSpec,
     Observation,
+    Promotion,
     Provisioner,
     RecoveryWindow,
     Resource,
@@ -57,6 +58,7 @@ from provisioners.cnpg import (
     cluster_health,
     cluster_manifest,
     credentials_name,
+    failing_over_to,
     final_backup_name,
     gib,
     is_read_only,
@@ -71,6 +73,7 @@ from provisioners.cnpg import (
     secret_manifest,
     servers_lag,
     status_of,
+    switchover_status,
 )
 
 log = logging.getLogger(__name__)
@@ -216,6 +219,22 @@ class KubernetesApi:
         assert result is not None
         return result
 
+    def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: Mapping[str, Any], resource_version: str
+    ) -> dict[str, Any]:
+        """Set status fields (a merge patch of the status subresource), over the version that was
+        read: what `kubectl cnpg promote` does to ask the operator for a switchover."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": dict(status)}
+        result = self._call(
+            "PATCH",
+            kind.path(namespace, name) + "/status",
+            query=[("fieldManager", FIELD_MANAGER)],
+            body=body,
+            content_type=MERGE_CONTENT_TYPE,
+        )
+        assert result is not None
+        return result
+
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._call("GET", kind.path(namespace, name))
@@ -259,6 +278,8 @@ class KubernetesProvisioner(Provisioner):
     supports_restore = True
     # The window comes from the Cluster's status (its first recoverability point, its archiving).
     reports_windows = True
+    # The operator fails a lost primary over to a standby by itself; the control plane records it.
+    fails_over_itself = True
 
     def __init__(
         self,
@@ -554,6 +575,74 @@ class KubernetesProvisioner(Provisioner):
 
         return await self._run(work)
 
+    async def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
+        """The operator's promote (`kubectl cnpg promote`): the Cluster marked with the fence, its
+        status's `targetPrimary` set to a ready standby over the version read, then waited for until
+        the operator reports it the current primary and the Cluster healthy. A move of the primary
+        already under way (a retry's own) is waited for, not asked for again. None when the Cluster
+        has one server."""
+
+        def work() -> Promotion | None:
+            current = self._existing(instance_id, fence)
+            if int(current["spec"].get("instances") or 1) <= 1:
+                return None
+            target, old = self._ask_switchover(instance_id, fence)
+            done = self._wait(instance_id, "switchover", lambda c: self._switched(c, target))
+            at = status_of(done).get("currentPrimaryTimestamp") or datetime.now(UTC).isoformat()
+            log.warning("instance %s: the operator switched over from %s to %s", instance_id, old, target)
+            return Promotion(target, old, "", str(at))
+
+        return await self._run(work)
+
+    def _ask_switchover(self, instance_id: uuid.UUID, fence: int) -> tuple[str, str | None]:
+        """The standby the primary moves to and the primary it leaves: one under way adopted, else a
+        ready standby asked for through the status subresource (re-read on a 409, as applies are)."""
+        for attempt in range(APPLY_TRIES):
+            marked = self._record_fence(instance_id, fence)
+            if marked is None:
+                raise TemporaryError(f"instance {instance_id} has no cluster")
+            status = status_of(marked)
+            primary, target = status.get("currentPrimary"), status.get("targetPrimary")
+            if target and target != primary:
+                return str(target), primary  # already moving (this job's earlier try, or a failover)
+            standby = self._ready_standby(marked)
+            if standby is None:
+                raise TemporaryError(f"instance {instance_id}: no ready standby to switch over to")
+            meta = marked["metadata"]
+            wanted = switchover_status(standby, datetime.now(UTC))
+            try:
+                self.api.patch_status(CLUSTER, self.namespace, meta["name"], wanted, meta["resourceVersion"])
+            except kubernetes.client.exceptions.ApiException as exc:
+                if exc.status != 409 or attempt == APPLY_TRIES - 1:
+                    raise
+                continue
+            return standby, primary
+        raise AssertionError("unreachable")
+
+    def _ready_standby(self, cluster: Mapping[str, Any]) -> str | None:
+        """A ready server of the Cluster that is not its primary (by name, the lowest)."""
+        primary = status_of(cluster).get("currentPrimary")
+        pods = self.api.list(POD, self.namespace, {CNPG_CLUSTER_LABEL: cluster["metadata"]["name"]})
+        ready = sorted(
+            pod["metadata"]["name"]
+            for pod in pods
+            if (pod["metadata"].get("labels") or {}).get("cnpg.io/podRole") == "instance"
+            and pod["metadata"]["name"] != primary
+            and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (pod.get("status") or {}).get("conditions") or []
+            )
+        )
+        return ready[0] if ready else None
+
+    @staticmethod
+    def _switched(cluster: dict[str, Any], target: str) -> str | None:
+        primary = status_of(cluster).get("currentPrimary")
+        if primary != target:
+            return f"the primary is still {primary}, not {target}"
+        healthy, detail = cluster_health(cluster)
+        return None if healthy else detail
+
     async def take_backup(
         self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int, *, kind: str = "on_demand"
     ) -> BackupInfo:
@@ -659,9 +748,10 @@ class KubernetesProvisioner(Provisioner):
             annotations = current["metadata"].get("annotations") or {}
             healthy, detail = cluster_health(current)
             generation = annotations.get(GENERATION_ANNOTATION)
+            status = status_of(current)
             return Observation(
                 True,
-                running=int(status_of(current).get("readyInstances") or 0) > 0,
+                running=int(status.get("readyInstances") or 0) > 0,
                 healthy=healthy,
                 read_only=is_read_only(current),
                 endpoint=(self.options.host(instance_id), PORT),
@@ -669,6 +759,10 @@ class KubernetesProvisioner(Provisioner):
                 generation=int(generation) if generation else None,
                 detail=detail,
                 recovery=self._window(current),
+                servers=int(current["spec"].get("instances") or 1),
+                failover_to=failing_over_to(current),
+                primary=status.get("currentPrimary") or None,
+                primary_since=status.get("currentPrimaryTimestamp") or None,
             )
 
         return await self._run(work)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from controlplane.core import failures, lifecycle
 from controlplane.core.dbmetrics import GIB, DatabaseStats
@@ -16,6 +17,7 @@ from controlplane.core.failures import (
     REPLICATION_DEGRADED,
     STORAGE_FULL,
     UNHEALTHY,
+    failover_by_operator,
 )
 from controlplane.core.kinds import BACKUP, DEPROVISION, DRIVING_JOB, HEAL, RESTORE, RESUME, SUSPEND, UPDATE
 
@@ -54,6 +56,9 @@ class Observed:
     # An HA plan's: a standby does not stream from the primary (commits wait for one), and what.
     replication_degraded: bool = False
     replication_detail: str = ""
+    # The server that is the primary now, and since when (RFC 3339), where the provisioner names them.
+    primary: str | None = None
+    primary_since: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ class InstanceView:
     backup_interval_s: float | None = None
     # Its storage: the allocation, the plan's maximum and the recent used space (None: not known).
     storage: StorageView | None = None
+    # The provisioner's infrastructure fails over by itself (an operator): a failover it reports is
+    # recorded, never carried out by a heal.
+    fails_over_itself: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,8 @@ class Transition:
     reason: str
     # A stable code for what went wrong (with `fail` or `degrade`).
     code: str | None = None
+    # More for the event's detail (a failover's: who was lost, who took over).
+    detail: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +213,12 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
     if view.state == "ready" and broken:
         if WORKING_ON_READY.intersection(view.live_jobs):
             return []
+        if seen.failover_to is not None and view.fails_over_itself:
+            # The operator fails over by itself: recorded, and left to it (no heal to fence or promote).
+            lost = seen.primary or "the primary"
+            why = f"primary {lost} lost ({why}); the operator promotes {seen.failover_to}"
+            detail = {"primary": seen.primary, "failover_to": seen.failover_to}
+            return [Transition("degrade", f"failover: {why}", code=FAILOVER, detail=detail)]
         if seen.failover_to is not None:
             # Failover is a heal: the heal fences the lost primary, then promotes the standby.
             why = f"primary lost ({why}); {seen.failover_to} can take over"
@@ -222,10 +238,15 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
             # Never silently ready: the database serves, its newest writes are not protected.
             return [Transition("degrade", why, code=ARCHIVE_FAILING), Enqueue(HEAL, f"heal: {why}")]
     if view.state == "degraded":
+        failing_over = view.fails_over_itself and view.failure_code == FAILOVER
+        if broken and failing_over and seen.failover_to is not None:
+            return []  # the operator is still failing over: its work, not a heal's
         if broken:
             backing_off = view.heal_not_before is not None and now < view.heal_not_before
             return [] if HEAL in view.live_jobs or backing_off else [Enqueue(HEAL, f"heal: {why}")]
         if not view.live_jobs:
+            if failing_over:
+                return [operator_failover(seen)]
             return [Transition("recover", "observed healthy again")]
         return []
     if view.state == "suspended" and SUSPEND not in view.live_jobs:
@@ -237,6 +258,14 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
     if view.state == "ready" and seen.read_only and not view.billing_hold and not view.live_jobs:
         return [Enqueue(RESUME, "ready but read-only without a hold: resume")]
     return []
+
+
+def operator_failover(seen: Observed) -> Transition:
+    """degraded -> ready once the operator's failover is done: the event names the new primary (the
+    lost one is named by the degrade before it; the operator reports no WAL position)."""
+    failover = failover_by_operator(seen.primary, seen.primary_since)
+    reason = f"failover: {seen.primary or 'a standby'} promoted by the operator; observed healthy again"
+    return Transition("recover", reason, detail={"failover": failover})
 
 
 def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:

@@ -62,7 +62,12 @@ def _backup_interval_s(inst: ScannedInstance, backed_up: bool) -> float | None:
 
 
 def _view(
-    inst: ScannedInstance, observed: planning.Observed | None, settings: Settings, *, backed_up: bool = False
+    inst: ScannedInstance,
+    observed: planning.Observed | None,
+    settings: Settings,
+    *,
+    backed_up: bool = False,
+    fails_over_itself: bool = False,
 ) -> planning.InstanceView:
     heal_not_before = None
     if inst.heal_given_up_at is not None:
@@ -90,6 +95,7 @@ def _view(
         restore_given_up=inst.restore_given_up,
         created_at=inst.created_at,
         backup_interval_s=_backup_interval_s(inst, backed_up),
+        fails_over_itself=fails_over_itself,
     )
 
 
@@ -201,7 +207,13 @@ class Reconciler:
         backed_up = self.provisioner.supports_backups
         rule = storage_rule(self.settings)
         for inst in scanned:
-            view = _view(inst, observations.get(inst.id), self.settings, backed_up=backed_up)
+            view = _view(
+                inst,
+                observations.get(inst.id),
+                self.settings,
+                backed_up=backed_up,
+                fails_over_itself=self.provisioner.fails_over_itself,
+            )
             view = replace(view, storage=storage.get(inst.id))
             actions = planning.plan(view, inst.now, self.settings.reconciler.deadline_max_retries, rule)
             if actions:
@@ -258,6 +270,8 @@ class Reconciler:
                 failover_to=seen.failover_to,
                 replication_degraded=seen.replication_degraded,
                 replication_detail=seen.replication_detail,
+                primary=seen.primary,
+                primary_since=seen.primary_since,
             )
 
         windows: dict[uuid.UUID, RecoveryWindow] = {}
@@ -361,6 +375,8 @@ class Reconciler:
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
+            detail: dict[str, Any] = {"code": action.code} if failing and action.code else {}
+            detail.update(action.detail or {})
             patch = InstancePatch(
                 failure_reason=action.reason if failing else None,
                 failure_code=action.code if failing else None,
@@ -377,7 +393,7 @@ class Reconciler:
                 expected_state=inst.state,
                 actor=self.actor,
                 reason=action.reason,
-                detail={"code": action.code} if failing and action.code else None,
+                detail=detail or None,
                 patch=patch,
             )
             summary.count(action.event)

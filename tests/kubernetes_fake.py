@@ -1,7 +1,7 @@
 """An in-process Kubernetes API for tests: apply, merge patch, get, list by label, delete, a Role
 enforced on every request, CRD schemas and a few admission rules, and a simulated CloudNativePG
-operator (Cluster status progression, servers and volumes, failover, demotion and promotion
-tokens, Backups that complete or fail, ScheduledBackups)."""
+operator (Cluster status progression, servers and volumes, failover, switchover through the status
+subresource, demotion and promotion tokens, Backups that complete or fail, ScheduledBackups)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from provisioners import cnpg_schema
 
 PATH = re.compile(
     r"^/(?:api/v1|apis/(?P<group>[a-z0-9.-]+)/(?P<version>v[0-9a-z]+))"
-    r"/namespaces/(?P<ns>[a-z0-9-]+)/(?P<plural>[a-z]+)(?:/(?P<name>[a-z0-9.-]+))?$"
+    r"/namespaces/(?P<ns>[a-z0-9-]+)/(?P<plural>[a-z]+)(?:/(?P<name>[a-z0-9.-]+)(?:/(?P<sub>status))?)?$"
 )
 HEALTHY = "Cluster in healthy state"
 SERVICE_ACCOUNT = "system:serviceaccount:controlplane:controlplane"
@@ -163,7 +163,7 @@ class FakeCluster:
         status = cluster.setdefault("status", {})
         if status.get("phase") in (None, "Setting up primary"):
             phase = "Setting up primary"
-        elif status.get("phase") == "Failing over":
+        elif status.get("phase") in ("Failing over", "Switchover in progress"):
             return
         else:
             phase = "Upgrading cluster"
@@ -221,6 +221,9 @@ class FakeCluster:
             }
             self._put("secrets", ns, secret)
         self._replica_role(cluster, status)
+        if primary != status.get("currentPrimary"):
+            # When the primary was promoted (the fake's clock: a counter, no wall clock).
+            status["currentPrimaryTimestamp"] = f"2026-01-01T00:{next(self.versions) % 60:02d}:00Z"
         status.update(
             phase=HEALTHY,
             instances=wanted,
@@ -324,6 +327,13 @@ class FakeCluster:
             }
             self._put("backups", key[1], backup)
             self.after_apply("backups", backup, True, True)
+
+    def after_status_patch(self, plural: str, obj: dict[str, Any]) -> None:
+        """A switchover asked for (`targetPrimary` set to a standby): the operator acts on it."""
+        status = obj.get("status") or {}
+        if plural == "clusters" and status.get("targetPrimary") != status.get("currentPrimary"):
+            key = (plural, obj["metadata"]["namespace"], obj["metadata"]["name"])
+            self.pending[key] = self.settle_reads
 
     def collect_garbage(self, plural: str, namespace: str, name: str) -> None:
         """What the API server's garbage collector removes with its owner."""
@@ -430,7 +440,8 @@ def make_handler(cluster: FakeCluster) -> type[BaseHTTPRequestHandler]:
             return yaml.safe_load(raw) if raw else None
 
         def _authorize(self, match: re.Match[str], verb: str) -> None:
-            call = (match["group"] or "", match["plural"], verb)
+            resource = match["plural"] + (f"/{match['sub']}" if match["sub"] else "")
+            call = (match["group"] or "", resource, verb)
             cluster.calls.add(call)
             if cluster.role is not None and not cluster.role.allows(match["ns"], call):
                 cluster.denied.append((call, self.path))
@@ -512,6 +523,11 @@ def make_handler(cluster: FakeCluster) -> type[BaseHTTPRequestHandler]:
                 if current is None:
                     raise Rejected(404, "NotFound", f'{plural} "{name}" not found')
                 meta.pop("resourceVersion", None)
+                if match["sub"] == "status":  # the status subresource: nothing else changes
+                    _merge(current.setdefault("status", {}), body.get("status") or {})
+                    cluster._bump(current)
+                    cluster.after_status_patch(plural, current)
+                    return 200, current
                 _merge(current, body)
                 cluster._bump(current)
                 return 200, current

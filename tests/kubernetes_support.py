@@ -62,7 +62,7 @@ class Lifecycle:
 
 
 async def run_lifecycle(k8s: KubernetesProvisioner, state: FakeCluster) -> Lifecycle:
-    """create, observe, resize (up and down), suspend, resume, fail over, back up (a failed try
+    """create, observe, resize (up and down), suspend, resume, fail over, switch over, back up (a failed try
     first), restore from a backup and from a point in time, delete with a final backup, sweep."""
     org = uuid.uuid4()
     run = Lifecycle(uuid.uuid4(), org, uuid.uuid4(), uuid.uuid4())
@@ -91,6 +91,8 @@ async def run_lifecycle(k8s: KubernetesProvisioner, state: FakeCluster) -> Lifec
     run.notes["failing_over"] = await k8s.observe(iid)
     await k8s.apply_plan(iid, small, 15)  # waits for the operator to settle again
     run.notes["failed_over"] = await k8s.observe(iid)
+    run.notes["switched"] = await k8s.switchover(iid, small, 15)  # the operator's promote
+    run.notes["switched_to"] = await k8s.observe(iid)
 
     state.fail_backups = 1
     try:

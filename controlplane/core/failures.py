@@ -42,7 +42,8 @@ UNHEALTHY = "unhealthy"
 # The continuous archive of the instance's WAL fails (a full disk, a broken repository): its newest
 # writes are not protected until it works again.
 ARCHIVE_FAILING = "archive_failing"
-# An HA plan's primary server is lost: a failover (fence it, promote a standby) is under way.
+# An HA plan's primary server is lost: a failover (fence it, promote a standby; or the provisioner's
+# operator promoting one by itself) is under way.
 FAILOVER = "failover"
 # An HA plan's standby does not stream from the primary: commits wait until one does again.
 REPLICATION_DEGRADED = "replication_degraded"
@@ -333,3 +334,17 @@ def given_up(operation: str, *, step: str | None, error_code: str | None, by_ope
 def deadline_missed(state: str) -> str:
     """The code of a transitional state left failed (or degraded) by its deadline."""
     return _BY_DEADLINE.get(state, UNKNOWN)
+
+
+def failover_by_operator(primary: str | None, since: str | None) -> dict[str, object]:
+    """What the audit log records of a failover an operator carried out by itself, in the shape of a
+    heal's (`instance.failover` tells it): the primary it promoted and when; the fenced server, the
+    WAL position and the writes refused are not reported by it (None)."""
+    return {
+        "promoted": primary,
+        "fenced": None,
+        "lsn": None,
+        "at": since,
+        "writes_refused_s": None,
+        "by": "operator",
+    }

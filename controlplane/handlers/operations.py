@@ -13,7 +13,7 @@ from pathlib import PurePath
 from typing import Any, TypeVar
 
 from controlplane.core import actions, kinds, lifecycle
-from controlplane.core.failures import DATA_LOST, STORAGE_FULL
+from controlplane.core.failures import DATA_LOST, FAILOVER, STORAGE_FULL, failover_by_operator
 from controlplane.core.kinds import (
     BACKUP,
     DEPROVISION,
@@ -326,7 +326,8 @@ class Operations:
             reason, detail = "switchover: no standby to switch over to; nothing changed", {}
         else:
             new, old = promotion.promoted, promotion.fenced
-            reason = f"switchover: {new} is the primary (WAL {promotion.lsn}), {old} its standby"
+            at = f" (WAL {promotion.lsn})" if promotion.lsn else ""
+            reason = f"switchover: {new} is the primary{at}, {old} its standby"
             detail = {"switchover": promotion.as_dict()}
         await self._move(
             ctx,
@@ -413,11 +414,16 @@ class Operations:
             )
         target = self._target(inst)
         failover = None
-        if before.failover_to is not None:
-            # The primary is lost and a standby can take over: fenced first, then the promotion.
+        if before.failover_to is not None and not p.fails_over_itself:
+            # The primary is lost and a standby can take over: fenced first, then the promotion
+            # (where the provisioner's operator fails over by itself, the heal waits for it instead).
             failover = await self._fail_over(ctx, inst, target.spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
         info = await self._bring_up(ctx, inst, target)
+        if failover is None and inst.failure_code == FAILOVER and p.fails_over_itself:
+            # The operator failed over by itself and the heal waited for the rest: recorded as one.
+            after = await p.observe(iid)
+            failover = failover_by_operator(after.primary, after.primary_since)
         rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
         detail: dict[str, Any] = {
             "endpoint": f"{info.host}:{info.port}",
@@ -427,7 +433,10 @@ class Operations:
             "sre": {"before": before.as_dict()},
         }
         reason = "repaired" + rolled
-        if failover is not None:
+        if failover is not None and failover.get("by") == "operator":
+            detail["failover"] = failover
+            reason = f"failover: {failover['promoted']} promoted by the operator{rolled}"
+        elif failover is not None:
             detail["failover"] = failover
             reason = (
                 f"failover: {failover['promoted']} promoted at WAL {failover['lsn']} after "

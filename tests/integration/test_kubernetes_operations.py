@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -17,7 +17,9 @@ from fastapi import FastAPI
 from controlplane.core.dbmetrics import GIB, DatabaseStats
 from controlplane.core.kinds import BACKUP, RESUME, SUSPEND
 from controlplane.db.connection import AsyncConn
+from controlplane.queue.consumers import LogEvent
 from controlplane.runtime.settings import Settings
+from controlplane.services import notices
 from controlplane.services.policy import Policy
 from provisioners.base import Observation
 from provisioners.kubernetes import KubernetesProvisioner
@@ -34,6 +36,7 @@ from tests.operations_support import (
     scalar,
 )
 from tests.reconciler_support import reconciling
+from tests.support import eventually
 
 pytest_plugins = ("tests.api_fixtures",)
 
@@ -178,7 +181,7 @@ async def test_restore_from_is_refused_where_the_provisioner_does_not_restore(
     assert naive.status_code == 422 and "time zone" in naive.text
 
 
-async def test_a_failover_is_degraded_then_healed_and_a_suspension_is_read_only(
+async def test_a_failover_by_the_operator_is_recorded_as_one_and_a_suspension_is_read_only(
     client: httpx.AsyncClient,
     tenant: Tenant,
     conn: AsyncConn,
@@ -190,17 +193,64 @@ async def test_a_failover_is_degraded_then_healed_and_a_suspension_is_read_only(
     made = await create(client, tenant, "orders", plan="small")
     iid = uuid.UUID(made["id"])
     await run_until(api_settings, registry, instance_in(iid, "ready"))
+    name = f"pg-{iid}"
 
-    # The primary's server dies: the reconciler sees the operator failing over and degrades the
-    # instance; the heal waits for the operator and brings it back to ready.
-    state.fail_primary(NAMESPACE, f"pg-{iid}")
+    # The primary's server dies and the operator fails over by itself: the reconciler records it as
+    # the local provisioner's failover (degraded with the code failover, naming who was lost and who
+    # is promoted), leaves the promotion to the operator (no heal: nothing to fence or promote), and
+    # records ready again, naming the new primary, once the operator reports it healthy.
+    state.fail_primary(NAMESPACE, name)
     async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
         await reconciler.run_once()
         row = await instance(conn, iid)
-        assert row["state"] == "degraded" and "Failing over" in row["failure_reason"]
-        await run_until(api_settings, registry, instance_in(iid, "ready"))
-    cluster = state.get("clusters", NAMESPACE, f"pg-{iid}")
-    assert cluster is not None and cluster["status"]["currentPrimary"] == f"pg-{iid}-2"
+        assert (row["state"], row["failure_code"]) == ("degraded", "failover")
+        assert f"primary {name}-1 lost" in row["failure_reason"] and "Failing over" in row["failure_reason"]
+        assert f"the operator promotes {name}-2" in row["failure_reason"]
+
+        async def recovered() -> bool:
+            await reconciler.run_once()
+            return bool((await instance(conn, iid))["state"] == "ready")
+
+        await eventually(recovered, "ready again once the operator's failover is done")
+    heals = await scalar(conn, "SELECT count(*) FROM jobs WHERE instance_id = %s AND kind = 'heal'", (iid,))
+    assert heals == 0
+    cursor = await conn.execute(
+        "SELECT from_state, to_state, actor_kind, reason, detail FROM instance_events"
+        " WHERE instance_id = %s ORDER BY id DESC LIMIT 2",
+        (iid,),
+    )
+    recover, degrade = await cursor.fetchall()
+    assert (degrade["from_state"], degrade["to_state"], degrade["actor_kind"]) == (
+        "ready",
+        "degraded",
+        "reconciler",
+    )
+    assert degrade["detail"]["code"] == "failover"
+    assert (degrade["detail"]["primary"], degrade["detail"]["failover_to"]) == (f"{name}-1", f"{name}-2")
+    assert (recover["from_state"], recover["to_state"]) == ("degraded", "ready")
+    assert recover["reason"].startswith(f"failover: {name}-2 promoted by the operator")
+    assert recover["detail"]["failover"]["promoted"] == f"{name}-2"
+    assert recover["detail"]["failover"]["by"] == "operator"
+    # What the customer's `instance.failover` notice is made of.
+    event = LogEvent(
+        id=1,
+        xid=1,
+        instance_id=iid,
+        org_id=tenant.org_id,
+        from_state="degraded",
+        to_state="ready",
+        event="recover",
+        actor_kind="reconciler",
+        actor_id="reconciler",
+        reason=recover["reason"],
+        detail=recover["detail"],
+        at=datetime.now(UTC),
+        seq=1,
+        state_version=0,
+    )
+    assert "instance.failover" in notices.notice_types(event, notices.DEADLINE_CODES)
+    cluster = state.get("clusters", NAMESPACE, name)
+    assert cluster is not None and cluster["status"]["currentPrimary"] == f"{name}-2"
 
     # Suspension demotes the Cluster; resumption promotes it with its own demotion token.
     await enqueue(conn, SUSPEND, iid, suspended_by_billing=False)
@@ -267,4 +317,96 @@ async def test_storage_autoscaling_of_a_cloudnativepg_instance_patches_the_clust
         (iid,),
     )
     assert updated == "2"
+    assert state.denied == []
+
+
+async def test_an_sre_switchover_of_a_cloudnativepg_instance_is_the_operators_promote(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    admin_headers: dict[str, str],
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    ha = await create(client, tenant, "orders", plan="small")
+    single = await create(client, tenant, "notes")
+    iid = uuid.UUID(ha["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    await run_until(api_settings, registry, instance_in(uuid.UUID(single["id"]), "ready"))
+    name = f"pg-{iid}"
+    reason = {"reason": "node maintenance"}
+
+    # A one-server Cluster has nothing to switch over to: refused, as on the local provisioner.
+    one_server = await client.post(
+        f"/v1/admin/instances/{single['id']}/switchover", json=reason, headers=admin_headers
+    )
+    assert one_server.status_code == 422 and "one server" in one_server.json()["detail"]
+
+    # The update job asks the operator to promote the standby (the status's targetPrimary) and is
+    # done once the operator reports it the current primary.
+    asked = await client.post("/v1/admin/instances/orders/switchover", json=reason, headers=admin_headers)
+    assert asked.status_code == 202, asked.text
+    await run_until(api_settings, registry, job_finished(asked.json()["id"]))
+    row = await instance(conn, iid)
+    assert row["state"] == "ready"
+    status_path = f"/clusters/{name}/status"
+    assert len([r for r in state.requests if r.method == "PATCH" and r.path.endswith(status_path)]) == 1
+    cluster = state.get("clusters", NAMESPACE, name)
+    assert cluster is not None
+    assert cluster["status"]["currentPrimary"] == cluster["status"]["targetPrimary"] == f"{name}-2"
+    cursor = await conn.execute(
+        "SELECT reason, detail FROM instance_events WHERE instance_id = %s AND to_state = 'ready'"
+        " AND from_state = 'updating'",
+        (iid,),
+    )
+    (updated,) = await cursor.fetchall()
+    assert updated["reason"] == f"switchover: {name}-2 is the primary, {name}-1 its standby"
+    assert updated["detail"]["switchover"]["promoted"] == f"{name}-2"
+    # The connection does not move: the -rw Service follows the primary.
+    assert row["connection"]["host"] == f"{name}-rw.{NAMESPACE}.svc"
+    assert state.denied == []
+
+
+async def test_a_failover_by_the_operator_that_leaves_a_server_behind_is_healed_and_recorded_as_one(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders", plan="small")
+    iid = uuid.UUID(made["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    name = f"pg-{iid}"
+    key = ("clusters", NAMESPACE, name)
+
+    state.fail_primary(NAMESPACE, name)
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+        assert (await instance(conn, iid))["failure_code"] == "failover"
+        # The operator promoted the standby, but the old primary's server does not come back: no
+        # failover under way any more, the Cluster still unhealthy, so a heal waits for the operator.
+        with state.lock:
+            state.pending.pop(key)
+            status = state.objects[key]["status"]
+            status.update(phase="Waiting for the instances to become active", currentPrimary=f"{name}-2")
+        await reconciler.run_once()
+    heals = await scalar(conn, "SELECT count(*) FROM jobs WHERE instance_id = %s AND kind = 'heal'", (iid,))
+    assert heals == 1
+    with state.lock:
+        state.pending[key] = state.settle_reads  # the operator brings the server back
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    cursor = await conn.execute(
+        "SELECT actor_kind, reason, detail FROM instance_events WHERE instance_id = %s"
+        " AND from_state = 'degraded' AND to_state = 'ready'",
+        (iid,),
+    )
+    (recover,) = await cursor.fetchall()
+    assert recover["actor_kind"] == "worker"  # the heal's
+    assert recover["reason"] == f"failover: {name}-2 promoted by the operator"
+    assert recover["detail"]["failover"]["promoted"] == f"{name}-2"
     assert state.denied == []

@@ -196,7 +196,12 @@ async def test_the_whole_lifecycle_with_the_role_enforced() -> None:
 
         failing = notes["failing_over"]
         assert failing.exists and not failing.healthy and "Failing over" in failing.detail
+        assert failing.failover_to == f"{name}-2" and failing.primary == f"{name}-1"
         assert notes["failed_over"].healthy and "1/2" not in notes["failed_over"].detail
+        assert notes["failed_over"].primary == f"{name}-2" and notes["failed_over"].failover_to is None
+        switched = notes["switched"]
+        assert (switched.promoted, switched.fenced) == (f"{name}-1", f"{name}-2")
+        assert notes["switched_to"].primary == f"{name}-1" and notes["switched_to"].healthy
 
         assert isinstance(notes["backup_error"], TemporaryError) and "failed" in str(notes["backup_error"])
         (backup,) = run.backups
@@ -515,3 +520,46 @@ async def test_the_recoverable_window_and_the_archive_health_come_from_the_clust
         other = uuid.uuid4()
         await ready(bare, other, InstanceSpec("dev"))
         assert (await bare.observe(other)).recovery is None
+
+
+async def test_a_switchover_is_the_operators_promote_through_the_status_subresource() -> None:
+    with provisioner_on_fake(role_from()) as (k8s, state):
+        iid, small = uuid.uuid4(), InstanceSpec("small")
+        await ready(k8s, iid, small)
+        name = f"pg-{iid}"
+        assert (await k8s.observe(iid)).primary == f"{name}-1"
+
+        promotion = await k8s.switchover(iid, small, 2)
+        assert promotion is not None
+        assert (promotion.promoted, promotion.fenced, promotion.lsn) == (f"{name}-2", f"{name}-1", "")
+        # As `kubectl cnpg promote`: the status's targetPrimary, patched over the version read.
+        (asked,) = [r for r in state.requests if r.method == "PATCH" and r.path.endswith(f"/{name}/status")]
+        assert asked.content_type == "application/merge-patch+json"
+        cluster = state.get("clusters", NAMESPACE, name)
+        assert cluster is not None and cluster["metadata"]["annotations"][cnpg.FENCE_ANNOTATION] == "2"
+        status = cluster["status"]
+        assert status["currentPrimary"] == status["targetPrimary"] == f"{name}-2"
+        assert status["phase"] == cnpg.HEALTHY_PHASE and status["currentPrimaryTimestamp"] == promotion.at
+        seen = await k8s.observe(iid)
+        assert seen.healthy and seen.primary == f"{name}-2" and seen.failover_to is None
+        with pytest.raises(StaleFence):
+            await k8s.switchover(iid, small, 1)
+
+        # While the operator switches over, the move is no failover (nothing for the reconciler).
+        state.settle_reads = 50
+        asked_for = await k8s._run(lambda: k8s._ask_switchover(iid, 3))
+        assert asked_for == (f"{name}-1", f"{name}-2")
+        moving = await k8s.observe(iid)
+        assert not moving.healthy and moving.failover_to is None and "Switchover in progress" in moving.detail
+        # A retry adopts the move under way instead of asking for another.
+        assert await k8s._run(lambda: k8s._ask_switchover(iid, 4)) == (f"{name}-1", f"{name}-2")
+        assert len([r for r in state.requests if r.path.endswith("/status")]) == 2
+    assert state.denied == []
+
+
+async def test_a_one_server_cluster_has_nothing_to_switch_over_to() -> None:
+    with provisioner_on_fake(role_from()) as (k8s, state):
+        iid = uuid.uuid4()
+        await ready(k8s, iid, InstanceSpec("dev"))
+        assert await k8s.switchover(iid, InstanceSpec("dev"), 2) is None
+        assert not [r for r in state.requests if r.path.endswith("/status")]

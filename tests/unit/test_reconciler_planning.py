@@ -194,6 +194,41 @@ def test_a_lost_primary_with_a_standby_to_take_over_is_a_failover_through_a_heal
     ]
 
 
+def test_a_failover_by_the_operator_is_recorded_and_left_to_it() -> None:
+    failing = Observed(
+        exists=True,
+        running=True,
+        healthy=False,
+        read_only=False,
+        detail="Failing over; 1/2 ready",
+        failover_to="pg-x-2",
+        primary="pg-x-1",
+    )
+    why = "primary pg-x-1 lost (Failing over; 1/2 ready); the operator promotes pg-x-2"
+    # Degraded with the code, the lost and the promoted server named; no heal to fence or promote.
+    assert plan(view("ready", observed=failing, fails_over_itself=True), NOW, max_retries=2) == [
+        Transition(
+            "degrade",
+            f"failover: {why}",
+            code="failover",
+            detail={"primary": "pg-x-1", "failover_to": "pg-x-2"},
+        )
+    ]
+    degraded = view("degraded", observed=failing, failure_code="failover", fails_over_itself=True)
+    assert plan(degraded, NOW, max_retries=2) == []  # the operator's work while it fails over
+    # Its primary moved but a server is still not ready: a heal waits for the operator as ever.
+    moved = replace(failing, failover_to=None, primary="pg-x-2")
+    (action,) = plan(replace(degraded, observed=moved), NOW, max_retries=2)
+    assert isinstance(action, Enqueue) and action.kind == "heal"
+    # Healthy again: ready, the event naming the new primary (what the failover notice tells).
+    done = replace(HEALTHY, primary="pg-x-2", primary_since="2026-01-01T00:00:05+00:00")
+    (recover,) = plan(replace(degraded, observed=done), NOW, max_retries=2)
+    assert isinstance(recover, Transition) and recover.event == "recover"
+    assert recover.reason.startswith("failover: pg-x-2 promoted by the operator")
+    assert recover.detail is not None and recover.detail["failover"]["promoted"] == "pg-x-2"
+    assert recover.detail["failover"]["at"] == "2026-01-01T00:00:05+00:00"
+
+
 def test_a_standby_not_streaming_degrades_and_heals_until_it_streams_again() -> None:
     lagging = replace(HEALTHY, replication_degraded=True, replication_detail="0 of 1 standbys streaming")
     why = "replication degraded: 0 of 1 standbys streaming"
