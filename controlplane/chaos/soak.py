@@ -55,6 +55,9 @@ RECOVERY_BOUND_S = 180.0
 RESTART_AFTER_S = 1.0
 PROBE_INTERVAL_S = 0.25
 TARGET_WAIT_S = 15.0
+# The data directory fault needs a ready instance with a backup: one is spared and backed up for it
+# (Faults.keep_a_target_backed_up), which takes a backup's time, not a process's restart.
+BACKED_UP_TARGET_WAIT_S = 60.0
 SETTLED_FOR_S = 5.0
 ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
@@ -152,8 +155,8 @@ class Cluster:
     orgs: list[Org]
     admin_key: str
     stop: asyncio.Event = field(default_factory=asyncio.Event)
-    # Instances the workload neither resizes nor deletes for now (a fault is making ready to remove
-    # its data directory, or looking at what comes back).
+    # Instances the workload neither resizes nor deletes, nor puts on a billing hold, for now (a
+    # fault is making ready to remove its data directory, or looking at what comes back).
     spared: set[str] = field(default_factory=set)
 
     def of(self, role: str) -> list[Proc]:
@@ -466,6 +469,9 @@ class Workload:
         elif what == "billing":
             org = self.rng.choice(self.cluster.orgs)
             held = self.ledger.billing.get(org.id, (0, False))[1]
+            sparing = {self.live[i].id for i in self.cluster.spared if i in self.live}
+            if not held and org.id in sparing:
+                return  # an instance of it is spared (a fault needs it writable): no hold for now
             await self.billing(org, hold=not held)
         else:
             await self.operator()
@@ -572,11 +578,12 @@ class Faults:
         at = round(time.monotonic() - self.started, 1)
         injected = await self._target(kind)
         waited = time.monotonic()
-        while injected is None and time.monotonic() - waited < TARGET_WAIT_S:
+        patience = BACKED_UP_TARGET_WAIT_S if kind == plan.DATA_DIRECTORY else TARGET_WAIT_S
+        while injected is None and time.monotonic() - waited < patience:
             await asyncio.sleep(1)  # nothing to kill yet (no ready instance, no leader elected)
             injected = await self._target(kind)
         if injected is None:
-            log.info("chaos: no target for %s within %.0fs; skipped", kind, TARGET_WAIT_S)
+            log.info("chaos: no target for %s within %.0fs; skipped", kind, patience)
             self.report.skipped[kind] += 1
             return
         target, recovered = injected
