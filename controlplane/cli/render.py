@@ -81,7 +81,11 @@ def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) ->
             rows.append(("pool_mode", str(connection["pool_mode"])))
             direct = connection.get("direct") or {}
             if direct.get("uri"):
-                rows.append(("direct_uri", masked(str(direct["uri"]))))
+                # Its sslrootcert names the CA file saved here too, as the pooled URI's does.
+                direct_uri = (
+                    connection_uri(api, connection | {"uri": direct["uri"]}) if api else direct["uri"]
+                )
+                rows.append(("direct_uri", masked(str(direct_uri))))
     # The values whole (a URI is copied from here): only very long ones are cut.
     print_fields(rows, max_cell=400)
 
