@@ -131,11 +131,21 @@ def kill_everything_in(datadir: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def stop_strays(datadir: Path) -> None:
-    """Stop servers still running from `datadir` (found by command line), e.g. after it was deleted."""
-    for pid in postmaster_pids_for(datadir):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGQUIT)
+def stop_strays(datadir: Path, timeout_s: float = 10.0) -> None:
+    """Stop servers still running from `datadir` (found by command line), e.g. after it was deleted,
+    and wait until they are gone: a server started next on the same port would find their socket's
+    lock file. SIGQUIT first; SIGKILL to those still there after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    stop = signal.SIGQUIT
+    while pids := postmaster_pids_for(datadir):
+        if time.monotonic() > deadline:
+            if stop == signal.SIGKILL:
+                raise TemporaryError(f"servers {pids} of {datadir} do not stop")
+            stop, deadline = signal.SIGKILL, time.monotonic() + timeout_s
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, stop)
+        time.sleep(0.05)
 
 
 def remove_cut_short(partial: Path, timeout_s: float = 10.0) -> None:
