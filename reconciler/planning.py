@@ -93,6 +93,8 @@ class InstanceView:
     # The provisioner's infrastructure fails over by itself (an operator): a failover it reports is
     # recorded, never carried out by a heal.
     fails_over_itself: bool = False
+    # Where it fails over by itself: the primary seen since the last state change (None: none yet).
+    primary_seen: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,13 @@ class RecordFailure:
 
 
 @dataclass(frozen=True)
+class NotePrimary:
+    """The primary seen now, remembered until the next state change (not itself a state change)."""
+
+    primary: str
+
+
+@dataclass(frozen=True)
 class Enqueue:
     kind: str
     reason: str
@@ -175,7 +184,9 @@ class WarnStorageFull:
     reason: str
 
 
-PlannedAction = Transition | Enqueue | ExtendDeadline | RecordFailure | GrowStorage | WarnStorageFull
+PlannedAction = (
+    Transition | Enqueue | ExtendDeadline | RecordFailure | GrowStorage | WarnStorageFull | NotePrimary
+)
 
 
 def timeout_reason(state: str, deadline_retries: int) -> str:
@@ -257,7 +268,26 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
             return [Enqueue(SUSPEND, "suspended but not running: restart read-only")]
     if view.state == "ready" and seen.read_only and not view.billing_hold and not view.live_jobs:
         return [Enqueue(RESUME, "ready but read-only without a hold: resume")]
+    if view.state == "ready" and not broken and not view.live_jobs:
+        return primary_seen(view, seen)
     return []
+
+
+def primary_seen(view: InstanceView, seen: Observed) -> list[PlannedAction]:
+    """Where the infrastructure fails over by itself, a failover may start and end between two
+    observations: a primary other than the one seen since the last state change (each transition
+    forgets it, so a switchover, a restore or a recorded failover is never counted) is recorded as
+    the failover it was, degraded with the code failover; the next pass records it done (ready)."""
+    if not view.fails_over_itself or seen.primary is None or seen.primary == view.primary_seen:
+        return []
+    if view.primary_seen is None:
+        return [NotePrimary(seen.primary)]
+    why = (
+        f"primary {view.primary_seen} replaced by {seen.primary} between two observations; "
+        "the operator failed over"
+    )
+    detail = {"primary": view.primary_seen, "failover_to": seen.primary}
+    return [Transition("degrade", f"failover: {why}", code=FAILOVER, detail=detail)]
 
 
 def operator_failover(seen: Observed) -> Transition:

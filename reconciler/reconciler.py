@@ -96,6 +96,7 @@ def _view(
         created_at=inst.created_at,
         backup_interval_s=_backup_interval_s(inst, backed_up),
         fails_over_itself=fails_over_itself,
+        primary_seen=inst.primary_seen,
     )
 
 
@@ -418,6 +419,11 @@ class Reconciler:
                 grown = isinstance(action, planning.GrowStorage)
                 summary.count("storage_grown" if grown else "storage_full_warned")
                 log.info("instance %s: %s", inst.id, action.reason)
+        elif isinstance(action, planning.NotePrimary):
+            await conn.execute(
+                sql.SET_PRIMARY_SEEN,
+                {"id": inst.id, "state_version": inst.state_version, "primary": action.primary},
+            )
         elif isinstance(action, planning.Enqueue):
             payload = _payload(action, inst.billing_hold)
             result = await jobs.enqueue(conn, jobs.NewJob(action.kind, inst.id, payload=payload), self.actor)

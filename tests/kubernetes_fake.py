@@ -127,6 +127,14 @@ class FakeCluster:
             self._bump(cluster)
             self.pending[("clusters", namespace, name)] = self.settle_reads
 
+    def fail_over_at_once(self, namespace: str, name: str) -> None:
+        """The primary's server dies and the operator is done failing over before anyone looks."""
+        self.fail_primary(namespace, name)
+        with self.lock:
+            key = ("clusters", namespace, name)
+            self.pending.pop(key, None)
+            self._reconcile_cluster(self.objects[key])
+
     # ---- the simulated operator --------------------------------------------------------------
 
     def _bump(self, obj: dict[str, Any]) -> None:

@@ -120,6 +120,8 @@ class ScannedInstance(_Record):
     storage_full_warned_at: datetime | None = None
     # Its data is lost and the newest restore of it was given up (abandoned): left for a decision.
     restore_given_up: bool = False
+    # The primary the reconciler saw since its last state change (an operator's infrastructure).
+    primary_seen: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ScannedInstance:

@@ -168,6 +168,9 @@ instances = Table(
     # customer was last told that it is nearly full at the plan's maximum.
     Column("storage_grown_at", TZ),
     Column("storage_full_warned_at", TZ),
+    # Where the infrastructure fails over by itself: the primary the reconciler saw since the last
+    # state change (each transition clears it); another one seen means an unrecorded failover.
+    Column("primary_seen", Text),
     *chain_head_columns(),
     Index("ix_instances_live_state", "state", postgresql_where=text(INSTANCE_LIVE)),
     Index("ux_instances_replaces", "replaces", unique=True, postgresql_where=text("replaces IS NOT NULL")),

@@ -346,11 +346,22 @@ async def test_an_sre_switchover_of_a_cloudnativepg_instance_is_the_operators_pr
 
     # The update job asks the operator to promote the standby (the status's targetPrimary) and is
     # done once the operator reports it the current primary.
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()  # it has seen the first primary
+    assert (await instance(conn, iid))["primary_seen"] == f"{name}-1"
     asked = await client.post("/v1/admin/instances/orders/switchover", json=reason, headers=admin_headers)
     assert asked.status_code == 202, asked.text
     await run_until(api_settings, registry, job_finished(asked.json()["id"]))
     row = await instance(conn, iid)
     assert row["state"] == "ready"
+    # The switchover's own state change forgot the primary seen: no failover is read into it.
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+        await reconciler.run_once()
+    assert ((await instance(conn, iid))["state"], (await instance(conn, iid))["primary_seen"]) == (
+        "ready",
+        f"{name}-2",
+    )
     status_path = f"/clusters/{name}/status"
     assert len([r for r in state.requests if r.method == "PATCH" and r.path.endswith(status_path)]) == 1
     cluster = state.get("clusters", NAMESPACE, name)
@@ -367,6 +378,45 @@ async def test_an_sre_switchover_of_a_cloudnativepg_instance_is_the_operators_pr
     # The connection does not move: the -rw Service follows the primary.
     assert row["connection"]["host"] == f"{name}-rw.{NAMESPACE}.svc"
     assert state.denied == []
+
+
+async def test_a_failover_by_the_operator_between_two_passes_is_recorded_as_one(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders", plan="small")
+    iid = uuid.UUID(made["id"])
+    await run_until(api_settings, registry, instance_in(iid, "ready"))
+    name = f"pg-{iid}"
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+        assert (await instance(conn, iid))["primary_seen"] == f"{name}-1"
+        # The operator fails over and is done before the next pass: the Cluster is healthy, on
+        # another primary. The pass records the failover it did not see under way, then its end.
+        state.fail_over_at_once(NAMESPACE, name)
+        await reconciler.run_once()
+        row = await instance(conn, iid)
+        assert (row["state"], row["failure_code"]) == ("degraded", "failover")
+        assert f"primary {name}-1 replaced by {name}-2 between two observations" in row["failure_reason"]
+        await reconciler.run_once()
+        assert (await instance(conn, iid))["state"] == "ready"
+        await reconciler.run_once()  # recorded once: the new primary is the one seen now
+    cursor = await conn.execute(
+        "SELECT from_state, to_state, reason, detail FROM instance_events WHERE instance_id = %s"
+        " AND %s IN (from_state, to_state) ORDER BY id",
+        (iid, "degraded"),
+    )
+    degrade, recover = await cursor.fetchall()
+    assert (degrade["detail"]["primary"], degrade["detail"]["failover_to"]) == (f"{name}-1", f"{name}-2")
+    assert (recover["from_state"], recover["to_state"]) == ("degraded", "ready")
+    assert recover["reason"].startswith(f"failover: {name}-2 promoted by the operator")
+    assert recover["detail"]["failover"]["by"] == "operator"
+    assert (await instance(conn, iid))["primary_seen"] == f"{name}-2"
 
 
 async def test_a_failover_by_the_operator_that_leaves_a_server_behind_is_healed_and_recorded_as_one(

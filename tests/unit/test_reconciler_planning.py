@@ -9,6 +9,7 @@ from reconciler.planning import (
     Enqueue,
     ExtendDeadline,
     InstanceView,
+    NotePrimary,
     Observed,
     Transition,
     heal_backoff_s,
@@ -227,6 +228,29 @@ def test_a_failover_by_the_operator_is_recorded_and_left_to_it() -> None:
     assert recover.reason.startswith("failover: pg-x-2 promoted by the operator")
     assert recover.detail is not None and recover.detail["failover"]["promoted"] == "pg-x-2"
     assert recover.detail["failover"]["at"] == "2026-01-01T00:00:05+00:00"
+
+
+def test_a_failover_by_the_operator_between_two_observations_is_recorded_as_one() -> None:
+    ready = view("ready", observed=replace(HEALTHY, primary="pg-x-1"), fails_over_itself=True)
+    # First seen: remembered until the next state change (which forgets it).
+    assert plan(ready, NOW, max_retries=2) == [NotePrimary("pg-x-1")]
+    assert plan(replace(ready, primary_seen="pg-x-1"), NOW, max_retries=2) == []
+    # Another primary with no state change between: the failover no pass saw under way.
+    moved = replace(ready, observed=replace(HEALTHY, primary="pg-x-2"), primary_seen="pg-x-1")
+    why = "primary pg-x-1 replaced by pg-x-2 between two observations; the operator failed over"
+    assert plan(moved, NOW, max_retries=2) == [
+        Transition(
+            "degrade",
+            f"failover: {why}",
+            code="failover",
+            detail={"primary": "pg-x-1", "failover_to": "pg-x-2"},
+        )
+    ]
+    # Not while a job works on it (a switchover moves the primary), nor where the control plane
+    # fails over itself (its failovers are its own heals), nor with nothing named.
+    assert plan(replace(moved, live_jobs=("update",)), NOW, max_retries=2) == []
+    assert plan(replace(moved, fails_over_itself=False), NOW, max_retries=2) == []
+    assert plan(replace(moved, observed=HEALTHY), NOW, max_retries=2) == []
 
 
 def test_a_standby_not_streaming_degrades_and_heals_until_it_streams_again() -> None:

@@ -84,7 +84,7 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
        i.failed_generation, i.deadline_at, i.deadline_retries, i.heal_failures, i.heal_given_up_at,
        i.deletion_requested_at IS NOT NULL AS deletion_requested,
        i.suspended_by_billing, o.billing_hold, i.failure_code, i.created_at, i.org_id,
-       i.storage_grown_at, i.storage_full_warned_at,
+       i.storage_grown_at, i.storage_full_warned_at, i.primary_seen,
        ARRAY(SELECT j.kind FROM jobs j
              WHERE j.instance_id = i.id AND j.state NOT IN {FINISHED}) AS live_jobs,
        (SELECT max(b.taken_at) FROM backups b
@@ -126,6 +126,12 @@ RETURNING spec_generation
 # plan's maximum (once per cooldown).
 WARN_STORAGE_FULL = """
 UPDATE instances SET storage_full_warned_at = COALESCE(%(now)s::timestamptz, now()), updated_at = now()
+WHERE id = %(id)s AND state_version = %(state_version)s
+"""
+
+# Reconciler: the primary it saw (where the infrastructure fails over by itself), guarded by version.
+SET_PRIMARY_SEEN = """
+UPDATE instances SET primary_seen = %(primary)s
 WHERE id = %(id)s AND state_version = %(state_version)s
 """
 

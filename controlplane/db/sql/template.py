@@ -78,6 +78,8 @@ INSTANCE_TABLE = EntityTable(
         _keep_unless("connection", "m.patch->'connection'"),
         _keep_unless("secret", "decode(m.patch->>'secret', 'base64')"),
         _keep_unless("suspended_by_billing", "(m.patch->>'suspended_by_billing')::boolean"),
+        # A state change forgives any change of primary before it (a job's, or one it records).
+        "primary_seen = NULL",
     ),
 )
 
