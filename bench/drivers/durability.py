@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import os
 import shutil
@@ -20,106 +19,46 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from bench.drivers.common import emit, quiet_logs
-from controlplane.core.kinds import BACKUP, PROVISION
+from bench.drivers.local_plane import ACTOR, LocalControlPlane, state_is, until
+from controlplane.core.kinds import BACKUP
 from controlplane.db import connection as db
 from controlplane.db import job_rows as jobs
-from controlplane.db.instance_rows import create_instance
-from controlplane.db.transitions import Actor
-from controlplane.handlers import operations
-from controlplane.queue.worker import Worker
-from controlplane.runtime.postgres import free_port
-from controlplane.runtime.secretbox import load_box
+from controlplane.runtime.postgres import free_port, make_owned_dir
 from controlplane.runtime.settings import Settings
 from controlplane.services import backups
 from provisioners.base import ConnectionInfo
-from provisioners.local import LocalProvisioner
 from provisioners.local.repository import PgTarget
-from reconciler.reconciler import Reconciler
-
-ACTOR = Actor("system", "bench")
 
 
-class ControlPlane:
-    """A worker and a reconciler loop in this process over one local provisioner."""
-
-    def __init__(self, url: str, data_dir: Path, archive_timeout_s: float) -> None:
-        low = 30000 + free_port() % 2000
-        self.settings = Settings(
-            database_url=url,
-            data_dir=data_dir,
-            local_port_min=low,
-            local_port_max=low + 20,
-            poll_interval_s=0.05,
-            heartbeat_interval_s=1.0,
-            local_archive_timeout_s=archive_timeout_s,
-        )
-        self.local = LocalProvisioner(self.settings)
-        self.url = url
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[db.AsyncConn]:
-        registry = operations.registry(self.local)
-        pool = db.pool(self.url, min_size=2, max_size=12)
-        await pool.open(wait=True)
-        worker = Worker("bench-durability", self.settings, pool, registry)
-        reconciler = Reconciler(self.settings, pool, self.local, registry, audit=False)
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(worker.run()), asyncio.create_task(reconciler.run(stop))]
-        conn = await db.connect(self.url)
-        try:
-            yield conn
-        finally:
-            stop.set()
-            worker.request_stop()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await conn.close()
-            await pool.close()
-            await self.local.stop_all()
-
-    async def ready_instance(self, conn: db.AsyncConn) -> uuid.UUID:
-        org = await (
-            await conn.execute("INSERT INTO organisations (name) VALUES ('bench') RETURNING id")
-        ).fetchone()
-        assert org is not None
-        async with conn.transaction():
-            inst = await create_instance(conn, org["id"], "durable", {"plan": "dev"}, ACTOR, deadline_s=600)
-            await jobs.enqueue(conn, jobs.NewJob(PROVISION, inst["id"]), ACTOR)
-        iid: uuid.UUID = inst["id"]
-        await until(lambda: state_is(conn, iid, "ready"), "ready", 300)
-        await until(lambda: has_backup(conn, iid), "the first backup", 300)
-        return iid
-
-    async def credentials(self, conn: db.AsyncConn, iid: uuid.UUID) -> ConnectionInfo:
-        row = await (
-            await conn.execute("SELECT connection, secret FROM instances WHERE id = %s", (iid,))
-        ).fetchone()
-        assert row is not None
-        password = load_box(self.settings).decrypt(bytes(row["secret"]))
-        return ConnectionInfo.from_public(row["connection"], password)
+def control_plane(url: str, data_dir: Path, archive_timeout_s: float) -> LocalControlPlane:
+    """The worker and reconciler, polling often (the figures are of the archive, not of the queue)."""
+    low = 30000 + free_port() % 2000
+    settings = Settings(
+        database_url=url,
+        data_dir=data_dir,
+        local_port_min=low,
+        local_port_max=low + 20,
+        poll_interval_s=0.05,
+        heartbeat_interval_s=1.0,
+        local_archive_timeout_s=archive_timeout_s,
+    )
+    return LocalControlPlane(settings, url, "bench-durability")
 
 
-async def until(check: Any, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.1)
-
-
-async def state_is(conn: db.AsyncConn, iid: uuid.UUID, state: str) -> bool:
-    row = await (
-        await conn.execute("SELECT state, failure_reason FROM instances WHERE id = %s", (iid,))
+async def backed_up_instance(plane: LocalControlPlane, conn: db.AsyncConn) -> uuid.UUID:
+    org = await (
+        await conn.execute("INSERT INTO organisations (name) VALUES ('bench') RETURNING id")
     ).fetchone()
-    if row is not None and row["state"] == "failed":
-        raise RuntimeError(f"instance {iid} failed: {row['failure_reason']}")
-    return row is not None and row["state"] == state
+    assert org is not None
+    iid = await plane.ready_instance(conn, org["id"], "durable", "dev")
+    await until(lambda: has_backup(conn, iid), "the first backup", 300)
+    return iid
 
 
 async def has_backup(conn: db.AsyncConn, iid: uuid.UUID) -> bool:
@@ -162,7 +101,7 @@ class Writer(threading.Thread):
 
 
 async def archive_lag(
-    plane: ControlPlane, conn: db.AsyncConn, iid: uuid.UUID, rate: float, seconds: float
+    plane: LocalControlPlane, conn: db.AsyncConn, iid: uuid.UUID, rate: float, seconds: float
 ) -> dict[str, float]:
     """The archive's lag (latest restorable moment behind the observation) under a steady write load."""
     writer = Writer(await plane.credentials(conn, iid), "lag", rate)
@@ -188,7 +127,7 @@ async def archive_lag(
 
 
 async def rpo(
-    plane: ControlPlane,
+    plane: LocalControlPlane,
     conn: db.AsyncConn,
     iid: uuid.UUID,
     rate: float,
@@ -235,7 +174,7 @@ async def rpo(
 
 
 async def restore_time(
-    plane: ControlPlane, conn: db.AsyncConn, iid: uuid.UUID, size_mb: int
+    plane: LocalControlPlane, conn: db.AsyncConn, iid: uuid.UUID, size_mb: int
 ) -> dict[str, float]:
     """A database of `size_mb`, backed up: its lost data directory restored by the control plane
     (the loss seen, the restore job, the server ready) against `pgbackrest restore` alone."""
@@ -252,8 +191,6 @@ async def restore_time(
     os.chmod(scratch, 0o755)
     target = scratch / "pgdata"
     try:
-        from controlplane.runtime.postgres import make_owned_dir
-
         make_owned_dir(target, plane.local.storage.run_as)
         started = time.monotonic()
         result = plane.local.repository.run(iid, "restore", [], target=PgTarget(target))
@@ -281,13 +218,13 @@ async def job_done(conn: db.AsyncConn, job_id: uuid.UUID) -> bool:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    plane = ControlPlane(args.url, Path(args.data_dir), args.archive_timeout_s)
+    plane = control_plane(args.url, Path(args.data_dir), args.archive_timeout_s)
     result: dict[str, Any] = {
         "archive_timeout_s": args.archive_timeout_s,
         "at": dt.datetime.now(dt.UTC).isoformat(),
     }
     async with plane.running() as conn:
-        iid = await plane.ready_instance(conn)
+        iid = await backed_up_instance(plane, conn)
         if args.lag_seconds > 0:
             result |= await archive_lag(plane, conn, iid, args.lag_rows_per_s, args.lag_seconds)
         if args.rpo_seconds > 0:

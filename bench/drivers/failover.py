@@ -14,103 +14,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import os
 import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from bench.drivers.common import emit, quiet_logs
-from controlplane.core.kinds import PROVISION
+from bench.drivers.local_plane import LocalControlPlane, state_is, until
 from controlplane.db import connection as db
-from controlplane.db import job_rows as jobs
-from controlplane.db.instance_rows import create_instance
 from controlplane.db.transitions import Actor
-from controlplane.handlers import operations
-from controlplane.queue.worker import Worker
 from controlplane.runtime.postgres import free_port
-from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
 from controlplane.services import instances
 from provisioners.base import ConnectionInfo
-from provisioners.local import LocalProvisioner
-from reconciler.reconciler import Reconciler
 
-ACTOR = Actor("system", "bench")
 SRE = Actor("admin", "bench")
 
 
-class ControlPlane:
-    """A worker and a reconciler loop in this process over one local provisioner (product defaults
-    but for the ports and the data directory)."""
-
-    def __init__(self, url: str, data_dir: Path) -> None:
-        low = 30000 + free_port() % 2000
-        self.settings = Settings(
-            database_url=url, data_dir=data_dir, local_port_min=low, local_port_max=low + 20
-        )
-        self.local = LocalProvisioner(self.settings)
-        self.url = url
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[db.AsyncConn]:
-        registry = operations.registry(self.local)
-        pool = db.pool(self.url, min_size=2, max_size=12)
-        await pool.open(wait=True)
-        worker = Worker("bench-failover", self.settings, pool, registry)
-        reconciler = Reconciler(self.settings, pool, self.local, reconciler_id="bench-failover")
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(worker.run()), asyncio.create_task(reconciler.run(stop))]
-        conn = await db.connect(self.url)
-        try:
-            yield conn
-        finally:
-            stop.set()
-            worker.request_stop()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await conn.close()
-            await pool.close()
-            await self.local.stop_all()
-
-    async def ready_instance(self, conn: db.AsyncConn, org: uuid.UUID, name: str, plan: str) -> uuid.UUID:
-        async with conn.transaction():
-            inst = await create_instance(conn, org, name, {"plan": plan}, ACTOR, deadline_s=600)
-            await jobs.enqueue(conn, jobs.NewJob(PROVISION, inst["id"]), ACTOR)
-        iid: uuid.UUID = inst["id"]
-        await until(lambda: state_is(conn, iid, "ready"), f"{name} ready", 300)
-        return iid
-
-    async def credentials(self, conn: db.AsyncConn, iid: uuid.UUID) -> ConnectionInfo:
-        row = await (
-            await conn.execute("SELECT connection, secret FROM instances WHERE id = %s", (iid,))
-        ).fetchone()
-        assert row is not None
-        password = load_box(self.settings).decrypt(bytes(row["secret"]))
-        return ConnectionInfo.from_public(row["connection"], password)
-
-
-async def until(check: Any, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.1)
-
-
-async def state_is(conn: db.AsyncConn, iid: uuid.UUID, state: str) -> bool:
-    row = await (
-        await conn.execute("SELECT state, failure_reason FROM instances WHERE id = %s", (iid,))
-    ).fetchone()
-    if row is not None and row["state"] == "failed":
-        raise RuntimeError(f"instance {iid} failed: {row['failure_reason']}")
-    return row is not None and row["state"] == state
+def control_plane(url: str, data_dir: Path) -> LocalControlPlane:
+    """Product defaults but for the ports and the data directory."""
+    low = 30000 + free_port() % 2000
+    settings = Settings(database_url=url, data_dir=data_dir, local_port_min=low, local_port_max=low + 20)
+    return LocalControlPlane(settings, url, "bench-failover")
 
 
 def connect(info: ConnectionInfo, ca: Path) -> psycopg.Connection[Any]:
@@ -176,7 +107,7 @@ def commit_rate(info: ConnectionInfo, ca: Path | None, seconds: float) -> float:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, float]:
-    plane = ControlPlane(args.url, Path(args.data_dir))
+    plane = control_plane(args.url, Path(args.data_dir))
     ca = plane.local.ca_store.cert_path
     async with plane.running() as conn:
         org_row = await (

@@ -326,6 +326,27 @@ class Standbys:
         found = self.candidate(instance_id, spec.shape.instances)
         if found is None:
             raise TemporaryError(f"instance {instance_id}: no running standby to promote")
+        promotion = self._promote(instance_id, spec, found, primary)
+        state = self.storage.load_state(instance_id)
+        # The other standbys' settings (their new upstream).
+        for other in self.standby_members(instance_id, spec.shape.instances):
+            standby = self._member(instance_id, other)
+            if standby.initialised and other not in state.get("rebuild", []):
+                self.servers.conform(instance_id, standby, spec, other)
+        log.warning(
+            "instance %s: %s promoted at %s (%s fenced)",
+            instance_id,
+            promotion.promoted,
+            promotion.lsn,
+            promotion.fenced,
+        )
+        return promotion
+
+    def _promote(
+        self, instance_id: uuid.UUID, spec: InstanceSpec, found: tuple[int, int], old: int
+    ) -> Promotion:
+        """The standby `found` (member, WAL position) promoted in place of the member `old`: the
+        instance's record names it the primary, its settings are a primary's (no upstream)."""
         member, position = found
         server = self._member(instance_id, member)
         with self.admin.connect(instance_id, server.port) as admin:
@@ -336,25 +357,11 @@ class Standbys:
             )
         (server.datadir / STANDBY_SIGNAL).unlink(missing_ok=True)
         lsn = f"{position >> 32:X}/{position & 0xFFFFFFFF:X}"
-        promotion = Promotion(
-            member_name(member), member_name(primary), lsn, dt.datetime.now(dt.UTC).isoformat()
-        )
+        promotion = Promotion(member_name(member), member_name(old), lsn, dt.datetime.now(dt.UTC).isoformat())
         state = self.storage.load_state(instance_id)
         state.update(primary=member, promotion=promotion.as_dict())
         self.storage.save_state(instance_id, state)
-        # The new primary's settings (no upstream), the other standbys' (their new upstream).
         self.servers.conform(instance_id, server, spec, member)
-        for other in self.standby_members(instance_id, spec.shape.instances):
-            standby = self._member(instance_id, other)
-            if standby.initialised and other not in state.get("rebuild", []):
-                self.servers.conform(instance_id, standby, spec, other)
-        log.warning(
-            "instance %s: %s promoted at %s (%s fenced)",
-            instance_id,
-            promotion.promoted,
-            lsn,
-            promotion.fenced,
-        )
         return promotion
 
     # ---- switchover --------------------------------------------------------------------------
@@ -375,24 +382,8 @@ class Standbys:
             primary.stop("fast")
             end = parse_lsn(primary.control_data()["Latest checkpoint location"])
             found = self._caught_up(instance_id, servers, end)
-            member, position = found
-            server = self._member(instance_id, member)
-            with self.admin.connect(instance_id, server.port) as admin:
-                promoted = admin.execute("SELECT pg_promote(true, 60)").fetchone()
-            if not (promoted and promoted[0]):
-                raise TemporaryError(
-                    f"instance {instance_id}: {member_name(member)} did not finish its promotion"
-                )
-            (server.datadir / STANDBY_SIGNAL).unlink(missing_ok=True)
-            lsn = f"{position >> 32:X}/{position & 0xFFFFFFFF:X}"
-            promotion = Promotion(
-                member_name(member), member_name(old), lsn, dt.datetime.now(dt.UTC).isoformat()
-            )
-            state = self.storage.load_state(instance_id)
-            state.update(primary=member, promotion=promotion.as_dict())
-            self.storage.save_state(instance_id, state)
-            self.servers.conform(instance_id, server, spec, member)
-            pooler.repoint(instance_id, server.port)
+            promotion = self._promote(instance_id, spec, found, old)
+            pooler.repoint(instance_id, self._member(instance_id, found[0]).port)
             # The old primary, shut down cleanly, follows the new one onto its timeline.
             signal_file = primary.datadir / STANDBY_SIGNAL
             signal_file.touch()
@@ -404,7 +395,7 @@ class Standbys:
             self.servers.ensure_started(self._member(instance_id, old))
         finally:
             pooler.console(instance_id, admin_password, "RESUME")
-        log.warning("instance %s: switched over to %s at %s", instance_id, promotion.promoted, lsn)
+        log.warning("instance %s: switched over to %s at %s", instance_id, promotion.promoted, promotion.lsn)
         return promotion
 
     def _caught_up(self, instance_id: uuid.UUID, servers: int, end: int) -> tuple[int, int]:
