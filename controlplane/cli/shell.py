@@ -43,7 +43,9 @@ def register(commands: Any) -> None:
         help="the profile to store it for (default: default, or admin for an admin key)",
     )
     login.add_argument(
-        "--url", default=None, help=f"the API's URL (default: the profile's, else {DEFAULT_URL})"
+        "--url",
+        default=None,
+        help=f"the API's URL (default: CONTROLPLANE_URL, else the profile's, else {DEFAULT_URL})",
     )
     login.add_argument(
         "--default",
@@ -84,7 +86,8 @@ def cmd_login(args: argparse.Namespace) -> int:
     config = load_config()
     named = args.profile or os.environ.get("CONTROLPLANE_PROFILE")
     known = config.get("profiles", {}).get(named or "default", {})
-    url = args.url or known.get("url") or os.environ.get("CONTROLPLANE_URL") or local_url()
+    # As every command reads it: --url, else CONTROLPLANE_URL, else the profile's, else the local one.
+    url = args.url or os.environ.get("CONTROLPLANE_URL") or known.get("url") or local_url()
     key = _read_key()
     if not key:
         raise CommandError("no key given", exit_codes.USAGE)

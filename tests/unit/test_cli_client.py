@@ -140,3 +140,20 @@ def test_an_explicit_profile_wins_over_the_admin_profile(tmp_path: Path) -> None
     assert chosen is not None and chosen.url == "http://127.0.0.1:8700"
     chosen = config.chosen_profile(argparse.Namespace(profile=None), admin=True)
     assert chosen is not None and chosen.name == "prod"
+
+
+def test_login_checks_the_key_at_controlplane_url_before_a_saved_profiles_stale_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The default profile remembers an API that has moved (an earlier `up` on another port); the
+    # shell names the current one: login checks and keeps the key there, as every command reads it.
+    with fake_api(Answer(200, PAGE)) as moved, fake_api(Answer(200, PAGE)) as current:
+        (tmp_path / "old.key").write_text("cpk_old\n")
+        config.save_profile("default", moved.url, tmp_path / "old.key", admin=False)
+        monkeypatch.setenv("CONTROLPLANE_URL", current.url)
+        monkeypatch.setattr("sys.stdin", __import__("io").StringIO("cpk_new\n"))
+        assert main(["login"]) == 0
+    assert moved.received == []
+    assert current.received[0].headers["authorization"] == "Bearer cpk_new"
+    assert config.load_config()["profiles"]["default"]["url"] == current.url
+    assert f"key for {current.url}" in capsys.readouterr().out
