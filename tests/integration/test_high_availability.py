@@ -80,6 +80,42 @@ def direct(info: ConnectionInfo, ca: Path) -> psycopg.Connection[Any]:
     )
 
 
+def reading(info: ConnectionInfo, ca: Path) -> psycopg.Connection[Any]:
+    """A customer's session on the read-only endpoint (the `read_only` of the details): the same
+    user, password and TLS, at the pooler, under the read-only database name."""
+    assert info.read_only is not None
+    host, port, dbname = info.read_only
+    where = {**info.libpq(), "host": host, "port": port, "dbname": dbname}
+    return psycopg.connect(
+        **where,
+        autocommit=True,
+        connect_timeout=5,
+        sslmode="verify-full",
+        sslrootcert=str(ca),
+        prepare_threshold=None,
+    )
+
+
+def reads_from_a_standby(info: ConnectionInfo, ca: Path, rows: int) -> int:
+    """Through the read-only endpoint: the `rows` committed on the primary are read (once the
+    standby replayed them), the server is a standby, and a write is refused (by PostgreSQL, also
+    when the session asks for writes). Returns the server's port."""
+    with reading(info, ca) as conn:
+        eventually_sync(
+            lambda: conn.execute("SELECT count(*) FROM rows").fetchone() == (rows,),
+            f"{rows} rows through the read-only endpoint",
+        )
+        assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("INSERT INTO rows VALUES (-1)")
+        conn.execute("SET default_transaction_read_only = off")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("INSERT INTO rows VALUES (-1)")
+        row = conn.execute("SELECT inet_server_port()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def admin_on(
     p: LocalProvisioner, instance_id: uuid.UUID, member: int, dbname: str = "app"
 ) -> psycopg.Connection[Any]:
@@ -97,10 +133,15 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
     assert info.pool_mode == "transaction" and info.direct is not None
     assert info.port == local.pooler.port(iid) and info.direct[1] == local.network.require_port(iid)
     assert info.public()["direct"] == {"host": info.direct[0], "port": info.direct[1]}
+    # The read-only endpoint: the pooler's address, under the database name `app_readonly`.
+    assert info.read_only == (info.host, info.port, "app_readonly")
+    assert info.public()["read_only"] == {"host": info.host, "port": info.port, "dbname": "app_readonly"}
     with pooled(info, ca=ca) as conn:
         conn.execute("CREATE TABLE rows (n int PRIMARY KEY)")
         conn.execute("INSERT INTO rows VALUES (1)")
         assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
+    # It leads to the standby: the row committed on the primary is read there, a write refused.
+    assert reads_from_a_standby(info, ca, rows=1) == local.servers.server(iid, member=1).port
     with pytest.raises(psycopg.OperationalError):  # plain TCP to the pooler is refused
         psycopg.connect(**info.libpq(), sslmode="disable", connect_timeout=5)
 
@@ -253,11 +294,16 @@ async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
     # Every acknowledged row is there, on the promoted server, through the same endpoint.
     after = await instance(conn, iid)
     assert (after["connection"]["host"], after["connection"]["port"]) == (info.host, info.port)
+    # The read-only endpoint is the same, and leads to the rebuilt old primary, a standby now.
+    assert after["connection"]["read_only"] == before["connection"]["read_only"]
+    assert credentials(local_settings, after).read_only == (info.host, info.port, "app_readonly")
     assert after["connection"]["direct"]["port"] == local.servers.server(iid, member=1).port
     with pooled(credentials(local_settings, after), ca=ca) as customer:
         present = {r[0] for r in customer.execute("SELECT n FROM rows").fetchall()}
     # (Through the pooler most writes never fail: they wait there until it points at the new primary.)
     assert set(acknowledged) <= present and max(acknowledged) > acknowledged_at_kill
+    served_by = reads_from_a_standby(credentials(local_settings, after), ca, rows=len(present))
+    assert served_by == local.servers.server(iid, member=0).port
 
     # The audit log: ready -> degraded (failover) -> ready with the promotion, by the worker.
     events = [(f, t, e) for f, t, e, _ in await instance_events(conn, iid)]
