@@ -459,6 +459,10 @@ class Provisioner(abc.ABC):
     # Whether an HA plan's address is a pooler's that `initialize_database` sets up (`pool_mode` in
     # its connection details): an update onto an HA plan then runs it to give the pooled address.
     pools_ha_endpoint: bool = False
+    # Whether an HA plan's connection details carry a read-only endpoint (`read_only`: its
+    # standbys): an update onto an HA plan then runs `initialize_database` to give it (and one off
+    # an HA plan drops it from the recorded details).
+    serves_read_only: bool = False
     # Whether the infrastructure fails an HA plan's lost primary over by itself (an operator):
     # `observe` then reports the failover under way (`failover_to`) and the primary (`primary`),
     # the reconciler records it (degraded with `failover`, then ready naming the new primary) and

@@ -69,6 +69,7 @@ class LocalProvisioner(Provisioner):
     supports_restore = True
     reports_windows = True
     pools_ha_endpoint = True
+    serves_read_only = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalProvisioner:
