@@ -131,6 +131,15 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     assert (row["state"], row["observed_generation"], row["spec_generation"]) == ("ready", 2, 2)
     with connect(info) as customer:
         assert customer.execute("SHOW max_connections").fetchone() == ("50",)
+    # Onto an HA plan: the pooled endpoint recorded, and beside it the read-only one, where the
+    # standby serves the rows and refuses a write.
+    ha = credentials(local_settings, row)
+    assert ha.pool_mode == "transaction" and ha.read_only == (ha.host, ha.port, "app_readonly")
+    reads = {**ha.libpq(), "dbname": "app_readonly"}
+    with psycopg.connect(**reads, autocommit=True, connect_timeout=5, prepare_threshold=None) as customer:
+        assert customer.execute("SELECT count(*) FROM notes").fetchone() == (2,)
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            customer.execute("INSERT INTO notes VALUES ('read-only')")
 
     # Deletion: a final backup, everything removed, the credential wiped.
     delete_job = await enqueue(conn, DEPROVISION, iid)
