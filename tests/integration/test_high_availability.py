@@ -116,6 +116,32 @@ def reads_from_a_standby(info: ConnectionInfo, ca: Path, rows: int) -> int:
     return int(row[0])
 
 
+def standby_port(p: LocalProvisioner, instance_id: uuid.UUID, member: int) -> int:
+    return p.servers.server(instance_id, member=member).port
+
+
+def pooler_targets(p: LocalProvisioner, instance_id: uuid.UUID) -> dict[str, int]:
+    """The server port the pooler leads each of its databases to, as its admin console shows."""
+    port = p.pooler.port(instance_id)
+    assert port is not None
+    with psycopg.connect(
+        host=p.network.connect_host,
+        port=port,
+        user="cp_admin",
+        password=p.storage.unseal(p.storage.load_state(instance_id)["admin_password"]),
+        dbname="pgbouncer",
+        autocommit=True,
+        connect_timeout=5,
+        sslmode="verify-full",
+        sslrootcert=str(p.ca_store.cert_path),
+        prepare_threshold=None,
+    ) as console:
+        cursor = console.execute("SHOW DATABASES")
+        names = [column.name for column in cursor.description or ()]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    return {str(row["name"]): int(row["port"]) for row in rows if row["name"] != "pgbouncer"}
+
+
 def admin_on(
     p: LocalProvisioner, instance_id: uuid.UUID, member: int, dbname: str = "app"
 ) -> psycopg.Connection[Any]:
@@ -141,7 +167,7 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
         conn.execute("INSERT INTO rows VALUES (1)")
         assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
     # It leads to the standby: the row committed on the primary is read there, a write refused.
-    assert reads_from_a_standby(info, ca, rows=1) == local.servers.server(iid, member=1).port
+    assert reads_from_a_standby(info, ca, rows=1) == standby_port(local, iid, 1)
     with pytest.raises(psycopg.OperationalError):  # plain TCP to the pooler is refused
         psycopg.connect(**info.libpq(), sslmode="disable", connect_timeout=5)
 
@@ -168,6 +194,9 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
     seen = await local.observe(iid)
     assert seen.replication_degraded and seen.standbys_streaming == 0
     assert "0 of 1 standbys streaming" in seen.replication_detail
+    # The read-only endpoint still leads to the standby, never to the primary (reads there wait
+    # at the pooler for it; only a standby refuses every write).
+    assert pooler_targets(local, iid) == {"app": info.direct[1], "app_readonly": standby_port(local, iid, 1)}
     done = threading.Event()
 
     def write() -> None:
@@ -195,6 +224,7 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
             lambda: standby.execute("SELECT count(*) FROM rows").fetchone() == (2,), "row 2 on the standby"
         )
     assert not (await local.observe(iid)).replication_degraded
+    assert reads_from_a_standby(info, ca, rows=2) == standby_port(local, iid, 1)
 
     await local.deprovision(iid, SMALL, fence=3, skip_backup=True)
     assert not local.instance_dir(iid).exists() and await local.inventory() == []
@@ -303,7 +333,8 @@ async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
     # (Through the pooler most writes never fail: they wait there until it points at the new primary.)
     assert set(acknowledged) <= present and max(acknowledged) > acknowledged_at_kill
     served_by = reads_from_a_standby(credentials(local_settings, after), ca, rows=len(present))
-    assert served_by == local.servers.server(iid, member=0).port
+    assert served_by == standby_port(local, iid, 0)
+    assert pooler_targets(local, iid) == {"app": standby_port(local, iid, 1), "app_readonly": served_by}
 
     # The audit log: ready -> degraded (failover) -> ready with the promotion, by the worker.
     events = [(f, t, e) for f, t, e, _ in await instance_events(conn, iid)]
@@ -395,6 +426,8 @@ async def test_a_switchover_pauses_writes_at_the_pooler_and_loses_none(local: Lo
             "member0 streaming from member1",
         )
     assert (await local.observe(iid)).standbys_streaming == 1
+    # The read-only endpoint followed: it leads to the old primary, a standby now.
+    assert reads_from_a_standby(info, ca, rows=len(present)) == standby_port(local, iid, 0)
     # A stale step (a lower fence) is refused.
     with pytest.raises(StaleFence):
         await local.switchover(iid, SMALL, fence=1)
