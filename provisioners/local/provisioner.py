@@ -275,7 +275,12 @@ class LocalProvisioner(Provisioner):
 
     @step
     def start_standbys(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
-        changed = self.standbys.ensure(instance_id, spec)
+        try:
+            changed = self.standbys.ensure(instance_id, spec)
+        except Exception:
+            # A standby not back (yet): the read-only endpoint meanwhile to the first that streams.
+            self._repoint(instance_id, spec)
+            raise
         return self._repoint(instance_id, spec) or changed
 
     def _repoint(self, instance_id: uuid.UUID, spec: InstanceSpec) -> bool:
