@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -290,3 +291,23 @@ async def test_a_billing_suspend_whose_hold_was_released_before_it_ran_does_noth
     await run_until(local_settings, registry, job_finished(held["id"]))
     row = await instance(conn, iid)
     assert row["state"] == "suspended" and row["suspended_by_billing"]
+
+
+async def test_an_update_onto_one_server_drops_the_read_only_endpoint_from_the_details(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    registry = registry_for(NoopProvisioner())
+    iid = await ready_instance(conn, local_settings, registry)
+    before = (await instance(conn, iid))["connection"]
+    # As an HA plan's details were recorded (its standbys' endpoint beside them), now back on dev.
+    reads = {"host": "noop.invalid", "port": 5432, "dbname": "app_readonly"}
+    await conn.execute(
+        "UPDATE instances SET connection = connection || jsonb_build_object('read_only', %s::jsonb),"
+        " spec_generation = spec_generation + 1 WHERE id = %s",
+        (json.dumps(reads), iid),
+    )
+    done = await enqueue(conn, UPDATE, iid)
+    await run_until(local_settings, registry, job_finished(done["id"]))
+    row = await instance(conn, iid)
+    assert (row["state"], row["observed_generation"]) == ("ready", 2)
+    assert row["connection"] == before and "read_only" not in row["connection"]
