@@ -280,8 +280,8 @@ class Standbys:
         """The port of the standby the read-only endpoint leads to: the first one (lowest member)
         streaming from the primary; when none streams (the primary lost, the standbys down or
         catching up), the first one all the same, never the primary: only a server in recovery
-        refuses every write whatever a session sets, so reads fail there until it is back. None:
-        the shape has no standby (or it has no port yet)."""
+        refuses every write whatever a session sets, so reads there wait at the pooler for it (and
+        fail if it is not back in time). None: the shape has no standby (or it has no port yet)."""
         members = self.standby_members(instance_id, servers)
         ports = {m: self._member(instance_id, m).port for m in members}
         members = [m for m in members if ports[m]]
