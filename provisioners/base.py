@@ -171,14 +171,23 @@ class ConnectionInfo:
     # session-level locks), which moves in a failover where the pooled one does not.
     pool_mode: str | None = None
     direct: tuple[str, int] | None = None
+    # An HA plan's read-only endpoint (host, port, dbname): sessions there reach a streaming standby
+    # (the same user, password and TLS), which refuses every write; None where there is no standby.
+    read_only: tuple[str, int, str] | None = None
 
     @classmethod
     def from_public(cls, shown: Mapping[str, Any], password: str) -> ConnectionInfo:
         """The details `public()` gave (as recorded on an instance), with the password."""
-        fields = {key: value for key, value in shown.items() if key != "direct"}
+        fields = {key: value for key, value in shown.items() if key not in ("direct", "read_only")}
         direct = shown.get("direct")
         where = None if not isinstance(direct, Mapping) else (str(direct["host"]), int(direct["port"]))
-        return cls(password=password, direct=where, **fields)
+        reads = shown.get("read_only")
+        reader = (
+            None
+            if not isinstance(reads, Mapping)
+            else (str(reads["host"]), int(reads["port"]), str(reads["dbname"]))
+        )
+        return cls(password=password, direct=where, read_only=reader, **fields)
 
     def libpq(self) -> dict[str, Any]:
         """The keywords a libpq connection takes (psycopg.connect(**info.libpq(), ...)), without TLS
@@ -207,6 +216,9 @@ class ConnectionInfo:
             shown["pool_mode"] = self.pool_mode
         if self.direct is not None:
             shown["direct"] = {"host": self.direct[0], "port": self.direct[1]}
+        if self.read_only is not None:
+            host, port, dbname = self.read_only
+            shown["read_only"] = {"host": host, "port": port, "dbname": dbname}
         return shown
 
 
@@ -447,6 +459,10 @@ class Provisioner(abc.ABC):
     # Whether an HA plan's address is a pooler's that `initialize_database` sets up (`pool_mode` in
     # its connection details): an update onto an HA plan then runs it to give the pooled address.
     pools_ha_endpoint: bool = False
+    # Whether an HA plan's connection details carry a read-only endpoint (`read_only`: its
+    # standbys): an update onto an HA plan then runs `initialize_database` to give it (and one off
+    # an HA plan drops it from the recorded details).
+    serves_read_only: bool = False
     # Whether the infrastructure fails an HA plan's lost primary over by itself (an operator):
     # `observe` then reports the failover under way (`failover_to`) and the primary (`primary`),
     # the reconciler records it (degraded with `failover`, then ready naming the new primary) and

@@ -147,6 +147,11 @@ class ClusterOptions:
         """Where customers connect: the external name, else the -rw Service (both in the certificate)."""
         return self.external_host(instance_id) or f"{resource_name(instance_id)}-rw.{self.namespace}.svc"
 
+    def read_only_host(self, instance_id: uuid.UUID) -> str:
+        """An HA plan's read-only endpoint: the operator's -ro Service, which leads to its standbys
+        only (in the operator's certificate too; inside the cluster, also where `host` is external)."""
+        return f"{resource_name(instance_id)}-ro.{self.namespace}.svc"
+
 
 # ---- pure manifest builders ------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ class FaultyProvisioner(Provisioner):
         self.supports_backups = inner.supports_backups
         self.reports_windows = inner.reports_windows
         self.pools_ha_endpoint = inner.pools_ha_endpoint
+        self.serves_read_only = inner.serves_read_only
         self.fails_over_itself = inner.fails_over_itself
         self._kill = kill
         # (step, attempt) pairs that fired, for tests that watch from the same process.

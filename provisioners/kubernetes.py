@@ -280,6 +280,8 @@ class KubernetesProvisioner(Provisioner):
     reports_windows = True
     # The operator fails a lost primary over to a standby by itself; the control plane records it.
     fails_over_itself = True
+    # An HA plan's read-only endpoint is the operator's `-ro` Service (its standbys).
+    serves_read_only = True
 
     def __init__(
         self,
@@ -516,6 +518,11 @@ class KubernetesProvisioner(Provisioner):
                 credentials.password,
                 sslmode=SSLMODE,
                 ca_certificate=self._ca_certificate(instance_id),
+                read_only=(
+                    (self.options.read_only_host(instance_id), PORT, DBNAME)
+                    if spec.shape.instances > 1
+                    else None
+                ),
             )
 
         return await self._run(work)

@@ -173,6 +173,17 @@ class DirectConnection(BaseModel):
     uri: str = Field(description="the same credentials and TLS as the pooled `uri`, to this address")
 
 
+class ReadOnlyConnection(BaseModel):
+    """An HA plan's read-only endpoint: sessions there reach a streaming standby (reads that may
+    trail the primary's commits by a moment; every write refused by the server, whatever the
+    session sets). It stays the same across failovers and switchovers."""
+
+    host: str
+    port: int
+    dbname: str = Field(description="the database name to connect with (not the primary's `dbname`)")
+    uri: str = Field(description="the same credentials and TLS as the pooled `uri`, to this endpoint")
+
+
 class Connection(BaseModel):
     host: str
     port: int
@@ -204,6 +215,11 @@ class Connection(BaseModel):
     )
     direct: DirectConnection | None = Field(
         None, description="the primary server's own address, beside a pooled endpoint (see pool_mode)"
+    )
+    read_only: ReadOnlyConnection | None = Field(
+        None,
+        description="an HA plan's read-only endpoint, which leads to a streaming standby: reads only"
+        " (writes are refused), possibly a moment behind the primary; null: the plan has no standby",
     )
 
 

@@ -46,6 +46,7 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
         query += f"&sslrootcert={sslrootcert}"
     path = f"/{quote(dbname, safe='')}{query}"
     direct = info.get("direct")
+    reads = info.get("read_only")
     return {
         "host": host,
         "port": port,
@@ -63,6 +64,15 @@ def connection(inst: InstanceRecord, box: SecretBox, *, reveal: bool) -> dict[st
             "host": str(direct["host"]),
             "port": int(direct["port"]),
             "uri": f"postgresql://{credentials}@{direct['host']}:{int(direct['port'])}{path}",
+        },
+        "read_only": None
+        if not isinstance(reads, dict)
+        else {
+            "host": str(reads["host"]),
+            "port": int(reads["port"]),
+            "dbname": str(reads["dbname"]),
+            "uri": f"postgresql://{credentials}@{reads['host']}:{int(reads['port'])}"
+            f"/{quote(str(reads['dbname']), safe='')}{query}",
         },
     }
 

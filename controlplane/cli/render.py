@@ -86,6 +86,11 @@ def show_instance(instance: dict[str, Any], fmt: str, api: Api | None = None) ->
                     connection_uri(api, connection | {"uri": direct["uri"]}) if api else direct["uri"]
                 )
                 rows.append(("direct_uri", masked(str(direct_uri))))
+        reads = connection.get("read_only") or {}
+        if reads.get("uri"):
+            # An HA plan's standbys, for reads only (the CA file saved here named as well).
+            read_only_uri = connection_uri(api, connection | {"uri": reads["uri"]}) if api else reads["uri"]
+            rows.append(("read_only_uri", masked(str(read_only_uri))))
     # The values whole (a URI is copied from here): only very long ones are cut.
     print_fields(rows, max_cell=400)
 

@@ -280,9 +280,13 @@ class Operations:
             ctx, inst, "apply_plan", lambda: self.provisioner.apply_plan(inst.id, spec, ctx.fence)
         )
         patch = InstancePatch(observed_generation=spec.generation, observed_spec=inst.spec)
-        pooled = (inst.connection or {}).get("pool_mode")
-        if self.provisioner.pools_ha_endpoint and spec.shape.instances > 1 and not pooled:
-            # Onto an HA plan: its customers get the pooled address that follows the primary (once).
+        recorded = inst.connection or {}
+        ha = spec.shape.instances > 1
+        unpooled = self.provisioner.pools_ha_endpoint and ha and not recorded.get("pool_mode")
+        no_reads = self.provisioner.serves_read_only and ha and not recorded.get("read_only")
+        if unpooled or no_reads:
+            # Onto an HA plan: its customers get the pooled address that follows the primary, and
+            # the read-only one of its standbys (once).
             password = self._password(ctx, inst)
             info = await self._step(
                 ctx,
@@ -291,6 +295,9 @@ class Operations:
                 lambda: self.provisioner.initialize_database(inst.id, spec, ctx.fence, password=password),
             )
             patch = self._credentials_patch(ctx, inst, info, patch)
+        elif not ha and recorded.get("read_only"):
+            # Off an HA plan: no standby left to read from.
+            patch = replace(patch, connection={k: v for k, v in recorded.items() if k != "read_only"})
         await self._move(
             ctx,
             inst,

@@ -1,7 +1,10 @@
 """The pooler: one PgBouncer per HA instance, its stable endpoint, pointed at the current primary.
 
 Customers of an HA plan connect to the pooler's port, which never changes across failovers and
-switchovers: a failover re-points it (its configuration rewritten, then reloaded). It speaks TLS
+switchovers: a failover re-points it (its configuration rewritten, then reloaded). The same port
+is the read-only endpoint too: the database `READ_ONLY_DBNAME` (`app_readonly`) leads to the
+customer's database on a standby (`Standbys.reader`: the first one streaming), which refuses every
+write; it is re-pointed with the primary's, and whenever the standbys change. It speaks TLS
 to clients with a certificate from the control plane's CA (as the servers do) and TLS to the
 primary, checking the server's certificate. It pools by transaction (`POOL_MODE`); a session's
 features that need one server connection for the whole session (LISTEN, session-level advisory
@@ -38,6 +41,8 @@ from provisioners.local.tls import SSLMODE, InstanceTls
 PGBOUNCER = "pgbouncer"
 # How the pooled endpoint shares server connections: one per transaction.
 POOL_MODE = "transaction"
+# The pooler's database name of the read-only endpoint: the customer's database on a standby.
+READ_ONLY_DBNAME = f"{DBNAME}_readonly"
 CERT, KEY = "pooler.crt", "pooler.key"
 
 
@@ -73,10 +78,12 @@ class Pooler:
     def is_running(self, instance_id: uuid.UUID) -> bool:
         return self.pid(instance_id) is not None
 
-    def ensure(self, instance_id: uuid.UUID, primary_port: int, users: dict[str, str]) -> int:
-        """The pooler configured for the primary on `primary_port` and the logins `users` (the
-        owner's, and the admin's for the console), running (a changed configuration reloaded);
-        returns its port."""
+    def ensure(
+        self, instance_id: uuid.UUID, primary_port: int, reader_port: int | None, users: dict[str, str]
+    ) -> int:
+        """The pooler configured for the primary on `primary_port`, the read-only endpoint for the
+        standby on `reader_port` (None: none yet) and the logins `users` (the owner's, and the
+        admin's for the console), running (a changed configuration reloaded); returns its port."""
         if shutil.which(PGBOUNCER) is None:
             raise PermanentError(
                 "PgBouncer is not installed: run `python3 dev.py up` (it installs it) or "
@@ -90,7 +97,8 @@ class Pooler:
         changed = self._certificate(directory)
         changed = self._write(directory / "userlist.txt", _userlist(users)) or changed
         changed = (
-            self._write(directory / "pgbouncer.ini", self._config(directory, port, primary_port)) or changed
+            self._write(directory / "pgbouncer.ini", self._config(directory, port, primary_port, reader_port))
+            or changed
         )
         if not self.is_running(instance_id):
             self._start(instance_id, directory)
@@ -106,13 +114,15 @@ class Pooler:
         self._start(instance_id, directory)
         return True
 
-    def repoint(self, instance_id: uuid.UUID, primary_port: int) -> bool:
-        """Point a configured pooler at the primary on `primary_port` (reloaded); True if it changed."""
+    def repoint(self, instance_id: uuid.UUID, primary_port: int, reader_port: int | None) -> bool:
+        """Point a configured pooler at the primary on `primary_port`, its read-only endpoint at the
+        standby on `reader_port` (reloaded); True if it changed."""
         directory = self.directory(instance_id)
         port = self.port(instance_id)
         if port is None or not (directory / "pgbouncer.ini").exists():
             return False
-        if not self._write(directory / "pgbouncer.ini", self._config(directory, port, primary_port)):
+        config = self._config(directory, port, primary_port, reader_port)
+        if not self._write(directory / "pgbouncer.ini", config):
             return False
         if self.is_running(instance_id):
             self.reload(instance_id)
@@ -178,7 +188,7 @@ class Pooler:
         self.storage.chown(cert_path)
         return True
 
-    def _config(self, directory: Path, port: int, primary_port: int) -> str:
+    def _config(self, directory: Path, port: int, primary_port: int, reader_port: int | None) -> str:
         host = self.network.connect_host
         values: dict[str, Any] = {
             "listen_addr": self.network.listen_host or "127.0.0.1",
@@ -202,10 +212,13 @@ class Pooler:
             "pidfile": directory / "pgbouncer.pid",
         }
         settings = "".join(f"{key} = {value}\n" for key, value in values.items())
-        target = f"host={host} port={primary_port} dbname={DBNAME}"
+        databases = f"{DBNAME} = host={host} port={primary_port} dbname={DBNAME}\n"
+        if reader_port is not None:
+            databases += f"{READ_ONLY_DBNAME} = host={host} port={reader_port} dbname={DBNAME}\n"
         return (
-            "; Managed by the control plane: the instance's pooled endpoint, at its primary.\n"
-            f"[databases]\n{DBNAME} = {target}\n\n[pgbouncer]\n{settings}"
+            "; Managed by the control plane: the instance's pooled endpoint, at its primary, and its\n"
+            "; read-only endpoint, at a standby.\n"
+            f"[databases]\n{databases}\n[pgbouncer]\n{settings}"
         )
 
     def _start(self, instance_id: uuid.UUID, directory: Path) -> None:

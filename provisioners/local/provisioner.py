@@ -51,7 +51,7 @@ from provisioners.local.database import (
     take_over,
 )
 from provisioners.local.network import Network, owner_of
-from provisioners.local.pooler import POOL_MODE, Pooler
+from provisioners.local.pooler import POOL_MODE, READ_ONLY_DBNAME, Pooler
 from provisioners.local.replication import member_name
 from provisioners.local.repository import Repository
 from provisioners.local.server import InstanceServer, Servers, settings_text, stop_strays
@@ -69,6 +69,7 @@ class LocalProvisioner(Provisioner):
     supports_restore = True
     reports_windows = True
     pools_ha_endpoint = True
+    serves_read_only = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalProvisioner:
@@ -192,7 +193,9 @@ class LocalProvisioner(Provisioner):
             )
         # An HA plan's customers connect to its pooler, whose address never changes.
         admin_password = self.storage.unseal(state["admin_password"])
-        pooled = self.pooler.ensure(instance_id, port, {role: password, ADMIN_USER: admin_password})
+        reader = self.standbys.reader(instance_id, spec.shape.instances)
+        logins = {role: password, ADMIN_USER: admin_password}
+        pooled = self.pooler.ensure(instance_id, port, reader, logins)
         return ConnectionInfo(
             self.advertise_host,
             pooled,
@@ -203,6 +206,7 @@ class LocalProvisioner(Provisioner):
             ca_certificate=ca,
             pool_mode=POOL_MODE,
             direct=(self.advertise_host, port),
+            read_only=(self.advertise_host, pooled, READ_ONLY_DBNAME),
         )
 
     @step
@@ -231,6 +235,7 @@ class LocalProvisioner(Provisioner):
         if lowering:
             changed = any([self._apply_to(instance_id, spec, each) for each in standbys]) or changed
         changed = self.standbys.ensure(instance_id, spec) or changed
+        changed = self._repoint(instance_id, spec) or changed
         state = self.storage.load_state(instance_id)
         applied = (state.get("plan"), state.get("generation"), state.get("allocated_gb"))
         if applied != (spec.plan, spec.generation, spec.volume_gb):
@@ -270,7 +275,23 @@ class LocalProvisioner(Provisioner):
 
     @step
     def start_standbys(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:
-        return self.standbys.ensure(instance_id, spec)
+        try:
+            changed = self.standbys.ensure(instance_id, spec)
+        except Exception:
+            # A standby not back (yet): the read-only endpoint meanwhile to the first that streams.
+            self._repoint(instance_id, spec)
+            raise
+        return self._repoint(instance_id, spec) or changed
+
+    def _repoint(self, instance_id: uuid.UUID, spec: InstanceSpec) -> bool:
+        """The pooler (where the instance has one) at the primary, its read-only endpoint at the
+        first streaming standby (`Standbys.reader`); True when that changed its configuration."""
+        if not self.pooler.configured(instance_id):
+            return False
+        primary = self.network.require_port(instance_id)
+        return self.pooler.repoint(
+            instance_id, primary, self.standbys.reader(instance_id, spec.shape.instances)
+        )
 
     @step
     def fence_primary(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> str | None:
@@ -279,12 +300,16 @@ class LocalProvisioner(Provisioner):
     @step
     def promote_standby(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion:
         promotion = self.standbys.promote(instance_id, spec)
-        self.pooler.repoint(instance_id, self.network.require_port(instance_id))
+        self._repoint(instance_id, spec)
         return promotion
 
     @step
     def switchover(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> Promotion | None:
-        return self.standbys.switchover(instance_id, spec, self.pooler)
+        promotion = self.standbys.switchover(instance_id, spec, self.pooler)
+        # The old primary, a standby now, streams by this time or soon: the read-only endpoint
+        # looked again (the first streaming standby).
+        self._repoint(instance_id, spec)
+        return promotion
 
     @step
     def suspend(self, instance_id: uuid.UUID, spec: InstanceSpec, fence: int) -> bool:

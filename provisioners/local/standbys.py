@@ -15,6 +15,7 @@ primary (a fresh seed: its diverged end, never acknowledged, is discarded).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -275,6 +276,26 @@ class Standbys:
             return None
         return max(parse_lsn(str(row[1] or "0/0")), parse_lsn(str(row[2] or "0/0")))
 
+    def reader(self, instance_id: uuid.UUID, servers: int) -> int | None:
+        """The port of the standby the read-only endpoint leads to: the first one (lowest member)
+        streaming from the primary; when none streams (the primary lost, the standbys down or
+        catching up), the first one all the same, never the primary: only a server in recovery
+        refuses every write whatever a session sets, so reads there wait at the pooler for it (and
+        fail if it is not back in time). None: the shape has no standby (or it has no port yet)."""
+        members = self.standby_members(instance_id, servers)
+        ports = {m: self._member(instance_id, m).port for m in members}
+        members = [m for m in members if ports[m]]
+        if not members:
+            return None
+        primary = self.servers.server(instance_id)
+        streaming: set[str] = set()
+        # (A primary that does not answer: no standby is known to stream.)
+        if primary.port and primary.is_running():
+            with contextlib.suppress(psycopg.Error):
+                streaming = set(self._streaming(instance_id, primary.port))
+        first = next((m for m in members if member_name(m) in streaming), members[0])
+        return ports[first]
+
     # ---- failover ----------------------------------------------------------------------------
 
     def fence(self, instance_id: uuid.UUID) -> str | None:
@@ -383,7 +404,9 @@ class Standbys:
             end = parse_lsn(primary.control_data()["Latest checkpoint location"])
             found = self._caught_up(instance_id, servers, end)
             promotion = self._promote(instance_id, spec, found, old)
-            pooler.repoint(instance_id, self._member(instance_id, found[0]).port)
+            pooler.repoint(
+                instance_id, self._member(instance_id, found[0]).port, self.reader(instance_id, servers)
+            )
             # The old primary, shut down cleanly, follows the new one onto its timeline.
             signal_file = primary.datadir / STANDBY_SIGNAL
             signal_file.touch()

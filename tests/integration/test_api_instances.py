@@ -136,6 +136,7 @@ async def test_get_shows_connection_with_password_once_ready(
         "uri": "postgresql://app_owner:s3cret%2Fwith%3Achars@127.0.0.1:15432/app",
         "pool_mode": None,
         "direct": None,
+        "read_only": None,
     }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
     assert listed["connection"]["password"] is None
@@ -166,7 +167,11 @@ async def test_a_pooled_endpoint_says_its_pool_mode_and_gives_the_primary_direct
     session (LISTEN) connects to the primary's own address, with the same credentials and TLS."""
     made = await create(client, tenant, "orders")
     patch = ready_patch(api_settings, "pw", port=16000, ca="-----BEGIN CERTIFICATE-----\n")
-    patch["connection"] |= {"pool_mode": "transaction", "direct": {"host": "127.0.0.1", "port": 16001}}
+    patch["connection"] |= {
+        "pool_mode": "transaction",
+        "direct": {"host": "127.0.0.1", "port": 16001},
+        "read_only": {"host": "127.0.0.1", "port": 16000, "dbname": "app_readonly"},
+    }
     await drive(conn, made["id"], "start_provisioning", "provisioned", **patch)
     connection = (await client.get(f"/v1/instances/{made['id']}", headers=tenant.headers)).json()[
         "connection"
@@ -179,8 +184,19 @@ async def test_a_pooled_endpoint_says_its_pool_mode_and_gives_the_primary_direct
         "port": 16001,
         "uri": f"postgresql://app_owner:pw@127.0.0.1:16001/app{query}",
     }
+    # The read-only endpoint (its standbys): the pooler's address, its own database name.
+    assert connection["read_only"] == {
+        "host": "127.0.0.1",
+        "port": 16000,
+        "dbname": "app_readonly",
+        "uri": f"postgresql://app_owner:pw@127.0.0.1:16000/app_readonly{query}",
+    }
     listed = (await client.get("/v1/instances", headers=tenant.headers)).json()["items"][0]
     assert listed["connection"]["direct"]["uri"] == f"postgresql://app_owner@127.0.0.1:16001/app{query}"
+    assert (
+        listed["connection"]["read_only"]["uri"]
+        == f"postgresql://app_owner@127.0.0.1:16000/app_readonly{query}"
+    )
 
 
 async def test_unknown_instance_is_404_problem(client: httpx.AsyncClient, tenant: Tenant) -> None:

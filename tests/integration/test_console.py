@@ -21,7 +21,7 @@ from controlplane.runtime.secretbox import SecretBox
 from controlplane.runtime.settings import Settings
 from controlplane.services import sessions, tenants
 from controlplane.services.sessions import Seal
-from tests.api_support import WORKER, Tenant, create, drive, make_ready, make_tenant
+from tests.api_support import WORKER, Tenant, create, drive, make_ready, make_tenant, ready_patch
 from tests.console_support import PAGE, sign_in, signed_in, text_of, token_of
 
 pytest_plugins = ("tests.api_fixtures",)
@@ -329,7 +329,32 @@ async def test_the_connection_is_shown_masked_and_revealed_on_request(
     formats = revealed.json()
     assert formats["uri"] == "postgresql://app_owner:s3cret%2Fpw@127.0.0.1:15432/app"
     assert "export PGPASSWORD=s3cret/pw" in formats["env"]
+    assert "read_only" not in formats  # one server: no standby to read from
+    assert "Read-only URI" not in page.text
     assert (await client.get(f"{base}/ca.pem")).status_code == 404  # no TLS, no CA to offer
+
+
+async def test_an_ha_instance_shows_its_read_only_uri_beside_the_pooled_one(
+    client: httpx.AsyncClient, app: FastAPI, tenant: Tenant, conn: AsyncConn
+) -> None:
+    created = await create(client, tenant, "orders")
+    await signed_in(client, tenant.key)
+    base = f"/instances/{created['id']}"
+    patch = ready_patch(app_state_settings(app), "s3cret")
+    patch["connection"] |= {
+        "pool_mode": "transaction",
+        "direct": {"host": "127.0.0.1", "port": 15433},
+        "read_only": {"host": "127.0.0.1", "port": 15432, "dbname": "app_readonly"},
+    }
+    await drive(conn, created["id"], "start_provisioning", "provisioned", **patch)
+    page = await client.get(base, headers=PAGE)
+    assert page.status_code == 200 and "s3cret" not in page.text
+    # Masked on the page, with the copy button of its own; its database name said in words.
+    assert 'data-format="read_only"' in page.text and 'data-copy="read_only"' in page.text
+    assert "postgresql://app_owner:" in page.text and "/app_readonly" in page.text
+    assert "Every write there is refused" in text_of(page.text)
+    formats = (await client.get(f"{base}/connection")).json()
+    assert formats["read_only"] == "postgresql://app_owner:s3cret@127.0.0.1:15432/app_readonly"
 
 
 async def test_the_ca_download_comes_before_the_uri_that_names_its_file(

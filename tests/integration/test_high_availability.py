@@ -80,6 +80,68 @@ def direct(info: ConnectionInfo, ca: Path) -> psycopg.Connection[Any]:
     )
 
 
+def reading(info: ConnectionInfo, ca: Path) -> psycopg.Connection[Any]:
+    """A customer's session on the read-only endpoint (the `read_only` of the details): the same
+    user, password and TLS, at the pooler, under the read-only database name."""
+    assert info.read_only is not None
+    host, port, dbname = info.read_only
+    where = {**info.libpq(), "host": host, "port": port, "dbname": dbname}
+    return psycopg.connect(
+        **where,
+        autocommit=True,
+        connect_timeout=5,
+        sslmode="verify-full",
+        sslrootcert=str(ca),
+        prepare_threshold=None,
+    )
+
+
+def reads_from_a_standby(info: ConnectionInfo, ca: Path, rows: int) -> int:
+    """Through the read-only endpoint: the `rows` committed on the primary are read (once the
+    standby replayed them), the server is a standby, and a write is refused (by PostgreSQL, also
+    when the session asks for writes). Returns the server's port."""
+    with reading(info, ca) as conn:
+        eventually_sync(
+            lambda: conn.execute("SELECT count(*) FROM rows").fetchone() == (rows,),
+            f"{rows} rows through the read-only endpoint",
+        )
+        assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("INSERT INTO rows VALUES (-1)")
+        conn.execute("SET default_transaction_read_only = off")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("INSERT INTO rows VALUES (-1)")
+        row = conn.execute("SELECT inet_server_port()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def standby_port(p: LocalProvisioner, instance_id: uuid.UUID, member: int) -> int:
+    return p.servers.server(instance_id, member=member).port
+
+
+def pooler_targets(p: LocalProvisioner, instance_id: uuid.UUID) -> dict[str, int]:
+    """The server port the pooler leads each of its databases to, as its admin console shows."""
+    port = p.pooler.port(instance_id)
+    assert port is not None
+    with psycopg.connect(
+        host=p.network.connect_host,
+        port=port,
+        user="cp_admin",
+        password=p.storage.unseal(p.storage.load_state(instance_id)["admin_password"]),
+        dbname="pgbouncer",
+        autocommit=True,
+        connect_timeout=5,
+        sslmode="verify-full",
+        sslrootcert=str(p.ca_store.cert_path),
+        prepare_threshold=None,
+    ) as console:
+        cursor = console.execute("SHOW DATABASES")
+        names = [column.name for column in cursor.description or ()]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    return {str(row["name"]): int(row["port"]) for row in rows if row["name"] != "pgbouncer"}
+
+
 def admin_on(
     p: LocalProvisioner, instance_id: uuid.UUID, member: int, dbname: str = "app"
 ) -> psycopg.Connection[Any]:
@@ -97,10 +159,15 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
     assert info.pool_mode == "transaction" and info.direct is not None
     assert info.port == local.pooler.port(iid) and info.direct[1] == local.network.require_port(iid)
     assert info.public()["direct"] == {"host": info.direct[0], "port": info.direct[1]}
+    # The read-only endpoint: the pooler's address, under the database name `app_readonly`.
+    assert info.read_only == (info.host, info.port, "app_readonly")
+    assert info.public()["read_only"] == {"host": info.host, "port": info.port, "dbname": "app_readonly"}
     with pooled(info, ca=ca) as conn:
         conn.execute("CREATE TABLE rows (n int PRIMARY KEY)")
         conn.execute("INSERT INTO rows VALUES (1)")
         assert conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone() == (True,)
+    # It leads to the standby: the row committed on the primary is read there, a write refused.
+    assert reads_from_a_standby(info, ca, rows=1) == standby_port(local, iid, 1)
     with pytest.raises(psycopg.OperationalError):  # plain TCP to the pooler is refused
         psycopg.connect(**info.libpq(), sslmode="disable", connect_timeout=5)
 
@@ -127,6 +194,9 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
     seen = await local.observe(iid)
     assert seen.replication_degraded and seen.standbys_streaming == 0
     assert "0 of 1 standbys streaming" in seen.replication_detail
+    # The read-only endpoint still leads to the standby, never to the primary (reads there wait
+    # at the pooler for it; only a standby refuses every write).
+    assert pooler_targets(local, iid) == {"app": info.direct[1], "app_readonly": standby_port(local, iid, 1)}
     done = threading.Event()
 
     def write() -> None:
@@ -154,6 +224,7 @@ async def test_an_ha_plan_runs_a_primary_and_a_synchronous_standby_behind_a_pool
             lambda: standby.execute("SELECT count(*) FROM rows").fetchone() == (2,), "row 2 on the standby"
         )
     assert not (await local.observe(iid)).replication_degraded
+    assert reads_from_a_standby(info, ca, rows=2) == standby_port(local, iid, 1)
 
     await local.deprovision(iid, SMALL, fence=3, skip_backup=True)
     assert not local.instance_dir(iid).exists() and await local.inventory() == []
@@ -253,11 +324,17 @@ async def test_a_killed_primary_fails_over_fenced_once_through_the_lifecycle(
     # Every acknowledged row is there, on the promoted server, through the same endpoint.
     after = await instance(conn, iid)
     assert (after["connection"]["host"], after["connection"]["port"]) == (info.host, info.port)
+    # The read-only endpoint is the same, and leads to the rebuilt old primary, a standby now.
+    assert after["connection"]["read_only"] == before["connection"]["read_only"]
+    assert credentials(local_settings, after).read_only == (info.host, info.port, "app_readonly")
     assert after["connection"]["direct"]["port"] == local.servers.server(iid, member=1).port
     with pooled(credentials(local_settings, after), ca=ca) as customer:
         present = {r[0] for r in customer.execute("SELECT n FROM rows").fetchall()}
     # (Through the pooler most writes never fail: they wait there until it points at the new primary.)
     assert set(acknowledged) <= present and max(acknowledged) > acknowledged_at_kill
+    served_by = reads_from_a_standby(credentials(local_settings, after), ca, rows=len(present))
+    assert served_by == standby_port(local, iid, 0)
+    assert pooler_targets(local, iid) == {"app": standby_port(local, iid, 1), "app_readonly": served_by}
 
     # The audit log: ready -> degraded (failover) -> ready with the promotion, by the worker.
     events = [(f, t, e) for f, t, e, _ in await instance_events(conn, iid)]
@@ -349,6 +426,8 @@ async def test_a_switchover_pauses_writes_at_the_pooler_and_loses_none(local: Lo
             "member0 streaming from member1",
         )
     assert (await local.observe(iid)).standbys_streaming == 1
+    # The read-only endpoint followed: it leads to the old primary, a standby now.
+    assert reads_from_a_standby(info, ca, rows=len(present)) == standby_port(local, iid, 0)
     # A stale step (a lower fence) is refused.
     with pytest.raises(StaleFence):
         await local.switchover(iid, SMALL, fence=1)

@@ -343,6 +343,14 @@ async def test_an_sre_switchover_of_a_cloudnativepg_instance_is_the_operators_pr
         f"/v1/admin/instances/{single['id']}/switchover", json=reason, headers=admin_headers
     )
     assert one_server.status_code == 422 and "one server" in one_server.json()["detail"]
+    # The HA plan's read-only endpoint is the operator's -ro Service (its standbys), the same
+    # database; the one-server plan has none.
+    read_only = {"host": f"{name}-ro.{NAMESPACE}.svc", "port": 5432, "dbname": "app"}
+    assert (await instance(conn, iid))["connection"]["read_only"] == read_only
+    assert "read_only" not in (await instance(conn, uuid.UUID(single["id"])))["connection"]
+    shown = (await client.get(f"/v1/instances/{iid}", headers=tenant.headers)).json()["connection"]
+    assert shown["read_only"]["uri"].startswith("postgresql://app:")
+    assert f"@{name}-ro.{NAMESPACE}.svc:5432/app?sslmode=verify-full" in shown["read_only"]["uri"]
 
     # The update job asks the operator to promote the standby (the status's targetPrimary) and is
     # done once the operator reports it the current primary.
@@ -375,8 +383,9 @@ async def test_an_sre_switchover_of_a_cloudnativepg_instance_is_the_operators_pr
     (updated,) = await cursor.fetchall()
     assert updated["reason"] == f"switchover: {name}-2 is the primary, {name}-1 its standby"
     assert updated["detail"]["switchover"]["promoted"] == f"{name}-2"
-    # The connection does not move: the -rw Service follows the primary.
+    # The connection does not move: the -rw Service follows the primary, the -ro one the standbys.
     assert row["connection"]["host"] == f"{name}-rw.{NAMESPACE}.svc"
+    assert row["connection"]["read_only"] == read_only
     assert state.denied == []
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -131,6 +132,15 @@ async def test_an_instance_is_provisioned_suspended_resumed_resized_and_deleted(
     assert (row["state"], row["observed_generation"], row["spec_generation"]) == ("ready", 2, 2)
     with connect(info) as customer:
         assert customer.execute("SHOW max_connections").fetchone() == ("50",)
+    # Onto an HA plan: the pooled endpoint recorded, and beside it the read-only one, where the
+    # standby serves the rows and refuses a write.
+    ha = credentials(local_settings, row)
+    assert ha.pool_mode == "transaction" and ha.read_only == (ha.host, ha.port, "app_readonly")
+    reads = {**ha.libpq(), "dbname": "app_readonly"}
+    with psycopg.connect(**reads, autocommit=True, connect_timeout=5, prepare_threshold=None) as customer:
+        assert customer.execute("SELECT count(*) FROM notes").fetchone() == (2,)
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            customer.execute("INSERT INTO notes VALUES ('read-only')")
 
     # Deletion: a final backup, everything removed, the credential wiped.
     delete_job = await enqueue(conn, DEPROVISION, iid)
@@ -281,3 +291,23 @@ async def test_a_billing_suspend_whose_hold_was_released_before_it_ran_does_noth
     await run_until(local_settings, registry, job_finished(held["id"]))
     row = await instance(conn, iid)
     assert row["state"] == "suspended" and row["suspended_by_billing"]
+
+
+async def test_an_update_onto_one_server_drops_the_read_only_endpoint_from_the_details(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    registry = registry_for(NoopProvisioner())
+    iid = await ready_instance(conn, local_settings, registry)
+    before = (await instance(conn, iid))["connection"]
+    # As an HA plan's details were recorded (its standbys' endpoint beside them), now back on dev.
+    reads = {"host": "noop.invalid", "port": 5432, "dbname": "app_readonly"}
+    await conn.execute(
+        "UPDATE instances SET connection = connection || jsonb_build_object('read_only', %s::jsonb),"
+        " spec_generation = spec_generation + 1 WHERE id = %s",
+        (json.dumps(reads), iid),
+    )
+    done = await enqueue(conn, UPDATE, iid)
+    await run_until(local_settings, registry, job_finished(done["id"]))
+    row = await instance(conn, iid)
+    assert (row["state"], row["observed_generation"]) == ("ready", 2)
+    assert row["connection"] == before and "read_only" not in row["connection"]

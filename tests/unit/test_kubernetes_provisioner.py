@@ -181,6 +181,7 @@ async def test_the_whole_lifecycle_with_the_role_enforced() -> None:
         )
         assert info.sslmode == "verify-full" and info.ca_certificate == FAKE_CA.replace("{name}", name)
         assert notes["rerun"] == info  # adopted: the same credentials from the same Secret
+        assert info.read_only is None  # a one-server plan: no standby to read from
         assert (
             notes["ready"].healthy
             and notes["ready"].read_only is False
@@ -217,6 +218,14 @@ async def test_the_whole_lifecycle_with_the_role_enforced() -> None:
         final = state.get("backups", NAMESPACE, f"{name}-final")
         assert final is not None and final["status"]["phase"] == "completed"
         assert (await k8s.observe(run.first)).exists is False
+
+
+def test_the_read_only_endpoint_is_the_operators_ro_service_also_where_the_primary_is_exposed() -> None:
+    iid = uuid.uuid4()
+    assert PLAIN.read_only_host(iid) == f"pg-{iid}-ro.{NAMESPACE}.svc"
+    # Exposed through a load balancer, the primary's name is external; the standbys' stays inside.
+    assert FULL.host(iid) == f"pg-{iid}.db.example.com"
+    assert FULL.read_only_host(iid) == f"pg-{iid}-ro.{NAMESPACE}.svc"
 
 
 async def test_a_restore_bootstraps_from_the_named_backup_or_the_point_in_time() -> None:

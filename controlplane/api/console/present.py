@@ -116,8 +116,9 @@ def when(at: datetime | str | None) -> str:
 
 
 def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[str, str]:
-    """The ways to connect: a URI, a `psql` command and environment variables; the password masked
-    unless `reveal` (then `connection` must carry it)."""
+    """The ways to connect: a URI, a `psql` command and environment variables, and an HA plan's
+    read-only URI (its standbys); the password masked unless `reveal` (then `connection` must
+    carry it)."""
     password = connection.get("password")
     if reveal != (password is not None):
         raise ValueError("reveal the password from a revealed connection, mask it from one without it")
@@ -126,8 +127,11 @@ def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[s
     # The API's URI (naming the CA file as sslrootcert when the server is verified): with the
     # password when revealed, else without it (where the mask then goes).
     uri = str(connection["uri"])
+    reads = connection.get("read_only") or {}
+    read_only = str(reads["uri"]) if reads.get("uri") else None
     if password is None:
         uri = uri.replace("@", f":{MASK}@", 1)
+        read_only = None if read_only is None else read_only.replace("@", f":{MASK}@", 1)
     env = {
         "PGHOST": host,
         "PGPORT": str(port),
@@ -139,8 +143,11 @@ def connection_formats(connection: Mapping[str, Any], *, reveal: bool) -> dict[s
         env["PGSSLMODE"] = str(sslmode)
     if connection.get("sslrootcert"):
         env["PGSSLROOTCERT"] = str(connection["sslrootcert"])
-    return {
+    formats = {
         "uri": uri,
         "psql": f"psql {shlex.quote(uri)}",
         "env": "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items()),
     }
+    if read_only is not None:
+        formats["read_only"] = read_only
+    return formats
