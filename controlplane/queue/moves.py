@@ -383,7 +383,13 @@ async def operator_action(
                         "cannot run (force to abandon without it)",
                     )
                 return await abandon_job(conn, job, actor, why, registry)
-            patch = JobPatch(delay_s=0) if action == "retry" else JobPatch()
+            patch = JobPatch()
+            if action == "retry":
+                patch = JobPatch(delay_s=0)
+            elif action == "resume":
+                # A pause is not a failure: the paused attempt is not counted. The resumed job is
+                # reclaimed and claimed again (which counts one), at the attempt it was paused on.
+                patch = JobPatch(attempt=max(int(job["attempt"]) - 1, 0))
             result = await transition_many(conn, "job", [_move(job, action, reason=why, patch=patch)], actor)
             if result.failed:
                 raise result.failed[0]

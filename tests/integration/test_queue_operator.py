@@ -51,6 +51,8 @@ async def test_pause_resume_retry_abandon_with_operator_and_reason(conn: db.Asyn
     assert await reason_of(conn, row["id"], "pause") == ("operator", "alice", "looks stuck")
     resumed = await queue.resume(conn, row["id"], "alice", "false alarm")
     assert resumed["state"] == "running"
+    # Not an attempt spent: its next claim (after the reclaim) is the attempt it was paused on.
+    assert (paused["attempt"], resumed["attempt"]) == (1, 0)
     failed = await queue.error(
         conn, queue.JobFailure(resumed, "boom", "temporary", RetryDecision("retry", 600, "backoff")), ACTOR
     )
