@@ -294,6 +294,9 @@ class Workload:
         self.names = itertools.count()
         self.http = httpx.AsyncClient(timeout=ANSWER_TIMEOUT_S)
         self.first_ha = FIRST_HA_CREATES if set(options.kinds) & plan.HA_FAULT_KINDS else 0
+        # Instances the workload never resizes nor deletes (billing may still suspend them): an HA
+        # instance that stays one, for the HA faults.
+        self.kept: set[str] = set()
 
     def _base(self) -> str:
         return self.rng.choice(self.cluster.api_urls)
@@ -345,8 +348,10 @@ class Workload:
     async def create(self) -> None:
         org = self.rng.choice(self.cluster.orgs)
         key = str(uuid.uuid4())
-        # The first ones HA: the HA faults find a target from the soak's start.
+        # The first ones HA: the HA faults find a target from the soak's start (the very first
+        # one kept: the workload churns through the others before they are long ready).
         plan_name = HA_PLAN if self.first_ha > 0 else self.rng.choice(PLANS)
+        keep = self.first_ha == FIRST_HA_CREATES
         self.first_ha -= 1
         headers = {**self._org_headers(org), "Idempotency-Key": key}
         body = {"name": f"soak-{next(self.names)}", "plan": plan_name}
@@ -356,6 +361,8 @@ class Workload:
             self.ledger.creates[key] = iid
             self.ledger.plans[iid] = plan_name
             self.live[iid] = org
+            if keep:
+                self.kept.add(iid)
 
     async def resize(self, iid: str, org: Org) -> None:
         plan_name = self.rng.choice(PLANS)
@@ -473,7 +480,7 @@ class Workload:
         if what == "create":
             await self.create()
         elif what in {"resize", "delete"}:
-            deletable = sorted(set(self.live) - self.cluster.spared)
+            deletable = sorted(set(self.live) - self.cluster.spared - self.kept)
             if not deletable:
                 return
             iid = self.rng.choice(deletable)
