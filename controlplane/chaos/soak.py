@@ -595,8 +595,10 @@ class Faults:
         # What is done once a fault recovered (or did not in time): an HA fault's writer stopped
         # and its rows read back. By the fault's target.
         self.after_recovery: dict[str, Callable[[], Awaitable[None]]] = {}
-        # Instances an HA fault's writer is writing to: no other fault takes them meanwhile.
+        # Instances an HA fault's writer is writing to, and those whose data directory is being
+        # removed: neither fault takes the other's meanwhile.
         self.probed: set[str] = set()
+        self.removing: set[str] = set()
 
     async def inject(self, kind: str) -> None:
         at = round(time.monotonic() - self.started, 1)
@@ -749,7 +751,9 @@ class Faults:
         local = LocalProvisioner(self.cluster.settings)
         rows = await _query(self.cluster.url, HA_TARGETS)
         rows = [
-            r for r in rows if str(r["id"]) not in self.cluster.spared and _servers_of(local, r["id"]) > 1
+            r
+            for r in rows
+            if str(r["id"]) not in self.probed | self.removing and _servers_of(local, r["id"]) > 1
         ]
         self.rng.shuffle(rows)
         for row in rows:
@@ -758,7 +762,9 @@ class Faults:
         else:
             return None
         iid, info = row["id"], customer_info(self.cluster.settings, row)
-        self.cluster.spared.add(str(iid))  # not resized, deleted or held while written to
+        # Not resized, deleted or held while written to (it may be spared already: for a backup).
+        spared_before = str(iid) in self.cluster.spared
+        self.cluster.spared.add(str(iid))
         self.probed.add(str(iid))
         probe = plan.WriteProbe(str(iid), kind)
         writer = AckWriter(info, probe)
@@ -766,7 +772,8 @@ class Faults:
         async def let_go() -> None:
             await writer.finish()
             self.probed.discard(str(iid))
-            self.cluster.spared.discard(str(iid))
+            if not spared_before:
+                self.cluster.spared.discard(str(iid))
 
         try:
             writer.start()
@@ -826,12 +833,14 @@ class Faults:
         self.backing_up = None
         local = LocalProvisioner(self.cluster.settings)
         self.cluster.spared.add(str(iid))  # until what comes back is looked at
+        self.removing.add(str(iid))
         try:
             kept_at = await asyncio.to_thread(write_row, info, "kept")
             await asyncio.sleep(KEPT_AGE_S)
             await asyncio.to_thread(write_row, info, "late")
         except psycopg.Error:
             self.cluster.spared.discard(str(iid))
+            self.removing.discard(str(iid))
             return None  # suspended or moved meanwhile: another target next time
         before = await _query(self.cluster.url, STATE_OF, {"id": iid})
         lost = DataLossProbe(plan.DataLoss(str(iid), round(time.time() - kept_at, 1)))
@@ -850,6 +859,7 @@ class Faults:
             looked = await asyncio.to_thread(lost.look, info)
             if looked:
                 self.cluster.spared.discard(str(iid))
+                self.removing.discard(str(iid))
             return looked
 
         return f"instance {iid} (data directory removed)", recovered
