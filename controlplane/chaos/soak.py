@@ -1,5 +1,6 @@
 """The chaos soak: the whole control plane as real processes under a steady mixed workload, while
-its processes, its own PostgreSQL and its customers' servers are killed at random.
+its processes, its own PostgreSQL and its customers' servers (an HA instance's primary, standby
+and pooler too) are killed at random.
 
 Layout: an embedded PostgreSQL (durable settings), `controlplane serve` (A of them),
 `controlplane worker` (W) and `controlplane reconcile` (R) on the local provisioner, all on one
@@ -7,7 +8,10 @@ data directory. The soak plays the platform's supervisor too (systemd's `Restart
 Deployment): a killed process is started again a second later, the killed PostgreSQL by
 `embedded.keep_running`. Clients retry what failed with the same request (and Idempotency-Key)
 until they get an answer, as a real client does; what they were answered is the ledger the end
-state is checked against (`controlplane.chaos.plan.violations`).
+state is checked against (`controlplane.chaos.plan.violations`). Around each HA fault a writer
+commits rows through the instance's pooled endpoint, every acknowledged one to be read back after
+(`plan.acknowledged_row_violations`); throughout, a watcher samples every HA server for two
+writable primaries at once (`plan.double_primary_findings`).
 """
 
 from __future__ import annotations
