@@ -73,7 +73,10 @@ SETTLED_FOR_S = 5.0
 ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
 HA_PLAN = "small"  # a primary, a synchronous standby, a pooler
-FIRST_HA_CREATES = 2
+# The workload's first creates (plan, kept): the faults on a customer's servers find targets from
+# the soak's start; those kept the workload never resizes nor deletes (it churns through the
+# others before they are long ready).
+FIRST_CREATES = ((HA_PLAN, True), (HA_PLAN, False), ("dev", True))
 
 
 @dataclass
@@ -297,9 +300,10 @@ class Workload:
         self.live: dict[str, Org] = {}  # instance id → its organisation (not yet asked to delete)
         self.names = itertools.count()
         self.http = httpx.AsyncClient(timeout=ANSWER_TIMEOUT_S)
-        self.first_ha = FIRST_HA_CREATES if set(options.kinds) & plan.HA_FAULT_KINDS else 0
+        servers = plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}
+        self.first = list(FIRST_CREATES) if servers & set(options.kinds) else []
         # Instances the workload never resizes nor deletes (billing may still suspend them): an HA
-        # instance that stays one, for the HA faults.
+        # instance and a single-server one that stay so, for the faults on customers' servers.
         self.kept: set[str] = set()
 
     def _base(self) -> str:
@@ -352,11 +356,7 @@ class Workload:
     async def create(self) -> None:
         org = self.rng.choice(self.cluster.orgs)
         key = str(uuid.uuid4())
-        # The first ones HA: the HA faults find a target from the soak's start (the very first
-        # one kept: the workload churns through the others before they are long ready).
-        plan_name = HA_PLAN if self.first_ha > 0 else self.rng.choice(PLANS)
-        keep = self.first_ha == FIRST_HA_CREATES
-        self.first_ha -= 1
+        plan_name, keep = self.first.pop(0) if self.first else (self.rng.choice(PLANS), False)
         headers = {**self._org_headers(org), "Idempotency-Key": key}
         body = {"name": f"soak-{next(self.names)}", "plan": plan_name}
         response = await self.request("create", "POST", "/v1/instances", headers, body)
