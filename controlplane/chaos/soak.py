@@ -74,9 +74,10 @@ ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
 HA_PLAN = "small"  # a primary, a synchronous standby, a pooler
 # The workload's first creates (plan, kept): the faults on a customer's servers find targets from
-# the soak's start; those kept the workload never resizes nor deletes (it churns through the
-# others before they are long ready).
-FIRST_CREATES = ((HA_PLAN, True), (HA_PLAN, False), ("dev", True))
+# the soak's start; the one kept the workload never resizes nor deletes (it churns through the
+# others before they are long ready). Not a single-server one: the data directory fault would
+# take it again and again, each loss a restore that the workers' faults may see given up.
+FIRST_CREATES = ((HA_PLAN, True), (HA_PLAN, False), ("dev", False))
 
 
 @dataclass
@@ -303,7 +304,7 @@ class Workload:
         servers = plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}
         self.first = list(FIRST_CREATES) if servers & set(options.kinds) else []
         # Instances the workload never resizes nor deletes (billing may still suspend them): an HA
-        # instance and a single-server one that stay so, for the faults on customers' servers.
+        # instance that stays one, for the HA faults.
         self.kept: set[str] = set()
 
     def _base(self) -> str:
