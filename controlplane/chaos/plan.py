@@ -20,10 +20,28 @@ WORKER = "worker"
 RECONCILER_LEADER = "reconciler_leader"
 API = "api"
 CONTROL_PLANE_DB = "control_plane_db"
+# The server of a single-server (`dev`) instance.
 CUSTOMER_SERVER = "customer_server"
 # A customer's data directory removed (rm -rf) behind the control plane's back.
 DATA_DIRECTORY = "data_directory"
-FAULT_KINDS = (WORKER, RECONCILER_LEADER, API, CONTROL_PLANE_DB, CUSTOMER_SERVER, DATA_DIRECTORY)
+# An HA instance's current primary (whichever member it is after earlier failovers), one of its
+# standbys, its pooler (PgBouncer): each while a writer commits through its pooled endpoint.
+HA_PRIMARY = "ha_primary"
+HA_STANDBY = "ha_standby"
+POOLER = "pooler"
+FAULT_KINDS = (
+    WORKER,
+    RECONCILER_LEADER,
+    API,
+    CONTROL_PLANE_DB,
+    CUSTOMER_SERVER,
+    DATA_DIRECTORY,
+    HA_PRIMARY,
+    HA_STANDBY,
+    POOLER,
+)
+# The faults of an HA instance, under a writer whose acknowledged rows must all survive.
+HA_FAULT_KINDS = frozenset({HA_PRIMARY, HA_STANDBY, POOLER})
 
 # Instance states a converged soak may leave an instance in.
 SETTLED = frozenset({"ready", "suspended", "deleted"})
@@ -284,6 +302,84 @@ def durability_violations(losses: Sequence[DataLoss], instances: Sequence[Mappin
 
 
 @dataclass
+class WriteProbe:
+    """Rows committed one by one through an HA instance's pooled endpoint around a fault: the ids
+    whose COMMIT was acknowledged, and the ids read back once it recovered (None: not read, the
+    instance deleted meanwhile or never serving again)."""
+
+    instance_id: str
+    fault: str
+    acknowledged: list[int] = field(default_factory=list)
+    attempted: int = 0  # INSERTs sent (an unanswered one may or may not have committed)
+    errors: int = 0  # attempts that failed (expected while the fault lasts), each retried afresh
+    present: list[int] | None = None
+
+
+def acknowledged_row_violations(
+    probes: Sequence[WriteProbe], instances: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """Every acknowledged row a probe did not read back, and every probe never read back on an
+    instance that still exists (an acknowledged COMMIT is on two servers: no fault may lose it)."""
+    states = {str(i["id"]): i["state"] for i in instances}
+    found = []
+    for probe in probes:
+        if probe.present is None:
+            if probe.acknowledged and states.get(probe.instance_id) not in {"deleted", None}:
+                found.append(
+                    f"instance {probe.instance_id}: the {len(probe.acknowledged)} rows acknowledged around"
+                    f" its {probe.fault} fault were never read back"
+                )
+            continue
+        missing = sorted(set(probe.acknowledged) - set(probe.present))
+        if missing:
+            shown = ", ".join(str(n) for n in missing[:10]) + (", ..." if len(missing) > 10 else "")
+            found.append(
+                f"instance {probe.instance_id}: {len(missing)} of {len(probe.acknowledged)} acknowledged"
+                f" rows lost across its {probe.fault} fault (ids {shown})"
+            )
+    return found
+
+
+@dataclass(frozen=True)
+class PrimarySample:
+    """One look at one server of an HA instance: writable (not in recovery), not (a standby), or
+    None (no answer)."""
+
+    instance_id: str
+    server: str  # the member's name (or its port)
+    writable: bool | None
+
+
+def double_primary_findings(round_: Sequence[PrimarySample]) -> list[str]:
+    """Two writable primaries of one instance, proven by one round of sequential samples: server A
+    writable, then server B writable, then A writable again. A was writable all along (a fenced
+    primary never comes back writable), so both were at B's sample. A round samples its servers
+    there and back (A, B, A) so that every pair can be seen so."""
+    found: list[str] = []
+    seen: set[tuple[str, str, str]] = set()
+    for i, first in enumerate(round_):
+        if not first.writable:
+            continue
+        for j in range(i + 1, len(round_)):
+            other = round_[j]
+            if not other.writable or other.server == first.server or other.instance_id != first.instance_id:
+                continue
+            again = any(
+                later.writable and later.server == first.server and later.instance_id == first.instance_id
+                for later in round_[j + 1 :]
+            )
+            pair = sorted((first.server, other.server))
+            key = (first.instance_id, pair[0], pair[1])
+            if again and key not in seen:
+                seen.add(key)
+                found.append(
+                    f"instance {first.instance_id}: two writable primaries at once ({first.server} was"
+                    f" writable before and after {other.server} answered writable)"
+                )
+    return found
+
+
+@dataclass
 class FaultRecord:
     kind: str
     at_s: float
@@ -304,6 +400,19 @@ class Report:
     convergence_s: float | None = None
     violations: list[str] = field(default_factory=list)
     data_losses: list[DataLoss] = field(default_factory=list)
+    write_probes: list[WriteProbe] = field(default_factory=list)
+    primary_samples: int = 0  # servers of HA instances asked whether they take writes
+    double_primaries: list[str] = field(default_factory=list)
+
+    def acknowledged_rows(self) -> dict[str, int]:
+        """The writers' rows: acknowledged, read back (of probes read back), missing."""
+        read = [p for p in self.write_probes if p.present is not None]
+        return {
+            "probes": len(self.write_probes),
+            "written": sum(len(p.acknowledged) for p in self.write_probes),
+            "checked": sum(len(p.acknowledged) for p in read),
+            "missing": sum(len(set(p.acknowledged) - set(p.present or ())) for p in read),
+        }
 
     def by_kind(self) -> dict[str, dict[str, Any]]:
         table: dict[str, dict[str, Any]] = {}
@@ -336,6 +445,20 @@ class Report:
             },
             "convergence_s": self.convergence_s,
             "data_losses": [asdict(loss) for loss in self.data_losses],
+            "acknowledged_rows": self.acknowledged_rows(),
+            "write_probes": [
+                {
+                    "instance_id": p.instance_id,
+                    "fault": p.fault,
+                    "acknowledged": len(p.acknowledged),
+                    "attempted": p.attempted,
+                    "errors": p.errors,
+                    "read_back": p.present is not None,
+                }
+                for p in self.write_probes
+            ],
+            "primary_samples": self.primary_samples,
+            "double_primaries": len(self.double_primaries),
             "invariant_violations": len(self.violations),
             "violations": self.violations,
         }
@@ -371,6 +494,16 @@ class Report:
                 f"Data directories removed: {len(self.data_losses)}; the row older than the archive timeout"
                 f" survived {kept} time(s), the row written just before the loss {late} time(s).",
             ]
+        rows = self.acknowledged_rows()
+        lines += [
+            "",
+            "| invariant | checked | violations |",
+            "|---|---|---|",
+            f"| no acknowledged row lost ({rows['probes']} writers) | {rows['checked']} of"
+            f" {rows['written']} acknowledged rows read back | {rows['missing']} missing |",
+            f"| never two writable primaries | {self.primary_samples} samples |"
+            f" {len(self.double_primaries)} double primaries |",
+        ]
         lines += [
             "",
             f"Converged {_seconds(self.convergence_s)} s after the faults stopped.",

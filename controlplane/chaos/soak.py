@@ -1,5 +1,6 @@
 """The chaos soak: the whole control plane as real processes under a steady mixed workload, while
-its processes, its own PostgreSQL and its customers' servers are killed at random.
+its processes, its own PostgreSQL and its customers' servers (an HA instance's primary, standby
+and pooler too) are killed at random.
 
 Layout: an embedded PostgreSQL (durable settings), `controlplane serve` (A of them),
 `controlplane worker` (W) and `controlplane reconcile` (R) on the local provisioner, all on one
@@ -7,7 +8,10 @@ data directory. The soak plays the platform's supervisor too (systemd's `Restart
 Deployment): a killed process is started again a second later, the killed PostgreSQL by
 `embedded.keep_running`. Clients retry what failed with the same request (and Idempotency-Key)
 until they get an answer, as a real client does; what they were answered is the ledger the end
-state is checked against (`controlplane.chaos.plan.violations`).
+state is checked against (`controlplane.chaos.plan.violations`). Around each HA fault a writer
+commits rows through the instance's pooled endpoint, every acknowledged one to be read back after
+(`plan.acknowledged_row_violations`); throughout, a watcher samples every HA server for two
+writable primaries at once (`plan.double_primary_findings`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -38,6 +43,7 @@ from cryptography.fernet import Fernet
 
 from controlplane.audit import verify as audit
 from controlplane.chaos import plan
+from controlplane.core import plans
 from controlplane.db import connection as db
 from controlplane.runtime.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
 from controlplane.runtime.postgres import free_port, postmaster_pid
@@ -46,6 +52,8 @@ from controlplane.runtime.settings import Settings
 from controlplane.services import tenants
 from provisioners.base import ConnectionInfo
 from provisioners.local import LocalProvisioner
+from provisioners.local.network import owner_of
+from provisioners.local.replication import member_name
 from reconciler.leader import RECONCILER_LOCK_KEY
 
 log = logging.getLogger("controlplane.chaos")
@@ -58,9 +66,18 @@ TARGET_WAIT_S = 15.0
 # The data directory fault needs a ready instance with a backup: one is spared and backed up for it
 # (Faults.keep_a_target_backed_up), which takes a backup's time, not a process's restart.
 BACKED_UP_TARGET_WAIT_S = 60.0
+# An HA fault's target is a ready, fully redundant HA instance no other fault is using: one may be
+# recovering from the last HA fault (a failover rebuilds the old primary as a standby).
+HA_TARGET_WAIT_S = 45.0
 SETTLED_FOR_S = 5.0
 ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
+HA_PLAN = "small"  # a primary, a synchronous standby, a pooler
+# The workload's first creates (plan, kept): the faults on a customer's servers find targets from
+# the soak's start; the one kept the workload never resizes nor deletes (it churns through the
+# others before they are long ready). Not a single-server one: the data directory fault would
+# take it again and again, each loss a restore that the workers' faults may see given up.
+FIRST_CREATES = ((HA_PLAN, True), (HA_PLAN, False), ("dev", False))
 
 
 @dataclass
@@ -284,6 +301,11 @@ class Workload:
         self.live: dict[str, Org] = {}  # instance id → its organisation (not yet asked to delete)
         self.names = itertools.count()
         self.http = httpx.AsyncClient(timeout=ANSWER_TIMEOUT_S)
+        servers = plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}
+        self.first = list(FIRST_CREATES) if servers & set(options.kinds) else []
+        # Instances the workload never resizes nor deletes (billing may still suspend them): an HA
+        # instance that stays one, for the HA faults.
+        self.kept: set[str] = set()
 
     def _base(self) -> str:
         return self.rng.choice(self.cluster.api_urls)
@@ -335,7 +357,7 @@ class Workload:
     async def create(self) -> None:
         org = self.rng.choice(self.cluster.orgs)
         key = str(uuid.uuid4())
-        plan_name = self.rng.choice(PLANS)
+        plan_name, keep = self.first.pop(0) if self.first else (self.rng.choice(PLANS), False)
         headers = {**self._org_headers(org), "Idempotency-Key": key}
         body = {"name": f"soak-{next(self.names)}", "plan": plan_name}
         response = await self.request("create", "POST", "/v1/instances", headers, body)
@@ -344,6 +366,8 @@ class Workload:
             self.ledger.creates[key] = iid
             self.ledger.plans[iid] = plan_name
             self.live[iid] = org
+            if keep:
+                self.kept.add(iid)
 
     async def resize(self, iid: str, org: Org) -> None:
         plan_name = self.rng.choice(PLANS)
@@ -461,7 +485,7 @@ class Workload:
         if what == "create":
             await self.create()
         elif what in {"resize", "delete"}:
-            deletable = sorted(set(self.live) - self.cluster.spared)
+            deletable = sorted(set(self.live) - self.cluster.spared - self.kept)
             if not deletable:
                 return
             iid = self.rng.choice(deletable)
@@ -573,12 +597,22 @@ class Faults:
         self.started = time.monotonic()
         # The instance spared from the workload for its first backup (the data directory fault's).
         self.backing_up: str | None = None
+        # What is done once a fault recovered (or did not in time): an HA fault's writer stopped
+        # and its rows read back. By the fault's target.
+        self.after_recovery: dict[str, Callable[[], Awaitable[None]]] = {}
+        # Instances an HA fault's writer is writing to, and those whose data directory is being
+        # removed: neither fault takes the other's meanwhile.
+        self.probed: set[str] = set()
+        self.removing: set[str] = set()
 
     async def inject(self, kind: str) -> None:
         at = round(time.monotonic() - self.started, 1)
         injected = await self._target(kind)
         waited = time.monotonic()
-        patience = BACKED_UP_TARGET_WAIT_S if kind == plan.DATA_DIRECTORY else TARGET_WAIT_S
+        patience = {
+            plan.DATA_DIRECTORY: BACKED_UP_TARGET_WAIT_S,
+            **dict.fromkeys(plan.HA_FAULT_KINDS, HA_TARGET_WAIT_S),
+        }.get(kind, TARGET_WAIT_S)
         while injected is None and time.monotonic() - waited < patience:
             await asyncio.sleep(1)  # nothing to kill yet (no ready instance, no leader elected)
             injected = await self._target(kind)
@@ -594,14 +628,19 @@ class Faults:
 
         async def watch() -> None:
             deadline = began + RECOVERY_BOUND_S
-            while time.monotonic() < deadline:
-                with contextlib.suppress(Exception):
-                    if await recovered():
-                        record.recovery_s = round(time.monotonic() - began, 2)
-                        log.info("chaos: %s %s recovered in %.1fs", kind, target, record.recovery_s)
-                        return
-                await asyncio.sleep(PROBE_INTERVAL_S)
-            log.error("chaos: %s %s not recovered within %.0fs", kind, target, RECOVERY_BOUND_S)
+            try:
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(Exception):
+                        if await recovered():
+                            record.recovery_s = round(time.monotonic() - began, 2)
+                            log.info("chaos: %s %s recovered in %.1fs", kind, target, record.recovery_s)
+                            return
+                    await asyncio.sleep(PROBE_INTERVAL_S)
+                log.error("chaos: %s %s not recovered within %.0fs", kind, target, RECOVERY_BOUND_S)
+            finally:
+                finish = self.after_recovery.pop(target, None)
+                if finish is not None:
+                    await finish()  # the writer of an HA fault stopped, its rows read back
 
         self.recoveries.append(asyncio.create_task(watch()))
 
@@ -673,10 +712,14 @@ class Faults:
         return f"postmaster pid {pid}", recovered
 
     async def _customer_server(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        """Kill the server of a ready single-server instance (an HA instance's are `ha_primary`'s
+        and `ha_standby`'s)."""
         rows = await _query(self.cluster.url, "SELECT id FROM instances WHERE state = 'ready'")
         local = LocalProvisioner(self.cluster.settings)
         candidates = []
         for row in rows:
+            if _servers_of(local, row["id"]) != 1:
+                continue
             pid = postmaster_pid(local.instance_dir(row["id"]) / "pgdata")
             if pid is not None:
                 candidates.append((row["id"], pid))
@@ -696,10 +739,96 @@ class Faults:
 
         return f"instance {iid} (pid {pid})", recovered
 
+    async def _ha_primary(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        return await self._ha_fault(plan.HA_PRIMARY)
+
+    async def _ha_standby(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        return await self._ha_fault(plan.HA_STANDBY)
+
+    async def _pooler(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        return await self._ha_fault(plan.POOLER)
+
+    async def _ha_fault(self, kind: str) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
+        """Kill the current primary, a standby or the pooler of a ready, fully redundant HA
+        instance while a writer commits rows through its pooled endpoint; recovered once it is
+        ready again with a new process in place of the killed one (and, a server killed, its
+        standbys all streaming); then every row whose COMMIT was acknowledged must read back."""
+        local = LocalProvisioner(self.cluster.settings)
+        rows = await _query(self.cluster.url, HA_TARGETS)
+        rows = [
+            r
+            for r in rows
+            if str(r["id"]) not in self.probed | self.removing and _servers_of(local, r["id"]) > 1
+        ]
+        self.rng.shuffle(rows)
+        for row in rows:
+            if await _redundant(local, row["id"]) and local.pooler.is_running(row["id"]):
+                break
+        else:
+            return None
+        iid, info = row["id"], customer_info(self.cluster.settings, row)
+        # Not resized, deleted or held while written to (it may be spared already: for a backup).
+        spared_before = str(iid) in self.cluster.spared
+        self.cluster.spared.add(str(iid))
+        self.probed.add(str(iid))
+        probe = plan.WriteProbe(str(iid), kind)
+        writer = AckWriter(info, probe)
+
+        async def let_go() -> None:
+            await writer.finish()
+            self.probed.discard(str(iid))
+            if not spared_before:
+                self.cluster.spared.discard(str(iid))
+
+        try:
+            writer.start()
+            victim = _ha_victim(local, iid, kind) if await writer.acknowledged(WRITER_START_S) else None
+        except BaseException:
+            await let_go()
+            raise
+        if victim is None:  # not serving writes (suspended, busy), or its process gone: not now
+            await let_go()
+            log.info("chaos: %s: %s takes no writes or has no process to kill now", kind, iid)
+            return None
+        what, pid, member = victim
+        os.kill(pid, signal.SIGKILL)
+        self.report.write_probes.append(probe)
+        target = f"instance {iid} ({what} pid {pid})"
+
+        async def recovered() -> bool:
+            state = await _query(self.cluster.url, STATE_OF, {"id": iid})
+            if state[0]["state"] in {"deprovisioning", "deleted"}:
+                return True  # deleted meanwhile: nothing left to recover
+            if state[0]["state"] not in {"ready", "suspended"}:
+                return False
+            if kind == plan.POOLER:
+                now = local.pooler.pid(iid)
+            else:  # the killed server's own member (a standby now, after a failover), back
+                now = postmaster_pid(local.storage.member_datadir(iid, member))
+            if now is None or now == pid:
+                return False
+            return kind == plan.POOLER or state[0]["state"] == "suspended" or await _redundant(local, iid)
+
+        async def finish() -> None:
+            await writer.finish()
+            probe.present = await _read_back(info, probe, writer.token, self.cluster.url, iid)
+            await let_go()
+            log.info(
+                "chaos: %s of %s: %d rows acknowledged, %s read back",
+                kind,
+                iid,
+                len(probe.acknowledged),
+                "none" if probe.present is None else len(set(probe.acknowledged) & set(probe.present)),
+            )
+
+        self.after_recovery[target] = finish
+        return target, recovered
+
     async def _data_directory(self) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
         """Remove a ready instance's data directory once it has a backup: a row written more than
         the archive timeout before must survive its restore to the end of the archive."""
         rows = await _query(self.cluster.url, BACKED_UP_TARGETS)
+        rows = [row for row in rows if str(row["id"]) not in self.probed]
         if not rows:
             return None  # `keep_a_target_backed_up` is making one
         row = self.rng.choice(rows)
@@ -709,12 +838,14 @@ class Faults:
         self.backing_up = None
         local = LocalProvisioner(self.cluster.settings)
         self.cluster.spared.add(str(iid))  # until what comes back is looked at
+        self.removing.add(str(iid))
         try:
             kept_at = await asyncio.to_thread(write_row, info, "kept")
             await asyncio.sleep(KEPT_AGE_S)
             await asyncio.to_thread(write_row, info, "late")
         except psycopg.Error:
             self.cluster.spared.discard(str(iid))
+            self.removing.discard(str(iid))
             return None  # suspended or moved meanwhile: another target next time
         before = await _query(self.cluster.url, STATE_OF, {"id": iid})
         lost = DataLossProbe(plan.DataLoss(str(iid), round(time.time() - kept_at, 1)))
@@ -733,6 +864,7 @@ class Faults:
             looked = await asyncio.to_thread(lost.look, info)
             if looked:
                 self.cluster.spared.discard(str(iid))
+                self.removing.discard(str(iid))
             return looked
 
         return f"instance {iid} (data directory removed)", recovered
@@ -765,7 +897,7 @@ class Faults:
             " AND i.deletion_requested_at IS NULL ORDER BY i.created_at",
         )
         keys = {org.id: org.key for org in self.cluster.orgs}
-        rows = [row for row in rows if str(row["org_id"]) in keys]
+        rows = [row for row in rows if str(row["org_id"]) in keys and str(row["id"]) not in self.probed]
         if not rows:
             return
         row = self.rng.choice(rows)
@@ -804,6 +936,217 @@ KEPT_AGE_S = 2 * ARCHIVE_TIMEOUT_S
 def customer_info(settings: Settings, row: dict[str, Any]) -> ConnectionInfo:
     password = load_box(settings).decrypt(bytes(row["secret"]))
     return ConnectionInfo.from_public(row["connection"], password)
+
+
+# Ready HA instances (their connection details the pooled endpoint's), what the HA faults pick from.
+HA_TARGETS = (
+    "SELECT i.id, i.connection, i.secret FROM instances i"
+    " WHERE i.state = 'ready' AND i.deletion_requested_at IS NULL AND i.connection ? 'pool_mode'"
+)
+# The writer of an HA fault: rows acknowledged before the kill, its pace, how long it may take to
+# start, and to stop once its fault recovered (a commit waits for a standby, or the pooler for a
+# server, as long as there is none).
+WRITES_BEFORE_THE_FAULT = 5
+WRITE_INTERVAL_S = 0.05
+WRITER_START_S = 10.0
+WRITER_STOP_S = 30.0
+READ_BACK_S = 60.0
+
+
+def _servers_of(local: LocalProvisioner, instance_id: uuid.UUID) -> int:
+    """How many servers the instance's applied plan runs (as the provisioner recorded it)."""
+    try:
+        applied = local.storage.load_state(instance_id).get("plan")
+    except (OSError, ValueError):
+        return 0
+    return plans.SHAPES[str(applied)].instances if applied in plans.SHAPES else 0
+
+
+async def _redundant(local: LocalProvisioner, instance_id: uuid.UUID) -> bool:
+    """Whether the instance's primary serves and sees every standby of its plan streaming (what
+    observe reports of replication)."""
+    seen = await local.observe(instance_id)
+    return (
+        seen.healthy
+        and not seen.read_only
+        and seen.servers > 1
+        and seen.standbys_streaming == seen.servers - 1
+    )
+
+
+def _ha_victim(local: LocalProvisioner, instance_id: uuid.UUID, kind: str) -> tuple[str, int, int] | None:
+    """What an HA fault kills: (what, pid, member) of the current primary (whichever member it is
+    now), of a standby, or of the pooler (member -1)."""
+    if kind == plan.POOLER:
+        pid = local.pooler.pid(instance_id)
+        return None if pid is None else ("pooler", pid, -1)
+    primary = local.storage.primary_member(instance_id)
+    members = local.standbys.all_members(instance_id)
+    chosen = [primary] if kind == plan.HA_PRIMARY else [m for m in members if m != primary]
+    for member in chosen:
+        pid = postmaster_pid(local.storage.member_datadir(instance_id, member))
+        if pid is not None:
+            role = "primary" if member == primary else "standby"
+            return f"{role} {member_name(member)}", pid, member
+    return None
+
+
+class AckWriter:
+    """Commits rows 1, 2, 3... one by one through an instance's pooled endpoint, each in its own
+    transaction, at a steady pace, on a thread; records each id whose COMMIT was acknowledged. A
+    failed attempt (its outcome unknown) is not retried: the next id goes on a fresh connection."""
+
+    def __init__(self, info: ConnectionInfo, probe: plan.WriteProbe) -> None:
+        self.info = info
+        self.probe = probe
+        self.token = uuid.uuid4().hex
+        self.stop = threading.Event()
+        # Set when the soak gives up waiting for a blocked commit: what it is then told is not
+        # counted (a cancelled wait for the standby answers COMMIT, committed on one server only).
+        self.abandoned = threading.Event()
+        self.warmed_up = threading.Event()  # acknowledged WRITES_BEFORE_THE_FAULT rows
+        self.conn: psycopg.Connection[Any] | None = None
+        self.thread = threading.Thread(
+            target=self._run, name=f"chaos-writer-{probe.instance_id}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(
+            **self.info.libpq(),
+            sslmode="require",
+            autocommit=True,
+            connect_timeout=3,
+            prepare_threshold=None,  # the pooler pools by transaction
+        )
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS chaos_acknowledged (probe text, id bigint, PRIMARY KEY (probe, id))"
+        )
+        return conn
+
+    def _run(self) -> None:
+        next_id = 0
+        while not self.stop.is_set():
+            next_id += 1
+            try:
+                if self.conn is None:
+                    self.conn = self._connect()
+                self.probe.attempted += 1
+                self.conn.execute("INSERT INTO chaos_acknowledged VALUES (%s, %s)", (self.token, next_id))
+                if not self.abandoned.is_set():
+                    self.probe.acknowledged.append(next_id)
+                    if len(self.probe.acknowledged) >= WRITES_BEFORE_THE_FAULT:
+                        self.warmed_up.set()
+            except psycopg.Error:
+                self.probe.errors += 1
+                if self.conn is not None:
+                    with contextlib.suppress(Exception):
+                        self.conn.close()
+                self.conn = None
+            self.stop.wait(WRITE_INTERVAL_S)
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+
+    async def acknowledged(self, within_s: float) -> bool:
+        """Whether WRITES_BEFORE_THE_FAULT rows were acknowledged within `within_s`."""
+        return await asyncio.to_thread(self.warmed_up.wait, within_s)
+
+    async def finish(self) -> None:
+        """Stop writing; a commit still blocked after WRITER_STOP_S is cancelled and not counted."""
+        self.stop.set()
+        await asyncio.to_thread(self.thread.join, WRITER_STOP_S)
+        if self.thread.is_alive():
+            self.abandoned.set()
+            conn = self.conn
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.cancel_safe(timeout=5)
+            await asyncio.to_thread(self.thread.join, 10)
+            log.warning("chaos: the writer of %s was stopped mid-commit", self.probe.instance_id)
+
+
+async def _read_back(
+    info: ConnectionInfo, probe: plan.WriteProbe, token: str, url: str, instance_id: uuid.UUID
+) -> list[int] | None:
+    """The ids of the probe's rows, read through the pooled endpoint (None: the instance was
+    deleted meanwhile, or did not serve within READ_BACK_S)."""
+
+    def read() -> list[int]:
+        with psycopg.connect(
+            **info.libpq(), sslmode="require", autocommit=True, connect_timeout=3, prepare_threshold=None
+        ) as conn:
+            rows = conn.execute("SELECT id FROM chaos_acknowledged WHERE probe = %s", (token,)).fetchall()
+        return [int(r[0]) for r in rows]
+
+    deadline = time.monotonic() + READ_BACK_S
+    while time.monotonic() < deadline:
+        try:
+            return await asyncio.to_thread(read)
+        except psycopg.errors.UndefinedTable:
+            return []
+        except psycopg.Error:
+            with contextlib.suppress(psycopg.Error, OSError):
+                state = await _query(url, STATE_OF, {"id": instance_id})
+                if state[0]["state"] in {"deprovisioning", "deleted"}:
+                    return None
+            await asyncio.sleep(0.5)
+    log.error("chaos: the rows of %s's %s writer could not be read back", instance_id, probe.fault)
+    return None
+
+
+def _sample_round(local: LocalProvisioner) -> list[plan.PrimarySample]:
+    """One look at every server of every HA instance: each instance's servers there and back
+    (m0, m1, ..., m1, m0) so that any two writable at once are proven so."""
+    members: dict[uuid.UUID, dict[str, int]] = {}
+    for key, port in local.ports.table().items():
+        owner, held_by = owner_of(key)
+        if owner is not None and held_by.isdigit():
+            members.setdefault(owner, {})[held_by] = port
+    samples: list[plan.PrimarySample] = []
+    for instance_id, ports in members.items():
+        if len(ports) < 2:
+            continue
+        order = sorted(ports, key=int)
+        for member in order + order[-2::-1]:
+            samples.append(
+                plan.PrimarySample(
+                    str(instance_id), member_name(int(member)), _writable(local, instance_id, ports[member])
+                )
+            )
+    return samples
+
+
+def _writable(local: LocalProvisioner, instance_id: uuid.UUID, port: int) -> bool | None:
+    try:
+        with local.admin.connect(instance_id, port, timeout=PRIMARY_SAMPLE_TIMEOUT_S) as admin:
+            row = admin.execute("SELECT NOT pg_is_in_recovery()").fetchone()
+    except Exception:  # no answer, whatever the reason: a server down, its state gone
+        return None
+    return None if row is None else bool(row[0])
+
+
+PRIMARY_SAMPLE_TIMEOUT_S = 2  # libpq's shortest connect timeout
+PRIMARY_ROUND_EVERY_S = 0.5
+
+
+async def watch_primaries(cluster: Cluster, report: plan.Report, stop: asyncio.Event) -> None:
+    """Until `stop`: rounds of samples of every HA instance's servers, each proven double primary
+    recorded (once)."""
+    local = LocalProvisioner(cluster.settings)
+    while not stop.is_set():
+        began = time.monotonic()
+        samples = await asyncio.to_thread(_sample_round, local)
+        report.primary_samples += len(samples)
+        for finding in plan.double_primary_findings(samples):
+            if finding not in report.double_primaries:
+                log.error("chaos: %s", finding)
+                report.double_primaries.append(finding)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.05, PRIMARY_ROUND_EVERY_S - (time.monotonic() - began))):
+                await stop.wait()
 
 
 def customer_session(info: ConnectionInfo) -> psycopg.Connection[Any]:
@@ -941,6 +1284,8 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
     keeper = asyncio.create_task(keep_running(cluster.database, keeper_stop, interval_s=0.5))
     supervisor_stop = asyncio.Event()
     supervisor = asyncio.create_task(supervise(cluster, supervisor_stop))
+    watcher_stop = asyncio.Event()
+    watcher = asyncio.create_task(watch_primaries(cluster, report, watcher_stop))
     try:
         await _wait_serving(cluster, faults.http)
         duration = options.minutes * 60
@@ -960,8 +1305,12 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
         await asyncio.gather(*clients)
         await asyncio.gather(*faults.recoveries)
         taken, report.convergence_s = await wait_converged(cluster, options.converge_timeout_s)
+        watcher_stop.set()
+        await watcher
         report.violations = plan.violations(workload.ledger, taken)
         report.violations += plan.durability_violations(report.data_losses, taken.instances)
+        report.violations += plan.acknowledged_row_violations(report.write_probes, taken.instances)
+        report.violations += report.double_primaries
         report.violations += [
             f"{f.kind} ({f.target}) not recovered within {RECOVERY_BOUND_S:.0f}s"
             for f in report.faults
@@ -975,7 +1324,8 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
         cluster.stop.set()
         supervisor_stop.set()
         keeper_stop.set()
-        await asyncio.gather(keeper, supervisor, return_exceptions=True)
+        watcher_stop.set()
+        await asyncio.gather(keeper, supervisor, watcher, return_exceptions=True)
         await faults.close()
         await workload.close()
     return report

@@ -1,6 +1,8 @@
 """The short chaos soak: the whole control plane as processes, a mixed workload, every kind of fault
-(worker, reconciler leader, API, the control plane's PostgreSQL, a customer's server), then every
-invariant checked on the converged end state. The long soak is `python3 dev.py chaos --minutes 30`."""
+(worker, reconciler leader, API, the control plane's PostgreSQL, a single server, a data directory,
+an HA instance's primary, standby and pooler), then every invariant checked on the converged end
+state, with no acknowledged row lost across the HA faults and never two writable primaries. The
+long soak is `python3 dev.py chaos --minutes 30`."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ def test_short_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
     with scratch_dir("cp-chaos-") as root:
         report = run(
             Options(
-                minutes=2,
+                # Nine kinds at 4-12 s apart: two rounds of them, the first before instances are ready.
+                minutes=3,
                 seed=18,
                 apis=2,
                 workers=2,
@@ -38,4 +41,7 @@ def test_short_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
     injected = {kind for kind, row in report.by_kind().items() if row["injected"]}
     assert injected == set(plan.FAULT_KINDS), report.by_kind()
     assert report.completed["create"] > 0 and report.completed["billing"] > 0
+    rows = report.acknowledged_rows()
+    assert rows["written"] > 0 and rows["checked"] > 0 and rows["missing"] == 0, rows
+    assert report.primary_samples > 0 and report.double_primaries == []
     assert json.loads((tmp_path / "report.json").read_text())["invariant_violations"] == 0

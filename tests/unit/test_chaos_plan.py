@@ -212,3 +212,75 @@ def test_a_row_older_than_the_archive_timeout_must_survive_a_removed_data_direct
         report.markdown()
     )
     assert report.as_json()["data_losses"][1]["kept_present"] is False
+
+
+def test_every_acknowledged_row_must_be_read_back_after_an_ha_fault() -> None:
+    instances = [
+        {"id": "a", "state": "ready"},
+        {"id": "b", "state": "ready"},
+        {"id": "c", "state": "deleted"},
+        {"id": "d", "state": "suspended"},
+    ]
+    probes = [
+        # Rows 4 and 5 were sent, never acknowledged: they may be there or not.
+        plan.WriteProbe("a", plan.HA_PRIMARY, [1, 2, 3], attempted=5, errors=2, present=[1, 2, 3, 5]),
+        plan.WriteProbe("b", plan.HA_STANDBY, [1, 2, 3, 4], present=[1, 3]),
+        plan.WriteProbe("c", plan.POOLER, [1, 2]),  # deleted meanwhile: nothing to read
+        plan.WriteProbe("d", plan.HA_PRIMARY, [1]),  # still there, never read back
+        plan.WriteProbe("a", plan.POOLER, []),  # nothing acknowledged, nothing to read
+    ]
+    assert plan.acknowledged_row_violations(probes, instances) == [
+        "instance b: 2 of 4 acknowledged rows lost across its ha_standby fault (ids 2, 4)",
+        "instance d: the 1 rows acknowledged around its ha_primary fault were never read back",
+    ]
+    many = plan.WriteProbe("a", plan.HA_PRIMARY, list(range(1, 21)), present=[])
+    (line,) = plan.acknowledged_row_violations([many], instances)
+    assert "20 of 20" in line and line.endswith("(ids 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ...)")
+    assert plan.acknowledged_row_violations(probes[:1] + probes[2:3], instances) == []
+    report = plan.Report(seed=1, minutes=1, processes={}, write_probes=probes, primary_samples=42)
+    assert report.acknowledged_rows() == {"probes": 5, "written": 10, "checked": 7, "missing": 2}
+    text = report.markdown()
+    row = "| no acknowledged row lost (5 writers) | 7 of 10 acknowledged rows read back | 2 missing |"
+    assert row in text
+    assert "| never two writable primaries | 42 samples | 0 double primaries |" in text
+    data = report.as_json()
+    assert data["acknowledged_rows"]["missing"] == 2 and data["primary_samples"] == 42
+    assert data["write_probes"][0] == {
+        "instance_id": "a",
+        "fault": "ha_primary",
+        "acknowledged": 3,
+        "attempted": 5,
+        "errors": 2,
+        "read_back": True,
+    }
+
+
+def _round(*samples: tuple[str, bool | None], instance: str = "i") -> list[plan.PrimarySample]:
+    return [plan.PrimarySample(instance, server, writable) for server, writable in samples]
+
+
+def test_two_writable_primaries_only_when_proven_by_one_round() -> None:
+    def found(*samples: tuple[str, bool | None]) -> list[str]:
+        return plan.double_primary_findings(_round(*samples))
+
+    # A failover seen mid-round: A writable, then B writable, A no longer: not proven (A may have
+    # been fenced before B was promoted).
+    assert found(("m0", True), ("m1", True), ("m0", False)) == []
+    assert found(("m0", True), ("m1", True), ("m0", None)) == []
+    assert found(("m0", True), ("m1", False), ("m0", True)) == []
+    assert found(("m0", None), ("m1", True), ("m0", True)) == []
+    assert found() == []
+    (line,) = found(("m0", True), ("m1", True), ("m0", True))
+    assert line == (
+        "instance i: two writable primaries at once (m0 was writable before and after m1 answered writable)"
+    )
+    # There and back over three servers: B and C both writable between two writable samples of B.
+    (line,) = found(("m0", False), ("m1", True), ("m2", True), ("m1", True), ("m0", False))
+    assert "m1 was writable before and after m2" in line
+    # One finding per pair, however many times the round proves it.
+    assert len(found(("m0", True), ("m1", True), ("m0", True), ("m1", True))) == 1
+    # Other instances' servers do not pair with these.
+    mixed = _round(("m0", True)) + _round(("m0", True), instance="j") + _round(("m0", True))
+    assert plan.double_primary_findings(mixed) == []
+    mixed = _round(("m0", True)) + _round(("m1", True), instance="j") + _round(("m0", True))
+    assert plan.double_primary_findings(mixed) == []
