@@ -1356,13 +1356,17 @@ def run(options: Options) -> plan.Report:
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o755)  # noqa: S103 (the servers' user must reach the data directory)
     cluster = start_cluster(options, root)
+    report: plan.Report | None = None
     try:
         report = asyncio.run(soak(options, cluster))
     finally:
         stop_cluster(cluster)
+        if options.out is not None and (report is None or report.violations):
+            # What to read when it failed: every process's log, beside the report.
+            kept = options.out.parent / f"{options.out.name}-logs"
+            shutil.copytree(root / "logs", kept, dirs_exist_ok=True)
+            log.error("chaos: the processes' logs are kept in %s", kept)
         if made_root:
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
