@@ -42,7 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--repeat",
         type=int,
         default=None,
-        help="repetitions of every workload (default 1, within 25 minutes on 2 cores; 2 with --quick)",
+        help="repetitions of every workload (default 1, about 36 minutes on 2 cores; 2 with --quick)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="small sizes, short durations, 2 repetitions (~3 minutes)"
