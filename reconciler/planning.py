@@ -152,6 +152,7 @@ class NotePrimary:
     """The primary seen now, remembered until the next state change (not itself a state change)."""
 
     primary: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def primary_seen(view: InstanceView, seen: Observed) -> list[PlannedAction]:
     if not view.fails_over_itself or seen.primary is None or seen.primary == view.primary_seen:
         return []
     if view.primary_seen is None:
-        return [NotePrimary(seen.primary)]
+        return [NotePrimary(seen.primary, f"primary {seen.primary} seen")]
     why = (
         f"primary {view.primary_seen} replaced by {seen.primary} between two observations; "
         "the operator failed over"

@@ -233,7 +233,7 @@ def test_a_failover_by_the_operator_is_recorded_and_left_to_it() -> None:
 def test_a_failover_by_the_operator_between_two_observations_is_recorded_as_one() -> None:
     ready = view("ready", observed=replace(HEALTHY, primary="pg-x-1"), fails_over_itself=True)
     # First seen: remembered until the next state change (which forgets it).
-    assert plan(ready, NOW, max_retries=2) == [NotePrimary("pg-x-1")]
+    assert plan(ready, NOW, max_retries=2) == [NotePrimary("pg-x-1", "primary pg-x-1 seen")]
     assert plan(replace(ready, primary_seen="pg-x-1"), NOW, max_retries=2) == []
     # Another primary with no state change between: the failover no pass saw under way.
     moved = replace(ready, observed=replace(HEALTHY, primary="pg-x-2"), primary_seen="pg-x-1")
