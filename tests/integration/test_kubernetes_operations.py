@@ -18,6 +18,7 @@ from controlplane.core.dbmetrics import GIB, DatabaseStats
 from controlplane.core.kinds import BACKUP, RESUME, SUSPEND
 from controlplane.db.connection import AsyncConn
 from controlplane.queue.consumers import LogEvent
+from controlplane.queue.registry import JobRegistry
 from controlplane.runtime.settings import Settings
 from controlplane.services import notices
 from controlplane.services.policy import Policy
@@ -57,6 +58,18 @@ def api_settings(settings: Settings) -> Settings:
 def k8s() -> Iterator[tuple[KubernetesProvisioner, FakeCluster]]:
     with provisioner_on_fake(role_from(), kubernetes_backup_object_store=OBJECT_STORE) as pair:
         yield pair
+
+
+async def ready_ha_instance(
+    client: httpx.AsyncClient, tenant: Tenant, settings: Settings, provisioner: KubernetesProvisioner
+) -> tuple[JobRegistry, uuid.UUID, str]:
+    """An HA (`small`) instance `orders` made ready on the fake cluster: the registry that ran it,
+    its id, and its Cluster's name."""
+    registry = registry_for(provisioner)
+    made = await create(client, tenant, "orders", plan="small")
+    iid = uuid.UUID(made["id"])
+    await run_until(settings, registry, instance_in(iid, "ready"))
+    return registry, iid, f"pg-{iid}"
 
 
 async def test_an_instance_on_cloudnativepg_from_create_to_delete_and_restored(
@@ -189,11 +202,7 @@ async def test_a_failover_by_the_operator_is_recorded_as_one_and_a_suspension_is
     k8s: tuple[KubernetesProvisioner, FakeCluster],
 ) -> None:
     provisioner, state = k8s
-    registry = registry_for(provisioner)
-    made = await create(client, tenant, "orders", plan="small")
-    iid = uuid.UUID(made["id"])
-    await run_until(api_settings, registry, instance_in(iid, "ready"))
-    name = f"pg-{iid}"
+    registry, iid, name = await ready_ha_instance(client, tenant, api_settings, provisioner)
 
     # The primary's server dies and the operator fails over by itself: the reconciler records it as
     # the local provisioner's failover (degraded with the code failover, naming who was lost and who
@@ -397,11 +406,7 @@ async def test_a_failover_by_the_operator_between_two_passes_is_recorded_as_one(
     k8s: tuple[KubernetesProvisioner, FakeCluster],
 ) -> None:
     provisioner, state = k8s
-    registry = registry_for(provisioner)
-    made = await create(client, tenant, "orders", plan="small")
-    iid = uuid.UUID(made["id"])
-    await run_until(api_settings, registry, instance_in(iid, "ready"))
-    name = f"pg-{iid}"
+    registry, iid, name = await ready_ha_instance(client, tenant, api_settings, provisioner)
     async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
         await reconciler.run_once()
         assert (await instance(conn, iid))["primary_seen"] == f"{name}-1"
@@ -436,11 +441,7 @@ async def test_a_failover_by_the_operator_that_leaves_a_server_behind_is_healed_
     k8s: tuple[KubernetesProvisioner, FakeCluster],
 ) -> None:
     provisioner, state = k8s
-    registry = registry_for(provisioner)
-    made = await create(client, tenant, "orders", plan="small")
-    iid = uuid.UUID(made["id"])
-    await run_until(api_settings, registry, instance_in(iid, "ready"))
-    name = f"pg-{iid}"
+    registry, iid, name = await ready_ha_instance(client, tenant, api_settings, provisioner)
     key = ("clusters", NAMESPACE, name)
 
     state.fail_primary(NAMESPACE, name)
