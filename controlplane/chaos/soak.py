@@ -991,6 +991,11 @@ def _ha_victim(local: LocalProvisioner, instance_id: uuid.UUID, kind: str) -> tu
     return None
 
 
+ACKNOWLEDGED_TABLE = (
+    "CREATE TABLE IF NOT EXISTS chaos_acknowledged (probe text, id bigint, PRIMARY KEY (probe, id))"
+)
+
+
 class AckWriter:
     """Commits rows 1, 2, 3... one by one through an instance's pooled endpoint, each in its own
     transaction, at a steady pace, on a thread; records each id whose COMMIT was acknowledged. A
@@ -1021,9 +1026,11 @@ class AckWriter:
             connect_timeout=3,
             prepare_threshold=None,  # the pooler pools by transaction
         )
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS chaos_acknowledged (probe text, id bigint, PRIMARY KEY (probe, id))"
-        )
+        try:
+            conn.execute(ACKNOWLEDGED_TABLE)
+        except psycopg.Error:
+            conn.close()  # connected, but its server went meanwhile: not left open for the collector
+            raise
         return conn
 
     def _run(self) -> None:
