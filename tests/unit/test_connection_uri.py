@@ -38,22 +38,27 @@ def test_an_unverified_uri_is_printed_as_the_api_gives_it() -> None:
     assert connection_uri(cast(Api, None), connection) == "postgresql://app@db:5432/app"
 
 
+QUERY = "sslmode=verify-full&sslrootcert=controlplane-ca.pem"
+
+
+def pooled_instance(**more: object) -> dict[str, object]:
+    """An HA instance's document as the API gives it: pooled, with its direct address (and `more`)."""
+    connection = {
+        "sslmode": "verify-full",
+        "ca_certificate": PEM,
+        "uri": f"postgresql://app:secret@db:6432/app?{QUERY}",
+        "pool_mode": "transaction",
+        "direct": {"uri": f"postgresql://app:secret@db:5432/app?{QUERY}"},
+    }
+    return {"name": "orders", "connection": {**connection, **more}}
+
+
 def test_a_pooled_instance_shows_its_direct_uri_with_the_saved_ca_file_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     saved = tmp_path / "ca.pem"
     monkeypatch.setenv("CONTROLPLANE_CA_FILE", str(saved))
-    query = "sslmode=verify-full&sslrootcert=controlplane-ca.pem"
-    instance = {
-        "name": "orders",
-        "connection": {
-            "sslmode": "verify-full",
-            "ca_certificate": PEM,
-            "uri": f"postgresql://app:secret@db:6432/app?{query}",
-            "pool_mode": "transaction",
-            "direct": {"uri": f"postgresql://app:secret@db:5432/app?{query}"},
-        },
-    }
+    instance = pooled_instance()
     show_instance(instance, "table", cast(Api, object()))
     out = capsys.readouterr().out
     assert f"db:5432/app?sslmode=verify-full&sslrootcert={saved}" in out
@@ -66,23 +71,14 @@ def test_an_ha_instance_shows_its_read_only_uri_with_the_saved_ca_file_too(
 ) -> None:
     saved = tmp_path / "ca.pem"
     monkeypatch.setenv("CONTROLPLANE_CA_FILE", str(saved))
-    query = "sslmode=verify-full&sslrootcert=controlplane-ca.pem"
-    instance = {
-        "name": "orders",
-        "connection": {
-            "sslmode": "verify-full",
-            "ca_certificate": PEM,
-            "uri": f"postgresql://app:secret@db:6432/app?{query}",
-            "pool_mode": "transaction",
-            "direct": {"uri": f"postgresql://app:secret@db:5432/app?{query}"},
-            "read_only": {
-                "host": "db",
-                "port": 6432,
-                "dbname": "app_readonly",
-                "uri": f"postgresql://app:secret@db:6432/app_readonly?{query}",
-            },
-        },
-    }
+    instance = pooled_instance(
+        read_only={
+            "host": "db",
+            "port": 6432,
+            "dbname": "app_readonly",
+            "uri": f"postgresql://app:secret@db:6432/app_readonly?{QUERY}",
+        }
+    )
     show_instance(instance, "table", cast(Api, object()))
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("read_only_uri"))
