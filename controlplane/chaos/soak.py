@@ -175,6 +175,9 @@ class Cluster:
     # Instances the workload neither resizes nor deletes, nor puts on a billing hold, for now (a
     # fault is making ready to remove its data directory, or looking at what comes back).
     spared: set[str] = field(default_factory=set)
+    # Instances a workload request is resizing or deleting right now (its answer not yet in): no
+    # fault that must see a member come back takes one (a resize to a single server removes it).
+    changing: set[str] = field(default_factory=set)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -489,7 +492,11 @@ class Workload:
             if not deletable:
                 return
             iid = self.rng.choice(deletable)
-            await (self.resize if what == "resize" else self.delete)(iid, self.live[iid])
+            self.cluster.changing.add(iid)
+            try:
+                await (self.resize if what == "resize" else self.delete)(iid, self.live[iid])
+            finally:
+                self.cluster.changing.discard(iid)
         elif what == "billing":
             org = self.rng.choice(self.cluster.orgs)
             held = self.ledger.billing.get(org.id, (0, False))[1]
@@ -758,7 +765,8 @@ class Faults:
         rows = [
             r
             for r in rows
-            if str(r["id"]) not in self.probed | self.removing and _servers_of(local, r["id"]) > 1
+            if str(r["id"]) not in self.probed | self.removing | self.cluster.changing
+            and _servers_of(local, r["id"]) > 1
         ]
         self.rng.shuffle(rows)
         for row in rows:
@@ -781,12 +789,15 @@ class Faults:
                 self.cluster.spared.discard(str(iid))
 
         try:
+            # Spared now, so no resize starts: one in flight or applied since the lookup is seen.
+            settled = str(iid) not in self.cluster.changing and await _plan_applied(self.cluster.url, iid)
             writer.start()
-            victim = _ha_victim(local, iid, kind) if await writer.acknowledged(WRITER_START_S) else None
+            acknowledged = settled and await writer.acknowledged(WRITER_START_S)
+            victim = _ha_victim(local, iid, kind) if acknowledged else None
         except BaseException:
             await let_go()
             raise
-        if victim is None:  # not serving writes (suspended, busy), or its process gone: not now
+        if victim is None:  # changing plan, not serving writes (suspended, busy), or its process gone
             await let_go()
             log.info("chaos: %s: %s takes no writes or has no process to kill now", kind, iid)
             return None
@@ -942,7 +953,21 @@ def customer_info(settings: Settings, row: dict[str, Any]) -> ConnectionInfo:
 HA_TARGETS = (
     "SELECT i.id, i.connection, i.secret FROM instances i"
     " WHERE i.state = 'ready' AND i.deletion_requested_at IS NULL AND i.connection ? 'pool_mode'"
+    " AND i.observed_generation = i.spec_generation"
 )
+
+
+async def _plan_applied(url: str, instance_id: uuid.UUID) -> bool:
+    """Whether the instance runs the plan it was last given (no resize waiting to be applied)."""
+    rows = await _query(
+        url,
+        "SELECT observed_generation = spec_generation AS applied FROM instances"
+        " WHERE id = %(id)s AND deletion_requested_at IS NULL",
+        {"id": instance_id},
+    )
+    return bool(rows and rows[0]["applied"])
+
+
 # The writer of an HA fault: rows acknowledged before the kill, its pace, how long it may take to
 # start, and to stop once its fault recovered (a commit waits for a standby, or the pooler for a
 # server, as long as there is none).
