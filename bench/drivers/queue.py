@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.drivers.common import emit, quiet_logs
 from bench.peers import cost
+from bench.peers.openloop import open_loop
 from controlplane.db import connection as db
 from controlplane.db.job_rows import NewJob, enqueue_many
 from controlplane.db.transitions import Actor
@@ -143,21 +144,9 @@ async def pickup(args: argparse.Namespace) -> None:
             producers.put_nowait(conn)
 
     await asyncio.sleep(1.0)  # the worker is listening before the first job
-    interval = 1.0 / args.rate
     total = int(args.rate * args.seconds)
-    start = time.perf_counter()
     start_wall = time.time()
-    behind = 0
-    sends = []
-    for n in range(total):
-        delay = start + n * interval - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        elif delay < -interval:
-            behind += 1
-        sends.append(asyncio.create_task(produce()))
-    await asyncio.gather(*sends)
-    produced_s = time.perf_counter() - start
+    produced_s, behind = await open_loop(produce, args.rate, args.seconds)
     deadline = time.perf_counter() + 10
     while len(latencies) < total and time.perf_counter() < deadline:  # noqa: ASYNC110 (polls a counter)
         await asyncio.sleep(0.05)

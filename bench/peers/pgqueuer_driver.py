@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import asyncpg
 import cost  # bench/peers/cost.py, beside this script
+import openloop  # bench/peers/openloop.py, beside this script
 import uvloop
 from pgqueuer import AsyncpgDriver, Job, QueueManager
 from pgqueuer.domain.types import QueueExecutionMode
@@ -110,20 +111,8 @@ async def pickup(dsn: str, rate: float, seconds: float, batch_size: int) -> None
             producers.put_nowait(producer)
 
     await asyncio.sleep(1.0)  # the worker is listening before the first job
-    interval = 1.0 / rate
     total = int(rate * seconds)
-    start = time.perf_counter()
-    behind = 0
-    sends = []
-    for n in range(total):
-        delay = start + n * interval - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        elif delay < -interval:
-            behind += 1
-        sends.append(asyncio.create_task(produce()))
-    await asyncio.gather(*sends)
-    produced_s = time.perf_counter() - start
+    produced_s, behind = await openloop.open_loop(produce, rate, seconds)
     deadline = time.perf_counter() + 10
     while len(latencies) < total and time.perf_counter() < deadline:  # noqa: ASYNC110 (polls a counter)
         await asyncio.sleep(0.05)

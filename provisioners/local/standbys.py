@@ -15,7 +15,6 @@ primary (a fresh seed: its diverged end, never acknowledged, is discarded).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import os
@@ -289,10 +288,16 @@ class Standbys:
             return None
         primary = self.servers.server(instance_id)
         streaming: set[str] = set()
-        # (A primary that does not answer: no standby is known to stream.)
         if primary.port and primary.is_running():
-            with contextlib.suppress(psycopg.Error):
+            try:
                 streaming = set(self._streaming(instance_id, primary.port))
+            except psycopg.Error as exc:  # no standby is known to stream: the first one, then
+                log.warning(
+                    "instance %s: the primary did not say which standby streams (%s); reads go to %s",
+                    instance_id,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    member_name(members[0]),
+                )
         first = next((m for m in members if member_name(m) in streaming), members[0])
         return ports[first]
 
