@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 
-async def open_loop(send: Callable[[], Awaitable[None]], rate: float, seconds: float) -> tuple[float, int]:
+async def open_loop(
+    send: Callable[[], Coroutine[Any, Any, None]], rate: float, seconds: float
+) -> tuple[float, int]:
     """Start `send()` every 1/rate s for `seconds`, then wait for every send to end. Returns the
     seconds that took and how many sends started more than an interval late; raises the first
     send's error."""
     pending: set[asyncio.Task[None]] = set()
     failures: list[BaseException] = []
-
-    async def run() -> None:
-        await send()
 
     def finished(task: asyncio.Task[None]) -> None:
         pending.discard(task)
@@ -39,7 +39,7 @@ async def open_loop(send: Callable[[], Awaitable[None]], rate: float, seconds: f
             await asyncio.sleep(delay)
         elif delay < -interval:
             behind += 1
-        task = asyncio.create_task(run())
+        task = asyncio.create_task(send())
         pending.add(task)
         task.add_done_callback(finished)
     while pending:

@@ -46,6 +46,7 @@ from controlplane.chaos import plan
 from controlplane.core import plans
 from controlplane.db import connection as db
 from controlplane.runtime.embedded import SERVER_SETTINGS, EmbeddedDatabase, keep_running, open_embedded
+from controlplane.runtime.logs import first_line
 from controlplane.runtime.postgres import free_port, postmaster_pid
 from controlplane.runtime.secretbox import load_box
 from controlplane.runtime.settings import Settings
@@ -657,7 +658,7 @@ class Faults:
         try:
             found: tuple[str, Callable[[], Awaitable[bool]]] | None = await getattr(self, f"_{kind}")()
         except (psycopg.Error, OSError) as exc:
-            log.info("chaos: cannot look for a %s to kill yet (%s)", kind, str(exc).splitlines()[0])
+            log.info("chaos: cannot look for a %s to kill yet (%s)", kind, first_line(exc))
             return None
         return found
 
@@ -1276,7 +1277,7 @@ async def wait_converged(cluster: Cluster, timeout_s: float) -> tuple[plan.Snaps
         try:
             taken = await snapshot(cluster)
         except (psycopg.Error, OSError) as exc:  # the database still restarting: look again
-            log.info("chaos: snapshot failed (%s); again", str(exc).splitlines()[0])
+            log.info("chaos: snapshot failed (%s); again", first_line(exc))
             if time.monotonic() - began > timeout_s:
                 raise
             await asyncio.sleep(1)

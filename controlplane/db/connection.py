@@ -25,6 +25,7 @@ from psycopg_pool.base import AttemptWithBackoff
 
 from controlplane.db import sql
 from controlplane.runtime import metrics, tracing
+from controlplane.runtime.logs import first_line
 from controlplane.runtime.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -330,10 +331,10 @@ async def retry_lost_races(work: Callable[[], Awaitable[T]], *, attempts: int = 
         except LOST_RACE as exc:
             if attempt >= attempts:
                 metrics.LOST_RACES.labels("given_up").inc()
-                log.warning("a transaction lost %d races in a row; giving up: %s", attempts, _first_line(exc))
+                log.warning("a transaction lost %d races in a row; giving up: %s", attempts, first_line(exc))
                 raise
             metrics.LOST_RACES.labels("retried").inc()
-            log.info("a transaction lost a race (%s); running it again", _first_line(exc))
+            log.info("a transaction lost a race (%s); running it again", first_line(exc))
             await asyncio.sleep(random.uniform(0, LOST_RACE_PAUSE_S * attempt))  # noqa: S311 (jitter)
             attempt += 1
 
@@ -348,10 +349,6 @@ async def in_transaction(
             return await work(conn)
 
     return await retry_lost_races(attempt)
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 # A write refused because the database (or this session) is read-only: a standby, a failover in

@@ -38,6 +38,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's first line for a log line (its type's name when it has no text)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def configure(level: str = "INFO", fmt: str = "json") -> None:
     """Install one stderr handler on the root logger (replacing earlier ones)."""
     handler = logging.StreamHandler(sys.stderr)

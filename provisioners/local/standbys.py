@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 
 from controlplane.core.step_errors import TemporaryError
+from controlplane.runtime.logs import first_line
 from controlplane.runtime.postgres import make_owned_dir
 from provisioners.base import InstanceSpec, Promotion
 from provisioners.local.database import ADMIN_USER, Admin
@@ -295,7 +296,7 @@ class Standbys:
                 log.warning(
                     "instance %s: the primary did not say which standby streams (%s); reads go to %s",
                     instance_id,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    first_line(exc),
                     member_name(members[0]),
                 )
         first = next((m for m in members if member_name(m) in streaming), members[0])
