@@ -228,7 +228,6 @@ def main() -> int:
     if command == "up":
         return run([venv_bin("controlplane"), "up", *rest])
     if command == "test":
-        ensure_debian_packages(TEST_PACKAGES)
         code = run([venv_bin("python"), "-m", "pytest", *rest])
         return code or checks()
     if command == "check":

@@ -68,17 +68,19 @@ TARGET_WAIT_S = 15.0
 # (Faults.keep_a_target_backed_up), which takes a backup's time, not a process's restart.
 BACKED_UP_TARGET_WAIT_S = 60.0
 # An HA fault's target is a ready, fully redundant HA instance no other fault is using: one may be
-# recovering from the last HA fault (a failover rebuilds the old primary as a standby).
+# recovering from the last HA fault (a failover rebuilds the old primary as a standby). The single
+# server's fault waits as long: its kept instance may be healing from the last one, or held.
 HA_TARGET_WAIT_S = 45.0
 SETTLED_FOR_S = 5.0
 ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
 HA_PLAN = "small"  # a primary, a synchronous standby, a pooler
 # The workload's first creates (plan, kept): the faults on a customer's servers find targets from
-# the soak's start; the one kept the workload never resizes nor deletes (it churns through the
-# others before they are long ready). Not a single-server one: the data directory fault would
-# take it again and again, each loss a restore that the workers' faults may see given up.
-FIRST_CREATES = ((HA_PLAN, True), (HA_PLAN, False), ("dev", False))
+# the soak's start; those kept the workload never resizes nor deletes (it churns through the
+# others before they are long ready, and may leave no single-server one ready for a while). The
+# data directory fault takes no kept one: it would take the single server again and again, each
+# loss a restore that the workers' faults may see given up.
+FIRST_CREATES = ((HA_PLAN, True), (HA_PLAN, False), ("dev", True))
 
 
 @dataclass
@@ -179,6 +181,9 @@ class Cluster:
     # Instances a workload request is resizing or deleting right now (its answer not yet in): no
     # fault that must see a member come back takes one (a resize to a single server removes it).
     changing: set[str] = field(default_factory=set)
+    # Instances the workload never resizes nor deletes (billing may still suspend them): an HA
+    # instance and a single-server one that stay so, for the faults on a customer's servers.
+    kept: set[str] = field(default_factory=set)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -307,9 +312,6 @@ class Workload:
         self.http = httpx.AsyncClient(timeout=ANSWER_TIMEOUT_S)
         servers = plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}
         self.first = list(FIRST_CREATES) if servers & set(options.kinds) else []
-        # Instances the workload never resizes nor deletes (billing may still suspend them): an HA
-        # instance that stays one, for the HA faults.
-        self.kept: set[str] = set()
 
     def _base(self) -> str:
         return self.rng.choice(self.cluster.api_urls)
@@ -371,7 +373,7 @@ class Workload:
             self.ledger.plans[iid] = plan_name
             self.live[iid] = org
             if keep:
-                self.kept.add(iid)
+                self.cluster.kept.add(iid)
 
     async def resize(self, iid: str, org: Org) -> None:
         plan_name = self.rng.choice(PLANS)
@@ -489,7 +491,7 @@ class Workload:
         if what == "create":
             await self.create()
         elif what in {"resize", "delete"}:
-            deletable = sorted(set(self.live) - self.cluster.spared - self.kept)
+            deletable = sorted(set(self.live) - self.cluster.spared - self.cluster.kept)
             if not deletable:
                 return
             iid = self.rng.choice(deletable)
@@ -619,7 +621,7 @@ class Faults:
         waited = time.monotonic()
         patience = {
             plan.DATA_DIRECTORY: BACKED_UP_TARGET_WAIT_S,
-            **dict.fromkeys(plan.HA_FAULT_KINDS, HA_TARGET_WAIT_S),
+            **dict.fromkeys(plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}, HA_TARGET_WAIT_S),
         }.get(kind, TARGET_WAIT_S)
         while injected is None and time.monotonic() - waited < patience:
             await asyncio.sleep(1)  # nothing to kill yet (no ready instance, no leader elected)
@@ -840,7 +842,7 @@ class Faults:
         """Remove a ready instance's data directory once it has a backup: a row written more than
         the archive timeout before must survive its restore to the end of the archive."""
         rows = await _query(self.cluster.url, BACKED_UP_TARGETS)
-        rows = [row for row in rows if str(row["id"]) not in self.probed]
+        rows = [row for row in rows if str(row["id"]) not in self.probed | self.cluster.kept]
         if not rows:
             return None  # `keep_a_target_backed_up` is making one
         row = self.rng.choice(rows)
@@ -890,6 +892,7 @@ class Faults:
         while not self.cluster.stop.is_set():
             with contextlib.suppress(psycopg.Error, OSError):  # the database is away: later
                 rows = await _query(self.cluster.url, BACKED_UP_TARGETS)
+                rows = [row for row in rows if str(row["id"]) not in self.cluster.kept]
                 stale = time.monotonic() - asked_at > BACKUP_WAIT_S
                 if not rows and self.backing_up is not None and stale:
                     self.cluster.spared.discard(self.backing_up)  # another one, then
@@ -909,7 +912,11 @@ class Faults:
             " AND i.deletion_requested_at IS NULL ORDER BY i.created_at",
         )
         keys = {org.id: org.key for org in self.cluster.orgs}
-        rows = [row for row in rows if str(row["org_id"]) in keys and str(row["id"]) not in self.probed]
+        rows = [
+            row
+            for row in rows
+            if str(row["org_id"]) in keys and str(row["id"]) not in self.probed | self.cluster.kept
+        ]
         if not rows:
             return
         row = self.rng.choice(rows)
