@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from psycopg.rows import DictRow
 
@@ -145,12 +145,22 @@ async def claim_and_start(
     return rows
 
 
-async def fresh_before(conn: AsyncConn, kinds: Sequence[str], point: ClaimFrom) -> bool:
-    """Whether due fresh work of `kinds` sorts before `point` (a claim from it would leave it out)."""
-    cursor = await conn.execute(
-        sql.FRESH_BEFORE_POINT, {"kinds": list(kinds), **point.params()}, prepare=True
-    )
+async def fresh_before(
+    conn: AsyncConn, kinds: Sequence[str], point: ClaimFrom, look_from: datetime | None = None
+) -> bool:
+    """Whether due fresh work of `kinds` sorts before `point` (a claim from it would leave it out),
+    of that priority with run_at at `look_from` or later (None: any run_at)."""
+    params = {"kinds": list(kinds), "look_from": look_from or "-infinity", **point.params()}
+    cursor = await conn.execute(sql.FRESH_BEFORE_POINT, params, prepare=True)
     return await cursor.fetchone() is not None
+
+
+async def look_from(conn: AsyncConn) -> datetime:
+    """Where a look made after this call may start (sql.LOOK_FROM), before any margin."""
+    cursor = await conn.execute(sql.LOOK_FROM, prepare=True)
+    row = await cursor.fetchone()
+    assert row is not None  # an aggregate: always one row
+    return cast(datetime, row["look_from"])
 
 
 def _claim_order(row: Mapping[str, Any]) -> tuple[Any, ...]:

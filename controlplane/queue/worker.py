@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from opentelemetry.trace import SpanKind
@@ -44,10 +44,17 @@ PREFETCH_BELOW_S = 0.05
 # entries of every job claimed since the oldest open snapshot. What sorts before fresh work
 # (reclaimed or retried, a higher priority) is read at every claim; a fresh job whose enqueue
 # committed more than CLAIM_FROM_MARGIN late is found by the look, made on the heartbeat's
-# connection (off the claim path: under a pinned horizon it reads those dead entries), and the
-# next claim then reads the whole queue. Such a job waits up to this long, plus a heartbeat interval.
+# connection (off the claim path), and the next claim then reads the whole queue. Such a job waits
+# up to this long, plus a heartbeat interval. A look starts where the database said, at the look
+# before, that no job it could not see yet would sort before (sql.LOOK_FROM, less the margin), so
+# that under a pinned horizon it reads the dead entries of the last interval's claims, not those of
+# every job claimed since the snapshot. Every WHOLE_LOOK_EVERY-th look reads from the start of the
+# order, for a fresh job before the point that no enqueue put there (a resumed job reclaimed at its
+# first attempt keeps its old run_at; a job skipped while a claim that then died held its lock).
 LOOK_BEFORE_POINT_EVERY_S = 10.0
-# How far before the run_at of the fresh jobs it claimed last a worker's next claim starts.
+WHOLE_LOOK_EVERY = 6
+# How far before the run_at of the fresh jobs it claimed last a worker's next claim starts (and
+# before the bound the database gave, its next look).
 CLAIM_FROM_MARGIN = timedelta(seconds=1)
 
 
@@ -130,6 +137,9 @@ class Worker:
         self._claim_from: queue.ClaimFrom | None = None
         self._full_claim_due = False
         self._look_at = 0.0
+        # Where the next look starts (None: the whole range), and the looks made since a whole one.
+        self._look_from: datetime | None = None
+        self._looks_since_whole = 0
         # The shared slots (with the jobs ready for them), and those of the kinds with slots of their own.
         self._shared = Lane(SHARED_LANE, self.concurrency)
         self._lanes = {name: Lane(name, slots) for name, slots in registry.own_slots(settings).items()}
@@ -450,9 +460,14 @@ class Worker:
         self._look_at = time.monotonic() + LOOK_BEFORE_POINT_EVERY_S
         if point is None:
             return
+        whole = self._look_from is None or self._looks_since_whole + 1 >= WHOLE_LOOK_EVERY
         async with asyncio.timeout(self._beat_timeout_s):
-            found = await queue.fresh_before(conn, self.kinds, point)
+            bound = await queue.look_from(conn)  # before this look's snapshot: for the next one
+            found = await queue.fresh_before(conn, self.kinds, point, None if whole else self._look_from)
+        self._look_from = bound - CLAIM_FROM_MARGIN
+        self._looks_since_whole = 0 if whole else self._looks_since_whole + 1
         self.counts["looks"] += 1
+        self.counts["whole_looks"] += whole
         if found:
             self.counts["looks_found"] += 1
             self._full_claim_due = True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -236,3 +238,35 @@ async def test_a_claim_from_a_point_reads_what_sorts_before_fresh_work_but_no_ol
     assert not await queue.fresh_before(conn, ["noop"], point)
     assert older["attempt"] == 1 and older["id"] not in {urgent["id"], died["id"]}
     assert await audit.verify(conn) == []
+
+
+async def test_a_look_may_start_where_no_unseen_enqueue_sorts_before_whatever_snapshot_is_open(
+    fresh_database: str, conn: db.AsyncConn
+) -> None:
+    # A worker's look starts where the database said, at the look before, that no job it could not
+    # see yet would sort before: held back by a transaction that has written (its enqueue may commit
+    # later, with a run_at from before), never by one that only reads (a report's old snapshot).
+    reader = await db.connect(fresh_database, autocommit=False)
+    writer = await db.connect(fresh_database, autocommit=False)
+    async with reader, writer:
+        await reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        await (await reader.execute("SELECT count(*) FROM jobs")).fetchone()  # its snapshot taken
+        read_since = await _transaction_start(reader)
+        assert await queue.look_from(conn) > read_since
+        late = (await enqueue(writer, NewJob("noop"), TEST_ACTOR)).job
+        write_since = await _transaction_start(writer)
+        bound = await queue.look_from(conn)
+        assert read_since < bound == write_since <= late["run_at"]
+        await writer.commit()
+        # Committed now, before a worker's point: a look from the bound finds it, one from after
+        # its run_at does not, and the bound has moved past it.
+        point = queue.ClaimFrom(priority=100, fresh=True, run_at=late["run_at"] + timedelta(hours=1))
+        assert await queue.fresh_before(conn, ["noop"], point, bound)
+        assert not await queue.fresh_before(conn, ["noop"], point, late["run_at"] + timedelta(microseconds=1))
+        assert await queue.look_from(conn) > late["run_at"]
+
+
+async def _transaction_start(conn: db.AsyncConn) -> Any:
+    row = await (await conn.execute("SELECT now() AS t")).fetchone()
+    assert row is not None
+    return row["t"]

@@ -16,7 +16,7 @@ from controlplane.audit import verify as audit
 from controlplane.db import connection as db
 from controlplane.db import transitions
 from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
-from controlplane.db.transitions import VersionConflict
+from controlplane.db.transitions import Actor, VersionConflict
 from controlplane.queue import moves as queue
 from controlplane.queue import worker as worker_module
 from controlplane.queue.registry import JobKind, JobRegistry
@@ -33,6 +33,7 @@ from tests.queue_kinds import (
     events_of,
     gate,
     gate_registry,
+    running_job,
     until,
 )
 from tests.support import eventually
@@ -157,6 +158,41 @@ async def test_a_job_whose_enqueue_committed_late_is_found_off_the_claim_path(
             await late.commit()
             await until(fresh_database, count_in("completed", 2), timeout=10)
         assert running.worker.counts["looks_found"] >= 1
+    finally:
+        await running.stop()
+
+
+async def test_a_fresh_job_no_enqueue_put_before_the_point_is_found_by_the_look_at_the_whole_range(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job paused on its first attempt and resumed is reclaimed at attempt 0 with its old run_at:
+    # fresh work before the worker's point, and before where its looks start (the database's bound,
+    # taken when that job was committed long since). Every WHOLE_LOOK_EVERY-th look reads the range
+    # from the start of the order, and finds it.
+    monkeypatch.setattr(worker_module, "LOOK_BEFORE_POINT_EVERY_S", 0.2)
+    monkeypatch.setattr(worker_module, "WHOLE_LOOK_EVERY", 3)
+    monkeypatch.setattr(worker_module, "CLAIM_FROM_MARGIN", timedelta(0))
+    resumed = await running_job(conn, worker="w-dead")
+    await queue.pause(conn, resumed["id"], "alice", "looks stuck")
+    resumed = await queue.resume(conn, resumed["id"], "alice", "false alarm")
+    assert resumed["attempt"] == 0
+    running = start_worker("w1", settings, pool, heartbeat_interval_s=0.1)
+    try:
+        await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+        await until(fresh_database, count_in("completed", 1), timeout=10)
+        point = running.worker._claim_from
+        assert point is not None and resumed["run_at"] < point.run_at
+        # Its looks start from a bound now (after a whole look), past the resumed job's run_at.
+        await eventually(lambda: running.worker.counts["looks"] >= 2, "a look from the bound")
+        assert running.worker._look_from is not None and running.worker._look_from > resumed["run_at"]
+        found = running.worker.counts["looks_found"]
+        (reclaimed,) = (
+            await queue.reclaim_many(conn, [resumed], Actor("supervisor", "sup"), "worker died")
+        ).moved
+        assert (reclaimed["state"], reclaimed["attempt"]) == ("queued", 0)
+        await until(fresh_database, count_in("completed", 2), timeout=10)
+        assert running.worker.counts["looks_found"] > found
+        assert running.worker.counts["whole_looks"] >= 2
     finally:
         await running.stop()
 

@@ -52,17 +52,32 @@ CLAIM_BEFORE = (
 CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
 # Whether due fresh work sorts before a worker's point (of its priority, before its run_at): what
 # a claim from the point leaves out. A worker looks on its heartbeat's connection, off the claim
-# path, and claims from the start of the order only when the look finds some. Under a pinned xmin
-# horizon the look walks the dead entries a claim from the start would (every job claimed since),
-# but no claim waits for it. One index range of ix_jobs_queued_order, stopped at the first row (a
-# row or none: EXISTS would drop the ORDER BY that makes the planner read that index in order).
+# path, and claims from the start of the order only when the look finds some. The look starts at
+# `look_from` (LOOK_FROM at its previous look; '-infinity' for a look at the whole range): under a
+# pinned xmin horizon a look walks the dead entries of every job claimed in its range, and a look
+# from the start of the order those of every job claimed since the snapshot. One index range of
+# ix_jobs_queued_order, stopped at the first row (a row or none: EXISTS would drop the ORDER BY
+# that makes the planner read that index in order).
 FRESH_BEFORE_POINT = f"""
 SELECT true AS found FROM jobs
 WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
-  AND {_CLAIM_KEY} >= (%(from_priority)s::int, true, '-infinity'::timestamptz)
+  AND {_CLAIM_KEY} >= (%(from_priority)s::int, true, %(look_from)s::timestamptz)
   AND {_CLAIM_KEY} < (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)
 ORDER BY {CLAIM_ORDER}
 LIMIT 1
+"""
+# Where the next look may start: no fresh job that the database shows no look yet sorts before it.
+# An enqueue sets run_at by the clock of its insert (clock_timestamp(), plus its delay); one that
+# commits after this statement either had written when it ran (its transaction holds an xid, and
+# its run_at is not before its transaction's start) or inserts later (its run_at is later than
+# this statement's start). A read-only transaction, however old (a report, a backup's snapshot),
+# does not hold the bound back. The worker takes this before its look's own snapshot, and subtracts
+# a margin for the moment between an insert's clock and its xid. Only sessions whose backend_xid
+# this role may see count (its own and, with pg_read_all_stats, every role's): an enqueue of a
+# role it may not see is found by the look at the whole range, made every so often.
+LOOK_FROM = """
+SELECT least(now(), min(xact_start)) AS look_from FROM pg_stat_activity
+WHERE backend_xid IS NOT NULL AND datname = current_database()
 """
 
 

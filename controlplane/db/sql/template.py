@@ -224,7 +224,7 @@ def _enqueue_ctes(job_input: str, prefix: str = "") -> str:
     INSERT INTO jobs (id, kind, instance_id, payload, state, priority, max_attempts, run_at,
                       state_entered_at, chain_seq, chain_head)
     SELECT id, kind, instance_id, payload, 'queued', priority, max_attempts,
-           now() + make_interval(secs => delay_s), at, 0,
+           clock_timestamp() + make_interval(secs => delay_s), at, 0,
            {event_hash("job", "id", "0", "NULL", _ENQUEUE_FIELDS, "at")}
     FROM {prefix}input
     ON CONFLICT (instance_id, kind) WHERE state NOT IN {FINISHED} DO NOTHING
