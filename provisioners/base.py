@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextvars import ContextVar
@@ -20,6 +21,7 @@ from controlplane.core.kinds import OPERATION_STEPS, PROVISION, STEP_LABELS
 from controlplane.core.step_errors import PermanentError
 from controlplane.runtime import tracing
 from controlplane.runtime.fencing import FileFences
+from controlplane.runtime.logs import first_line
 
 if TYPE_CHECKING:
     from controlplane.runtime.settings import Settings
@@ -280,6 +282,27 @@ class Restored:
 
 
 @dataclass(frozen=True)
+class OperatorEvent:
+    """One event an operator recorded on an instance's resources: its reason (a CamelCase word),
+    its message, its type (Normal or Warning), when it last happened (RFC 3339) and how often."""
+
+    reason: str
+    message: str
+    type: str = "Normal"
+    at: str | None = None
+    count: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "message": self.message,
+            "type": self.type,
+            "at": self.at,
+            "count": self.count,
+        }
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the provisioner sees of an instance right now."""
 
@@ -521,6 +544,12 @@ class Provisioner(abc.ABC):
         standby to switch to."""
         raise PermanentError(f"the {self.name} provisioner does not switch over by the control plane")
 
+    async def operator_events(self, instance_id: uuid.UUID) -> tuple[OperatorEvent, ...]:
+        """Where the infrastructure fails over by itself: what its operator recorded of the moves of
+        the instance's primary (and its warnings), the newest few, oldest first; read when the
+        audit log records such a failover (takes no fence). None recorded here."""
+        return ()
+
     async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
         """The instance's recoverable window as last known, also once it is gone or deleted (takes
         no fence); None where the provisioner keeps no archive of it."""
@@ -663,3 +692,16 @@ async def fenced(fences: FileFences, instance_id: uuid.UUID, fence: int) -> Asyn
 def fences_for(data_dir: Path) -> FileFences:
     """Where a provisioner on this host keeps the highest fence seen per instance."""
     return FileFences(Path(data_dir) / "fences")
+
+
+async def operator_events_detail(provisioner: Provisioner, instance_id: uuid.UUID) -> dict[str, Any]:
+    """The SRE detail of a failover the operator carried out by itself: the events it recorded on
+    it; where they cannot be read, why (the failover is recorded all the same)."""
+    try:
+        events = await provisioner.operator_events(instance_id)
+    except Exception as exc:  # the audit log still records the failover, and says what is missing
+        logging.getLogger(__name__).warning(
+            "instance %s: the operator's events were not read: %s", instance_id, first_line(exc)
+        )
+        return {"operator_events_error": first_line(exc)}
+    return {"operator_events": [event.as_dict() for event in events]}

@@ -16,7 +16,7 @@ from kubernetes.utils import quantity
 
 from controlplane.core.step_errors import PermanentError
 from controlplane.runtime.settings import Settings
-from provisioners.base import InstanceSpec, RecoveryWindow, RestoreSource
+from provisioners.base import InstanceSpec, OperatorEvent, RecoveryWindow, RestoreSource
 
 FIELD_MANAGER = "controlplane"
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -588,6 +588,39 @@ def failing_over_to(cluster: Mapping[str, Any]) -> str | None:
     if status.get("phase") != FAILOVER_PHASE or not target or target == primary:
         return None
     return str(target)
+
+
+# The events CloudNativePG records on a Cluster when it moves the primary (1.30: `FailingOver` as it
+# starts a failover, `FailoverTarget` naming the standby it promotes, `SwitchingOver`); with any
+# warning recorded on the Cluster, they go to the audit log of a failover the operator carried out.
+PRIMARY_EVENT_REASONS = frozenset({"FailingOver", "FailoverTarget", "SwitchingOver"})
+# The newest events kept with one failover (Kubernetes keeps a Cluster's events for an hour).
+PRIMARY_EVENTS_KEPT = 5
+
+
+def primary_events(events: Sequence[Mapping[str, Any]], cluster: str) -> tuple[OperatorEvent, ...]:
+    """What the operator recorded on the Cluster named `cluster` about moves of its primary, and its
+    warnings, from a list of the namespace's events: the newest few, oldest first."""
+    found: list[OperatorEvent] = []
+    for event in events:
+        involved = event.get("involvedObject") or {}
+        if involved.get("kind") != "Cluster" or involved.get("name") != cluster:
+            continue
+        reason, kind = str(event.get("reason") or ""), str(event.get("type") or "Normal")
+        if reason not in PRIMARY_EVENT_REASONS and kind != "Warning":
+            continue
+        at = event.get("lastTimestamp") or event.get("eventTime") or event.get("firstTimestamp")
+        found.append(
+            OperatorEvent(
+                reason=reason,
+                message=str(event.get("message") or ""),
+                type=kind,
+                at=str(at) if at else None,
+                count=int(event.get("count") or 1),
+            )
+        )
+    found.sort(key=lambda e: e.at or "")
+    return tuple(found[-PRIMARY_EVENTS_KEPT:])
 
 
 def switchover_status(target: str, now: datetime) -> dict[str, Any]:

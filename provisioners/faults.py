@@ -19,6 +19,7 @@ from provisioners.base import (
     DeprovisionResult,
     InstanceSpec,
     Observation,
+    OperatorEvent,
     Promotion,
     Provisioner,
     RecoveryWindow,
@@ -137,6 +138,9 @@ class FaultyProvisioner(Provisioner):
 
     async def recovery_window(self, instance_id: uuid.UUID) -> RecoveryWindow | None:
         return await self.inner.recovery_window(instance_id)
+
+    async def operator_events(self, instance_id: uuid.UUID) -> tuple[OperatorEvent, ...]:
+        return await self.inner.operator_events(instance_id)
 
     async def verify_backups(self, instance_id: uuid.UUID) -> str | None:
         return await self.inner.verify_backups(instance_id)

@@ -27,6 +27,7 @@ from provisioners.base import (
     DeprovisionResult,
     InstanceSpec,
     Observation,
+    OperatorEvent,
     Promotion,
     Provisioner,
     RecoveryWindow,
@@ -65,6 +66,7 @@ from provisioners.cnpg import (
     network_policy_manifest,
     owned_selector,
     pod_monitor_manifest,
+    primary_events,
     recovery_target,
     recovery_window,
     resource_name,
@@ -141,8 +143,10 @@ POD_MONITOR = Kind("PodMonitor", MONITORING_API_VERSION, "podmonitors")
 SECRET = Kind("Secret", "v1", "secrets")
 POD = Kind("Pod", "v1", "pods")
 PVC = Kind("PersistentVolumeClaim", "v1", "persistentvolumeclaims")
+EVENT = Kind("Event", "v1", "events")
 KINDS = {
-    k.kind: k for k in (CLUSTER, BACKUP, SCHEDULED_BACKUP, NETWORK_POLICY, POD_MONITOR, SECRET, POD, PVC)
+    k.kind: k
+    for k in (CLUSTER, BACKUP, SCHEDULED_BACKUP, NETWORK_POLICY, POD_MONITOR, SECRET, POD, PVC, EVENT)
 }
 # What the provisioner creates per instance, deleted on deprovision in this order (the schedule
 # first, so no backup starts on a cluster going away; the Cluster's own objects go with it). The
@@ -243,9 +247,18 @@ class KubernetesApi:
                 return None
             raise
 
-    def list(self, kind: Kind, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
-        label_selector = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
-        result = self._call("GET", kind.path(namespace), query=[("labelSelector", label_selector)])
+    def list(
+        self,
+        kind: Kind,
+        namespace: str,
+        selector: Mapping[str, str],
+        fields: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The objects of a kind whose labels match `selector` (and whose fields match `fields`)."""
+        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))]
+        if fields:
+            query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in sorted(fields.items()))))
+        result = self._call("GET", kind.path(namespace), query=query)
         items: list[dict[str, Any]] = (result or {}).get("items", [])
         return items
 
@@ -771,6 +784,17 @@ class KubernetesProvisioner(Provisioner):
                 primary=status.get("currentPrimary") or None,
                 primary_since=status.get("currentPrimaryTimestamp") or None,
             )
+
+        return await self._run(work)
+
+    async def operator_events(self, instance_id: uuid.UUID) -> tuple[OperatorEvent, ...]:
+        """The events CloudNativePG recorded on the instance's Cluster about moves of its primary,
+        and its warnings (one list of the Cluster's events, as `kubectl describe` shows them)."""
+        name = resource_name(instance_id)
+
+        def work() -> tuple[OperatorEvent, ...]:
+            fields = {"involvedObject.kind": "Cluster", "involvedObject.name": name}
+            return primary_events(self.api.list(EVENT, self.namespace, {}, fields), name)
 
         return await self._run(work)
 

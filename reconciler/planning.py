@@ -137,6 +137,8 @@ class Transition:
     code: str | None = None
     # More for the event's detail (a failover's: who was lost, who took over).
     detail: Mapping[str, Any] | None = None
+    # A failover the operator carries out by itself: its own events on it go to the SRE detail.
+    operator_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,7 @@ def plan_observed(view: InstanceView, now: datetime) -> list[PlannedAction]:
             lost = seen.primary or "the primary"
             why = f"primary {lost} lost ({why}); the operator promotes {seen.failover_to}"
             detail = {"primary": seen.primary, "failover_to": seen.failover_to}
-            return [Transition("degrade", f"failover: {why}", code=FAILOVER, detail=detail)]
+            return [Transition("degrade", f"failover: {why}", FAILOVER, detail, operator_events=True)]
         if seen.failover_to is not None:
             # Failover is a heal: the heal fences the lost primary, then promotes the standby.
             why = f"primary lost ({why}); {seen.failover_to} can take over"
@@ -288,7 +290,7 @@ def primary_seen(view: InstanceView, seen: Observed) -> list[PlannedAction]:
         "the operator failed over"
     )
     detail = {"primary": view.primary_seen, "failover_to": seen.primary}
-    return [Transition("degrade", f"failover: {why}", code=FAILOVER, detail=detail)]
+    return [Transition("degrade", f"failover: {why}", FAILOVER, detail, operator_events=True)]
 
 
 def operator_failover(seen: Observed) -> Transition:
@@ -296,7 +298,7 @@ def operator_failover(seen: Observed) -> Transition:
     lost one is named by the degrade before it; the operator reports no WAL position)."""
     failover = failover_by_operator(seen.primary, seen.primary_since)
     reason = f"failover: {seen.primary or 'a standby'} promoted by the operator; observed healthy again"
-    return Transition("recover", reason, detail={"failover": failover})
+    return Transition("recover", reason, detail={"failover": failover}, operator_events=True)
 
 
 def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:

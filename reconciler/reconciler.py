@@ -29,7 +29,7 @@ from controlplane.db.transitions import Actor, InvariantViolation, VersionConfli
 from controlplane.runtime import liveness, metrics
 from controlplane.runtime.settings import Settings
 from controlplane.services import backups
-from provisioners.base import InstanceSpec, Provisioner, RecoveryWindow
+from provisioners.base import InstanceSpec, Provisioner, RecoveryWindow, operator_events_detail
 from reconciler import autoscaling, planning
 from reconciler.leader import LeaderElection, ShardLeases
 from reconciler.maintenance import Maintenance
@@ -355,6 +355,7 @@ class Reconciler:
 
         With shards, only while this process still holds the instance's shard (else its new
         holder acts, and this process must not: each instance is acted on by one process)."""
+        sre = await self._operator_events(inst, actions)
         try:
             async with self.pool.connection() as conn, conn.transaction():
                 if shards is not None and not await shards.holds_shard_of(conn, inst.id):
@@ -362,7 +363,7 @@ class Reconciler:
                     log.info("instance %s: its shard moved to another reconciler; left to it", inst.id)
                     return
                 for action in actions:
-                    await self._apply_one(conn, inst, action, summary)
+                    await self._apply_one(conn, inst, action, summary, sre)
         except VersionConflict as exc:
             summary.conflicts += 1
             log.info("reconciler lost a race on instance %s: %s", inst.id, exc)
@@ -371,13 +372,29 @@ class Reconciler:
             # for an SRE; the other instances of the batch still get their pass.
             summary.invariant_violations += 1
 
+    async def _operator_events(
+        self, inst: ScannedInstance, actions: list[planning.PlannedAction]
+    ) -> dict[str, Any] | None:
+        """Where the operator fails over by itself, what it recorded of a failover being recorded,
+        read before the transaction."""
+        if not any(isinstance(a, planning.Transition) and a.operator_events for a in actions):
+            return None
+        return await operator_events_detail(self.provisioner, inst.id)
+
     async def _apply_one(
-        self, conn: AsyncConn, inst: ScannedInstance, action: planning.PlannedAction, summary: PassSummary
+        self,
+        conn: AsyncConn,
+        inst: ScannedInstance,
+        action: planning.PlannedAction,
+        summary: PassSummary,
+        sre: dict[str, Any] | None = None,
     ) -> None:
         if isinstance(action, planning.Transition):
             failing = action.event in ("fail", "degrade")
             detail: dict[str, Any] = {"code": action.code} if failing and action.code else {}
             detail.update(action.detail or {})
+            if action.operator_events and sre is not None:
+                detail["sre"] = sre
             patch = InstancePatch(
                 failure_reason=action.reason if failing else None,
                 failure_code=action.code if failing else None,

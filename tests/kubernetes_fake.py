@@ -96,6 +96,8 @@ class FakeCluster:
     # What the WAL archiving of every archiving Cluster reports failing (None: it works).
     archive_error: str | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # The fake's clock for the events it records: one second per event, no wall clock.
+    ticks: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     pending: dict[tuple[str, str, str], int] = field(default_factory=dict)
 
@@ -126,6 +128,29 @@ class FakeCluster:
             )
             self._bump(cluster)
             self.pending[("clusters", namespace, name)] = self.settle_reads
+            if standbys:
+                message = f"Current primary isn't healthy, initiating a failover from {primary}"
+                self.record_event(namespace, name, "FailingOver", message)
+
+    def record_event(
+        self, namespace: str, cluster: str, reason: str, message: str, kind: str = "Normal"
+    ) -> None:
+        """An event the operator records on a Cluster (as its Recorder.Eventf does)."""
+        tick = next(self.ticks)
+        at = f"2026-01-01T{tick // 3600:02d}:{tick // 60 % 60:02d}:{tick % 60:02d}Z"
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{cluster}.{tick:016x}"},
+            "involvedObject": {"kind": "Cluster", "name": cluster, "namespace": namespace},
+            "reason": reason,
+            "message": message,
+            "type": kind,
+            "count": 1,
+            "firstTimestamp": at,
+            "lastTimestamp": at,
+        }
+        self._put("events", namespace, event)
 
     def fail_over_at_once(self, namespace: str, name: str) -> None:
         """The primary's server dies and the operator is done failing over before anyone looks."""
@@ -229,6 +254,9 @@ class FakeCluster:
             }
             self._put("secrets", ns, secret)
         self._replica_role(cluster, status)
+        if status.get("phase") == "Failing over" and primary != status.get("currentPrimary"):
+            message = f"Failing over from {status.get('currentPrimary')} to {primary}"
+            self.record_event(ns, name, "FailoverTarget", message)
         if primary != status.get("currentPrimary"):
             # When the primary was promoted (the fake's clock: a counter, no wall clock).
             status["currentPrimaryTimestamp"] = f"2026-01-01T00:{next(self.versions) % 60:02d}:00Z"
@@ -418,6 +446,18 @@ def _matches(obj: dict[str, Any], selector: str) -> bool:
     return True
 
 
+def _fields_match(obj: dict[str, Any], selector: str) -> bool:
+    """A field selector's equality terms (`involvedObject.name=pg-…`), each a dotted path."""
+    for term in filter(None, selector.split(",")):
+        path, _, value = term.partition("=")
+        found: Any = obj
+        for part in path.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        if found != value:
+            return False
+    return True
+
+
 def _merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
     """JSON merge patch (RFC 7386)."""
     for key, value in patch.items():
@@ -494,10 +534,11 @@ def make_handler(cluster: FakeCluster) -> type[BaseHTTPRequestHandler]:
             self._authorize(match, "get" if name else "list")
             if name is None:
                 selector = (query.get("labelSelector") or [""])[0]
+                fields = (query.get("fieldSelector") or [""])[0]
                 items = [
                     o
                     for (p, n, _), o in sorted(cluster.objects.items())
-                    if p == plural and n == ns and _matches(o, selector)
+                    if p == plural and n == ns and _matches(o, selector) and _fields_match(o, fields)
                 ]
                 return 200, {"kind": "List", "apiVersion": "v1", "items": items}
             cluster.on_read(plural, ns, name)

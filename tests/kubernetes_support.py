@@ -91,6 +91,7 @@ async def run_lifecycle(k8s: KubernetesProvisioner, state: FakeCluster) -> Lifec
     run.notes["failing_over"] = await k8s.observe(iid)
     await k8s.apply_plan(iid, small, 15)  # waits for the operator to settle again
     run.notes["failed_over"] = await k8s.observe(iid)
+    run.notes["operator_events"] = await k8s.operator_events(iid)
     run.notes["switched"] = await k8s.switchover(iid, small, 15)  # the operator's promote
     run.notes["switched_to"] = await k8s.observe(iid)
 

@@ -45,6 +45,7 @@ from provisioners.base import (
     Provisioner,
     Restored,
     RestorePoint,
+    operator_events_detail,
 )
 
 log = logging.getLogger(__name__)
@@ -427,17 +428,20 @@ class Operations:
             failover = await self._fail_over(ctx, inst, target.spec)
         await self._step(ctx, inst, "allocate_storage", lambda: p.allocate_storage(iid, target.spec, fence))
         info = await self._bring_up(ctx, inst, target)
+        sre: dict[str, Any] = {"before": before.as_dict()}
         if failover is None and inst.failure_code == FAILOVER and p.fails_over_itself:
             # The operator failed over by itself and the heal waited for the rest: recorded as one.
             after = await p.observe(iid)
             failover = failover_by_operator(after.primary, after.primary_since)
+            sre.update(await operator_events_detail(p, iid))
         rolled = f", back on plan {target.spec.plan}" if target.rolled_back else ""
         detail: dict[str, Any] = {
             "endpoint": f"{info.host}:{info.port}",
             "plan": target.spec.plan,
             "rolled_back": target.rolled_back,
-            # What the provisioner saw before (its words may name servers and paths).
-            "sre": {"before": before.as_dict()},
+            # What the provisioner saw before (its words may name servers and paths), and what
+            # an operator that failed over by itself recorded of it.
+            "sre": sre,
         }
         reason = "repaired" + rolled
         if failover is not None and failover.get("by") == "operator":

@@ -240,6 +240,16 @@ async def test_a_failover_by_the_operator_is_recorded_as_one_and_a_suspension_is
     assert recover["reason"].startswith(f"failover: {name}-2 promoted by the operator")
     assert recover["detail"]["failover"]["promoted"] == f"{name}-2"
     assert recover["detail"]["failover"]["by"] == "operator"
+    # What the operator said of it, from the Cluster's events, kept for SREs with each move.
+    said = [(e["reason"], e["message"]) for e in recover["detail"]["sre"]["operator_events"]]
+    assert said == [
+        ("FailingOver", f"Current primary isn't healthy, initiating a failover from {name}-1"),
+        ("FailoverTarget", f"Failing over from {name}-1 to {name}-2"),
+    ]
+    assert [e["reason"] for e in degrade["detail"]["sre"]["operator_events"]] == ["FailingOver"]
+    shown = await client.get(f"/v1/instances/{iid}/events", headers=tenant.headers)
+    assert shown.status_code == 200 and shown.json()["items"]
+    assert all("sre" not in (item["detail"] or {}) for item in shown.json()["items"])
     # What the customer's `instance.failover` notice is made of.
     event = LogEvent(
         id=1,
@@ -431,6 +441,9 @@ async def test_a_failover_by_the_operator_between_two_passes_is_recorded_as_one(
     assert recover["reason"].startswith(f"failover: {name}-2 promoted by the operator")
     assert recover["detail"]["failover"]["by"] == "operator"
     assert (await instance(conn, iid))["primary_seen"] == f"{name}-2"
+    # The operator's events on the failover no pass saw under way are kept with its record.
+    reasons = [e["reason"] for e in degrade["detail"]["sre"]["operator_events"]]
+    assert reasons == ["FailingOver", "FailoverTarget"]
 
 
 async def test_a_failover_by_the_operator_that_leaves_a_server_behind_is_healed_and_recorded_as_one(
@@ -469,4 +482,32 @@ async def test_a_failover_by_the_operator_that_leaves_a_server_behind_is_healed_
     assert recover["actor_kind"] == "worker"  # the heal's
     assert recover["reason"] == f"failover: {name}-2 promoted by the operator"
     assert recover["detail"]["failover"]["promoted"] == f"{name}-2"
+    assert [e["reason"] for e in recover["detail"]["sre"]["operator_events"]] == ["FailingOver"]
     assert state.denied == []
+
+
+async def test_a_failover_whose_operator_events_cannot_be_read_is_recorded_saying_so(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    conn: AsyncConn,
+    api_settings: Settings,
+    k8s: tuple[KubernetesProvisioner, FakeCluster],
+) -> None:
+    provisioner, state = k8s
+    registry, iid, name = await ready_ha_instance(client, tenant, api_settings, provisioner)
+    assert state.role is not None
+    state.role.rules = [
+        {**rule, "resources": [r for r in rule["resources"] if r != "events"]} for rule in state.role.rules
+    ]
+    state.fail_primary(NAMESPACE, name)
+    async with reconciling(api_settings, provisioner, registry=registry) as reconciler:
+        await reconciler.run_once()
+    row = await instance(conn, iid)
+    assert (row["state"], row["failure_code"]) == ("degraded", "failover")
+    detail = await scalar(
+        conn,
+        "SELECT detail FROM instance_events WHERE instance_id = %s ORDER BY id DESC LIMIT 1",
+        (iid,),
+    )
+    assert "operator_events" not in detail["sre"]
+    assert "403 Forbidden: events is forbidden" in detail["sre"]["operator_events_error"]

@@ -200,6 +200,11 @@ async def test_the_whole_lifecycle_with_the_role_enforced() -> None:
         assert failing.failover_to == f"{name}-2" and failing.primary == f"{name}-1"
         assert notes["failed_over"].healthy and "1/2" not in notes["failed_over"].detail
         assert notes["failed_over"].primary == f"{name}-2" and notes["failed_over"].failover_to is None
+        # What the operator recorded on the Cluster of its failover, oldest first, as the audit log keeps it.
+        assert [(e.reason, e.message) for e in notes["operator_events"]] == [
+            ("FailingOver", f"Current primary isn't healthy, initiating a failover from {name}-1"),
+            ("FailoverTarget", f"Failing over from {name}-1 to {name}-2"),
+        ]
         switched = notes["switched"]
         assert (switched.promoted, switched.fenced) == (f"{name}-1", f"{name}-2")
         assert notes["switched_to"].primary == f"{name}-1" and notes["switched_to"].healthy
@@ -213,11 +218,48 @@ async def test_the_whole_lifecycle_with_the_role_enforced() -> None:
         assert notes["deleted_again"].removed is False and notes["deleted_again"].backup is None
         assert notes["swept"].removed and notes["swept"].backup is None  # never ran: nothing to back up
 
-        # Only the backups are left: they outlive the instances, for restores.
-        assert {p for p, _, _ in state.objects} == {"backups"}
+        # Only the backups are left: they outlive the instances, for restores (and the operator's
+        # events, which the API server expires by itself, an hour after the last).
+        assert {p for p, _, _ in state.objects} == {"backups", "events"}
         final = state.get("backups", NAMESPACE, f"{name}-final")
         assert final is not None and final["status"]["phase"] == "completed"
         assert (await k8s.observe(run.first)).exists is False
+
+
+def test_the_operators_events_kept_are_its_clusters_moves_of_the_primary_and_its_warnings() -> None:
+    def event(name: str, reason: str, at: str, kind: str = "Normal", **more: Any) -> dict[str, Any]:
+        involved = {"kind": more.pop("involved_kind", "Cluster"), "name": name}
+        made = {"involvedObject": involved, "reason": reason, "message": f"{reason} at {at}", "type": kind}
+        return made | {"lastTimestamp": at} | more
+
+    events = [
+        event("pg-a", "FailoverTarget", "2026-01-01T10:00:02Z"),
+        event("pg-a", "FailingOver", "2026-01-01T10:00:01Z"),
+        event("pg-a", "CreatingPodDisruptionBudget", "2026-01-01T09:00:00Z"),  # routine: not kept
+        event("pg-a", "Unhealthy", "2026-01-01T10:00:00Z", "Warning", count=3),  # a warning: kept
+        event("pg-b", "FailingOver", "2026-01-01T10:00:03Z"),  # another cluster's
+        event("pg-a", "FailingOver", "2026-01-01T10:00:04Z", involved_kind="Pod"),  # not the Cluster
+        event("pg-a", "SwitchingOver", "", eventTime="2026-01-01T10:00:05.000000Z", lastTimestamp=None),
+    ]
+    kept = cnpg.primary_events(events, "pg-a")
+    assert [(e.reason, e.type, e.at, e.count) for e in kept] == [
+        ("Unhealthy", "Warning", "2026-01-01T10:00:00Z", 3),
+        ("FailingOver", "Normal", "2026-01-01T10:00:01Z", 1),
+        ("FailoverTarget", "Normal", "2026-01-01T10:00:02Z", 1),
+        ("SwitchingOver", "Normal", "2026-01-01T10:00:05.000000Z", 1),
+    ]
+    assert kept[1].as_dict() == {
+        "reason": "FailingOver",
+        "message": "FailingOver at 2026-01-01T10:00:01Z",
+        "type": "Normal",
+        "at": "2026-01-01T10:00:01Z",
+        "count": 1,
+    }
+    # The newest few only, oldest first.
+    many = [event("pg-a", "FailingOver", f"2026-01-01T10:00:{n:02d}Z") for n in range(10)]
+    assert [e.at for e in cnpg.primary_events(many, "pg-a")] == [
+        f"2026-01-01T10:00:{n:02d}Z" for n in range(10 - cnpg.PRIMARY_EVENTS_KEPT, 10)
+    ]
 
 
 def test_the_read_only_endpoint_is_the_operators_ro_service_also_where_the_primary_is_exposed() -> None:

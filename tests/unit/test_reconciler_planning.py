@@ -213,6 +213,7 @@ def test_a_failover_by_the_operator_is_recorded_and_left_to_it() -> None:
             f"failover: {why}",
             code="failover",
             detail={"primary": "pg-x-1", "failover_to": "pg-x-2"},
+            operator_events=True,  # what the operator said of it goes with the record
         )
     ]
     degraded = view("degraded", observed=failing, failure_code="failover", fails_over_itself=True)
@@ -228,6 +229,10 @@ def test_a_failover_by_the_operator_is_recorded_and_left_to_it() -> None:
     assert recover.reason.startswith("failover: pg-x-2 promoted by the operator")
     assert recover.detail is not None and recover.detail["failover"]["promoted"] == "pg-x-2"
     assert recover.detail["failover"]["at"] == "2026-01-01T00:00:05+00:00"
+    assert recover.operator_events
+    # A failover the control plane carries out itself is its own heal's: no operator to ask.
+    local = view("ready", observed=failing)
+    assert not any(isinstance(a, Transition) and a.operator_events for a in plan(local, NOW, max_retries=2))
 
 
 def test_a_failover_by_the_operator_between_two_observations_is_recorded_as_one() -> None:
@@ -244,6 +249,7 @@ def test_a_failover_by_the_operator_between_two_observations_is_recorded_as_one(
             f"failover: {why}",
             code="failover",
             detail={"primary": "pg-x-1", "failover_to": "pg-x-2"},
+            operator_events=True,  # what the operator said of it goes with the record
         )
     ]
     # Not while a job works on it (a switchover moves the primary), nor where the control plane
