@@ -85,6 +85,9 @@ class InstanceView:
     newest_backup_at: datetime | None = None
     # Its data is lost and the newest restore of it was given up: no new one without a decision.
     restore_given_up: bool = False
+    # Its recorded recoverable window has a start: the repository holds a backup of it, recorded
+    # as a backup or not yet (a restore records the repository's listing before it starts).
+    window_held: bool = False
     created_at: datetime | None = None
     # Seconds between scheduled backups; None: this instance is not backed up by a schedule.
     backup_interval_s: float | None = None
@@ -311,7 +314,8 @@ def plan_data_lost(view: InstanceView, why: str) -> list[PlannedAction]:
         # No edge leaves suspended for degraded: recorded, and degraded once it is resumed.
         return [] if recorded else [RecordFailure(DATA_LOST, reason)]
     restore: list[PlannedAction] = []
-    if view.newest_backup_at is not None and not view.restore_given_up and RESTORE not in view.live_jobs:
+    held = view.newest_backup_at is not None or view.window_held
+    if held and not view.restore_given_up and RESTORE not in view.live_jobs:
         restore = [Enqueue(RESTORE, "data lost: restore from its backups and archive")]
     if view.state == "degraded" and recorded:
         return restore  # else a restore runs, or someone decides

@@ -93,6 +93,7 @@ def _view(
         failure_code=inst.failure_code,
         newest_backup_at=inst.newest_backup_at,
         restore_given_up=inst.restore_given_up,
+        window_held=inst.window_held,
         created_at=inst.created_at,
         backup_interval_s=_backup_interval_s(inst, backed_up),
         fails_over_itself=fails_over_itself,
@@ -463,7 +464,7 @@ class Reconciler:
             inst.id,
             inst.state,
             reason,
-            inst.newest_backup_at or "none held",
+            inst.newest_backup_at or ("one its archive holds" if inst.window_held else "none held"),
             extra={"instance_id": str(inst.id), "failure_code": DATA_LOST},
         )
 

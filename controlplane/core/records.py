@@ -120,6 +120,9 @@ class ScannedInstance(_Record):
     storage_full_warned_at: datetime | None = None
     # Its data is lost and the newest restore of it was given up (abandoned): left for a decision.
     restore_given_up: bool = False
+    # Its recorded recoverable window starts somewhere: the repository holds a backup of it, even
+    # before the backup's own record is written (a backup job interrupted between the two).
+    window_held: bool = False
     # The primary the reconciler saw since its last state change (an operator's infrastructure).
     primary_seen: str | None = None
 

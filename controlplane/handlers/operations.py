@@ -567,6 +567,10 @@ class Operations:
             why = "its deletion was requested" if inst.deletion_requested else "its data not lost"
             return {"result": "nothing to do", "why": f"instance is {inst.state}, {why}"}
         payload = ctx.typed_payload(kinds.RestorePayload)
+        if not payload.empty and self.provisioner.supports_backups:
+            # What the repository holds, recorded first: a backup whose job was interrupted before
+            # its record (the control plane's database away) is restorable all the same.
+            await self._record_backups(ctx, inst.id)
         async with ctx.pool.connection() as conn:
             try:
                 source = await backups.backup_to_restore(conn, inst.id, payload)

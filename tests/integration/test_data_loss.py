@@ -147,6 +147,42 @@ async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
     assert await audit.verify(conn) == []
 
 
+async def test_a_backup_its_repository_holds_but_no_record_names_still_restores_lost_data(
+    conn: AsyncConn, local_settings: Settings
+) -> None:
+    # A backup job interrupted between its backup and its record (the control plane's database
+    # away): the repository holds the backup and the recorded window starts at it, but no backup
+    # row names it. The loss of the data directory is restored all the same, and the restore
+    # records what the repository holds before it starts.
+    local = LocalProvisioner(local_settings)
+    registry = registry_for(local)
+    who = await make_tenant(conn)
+    iid = await ready_instance(conn, local_settings, registry, who.org_id)
+    info = credentials(local_settings, await instance(conn, iid))
+    with connect(info) as customer:
+        customer.execute("CREATE TABLE kept (x int)")
+        customer.execute("INSERT INTO kept VALUES (1)")
+    async with reconciling(local_settings, local) as rec:
+        async with working(local_settings, registry):
+            await rec.run_once()
+            await passes_until(rec, held_backups(iid, 1))
+        with connect(info) as customer:
+            customer.execute("INSERT INTO kept VALUES (2)")
+            written = clock(customer)
+        await passes_until(rec, archived_through(iid, written))
+        await conn.execute("DELETE FROM backups WHERE instance_id = %s", (iid,))
+        assert await backups.held(conn, iid, limit=1) == []
+
+        shutil.rmtree(local.datadir(iid))
+        async with working(local_settings, registry):
+            summary = await rec.run_once()
+            assert summary.actions["degrade"] == 1 and summary.actions["enqueue_restore"] == 1
+            await passes_until(rec, recovered(iid))
+    assert len(await backups.held(conn, iid, limit=10)) == 1  # recorded by the restore
+    with connect(credentials(local_settings, await instance(conn, iid))) as customer:
+        assert customer.execute("SELECT array_agg(x ORDER BY x) FROM kept").fetchone() == ([1, 2],)
+
+
 async def test_without_a_backup_lost_data_waits_for_an_explicit_audited_decision(
     conn: AsyncConn, local_settings: Settings, local_app: httpx.AsyncClient
 ) -> None:

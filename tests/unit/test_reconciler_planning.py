@@ -298,5 +298,10 @@ def test_lost_data_recorded_without_a_restore_is_restored_unless_one_was_given_u
     assert plan(view("degraded", **backed_up, live_jobs=("restore",)), NOW, max_retries=2) == []
     assert plan(view("degraded", **backed_up, restore_given_up=True), NOW, max_retries=2) == []
     assert plan(view("degraded", **(backed_up | {"newest_backup_at": None})), NOW, max_retries=2) == []
+    # A backup the repository holds before its record is written (its window starts): restored too.
+    in_window = backed_up | {"newest_backup_at": None, "window_held": True}
+    assert plan(view("degraded", **in_window), NOW, max_retries=2) == [restore]
+    degrade = Transition("degrade", "data lost: missing", code="data_lost")
+    assert plan(view("ready", **in_window), NOW, max_retries=2) == [degrade, restore]
     # Suspended: recorded only.
     assert plan(view("suspended", **backed_up), NOW, max_retries=2) == []

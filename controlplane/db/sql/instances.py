@@ -93,6 +93,8 @@ SELECT i.id, i.state, i.state_version, i.spec, i.spec_generation, i.observed_gen
          COALESCE((SELECT j.state = 'abandoned' FROM jobs j WHERE j.instance_id = i.id AND j.kind = 'restore'
                    ORDER BY j.created_at DESC LIMIT 1), false)
        ELSE false END AS restore_given_up,
+       EXISTS (SELECT 1 FROM recovery_windows w
+               WHERE w.instance_id = i.id AND w.earliest_at IS NOT NULL) AS window_held,
        COALESCE(%(now)s::timestamptz, now()) AS now
 FROM instances i JOIN organisations o ON o.id = i.org_id
 WHERE {LIVE_INSTANCE}
