@@ -19,10 +19,11 @@ from controlplane.audit import verify as audit
 from controlplane.core import metering
 from controlplane.core.kinds import HEAL, RESTORE
 from controlplane.db.connection import AsyncConn
+from controlplane.queue.registry import JobRegistry
 from controlplane.runtime import metrics
 from controlplane.runtime.settings import Settings
 from controlplane.services import backups, usage
-from provisioners.base import DataLost, InstanceSpec, RestorePoint
+from provisioners.base import ConnectionInfo, DataLost, InstanceSpec, RestorePoint
 from provisioners.local import LocalProvisioner
 from tests.api_support import Tenant, make_ready, make_tenant
 from tests.archive_support import archived_through, clock
@@ -62,19 +63,29 @@ async def reasons(conn: AsyncConn, instance_id: uuid.UUID, event: str) -> list[s
     return [row["reason"] for row in await cursor.fetchall()]
 
 
+async def ready_with_kept_rows(
+    conn: AsyncConn, settings: Settings, *rows: int
+) -> tuple[LocalProvisioner, JobRegistry, Tenant, uuid.UUID, ConnectionInfo]:
+    """A ready dev instance of a new tenant on the local provisioner, its table `kept` holding
+    `rows`: the provisioner, the registry that runs its jobs, the tenant, its id and credentials."""
+    local = LocalProvisioner(settings)
+    registry = registry_for(local)
+    who = await make_tenant(conn)
+    iid = await ready_instance(conn, settings, registry, who.org_id)
+    info = credentials(settings, await instance(conn, iid))
+    with connect(info) as customer:
+        customer.execute("CREATE TABLE kept (x int)")
+        for row in rows:
+            customer.execute("INSERT INTO kept VALUES (%s)", (row,))
+    return local, registry, who, iid, info
+
+
 async def test_a_lost_data_directory_is_restored_to_the_end_of_its_archive(
     conn: AsyncConn, local_settings: Settings, local_app: httpx.AsyncClient
 ) -> None:
     # Rows A before the first backup, B and C after it: once the archive has caught up with C, the
     # data directory goes, and the instance comes back ready with A, B and C, by itself.
-    local = LocalProvisioner(local_settings)
-    registry = registry_for(local)
-    who = await make_tenant(conn)
-    iid = await ready_instance(conn, local_settings, registry, who.org_id)
-    info = credentials(local_settings, await instance(conn, iid))
-    with connect(info) as customer:
-        customer.execute("CREATE TABLE kept (x int)")
-        customer.execute("INSERT INTO kept VALUES (1), (2)")
+    local, registry, who, iid, info = await ready_with_kept_rows(conn, local_settings, 1, 2)
 
     async with reconciling(local_settings, local) as rec:
         # The first backup is taken at once (a restore starts from one), then on the plan's schedule.
@@ -154,14 +165,7 @@ async def test_a_backup_its_repository_holds_but_no_record_names_still_restores_
     # away): the repository holds the backup and the recorded window starts at it, but no backup
     # row names it. The loss of the data directory is restored all the same, and the restore
     # records what the repository holds before it starts.
-    local = LocalProvisioner(local_settings)
-    registry = registry_for(local)
-    who = await make_tenant(conn)
-    iid = await ready_instance(conn, local_settings, registry, who.org_id)
-    info = credentials(local_settings, await instance(conn, iid))
-    with connect(info) as customer:
-        customer.execute("CREATE TABLE kept (x int)")
-        customer.execute("INSERT INTO kept VALUES (1)")
+    local, registry, _, iid, info = await ready_with_kept_rows(conn, local_settings, 1)
     async with reconciling(local_settings, local) as rec:
         async with working(local_settings, registry):
             await rec.run_once()
