@@ -396,7 +396,9 @@ class Report:
     attempted: Counter[str] = field(default_factory=Counter)
     completed: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
-    skipped: Counter[str] = field(default_factory=Counter)  # faults with no target when due
+    # Faults with no target on their turn, injected at a later one; and those never injected.
+    deferred: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
     convergence_s: float | None = None
     violations: list[str] = field(default_factory=list)
     data_losses: list[DataLoss] = field(default_factory=list)
@@ -421,6 +423,7 @@ class Report:
             times = [f.recovery_s for f in mine if f.recovery_s is not None]
             table[kind] = {
                 "injected": len(mine),
+                "deferred": self.deferred[kind],
                 "skipped": self.skipped[kind],
                 "unrecovered": len(mine) - len(times),
                 "recovery_max_s": max(times) if times else None,
@@ -471,13 +474,15 @@ class Report:
             + ", ".join(f"{n} {name}" for name, n in self.processes.items())
             + ".",
             "",
-            "| fault | injected | recovered | recovery max (s) | recovery p95 (s) | skipped (no target) |",
-            "|---|---|---|---|---|---|",
+            "| fault | injected | recovered | recovery max (s) | recovery p95 (s) "
+            "| deferred (no target on its turn) | skipped (none by the end) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for kind, row in self.by_kind().items():
             lines.append(
                 f"| {kind} | {row['injected']} | {row['injected'] - row['unrecovered']} | "
-                f"{_seconds(row['recovery_max_s'])} | {_seconds(row['recovery_p95_s'])} | {row['skipped']} |"
+                f"{_seconds(row['recovery_max_s'])} | {_seconds(row['recovery_p95_s'])} | "
+                f"{row['deferred']} | {row['skipped']} |"
             )
         lines += [
             "",

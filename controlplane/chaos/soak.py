@@ -63,14 +63,17 @@ WEBHOOK_SECRET = "whsec_chaos_" + "0" * 24
 RECOVERY_BOUND_S = 180.0
 RESTART_AFTER_S = 1.0
 PROBE_INTERVAL_S = 0.25
-TARGET_WAIT_S = 15.0
-# The data directory fault needs a ready instance with a backup: one is spared and backed up for it
-# (Faults.keep_a_target_backed_up), which takes a backup's time, not a process's restart.
-BACKED_UP_TARGET_WAIT_S = 60.0
-# An HA fault's target is a ready, fully redundant HA instance no other fault is using: one may be
-# recovering from the last HA fault (a failover rebuilds the old primary as a standby). The single
-# server's fault waits as long: its kept instance may be healing from the last one, or held.
-HA_TARGET_WAIT_S = 45.0
+# How long a fault still owed after the schedule's last turn is waited for (Faults.inject_all).
+DEFAULT_TARGET_WAIT_S = 15.0
+TARGET_WAIT_S = {
+    # A ready instance with a backup: one is spared and backed up for it
+    # (Faults.keep_a_target_backed_up), which takes a backup's time, not a process's restart.
+    plan.DATA_DIRECTORY: 60.0,
+    # A ready, fully redundant HA instance no other fault is using: one may be recovering from the
+    # last HA fault (a failover rebuilds the old primary as a standby). The single server's fault
+    # waits as long: its kept instance may be healing from the last one, or held.
+    **dict.fromkeys(plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}, 45.0),
+}
 SETTLED_FOR_S = 5.0
 ANSWER_TIMEOUT_S = 10.0
 PLANS = ("dev", "small")
@@ -615,21 +618,17 @@ class Faults:
         self.probed: set[str] = set()
         self.removing: set[str] = set()
 
-    async def inject(self, kind: str) -> None:
+    async def inject(self, kind: str, patience_s: float = 0.0) -> bool:
+        """Kill a `kind`, looking for a target for up to `patience_s` (once for 0); False when
+        none was found."""
         at = round(time.monotonic() - self.started, 1)
         injected = await self._target(kind)
         waited = time.monotonic()
-        patience = {
-            plan.DATA_DIRECTORY: BACKED_UP_TARGET_WAIT_S,
-            **dict.fromkeys(plan.HA_FAULT_KINDS | {plan.CUSTOMER_SERVER}, HA_TARGET_WAIT_S),
-        }.get(kind, TARGET_WAIT_S)
-        while injected is None and time.monotonic() - waited < patience:
+        while injected is None and time.monotonic() - waited < patience_s:
             await asyncio.sleep(1)  # nothing to kill yet (no ready instance, no leader elected)
             injected = await self._target(kind)
         if injected is None:
-            log.info("chaos: no target for %s within %.0fs; skipped", kind, patience)
-            self.report.skipped[kind] += 1
-            return
+            return False
         target, recovered = injected
         began = time.monotonic()
         log.warning("chaos: %s killed: %s", kind, target)
@@ -653,6 +652,32 @@ class Faults:
                     await finish()  # the writer of an HA fault stopped, its rows read back
 
         self.recoveries.append(asyncio.create_task(watch()))
+        return True
+
+    async def inject_all(self, schedule: list[plan.Fault]) -> None:
+        """Inject the faults of `schedule` at their times. A fault whose turn finds no target is
+        owed: looked for again at every later turn, and waited for after the last one (its kind's
+        patience) before it counts as skipped. A short soak thus injects every kind even when the
+        workload and earlier faults leave one without a target for a while."""
+        owed: list[str] = []
+        for fault in schedule:
+            await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - self.started)))
+            still: list[str] = []
+            for kind in owed:
+                if await self.inject(kind):
+                    self.report.deferred[kind] += 1
+                else:
+                    still.append(kind)
+            if not await self.inject(fault.kind):
+                log.info("chaos: no target for %s on its turn; owed", fault.kind)
+                still.append(fault.kind)
+            owed = still
+        for kind in owed:
+            if await self.inject(kind, TARGET_WAIT_S.get(kind, DEFAULT_TARGET_WAIT_S)):
+                self.report.deferred[kind] += 1
+            else:
+                log.info("chaos: no target for %s by the end of the faults; skipped", kind)
+                self.report.skipped[kind] += 1
 
     async def _target(self, kind: str) -> tuple[str, Callable[[], Awaitable[bool]]] | None:
         """Kill a `kind` and say how its recovery is seen; None when there is no target now (the
@@ -885,53 +910,66 @@ class Faults:
 
     async def keep_a_target_backed_up(self) -> None:
         """Until the soak stops: while no ready instance has a backup (the workload keeps them busy,
-        and a first backup waits for no job to run), one is spared from the workload and its backup
-        asked for, so that the data directory fault finds a target when its turn comes. One that has
-        no backup a minute later (suspended meanwhile, its backup refused) is let go for another."""
-        asked_at = 0.0
+        and a first backup waits for no job to run), one is spared from the workload, ready or on
+        its way there, and its backup asked for once it is ready, so that the data directory fault
+        finds a target when its turn comes. One that has no backup a minute after it was spared
+        (suspended meanwhile, its backup refused again and again) is let go for another."""
+        spared_at = 0.0
+        asked = False
         while not self.cluster.stop.is_set():
             with contextlib.suppress(psycopg.Error, OSError):  # the database is away: later
                 rows = await _query(self.cluster.url, BACKED_UP_TARGETS)
                 rows = [row for row in rows if str(row["id"]) not in self.cluster.kept]
-                stale = time.monotonic() - asked_at > BACKUP_WAIT_S
+                stale = time.monotonic() - spared_at > BACKUP_WAIT_S
                 if not rows and self.backing_up is not None and stale:
                     self.cluster.spared.discard(self.backing_up)  # another one, then
                     self.backing_up = None
                 if not rows and self.backing_up is None:
-                    await self._back_up_one()
-                    asked_at = time.monotonic()
+                    self.backing_up = await self._spare_one()
+                    spared_at, asked = time.monotonic(), False
+                if not rows and self.backing_up is not None and not asked:
+                    asked = await self._ask_backup(self.backing_up)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
                     await self.cluster.stop.wait()
 
-    async def _back_up_one(self) -> None:
-        """Spare a ready instance from the workload and ask for its backup."""
+    async def _spare_one(self) -> str | None:
+        """Spare from the workload an instance of the soak's that is ready or becoming so (the
+        oldest first: the nearest to ready), for a backup; None when there is none."""
         rows = await _query(
             self.cluster.url,
-            "SELECT i.id, i.org_id FROM instances i WHERE i.state = 'ready'"
-            " AND i.deletion_requested_at IS NULL ORDER BY i.created_at",
+            "SELECT i.id FROM instances i WHERE i.state IN ('pending', 'provisioning', 'ready')"
+            " AND i.deletion_requested_at IS NULL AND i.org_id = ANY(%(orgs)s)"
+            " ORDER BY i.state = 'ready' DESC, i.created_at",
+            {"orgs": [org.id for org in self.cluster.orgs]},
         )
-        keys = {org.id: org.key for org in self.cluster.orgs}
-        rows = [
-            row
-            for row in rows
-            if str(row["org_id"]) in keys and str(row["id"]) not in self.probed | self.cluster.kept
-        ]
-        if not rows:
-            return
-        row = self.rng.choice(rows)
-        iid = str(row["id"])
-        self.cluster.spared.add(iid)
-        self.backing_up = iid
+        ids = [str(row["id"]) for row in rows]
+        ids = [iid for iid in ids if iid not in self.probed | self.cluster.kept | self.cluster.changing]
+        if not ids:
+            return None
+        self.cluster.spared.add(ids[0])
+        return ids[0]
+
+    async def _ask_backup(self, iid: str) -> bool:
+        """Ask for a backup of `iid` once it is ready; True once an API accepted it."""
+        rows = await _query(
+            self.cluster.url,
+            "SELECT state, org_id FROM instances WHERE id = %(id)s AND deletion_requested_at IS NULL",
+            {"id": iid},
+        )
+        if not rows or rows[0]["state"] != "ready":
+            return False
+        key = next(org.key for org in self.cluster.orgs if org.id == str(rows[0]["org_id"]))
         for base in self.cluster.api_urls:
             with contextlib.suppress(httpx.HTTPError):  # an API killed meanwhile: the next one
                 asked = await self.http.post(
                     f"{base}/v1/instances/{iid}/backups",
-                    headers={"Authorization": f"Bearer {keys[str(row['org_id'])]}"},
+                    headers={"Authorization": f"Bearer {key}"},
                     timeout=10,
                 )
                 log.info("chaos: a backup of %s asked for: %s", iid, asked.status_code)
-                return
+                return asked.is_success
+        return False
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -1336,9 +1374,7 @@ async def soak(options: Options, cluster: Cluster) -> plan.Report:
         if plan.DATA_DIRECTORY in options.kinds:
             clients.append(asyncio.create_task(faults.keep_a_target_backed_up()))
         faults.started = time.monotonic()
-        for fault in schedule:
-            await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - faults.started)))
-            await faults.inject(fault.kind)
+        await faults.inject_all(schedule)
         await asyncio.sleep(max(0.0, duration - (time.monotonic() - faults.started)))
         log.info("chaos: faults stopped; the workload finishes what it started")
         cluster.stop.set()

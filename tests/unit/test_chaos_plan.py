@@ -155,11 +155,13 @@ def test_the_report_tables_faults_operations_and_violations() -> None:
     report.attempted = Counter({"create": 5})
     report.completed = Counter({"create": 4})
     report.refused = Counter({"create": 1})
+    report.deferred = Counter({"worker": 1})
     report.skipped = Counter({"customer_server": 1})
     report.violations = ["api (api-0) not recovered within 180s"]
     by_kind = report.by_kind()
     assert by_kind["worker"] == {
         "injected": 2,
+        "deferred": 1,
         "skipped": 0,
         "unrecovered": 0,
         "recovery_max_s": 4.0,
@@ -167,8 +169,8 @@ def test_the_report_tables_faults_operations_and_violations() -> None:
     }
     assert by_kind["api"]["unrecovered"] == 1 and by_kind["api"]["recovery_max_s"] is None
     text = report.markdown()
-    assert "| worker | 2 | 2 | 4.0 | 4.0 | 0 |" in text
-    assert "| customer_server | 0 | 0 | n/a | n/a | 1 |" in text
+    assert "| worker | 2 | 2 | 4.0 | 4.0 | 1 | 0 |" in text
+    assert "| customer_server | 0 | 0 | n/a | n/a | 0 | 1 |" in text
     assert "| create | 5 | 4 | 1 |" in text and "**Invariant violations: 1**" in text
     data = json.loads(report.dumps())
     assert data["invariant_violations"] == 1 and data["operations"]["create"]["completed"] == 4
