@@ -4,7 +4,9 @@ finished jobs."""
 from __future__ import annotations
 
 import math
+import threading
 import time
+from pathlib import Path
 
 import psycopg
 
@@ -19,6 +21,58 @@ CLAIM_P99 = Metric("claim_p99_ms", "claim and start p99 ms", "ms", 3)
 RATE = 200.0
 CLAIMS = 500
 SMALL, LARGE = 10_000, 10_000_000
+
+
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time so far by kind (/proc/stat: user, nice, system, idle, iowait, irq,
+    softirq, steal), in clock ticks; None where there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    return [int(value) for value in fields[1:9]]
+
+
+class MinuteCpu:
+    """The machine's CPU each minute of a run, from /proc/stat: the share busy, and the shares the
+    hypervisor took (steal) and that waited on I/O (iowait): the machine's moment, beside what
+    the run measured in the same minute."""
+
+    def __init__(self) -> None:
+        self.minutes: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="mvcc-cpu", daemon=True)
+
+    def __enter__(self) -> MinuteCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        before = cpu_times()
+        while before is not None:
+            stopped = self._stop.wait(60.0)
+            now = cpu_times()
+            if now is None:
+                return
+            delta = [b - a for a, b in zip(before, now, strict=True)]
+            total = sum(delta) or 1
+            self.minutes.append(
+                {
+                    "busy": 100 * (total - delta[3] - delta[4] - delta[7]) / total,
+                    "iowait": 100 * delta[4] / total,
+                    "steal": 100 * delta[7] / total,
+                }
+            )
+            before = now
+            if stopped:
+                return
+
+    def text(self) -> str:
+        return ", ".join(f"{m['busy']:.0f}/{m['steal']:.0f}/{m['iowait']:.0f}" for m in self.minutes)
 
 
 class MvccWorkload(Workload):
@@ -48,6 +102,7 @@ class MvccWorkload(Workload):
         self.sizes: dict[str, int] = {}
         self.databases: dict[str, tuple[str, str]] = {}
         self.per_minute: list[list[float]] = []
+        self.cpu_per_minute: list[str] = []
 
     def prepare(self, ctx: Context) -> None:
         self.minutes = ctx.mvcc_minutes
@@ -90,7 +145,8 @@ class MvccWorkload(Workload):
             holder.execute("SELECT count(*) FROM jobs").fetchone()  # the snapshot is taken
             argv = [ctx.project_python, "-m", "bench.drivers.queue", "pickup", "--url", url]
             argv += ["--rate", str(RATE), "--seconds", str(seconds)]
-            result = ctx.procs.run_json(argv, name="w9-pickup", timeout=seconds + 300)
+            with MinuteCpu() as cpu:
+                result = ctx.procs.run_json(argv, name="w9-pickup", timeout=seconds + 300)
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute("SELECT pg_stat_force_next_flush()")
                 row = conn.execute(
@@ -110,7 +166,9 @@ class MvccWorkload(Workload):
             minutes.setdefault(min(int(at // 60), last), []).append(latency)
         per_minute = [percentile(values, 99) for _, values in sorted(minutes.items())]
         ctx.log("  pickup p99 per minute (ms): " + ", ".join(f"{v:.1f}" for v in per_minute))
+        ctx.log("  the machine's CPU per minute, % busy/steal/iowait: " + cpu.text())
         self.per_minute.append(per_minute)
+        self.cpu_per_minute.append(cpu.text())
         return {
             WORST_P99.key: max(per_minute),
             P99.key: percentile(result["latencies_ms"], 99),
@@ -120,8 +178,9 @@ class MvccWorkload(Workload):
     def finish(self, ctx: Context) -> None:
         for name, _ in self.databases.values():
             ctx.cluster.drop_database(name)
-        for n, values in enumerate(self.per_minute, 1):
+        for n, (values, cpu) in enumerate(zip(self.per_minute, self.cpu_per_minute, strict=True), 1):
             self.notes.append(
                 f"snapshot held, repetition {n}: pickup p99 per minute (ms) "
                 + ", ".join(f"{v:.1f}" for v in values)
+                + f"; the machine's CPU per minute, % busy/steal/iowait (/proc/stat): {cpu}"
             )
