@@ -166,9 +166,10 @@ class MvccWorkload(Workload):
             minutes.setdefault(min(int(at // 60), last), []).append(latency)
         per_minute = [percentile(values, 99) for _, values in sorted(minutes.items())]
         ctx.log("  pickup p99 per minute (ms): " + ", ".join(f"{v:.1f}" for v in per_minute))
-        ctx.log("  the machine's CPU per minute, % busy/steal/iowait: " + cpu.text())
+        cpu_text = cpu.text()
+        ctx.log("  the machine's CPU per minute, % busy/steal/iowait: " + cpu_text)
         self.per_minute.append(per_minute)
-        self.cpu_per_minute.append(cpu.text())
+        self.cpu_per_minute.append(cpu_text)
         return {
             WORST_P99.key: max(per_minute),
             P99.key: percentile(result["latencies_ms"], 99),
