@@ -42,8 +42,9 @@ PREFETCH_BELOW_S = 0.05
 # How often a worker looks for fresh work before its point (FRESH_BEFORE_POINT). Its claims read
 # fresh work from just before the fresh jobs it claimed last, so that they do not walk the index
 # entries of every job claimed since the oldest open snapshot. What sorts before fresh work
-# (reclaimed or retried, a higher priority) is read at every claim; a fresh job whose enqueue
-# committed more than CLAIM_FROM_MARGIN late is found by the look, made on the heartbeat's
+# (reclaimed or retried, a higher priority) is read at every claim; a fresh job left before the
+# point (its enqueue's transaction began more than CLAIM_FROM_MARGIN earlier, and committed
+# after the claim that moved the point) is found by the look, made on the heartbeat's
 # connection (off the claim path), and the next claim then reads the whole queue. Such a job waits
 # up to this long, plus a heartbeat interval. A look starts where the database said, at the look
 # before, that no job it could not see yet would sort before (sql.LOOK_FROM, less the margin), so
@@ -53,9 +54,16 @@ PREFETCH_BELOW_S = 0.05
 # first attempt keeps its old run_at; a job skipped while a claim that then died held its lock).
 LOOK_BEFORE_POINT_EVERY_S = 10.0
 WHOLE_LOOK_EVERY = 6
-# How far before the run_at of the fresh jobs it claimed last a worker's next claim starts (and
-# before the bound the database gave, its next look).
+# Where a worker's next claim starts: CLAIM_FROM_CLOCK before the older of the run_at of the fresh
+# jobs it claimed last and the bound that claim returned (sql.LOOK_FROM, taken before its snapshot:
+# a job it could not see was inserted by a transaction that held an xid then, with a run_at not
+# before that transaction's start, or inserted since), but never more than CLAIM_FROM_MARGIN
+# before those jobs: an enqueue by an older transaction that has written is found by the look.
+# CLAIM_FROM_CLOCK covers the moment between an insert's clock (its run_at) and its xid. Under a
+# pinned xmin horizon, a claim reads the dead index entries of the jobs claimed in that span.
+# CLAIM_FROM_MARGIN is also how far before the database's bound a look starts.
 CLAIM_FROM_MARGIN = timedelta(seconds=1)
+CLAIM_FROM_CLOCK = timedelta(milliseconds=100)
 
 
 def default_worker_id() -> str:
@@ -306,7 +314,7 @@ class Worker:
         # What sorts before fresh work is read at every claim anyway; a claim that left out a kind
         # (its slots full) does not move the point past that kind's queued jobs.
         if fresh is not None and len(kinds) == len(self.kinds):
-            self._claim_from = queue.ClaimFrom.before(fresh, CLAIM_FROM_MARGIN)
+            self._claim_from = queue.ClaimFrom.before(fresh, CLAIM_FROM_CLOCK, most=CLAIM_FROM_MARGIN)
         for row in started:
             held = Held(row, lease_from=sent)
             self._held[held.id] = held

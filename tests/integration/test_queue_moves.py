@@ -240,6 +240,32 @@ async def test_a_claim_from_a_point_reads_what_sorts_before_fresh_work_but_no_ol
     assert await audit.verify(conn) == []
 
 
+async def test_a_claim_returns_its_bound_and_a_claim_from_before_it_takes_the_enqueue_that_committed_late(
+    fresh_database: str, conn: db.AsyncConn
+) -> None:
+    # The claim reads the database's bound before its snapshot: the start of a transaction that has
+    # written (its enqueue, invisible to the claim, may commit later with a run_at from before the
+    # jobs claimed). A claim from just before that bound takes such a job once it commits.
+    writer = await db.connect(fresh_database, autocommit=False)
+    async with writer:
+        late = (await enqueue(writer, NewJob("noop"), TEST_ACTOR)).job
+        write_since = await _transaction_start(writer)
+        await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+        (seen,) = await queue.claim_and_start(conn, "w1", ["noop"], 10)
+        assert seen["_look_from"] == write_since <= late["run_at"] < seen["run_at"]
+        point = queue.ClaimFrom.before(seen, timedelta(0), most=timedelta(hours=1))
+        assert point.run_at == write_since
+        assert await queue.claim_and_start(conn, "w1", ["noop"], 10, point) == []
+        await writer.commit()
+    (taken,) = await queue.claim_and_start(conn, "w1", ["noop"], 10, point)
+    assert taken["id"] == late["id"]
+    # With no transaction that has written, the bound is the claim's own start, after its jobs.
+    await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+    (alone,) = await queue.claim_and_start(conn, "w1", ["noop"], 10, point)
+    assert alone["run_at"] < alone["_look_from"]
+    assert await audit.verify(conn) == []
+
+
 async def test_a_look_may_start_where_no_unseen_enqueue_sorts_before_whatever_snapshot_is_open(
     fresh_database: str, conn: db.AsyncConn
 ) -> None:

@@ -75,10 +75,8 @@ LIMIT 1
 # a margin for the moment between an insert's clock and its xid. Only sessions whose backend_xid
 # this role may see count (its own and, with pg_read_all_stats, every role's): an enqueue of a
 # role it may not see is found by the look at the whole range, made every so often.
-LOOK_FROM = """
-SELECT least(now(), min(xact_start)) AS look_from FROM pg_stat_activity
-WHERE backend_xid IS NOT NULL AND datname = current_database()
-"""
+_LOOK_FROM_WHERE = "FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND datname = current_database()"
+LOOK_FROM = f"SELECT least(now(), min(xact_start)) AS look_from {_LOOK_FROM_WHERE}"
 
 
 def _claim_range(condition: str) -> str:
@@ -159,14 +157,17 @@ _CLAIM_FROM_ARGS = {
     "from_run_at": "p_from_run_at",
 }
 
-# The body of cp_claim_and_start (migration 0009 holds this text; tests/integration/test_schema.py
+# The body of cp_claim_and_start (migration 0019 holds this text; tests/integration/test_schema.py
 # checks that the installed function still matches it, so a change here needs a migration).
-# Two statements in one call, one round trip: the claim (CLAIM_JOBS: SKIP LOCKED, a new fence,
-# its event rows), then the start of what it claimed through the one transition template (guarded
-# on id, version and state, its own event rows); the state trigger checks each. Returns the jobs as
-# started, with how long each had been queued.
+# Three statements in one call, one round trip: the database's bound (LOOK_FROM, taken before the
+# claim's snapshot: no job this claim cannot see sorts before it, less the moment between an
+# insert's clock and its xid), the claim (CLAIM_JOBS: SKIP LOCKED, a new fence, its event rows),
+# then the start of what it claimed through the one transition template (guarded on id, version
+# and state, its own event rows); the state trigger checks each. Returns the jobs as started, with
+# how long each had been queued and the bound (where the worker's next claim may start).
 CLAIM_AND_START_BODY = f"""
 DECLARE
+    v_look_from timestamptz;
     v_ids uuid[];
     v_versions bigint[];
     v_ctids tid[];
@@ -175,6 +176,7 @@ DECLARE
     v_audited bigint;
     v_notified bigint;
 BEGIN
+SELECT least(now(), min(xact_start)) INTO v_look_from {_LOOK_FROM_WHERE};
 {_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_CLAIM_FROM_ARGS, **_WORKER_ACTOR)}
 SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._ctid),
        array_agg(moved.state), array_agg(moved._dwell_s), (SELECT count(*) FROM audit),
@@ -190,7 +192,7 @@ INTO v_ctids, v_audited, v_notified
 FROM moved;
 -- The rows the start wrote (their ctids: this transaction holds them locked).
 RETURN QUERY
-    SELECT q.queued_s, j FROM unnest(v_ids, v_queued) AS q(id, queued_s)
+    SELECT q.queued_s, j, v_look_from FROM unnest(v_ids, v_queued) AS q(id, queued_s)
     JOIN jobs AS j ON j.ctid = ANY(v_ctids) AND j.id = q.id;
 END
 """
@@ -211,7 +213,7 @@ CLAIM_AND_START_CONFIG = ("enable_sort=off", "jit=off", "enable_seqscan=off")
 
 # Claim up to `limit` jobs of `kinds` and start them, in one statement (see CLAIM_AND_START_BODY).
 CLAIM_AND_START = """
-SELECT (c.job).*, c.queued_s AS _queued_s
+SELECT (c.job).*, c.queued_s AS _queued_s, c.look_from AS _look_from
 FROM cp_claim_and_start(
     %(kinds)s::text[], %(limit)s::int, %(worker)s::text,
     %(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz
