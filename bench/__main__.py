@@ -19,7 +19,7 @@ from types import FrameType
 
 from bench import env, report
 from bench.cluster import Cluster
-from bench.core import Context, NotAvailable, Outcome, Workload, unloaded
+from bench.core import Context, NotAvailable, Outcome, Workload, cpu_shares, cpu_times, unloaded
 from bench.procs import Processes
 from bench.profiling import Profiler
 from bench.workloads import all_workloads
@@ -93,7 +93,7 @@ def run_workloads(
                     continue
                 if variant != unloaded(variant) and not ctx.under_load:
                     continue
-                started = time.monotonic()
+                started, cpu_before = time.monotonic(), cpu_times()
                 try:
                     with cpu_hog(ctx, variant != unloaded(variant)):
                         values = workload.run(ctx, unloaded(variant), repetition)
@@ -107,9 +107,15 @@ def run_workloads(
                     continue
                 outcome.add(variant, values)
                 shown = ", ".join(f"{k}={v:,.2f}" for k, v in values.items())
+                cpu_after = cpu_times()
+                stolen = ""
+                if cpu_before is not None and cpu_after is not None:
+                    steal = cpu_shares(cpu_before, cpu_after)["steal"]
+                    outcome.stolen.setdefault(variant, []).append(steal)
+                    stolen = f", {steal:.0f} % of the CPU stolen by the host"
                 log(
                     f"rep {repetition + 1}/{repeat} {workload.key}/{variant}: {shown} "
-                    f"({time.monotonic() - started:.0f} s)"
+                    f"({time.monotonic() - started:.0f} s{stolen})"
                 )
     if profiler is not None:
         ctx.profiler = profiler

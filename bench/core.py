@@ -142,6 +142,28 @@ class Workload:
         """Once after the repetitions (drop what prepare made)."""
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time so far by kind (/proc/stat: user, nice, system, idle, iowait, irq,
+    softirq, steal), in clock ticks; None where there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    return [int(value) for value in fields[1:9]]
+
+
+def cpu_shares(before: list[int], after: list[int]) -> dict[str, float]:
+    """The machine's CPU between two cpu_times(), in % of it: busy, stolen by the hypervisor
+    (steal: the host ran something else on these cores), waiting on I/O."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(delta) or 1
+    return {
+        "busy": 100 * (total - delta[3] - delta[4] - delta[7]) / total,
+        "iowait": 100 * delta[4] / total,
+        "steal": 100 * delta[7] / total,
+    }
+
+
 @dataclass
 class Outcome:
     """Every sample of one workload, and why it did not run if it did not."""
@@ -150,6 +172,8 @@ class Outcome:
     samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     unavailable: str | None = None
+    # The % of the machine's CPU the host took while each variant ran, per repetition.
+    stolen: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, variant: str, values: dict[str, float]) -> None:
         for key, value in values.items():

@@ -146,7 +146,12 @@ def as_json(outcomes: list[Outcome], meta: dict[str, Any]) -> dict[str, Any]:
     workloads: dict[str, Any] = {}
     for outcome in outcomes:
         w = outcome.workload
-        entry: dict[str, Any] = {"title": w.title, "notes": w.notes, "errors": outcome.errors}
+        entry: dict[str, Any] = {
+            "title": w.title,
+            "notes": w.notes,
+            "errors": outcome.errors,
+            "stolen_pct": outcome.stolen,
+        }
         if outcome.unavailable:
             entry["not_available"] = outcome.unavailable
         entry["variants"] = {
@@ -205,9 +210,23 @@ def markdown(outcomes: list[Outcome], meta: dict[str, Any]) -> str:
         w = outcome.workload
         for note in w.notes:
             lines.append(f"- **{w.title}**: {note}")
+        if outcome.stolen:
+            lines.append(f"- **{w.title}**: {stolen_note(outcome.stolen)}")
         for error in outcome.errors[:3]:
             lines.append(f"- **{w.title}** error: `{error[:300]}`")
     return "\n".join(lines) + "\n"
+
+
+def stolen_note(stolen: dict[str, list[float]]) -> str:
+    """The host's steal while each variant ran: a figure measured while the host took much of the
+    CPU measures the host as much as the product."""
+    shown = "; ".join(
+        f"{variant} {', '.join(f'{v:.0f}' for v in values)}" for variant, values in stolen.items()
+    )
+    return (
+        "CPU stolen by the host while each variant ran (% of the machine, /proc/stat, per repetition): "
+        + shown
+    )
 
 
 def write(results_dir: Path, outcomes: list[Outcome], meta: dict[str, Any]) -> tuple[Path, Path]:

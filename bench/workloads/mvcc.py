@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from pathlib import Path
 
 import psycopg
 
 from bench.bulk import load_terminal_jobs
-from bench.core import Context, Metric, Target, Workload, percentile
+from bench.core import Context, Metric, Target, Workload, cpu_shares, cpu_times, percentile
 
 WORST_P99 = Metric("worst_minute_p99_ms", "pickup p99 ms, worst minute", "ms", 2)
 P99 = Metric("p99_ms", "pickup p99 ms, whole run", "ms", 2)
@@ -21,16 +20,6 @@ CLAIM_P99 = Metric("claim_p99_ms", "claim and start p99 ms", "ms", 3)
 RATE = 200.0
 CLAIMS = 500
 SMALL, LARGE = 10_000, 10_000_000
-
-
-def cpu_times() -> list[int] | None:
-    """The machine's CPU time so far by kind (/proc/stat: user, nice, system, idle, iowait, irq,
-    softirq, steal), in clock ticks; None where there is no /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
-    except (OSError, IndexError):
-        return None
-    return [int(value) for value in fields[1:9]]
 
 
 class MinuteCpu:
@@ -58,15 +47,7 @@ class MinuteCpu:
             now = cpu_times()
             if now is None:
                 return
-            delta = [b - a for a, b in zip(before, now, strict=True)]
-            total = sum(delta) or 1
-            self.minutes.append(
-                {
-                    "busy": 100 * (total - delta[3] - delta[4] - delta[7]) / total,
-                    "iowait": 100 * delta[4] / total,
-                    "steal": 100 * delta[7] / total,
-                }
-            )
+            self.minutes.append(cpu_shares(before, now))
             before = now
             if stopped:
                 return
