@@ -112,17 +112,14 @@ class ClaimFrom:
     run_at: datetime
 
     @classmethod
-    def before(cls, job: Mapping[str, Any], margin: timedelta, most: timedelta | None = None) -> ClaimFrom:
-        """Just before a job claim_and_start returned (its attempt counts this claim).
-
-        With `most`, the point is `margin` before the older of the job's run_at and the bound the
-        claim returned with it (`_look_from`: no job that claim could not see sorts before it), but
-        never more than `most` before the job; without, `margin` before the job.
-        """
+    def before(cls, job: Mapping[str, Any], margin: timedelta, most: timedelta) -> ClaimFrom:
+        """Just before a job claim_and_start returned (its attempt counts this claim): `margin`
+        before the older of the job's run_at and the bound the claim returned with it
+        (`_look_from`: no job that claim could not see sorts before it), but never more than
+        `most` before the job."""
         run_at: datetime = job["run_at"]
-        if most is not None:
-            run_at = max(min(run_at, job["_look_from"]), run_at - most + margin)
-        return cls(int(job["priority"]), int(job["attempt"]) == 1, run_at - margin)
+        start = max(min(run_at, job["_look_from"]) - margin, run_at - most)
+        return cls(int(job["priority"]), int(job["attempt"]) == 1, start)
 
     def params(self) -> dict[str, Any]:
         return {"from_priority": self.priority, "from_fresh": self.fresh, "from_run_at": self.run_at}

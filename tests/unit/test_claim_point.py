@@ -30,6 +30,6 @@ def test_a_claim_starts_no_further_back_than_the_most_it_may() -> None:
     assert ClaimFrom.before(claimed(T, T - timedelta(minutes=5)), CLOCK, most=MOST).run_at == T - MOST
 
 
-def test_without_a_most_the_point_is_the_margin_before_the_jobs() -> None:
-    job = {"priority": 5, "attempt": 2, "run_at": T}
-    assert ClaimFrom.before(job, MOST) == ClaimFrom(5, False, T - MOST)
+def test_the_point_keeps_the_jobs_priority_and_whether_it_was_fresh() -> None:
+    job = {"priority": 5, "attempt": 2, "run_at": T, "_look_from": T + MOST}
+    assert ClaimFrom.before(job, MOST, most=2 * MOST) == ClaimFrom(5, False, T - MOST)

@@ -75,8 +75,9 @@ LIMIT 1
 # a margin for the moment between an insert's clock and its xid. Only sessions whose backend_xid
 # this role may see count (its own and, with pg_read_all_stats, every role's): an enqueue of a
 # role it may not see is found by the look at the whole range, made every so often.
+_LOOK_FROM_SELECT = "SELECT least(now(), min(xact_start))"
 _LOOK_FROM_WHERE = "FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND datname = current_database()"
-LOOK_FROM = f"SELECT least(now(), min(xact_start)) AS look_from {_LOOK_FROM_WHERE}"
+LOOK_FROM = f"{_LOOK_FROM_SELECT} AS look_from {_LOOK_FROM_WHERE}"
 
 
 def _claim_range(condition: str) -> str:
@@ -176,7 +177,7 @@ DECLARE
     v_audited bigint;
     v_notified bigint;
 BEGIN
-SELECT least(now(), min(xact_start)) INTO v_look_from {_LOOK_FROM_WHERE};
+{_LOOK_FROM_SELECT} INTO v_look_from {_LOOK_FROM_WHERE};
 {_bind(_CLAIM_CTES, kinds="p_kinds", limit="p_limit", worker="p_worker", **_CLAIM_FROM_ARGS, **_WORKER_ACTOR)}
 SELECT array_agg(moved.id), array_agg(moved.state_version), array_agg(moved._ctid),
        array_agg(moved.state), array_agg(moved._dwell_s), (SELECT count(*) FROM audit),
