@@ -240,6 +240,73 @@ async def test_a_claim_from_a_point_reads_what_sorts_before_fresh_work_but_no_ol
     assert await audit.verify(conn) == []
 
 
+async def test_a_claim_from_a_point_in_begun_work_takes_the_begun_work_before_it_too(
+    conn: db.AsyncConn,
+) -> None:
+    # Begun work sorts before fresh work of its priority; from a point inside it, the claim reads
+    # the begun work before the point (its own range) and everything from the point on.
+    await enqueue_many(conn, [NewJob("noop"), NewJob("noop")], TEST_ACTOR)
+    died = await queue.claim_and_start(conn, "w-dead", ["noop"], 2)
+    assert len((await queue.reclaim_many(conn, died, Actor("supervisor", "sup"), "worker died")).moved) == 2
+    earlier, later = sorted(died, key=lambda job: job["run_at"])
+    assert earlier["run_at"] < later["run_at"]
+    fresh = (await enqueue(conn, NewJob("noop"), TEST_ACTOR)).job
+    point = queue.ClaimFrom(priority=100, fresh=False, run_at=later["run_at"])
+    taken = await queue.claim_and_start(conn, "w-next", ["noop"], 10, point)
+    assert [r["id"] for r in taken] == [earlier["id"], later["id"], fresh["id"]]
+    assert await audit.verify(conn) == []
+
+
+async def test_a_claim_and_a_look_read_the_index_up_to_their_point_not_the_backlog_behind_it(
+    conn: db.AsyncConn,
+) -> None:
+    # What sorts before a worker's point is read at every claim, and the look reads up to the
+    # point: each index scan stops there. Bounded by a row comparison decided by run_at, the scans
+    # read every entry of the point's priority, the whole backlog (and under a pinned xmin horizon
+    # every dead entry). Counted in index blocks, against the index's size.
+    for _ in range(BACKLOG // 1000):
+        await enqueue_many(conn, [NewJob("noop") for _ in range(1000)], TEST_ACTOR)
+    (first,) = await queue.claim_and_start(conn, "w1", ["noop"], 1)
+    point = queue.ClaimFrom.before(first, timedelta(0), most=timedelta(0))
+    pages = await _scalar(conn, "SELECT pg_relation_size('ix_jobs_queued_order') / 8192")
+    assert pages > 40
+
+    async def claim() -> None:
+        (taken,) = await queue.claim_and_start(conn, "w1", ["noop"], 1, point)
+        assert taken["run_at"] >= first["run_at"]
+
+    async def look() -> None:
+        assert not await queue.fresh_before(conn, ["noop"], point, first["run_at"] - timedelta(hours=1))
+
+    for work in (claim, look):
+        read = await _index_blocks_read(conn, work)
+        assert 0 < read * 8 < pages, (work.__name__, read, pages)
+    assert await audit.verify(conn) == []
+
+
+BACKLOG = 20_000
+
+
+async def _index_blocks_read(conn: db.AsyncConn, work: Any) -> int:
+    """The blocks of ix_jobs_queued_order this session read while `work` ran (its statistics
+    flushed after it)."""
+    blocks = (
+        "SELECT idx_blks_hit + idx_blks_read FROM pg_statio_user_indexes"
+        " WHERE indexrelname = 'ix_jobs_queued_order'"
+    )
+    await conn.execute("SELECT pg_stat_force_next_flush()")
+    before = await _scalar(conn, blocks)
+    await work()
+    await conn.execute("SELECT pg_stat_force_next_flush()")
+    return int(await _scalar(conn, blocks)) - int(before)
+
+
+async def _scalar(conn: db.AsyncConn, statement: str) -> Any:
+    row = await (await conn.execute(statement)).fetchone()
+    assert row is not None
+    return next(iter(row.values()))
+
+
 async def test_a_claim_returns_its_bound_and_a_claim_from_before_it_takes_the_enqueue_that_committed_late(
     fresh_database: str, conn: db.AsyncConn
 ) -> None:

@@ -41,13 +41,23 @@ CLAIM_ORDER = "priority, attempt = 0, run_at"
 # retried job: few rows) is read at every claim too (CLAIM_BEFORE); only fresh work that sorts
 # before the point (an enqueue that committed late) waits for a claim from the start of the order
 # (CLAIM_FROM_START), which a worker makes every so often.
+#
+# Each range ends where its index scan stops reading. PostgreSQL's btree stops a scan at a row
+# comparison's bound only when the bound is decided by its first column, and a row comparison it
+# checks first hides the bounds on the later columns: `(priority, attempt = 0, run_at) < (p, true,
+# ...)` read every entry of priority p to the end of that priority, the whole backlog behind the
+# point and, under a pinned xmin horizon, the dead entry of every job claimed since. So what sorts
+# before the point is two ranges bounded by plain comparisons of the index's columns: a more
+# urgent priority (CLAIM_BEFORE_URGENT), and begun work of the point's priority (CLAIM_BEFORE),
+# which ends at its first fresh entry, or at the point's run_at when the point is in begun work.
 _CLAIM_KEY = "(priority, attempt = 0, run_at)"
 CLAIM_FROM = (
     f"{_CLAIM_KEY} >= (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
 )
+CLAIM_BEFORE_URGENT = "priority < %(from_priority)s::int"
 CLAIM_BEFORE = (
-    f"{_CLAIM_KEY} < (%(from_priority)s::int, true, '-infinity'::timestamptz)"
-    f" AND {_CLAIM_KEY} < (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)"
+    "priority = %(from_priority)s::int AND (attempt = 0) < true AND run_at < CASE"
+    " WHEN %(from_fresh)s::boolean THEN 'infinity'::timestamptz ELSE %(from_run_at)s::timestamptz END"
 )
 CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at": "-infinity"}
 # Whether due fresh work sorts before a worker's point (of its priority, before its run_at): what
@@ -56,13 +66,14 @@ CLAIM_FROM_START = {"from_priority": -(2**31), "from_fresh": False, "from_run_at
 # `look_from` (LOOK_FROM at its previous look; '-infinity' for a look at the whole range): under a
 # pinned xmin horizon a look walks the dead entries of every job claimed in its range, and a look
 # from the start of the order those of every job claimed since the snapshot. One index range of
-# ix_jobs_queued_order, stopped at the first row (a row or none: EXISTS would drop the ORDER BY
-# that makes the planner read that index in order).
+# ix_jobs_queued_order (its bounds plain comparisons of the index's columns, so that the scan stops
+# at the point: see CLAIM_BEFORE), stopped at the first row (a row or none: EXISTS would drop the
+# ORDER BY that makes the planner read that index in order).
 FRESH_BEFORE_POINT = f"""
 SELECT true AS found FROM jobs
 WHERE state = 'queued' AND run_at <= now() AND kind = ANY(%(kinds)s::text[])
-  AND {_CLAIM_KEY} >= (%(from_priority)s::int, true, %(look_from)s::timestamptz)
-  AND {_CLAIM_KEY} < (%(from_priority)s::int, %(from_fresh)s::boolean, %(from_run_at)s::timestamptz)
+  AND priority = %(from_priority)s::int AND attempt = 0 AND %(from_fresh)s::boolean
+  AND run_at >= %(look_from)s::timestamptz AND run_at < %(from_run_at)s::timestamptz
 ORDER BY {CLAIM_ORDER}
 LIMIT 1
 """
@@ -82,7 +93,7 @@ LOOK_FROM = f"{_LOOK_FROM_SELECT} AS look_from {_LOOK_FROM_WHERE}"
 
 def _claim_range(condition: str) -> str:
     """Due queued jobs in one range of the claim's order, locked (SKIP LOCKED), as the index
-    reads them; the claim takes the first `limit` of both ranges."""
+    reads them; the claim takes the first `limit` of all three ranges."""
     return f"""SELECT * FROM (
         SELECT ctid AS row_ctid, state AS row_state, id, state_version, state_entered_at, created_at,
                chain_seq, chain_head, priority, attempt = 0 AS fresh, run_at
@@ -101,6 +112,8 @@ def _claim_range(condition: str) -> str:
 # and under a pinned xmin horizon those hold the dead entry of every job claimed since.
 _CLAIM_CTES = f"""
 WITH candidates AS (
+    {_claim_range(CLAIM_BEFORE_URGENT)}
+    UNION ALL
     {_claim_range(CLAIM_BEFORE)}
     UNION ALL
     {_claim_range(CLAIM_FROM)}
@@ -158,7 +171,7 @@ _CLAIM_FROM_ARGS = {
     "from_run_at": "p_from_run_at",
 }
 
-# The body of cp_claim_and_start (migration 0019 holds this text; tests/integration/test_schema.py
+# The body of cp_claim_and_start (migration 0020 holds this text; tests/integration/test_schema.py
 # checks that the installed function still matches it, so a change here needs a migration).
 # Three statements in one call, one round trip: the database's bound (LOOK_FROM, taken before the
 # claim's snapshot: no job this claim cannot see sorts before it, less the moment between an
