@@ -257,6 +257,9 @@ async def test_a_claim_from_a_point_in_begun_work_takes_the_begun_work_before_it
     assert await audit.verify(conn) == []
 
 
+BACKLOG = 20_000
+
+
 async def test_a_claim_and_a_look_read_the_index_up_to_their_point_not_the_backlog_behind_it(
     conn: db.AsyncConn,
 ) -> None:
@@ -284,21 +287,14 @@ async def test_a_claim_and_a_look_read_the_index_up_to_their_point_not_the_backl
     assert await audit.verify(conn) == []
 
 
-BACKLOG = 20_000
-
-
 async def _index_blocks_read(conn: db.AsyncConn, work: Any) -> int:
-    """The blocks of ix_jobs_queued_order this session read while `work` ran (its statistics
-    flushed after it)."""
-    blocks = (
-        "SELECT idx_blks_hit + idx_blks_read FROM pg_statio_user_indexes"
-        " WHERE indexrelname = 'ix_jobs_queued_order'"
-    )
-    await conn.execute("SELECT pg_stat_force_next_flush()")
-    before = await _scalar(conn, blocks)
-    await work()
-    await conn.execute("SELECT pg_stat_force_next_flush()")
-    return int(await _scalar(conn, blocks)) - int(before)
+    """The blocks of ix_jobs_queued_order this session read while `work` ran (its own counts,
+    within one transaction: no other session's, autovacuum's included)."""
+    fetched = "SELECT pg_stat_get_xact_blocks_fetched('ix_jobs_queued_order'::regclass)"
+    async with conn.transaction():
+        before = await _scalar(conn, fetched)
+        await work()
+        return int(await _scalar(conn, fetched)) - int(before)
 
 
 async def _scalar(conn: db.AsyncConn, statement: str) -> Any:
