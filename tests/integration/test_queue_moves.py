@@ -18,6 +18,7 @@ from controlplane.db.job_rows import NewJob, enqueue, enqueue_many, get_job
 from controlplane.db.transitions import Actor, VersionConflict, transition
 from controlplane.queue import moves as queue
 from tests.factories import TEST_ACTOR, make_instance
+from tests.operations_support import scalar
 from tests.queue_kinds import WORKER, events_of
 
 ACTOR = Actor("worker", WORKER)
@@ -271,7 +272,7 @@ async def test_a_claim_and_a_look_read_the_index_up_to_their_point_not_the_backl
         await enqueue_many(conn, [NewJob("noop") for _ in range(1000)], TEST_ACTOR)
     (first,) = await queue.claim_and_start(conn, "w1", ["noop"], 1)
     point = queue.ClaimFrom.before(first, timedelta(0), most=timedelta(0))
-    pages = await _scalar(conn, "SELECT pg_relation_size('ix_jobs_queued_order') / 8192")
+    pages = await scalar(conn, "SELECT pg_relation_size('ix_jobs_queued_order') / 8192")
     assert pages > 40
 
     async def claim() -> None:
@@ -292,15 +293,9 @@ async def _index_blocks_read(conn: db.AsyncConn, work: Any) -> int:
     within one transaction: no other session's, autovacuum's included)."""
     fetched = "SELECT pg_stat_get_xact_blocks_fetched('ix_jobs_queued_order'::regclass)"
     async with conn.transaction():
-        before = await _scalar(conn, fetched)
+        before = await scalar(conn, fetched)
         await work()
-        return int(await _scalar(conn, fetched)) - int(before)
-
-
-async def _scalar(conn: db.AsyncConn, statement: str) -> Any:
-    row = await (await conn.execute(statement)).fetchone()
-    assert row is not None
-    return next(iter(row.values()))
+        return int(await scalar(conn, fetched)) - int(before)
 
 
 async def test_a_claim_returns_its_bound_and_a_claim_from_before_it_takes_the_enqueue_that_committed_late(
