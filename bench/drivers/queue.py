@@ -177,6 +177,7 @@ async def pickup(args: argparse.Namespace) -> None:
             "started": len(latencies),
             "produce_seconds": produced_s,
             "producer_fell_behind": behind,
+            "counts": dict(worker.counts),
             "latencies_ms": [round(x * 1000, 3) for x in latencies],
             # When each job (in the order of latencies_ms) was enqueued, in seconds from the start.
             "sent_s": [round(x - start_wall, 3) for x in sent],

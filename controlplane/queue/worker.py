@@ -155,6 +155,11 @@ class Worker:
         # their slots has freed up since the last.
         self._own_claim_at = 0.0
         self._own_slot_freed = False
+        # Whether room holds the claims back (the last claim filled it, or there was none): only
+        # then does a shared slot that frees up wake the claim loop. Otherwise the last claim took
+        # all it could see, and a claim at each freed slot would find nothing: new work wakes the
+        # loop by its notification.
+        self._wants_room = False
         # What this worker did: claimed, completed, failed, lost, conflicts, handed_back, ...
         self.counts: collections.Counter[str] = collections.Counter()
         self._held: dict[uuid.UUID, Held] = {}
@@ -237,6 +242,7 @@ class Worker:
         while not self._stop.is_set():
             room = self._room()
             if room <= 0:
+                self._wants_room = True
                 await self._claim_for_own_slots()
                 continue
             if backlog and room < self._batch_min:
@@ -247,6 +253,7 @@ class Worker:
             self._kick.clear()
             kinds = [kind for kind in self.kinds if kind not in self._lanes or self._lanes[kind].free() > 0]
             backlog = await self._claim_and_start(kinds, room) == room
+            self._wants_room = backlog
             if self._stop.is_set():
                 break
             if self._room() <= 0:
@@ -307,8 +314,11 @@ class Worker:
             log.warning("worker %s: claim failed (%s)", self.worker_id, exc)
             liveness.LOOP.reached(False)
             await self._pause_after_failure()
+            self._kick.set()  # what that claim would have taken is still there: claim again
             return 0
         liveness.LOOP.reached(True)
+        self.counts["claims"] += 1
+        self.counts["claims_empty"] += not started
         self.counts["claimed"] += len(started)
         fresh = next((row for row in started if row["attempt"] == 1), None)
         # What sorts before fresh work is read at every claim anyway; a claim that left out a kind
@@ -354,7 +364,8 @@ class Worker:
                 lane.count()
                 self._own_slot_freed = True
         self._launch_ready()
-        self._kick.set()
+        if self._own_slot_freed or self._wants_room:
+            self._kick.set()
 
     # ----------------------------------------------------------------- running handlers
 
@@ -512,6 +523,7 @@ class Worker:
                     delay = 0.1
                     self._kick.set()  # jobs may have been queued while we were not listening
                     async for _ in conn.notifies():
+                        self.counts["notified"] += 1
                         self._kick.set()
             except Exception as exc:  # polling covers the gap; keep trying to listen
                 log.warning("worker %s: listener lost (%s); reconnecting", self.worker_id, exc)

@@ -124,6 +124,53 @@ async def test_notify_wakes_an_idle_worker(fresh_database: str, settings: Settin
         await running.stop()
 
 
+async def test_a_freed_slot_wakes_no_claim_after_a_claim_that_took_all_it_could_see(
+    fresh_database: str, settings: Settings, pool: Any
+) -> None:
+    # Each job's notification wakes one claim, which takes it; its slot freeing up makes no second
+    # claim (it would find nothing: the last one left no job behind). Only the claims made when the
+    # worker began listening may be empty.
+    running = start_worker("w1", settings, pool, poll_interval_s=600)
+    try:
+        conn = await db.connect(fresh_database)
+        async with conn:
+            await until(fresh_database, lambda c: _listening(c), channels=("cp_job_queued",), timeout=10)
+            for n in range(1, 9):
+                await enqueue(conn, NewJob("noop"), TEST_ACTOR)
+                await until(fresh_database, count_in("completed", n), timeout=10)
+        counts = running.worker.counts
+        assert counts["claimed"] == 8
+        assert counts["claims_empty"] <= 2, dict(counts)
+        assert counts["claims"] - counts["claims_empty"] == 8
+    finally:
+        await running.stop()
+
+
+async def test_a_job_announced_while_every_slot_was_taken_is_claimed_when_one_frees_up(
+    fresh_database: str, settings: Settings, pool: Any, conn: db.AsyncConn
+) -> None:
+    # One slot, taken by a job that waits at its gate (a slow handler keeps no job ready beside
+    # it): the second job's notification comes while the worker has no room, and nothing but the
+    # slot freeing up wakes it again (no poll within the test).
+    gates = Gates()
+    running = start_worker(
+        "w1", settings, pool, gate_registry(), {"gates": gates}, worker_concurrency=1, poll_interval_s=600
+    )
+    try:
+        await until(fresh_database, lambda c: _listening(c), channels=("cp_job_queued",), timeout=10)
+        await enqueue(conn, NewJob("gate"), TEST_ACTOR)
+        first = await asyncio.wait_for(gates.contexts.get(), timeout=10)
+        await enqueue(conn, NewJob("gate"), TEST_ACTOR)
+        await eventually(lambda: running.worker.counts["notified"] >= 2, "the second job's notification")
+        gates.open(first.job_id)
+        second = await asyncio.wait_for(gates.contexts.get(), timeout=10)
+        assert second.job_id != first.job_id
+        gates.open(second.job_id)
+        await until(fresh_database, count_in("completed", 2), timeout=10)
+    finally:
+        await running.stop()
+
+
 async def _listening(conn: db.AsyncConn) -> bool:
     """Some session of this database has run LISTEN cp_job_queued (the worker's listener)."""
     cursor = await conn.execute(
@@ -139,15 +186,17 @@ async def test_a_job_whose_enqueue_committed_late_is_found_off_the_claim_path(
 ) -> None:
     # A worker's claims read fresh work from just before the fresh jobs it claimed last; a job
     # enqueued earlier but committed later sorts before that point. The worker's look (on its
-    # heartbeat's connection) finds it, and its next claim reads the whole queue.
+    # heartbeat's connection) finds it, and its next claim reads the whole queue. With no margin,
+    # the point is the run_at of the job the worker claimed: any enqueue begun before that one
+    # sorts before it, with no wait for the clock to pass a margin.
     monkeypatch.setattr(worker_module, "LOOK_BEFORE_POINT_EVERY_S", 0.2)
+    monkeypatch.setattr(worker_module, "CLAIM_FROM_MARGIN", timedelta(0))
     running = start_worker("w1", settings, pool, heartbeat_interval_s=0.1)
     try:
         late = await db.connect(fresh_database, autocommit=False)
         conn = await db.connect(fresh_database)
         async with late, conn:
             held_back = (await enqueue(late, NewJob("noop"), TEST_ACTOR)).job
-            await asyncio.sleep(queue_margin_s() + 0.5)
             await enqueue(conn, NewJob("noop"), TEST_ACTOR)
             await until(fresh_database, count_in("completed", 1), timeout=10)
             assert running.worker._claim_from is not None
@@ -195,10 +244,6 @@ async def test_a_fresh_job_no_enqueue_put_before_the_point_is_found_by_the_look_
         assert running.worker.counts["whole_looks"] >= 2
     finally:
         await running.stop()
-
-
-def queue_margin_s() -> float:
-    return worker_module.CLAIM_FROM_MARGIN.total_seconds()
 
 
 async def test_failed_jobs_are_retried_by_the_supervisor_and_run_again(
